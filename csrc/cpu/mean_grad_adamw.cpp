@@ -1,0 +1,147 @@
+// CPU implementation of the fused mean-gradient AdamW ops: builds the kernel arguments, splits the work of all
+// tensors into fixed chunks, and runs them in one at::parallel_for region with the ISA variant chosen at run time.
+//
+// Determinism: the update of an element depends only on that element, and the norm's partial sums are taken over
+// chunks whose bounds do not depend on the thread count, then added in chunk order in double. So results are
+// bit-identical for any number of threads, and across ISA variants (see kernel_isa.cpp on -ffp-contract=off).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "../mean_grad_adamw.h"
+#include "isa.h"
+#include "kernel.h"
+
+namespace pyengine::cpu {
+namespace {
+
+// Elements per unit of parallel work: 16 tiles = 64 KiB per stream, so the G + 6 streams of a chunk fit in L2.
+constexpr int64_t kChunk = 16 * kTile;
+
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Chunk> split_into_chunks(const std::vector<int64_t>& numels) {
+  std::vector<Chunk> chunks;
+  for (int64_t t = 0; t < static_cast<int64_t>(numels.size()); ++t) {
+    for (int64_t begin = 0; begin < numels[t]; begin += kChunk) {
+      chunks.push_back({t, begin, std::min(numels[t], begin + kChunk)});
+    }
+  }
+  return chunks;
+}
+
+// grads of tensor i for every worker, as the kernel reads them: sources[i * G + g].
+std::vector<GradSource> grad_sources(at::TensorList grads, int64_t num_tensors, const std::vector<float>& weights) {
+  const int64_t G = static_cast<int64_t>(grads.size()) / num_tensors;
+  std::vector<GradSource> sources(grads.size());
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const at::Tensor& t = grads[g * num_tensors + i];
+      sources[i * G + g] = {t.data_ptr(), dtype_code(t.scalar_type()), weights[g]};
+    }
+  }
+  return sources;
+}
+
+// The gradient multiplier once grad_scale and clipping are known; nullopt when the step must be skipped.
+std::optional<float> effective_grad_mult(const UpdateArgs& a, const UpdateScalars& s) {
+  if (a.found_inf.has_value() && a.found_inf->item<float>() != 0.0f) return std::nullopt;
+  const double scale = a.grad_scale.has_value() ? static_cast<double>(a.grad_scale->item<float>()) : 1.0;
+  double mult = static_cast<double>(s.grad_mult) / scale;
+  if (s.max_grad_norm > 0.0f) {
+    const double norm = static_cast<double>(a.grad_norm->item<float>()) / scale;
+    if (!std::isfinite(norm)) return std::nullopt;
+    mult *= std::min(1.0, static_cast<double>(s.max_grad_norm) / (norm + 1e-6));
+  }
+  return static_cast<float>(mult);
+}
+
+void update_cpu(const UpdateArgs& a) {
+  UpdateScalars s = make_update_scalars(a);
+  const std::optional<float> mult = effective_grad_mult(a, s);
+  if (!mult.has_value()) return;
+  s.grad_mult = *mult;
+
+  const int64_t P = a.num_tensors(), G = a.num_workers();
+  const std::vector<GradSource> sources = grad_sources(a.grads, P, summation_weights(a.weights, G));
+  std::vector<TensorBuffers> buffers(P);
+  std::vector<int64_t> numels(P);
+  for (int64_t i = 0; i < P; ++i) {
+    const bool has_out = !a.param_outs.empty();
+    buffers[i] = {a.params[i].data_ptr<float>(),
+                  a.exp_avgs[i].data_ptr<float>(),
+                  a.exp_avg_sqs[i].data_ptr<float>(),
+                  s.amsgrad ? a.max_exp_avg_sqs[i].data_ptr<float>() : nullptr,
+                  has_out ? a.param_outs[i].data_ptr() : nullptr,
+                  has_out ? dtype_code(a.param_outs[i].scalar_type()) : Dtype::kFloat32,
+                  sources.data() + i * G,
+                  static_cast<int>(G),
+                  a.params[i].numel()};
+    numels[i] = buffers[i].numel;
+  }
+  const std::vector<Chunk> chunks = split_into_chunks(numels);
+  const KernelTable& kernels = selected_kernels();
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      kernels.update(buffers[chunks[c].tensor], s, chunks[c].begin, chunks[c].end);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_cpu(at::TensorList grads, int64_t num_tensors,
+                                            const std::optional<at::ArrayRef<double>>& weights) {
+  const int64_t G = static_cast<int64_t>(grads.size()) / num_tensors;
+  const std::vector<GradSource> sources = grad_sources(grads, num_tensors, summation_weights(weights, G));
+  const float mult = weights.has_value() ? 1.0f : static_cast<float>(1.0 / static_cast<double>(G));
+  std::vector<int64_t> numels(num_tensors);
+  for (int64_t i = 0; i < num_tensors; ++i) numels[i] = grads[i].numel();
+  const std::vector<Chunk> chunks = split_into_chunks(numels);
+  std::vector<float> partial(chunks.size());
+  const KernelTable& kernels = selected_kernels();
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const Chunk& ch = chunks[c];
+      partial[c] = kernels.sum_squares(sources.data() + ch.tensor * G, static_cast<int>(G), mult, ch.begin, ch.end);
+    }
+  });
+  double total = 0.0;
+  for (float p : partial) total += static_cast<double>(p);
+  const double norm = std::sqrt(total);
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(grads[0].device());
+  at::Tensor norm_t = at::scalar_tensor(static_cast<float>(norm), options);
+  at::Tensor nonfinite_t = at::scalar_tensor(std::isfinite(norm) ? 0.0f : 1.0f, options);
+  return {norm_t, nonfinite_t};
+}
+
+}  // namespace
+
+const KernelTable& selected_kernels() {
+#ifdef PYENGINE_CPU_ISA_VARIANTS
+  // at::get_cpu_capability() is ATen's exported answer ("AVX512", "AVX2", "DEFAULT", ...); it is decided once per
+  // process and honours ATEN_CPU_CAPABILITY, so this choice is made once too.
+  static const KernelTable& table = [] () -> const KernelTable& {
+    const std::string capability = at::get_cpu_capability();
+    if (capability == "AVX512") return kernel_table_avx512();
+    if (capability == "AVX2") return kernel_table_avx2();
+    return kernel_table_default();
+  }();
+  return table;
+#else
+  return kernel_table_default();
+#endif
+}
+
+std::string selected_isa() { return selected_kernels().isa; }
+
+}  // namespace pyengine::cpu
+
+TORCH_LIBRARY_IMPL(pyengine, CPU, m) {
+  PYENGINE_REGISTER_OPS(m, ::pyengine::cpu::update_cpu, ::pyengine::cpu::norm_cpu);
+}

@@ -1,0 +1,54 @@
+// The CUDA kernels' launch interface: plain structs passed by value as kernel arguments (apex's multi_tensor_apply
+// pattern), so one launch updates many tensors. No ATen here: the .cu file includes only CUDA headers, and the
+// ATen side (mean_grad_adamw.cpp) validates, groups tensors into tables and checks every launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../update_scalars.h"
+
+namespace pyengine::cuda {
+
+constexpr int kMaxTensorsPerLaunch = 24;
+constexpr int kMaxGradSlots = 256;  // gradient pointers per launch: tensors * G
+constexpr int kMaxWorkers = 64;     // G per call on CUDA (one table must hold one tensor's G gradients)
+constexpr int64_t kChunk = 16384;   // elements per thread block
+constexpr int kThreads = 256;
+
+// Kept under 4 KiB, the classic kernel-parameter limit. Block b works on chunk (b - chunk_begin[t]) of tensor t.
+struct LaunchTable {
+  float* param[kMaxTensorsPerLaunch];
+  float* exp_avg[kMaxTensorsPerLaunch];
+  float* exp_avg_sq[kMaxTensorsPerLaunch];
+  float* max_exp_avg_sq[kMaxTensorsPerLaunch];
+  void* param_out[kMaxTensorsPerLaunch];
+  int64_t numel[kMaxTensorsPerLaunch];
+  int chunk_begin[kMaxTensorsPerLaunch + 1];
+  const void* grads[kMaxGradSlots];  // tensor t, worker g: grads[t * num_workers + g]
+  Dtype grad_dtype[kMaxGradSlots];
+  float weight[kMaxWorkers];
+  int num_tensors;
+  int num_workers;
+  Dtype param_out_dtype;
+};
+static_assert(sizeof(LaunchTable) <= 4000, "LaunchTable must fit in the kernel parameter space");
+
+// Device pointers may be null: no grad_scale, no found_inf, no clipping.
+struct DeviceScalars {
+  const float* grad_scale;
+  const float* found_inf;
+  const float* grad_norm;
+};
+
+cudaError_t launch_update(const LaunchTable& table, const UpdateScalars& s, DeviceScalars d, cudaStream_t stream);
+
+// partials[b] = sum over block b's chunk of (mult * sum_g w_g grad_g)^2.
+cudaError_t launch_sum_squares(const LaunchTable& table, float mult, float* partials, cudaStream_t stream);
+
+// norm = sqrt(sum of partials) accumulated in double in a fixed order; nonfinite = 1 if norm is not finite.
+cudaError_t launch_finish_norm(const float* partials, int64_t count, float* norm, float* nonfinite,
+                               cudaStream_t stream);
+
+}  // namespace pyengine::cuda

@@ -1,0 +1,248 @@
+// Validation and scalar derivation for the fused mean-gradient AdamW ops (see mean_grad_adamw.h).
+//
+// Note [Nothing written on error]
+// Every check runs before the first byte of any output is touched, on every device: a caller who gets an error keeps
+// the weights and the optimizer state exactly as they were. The implementations call check_update_args() first and
+// launch nothing until it returns.
+#include "mean_grad_adamw.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace pyengine {
+namespace {
+
+bool is_grad_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << " tensor of shape " << t.sizes() << " on " << t.device()
+     << (t.is_contiguous() ? "" : " (non-contiguous)");
+  return os.str();
+}
+
+// name[i] as used in messages: "exp_avg" for the flat form (one tensor), "exp_avgs[3]" for the multi-tensor form.
+std::string arg_name(const char* name, int64_t index, int64_t count) {
+  if (count == 1) return name;
+  return std::string(name) + "[" + std::to_string(index) + "]";
+}
+
+void check_buffer(const at::Tensor& t, const std::string& name, const at::Tensor& param, bool float32_only) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(t.device() == param.device(), name, " must be on ", param.device(), " like param; got ",
+                    describe(t));
+  if (float32_only) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32; got ", describe(t));
+  } else {
+    TORCH_CHECK_TYPE(is_grad_dtype(t.scalar_type()), name, " must be float32, bfloat16 or float16; got ", describe(t));
+  }
+  TORCH_CHECK_VALUE(t.numel() == param.numel(), name, " must have ", param.numel(),
+                    " elements like param; got ", describe(t));
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (it is updated in place; a copy would lose the "
+                    "update); got ", describe(t));
+}
+
+void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name, const at::Tensor& param) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_VALUE(t->numel() == 1, name, " must have exactly 1 element; got ", describe(*t));
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, " must be float32; got ", describe(*t));
+  TORCH_CHECK_VALUE(t->device() == param.device(), name, " must be on ", param.device(), " like param; got ",
+                    describe(*t));
+}
+
+void check_hyper(const AdamWHyper& h) {
+  TORCH_CHECK_VALUE(std::isfinite(h.lr) && h.lr >= 0.0, "lr must be a finite number >= 0; got ", h.lr);
+  TORCH_CHECK_VALUE(std::isfinite(h.eps) && h.eps >= 0.0, "eps must be a finite number >= 0; got ", h.eps);
+  TORCH_CHECK_VALUE(h.beta1 >= 0.0 && h.beta1 < 1.0, "beta1 must be in [0, 1); got ", h.beta1);
+  TORCH_CHECK_VALUE(h.beta2 >= 0.0 && h.beta2 < 1.0, "beta2 must be in [0, 1); got ", h.beta2);
+  TORCH_CHECK_VALUE(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0,
+                    "weight_decay must be a finite number >= 0; got ", h.weight_decay);
+  TORCH_CHECK_VALUE(h.step >= 1, "step must be >= 1 (the step count after increment, as torch.optim counts); got ",
+                    h.step);
+  TORCH_CHECK_VALUE(!std::isnan(h.max_grad_norm) && h.max_grad_norm >= 0.0,
+                    "max_grad_norm must be > 0 to clip, or None; got ", h.max_grad_norm);
+}
+
+void check_weights(const std::optional<at::ArrayRef<double>>& weights, int64_t num_workers) {
+  if (!weights.has_value()) return;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(weights->size()) == num_workers, "weights must have one entry per worker (",
+                    num_workers, "); got ", weights->size());
+  double sum = 0.0;
+  for (size_t g = 0; g < weights->size(); ++g) {
+    const double w = (*weights)[g];
+    TORCH_CHECK_VALUE(std::isfinite(w) && w >= 0.0, "weights[", g, "] must be a finite number >= 0; got ", w);
+    sum += w;
+  }
+  TORCH_CHECK_VALUE(std::abs(sum - 1.0) <= 1e-5, "weights must sum to 1 (they weight the mean over workers); got a "
+                    "sum of ", sum);
+}
+
+// The byte range a contiguous tensor covers, with the name to report when it collides with another.
+struct Span {
+  uintptr_t begin;
+  uintptr_t end;
+  std::string name;
+};
+
+Span span_of(const at::Tensor& t, std::string name) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + static_cast<uintptr_t>(t.nbytes()), std::move(name)};
+}
+
+// Outputs must not overlap each other nor any gradient: the kernels read and write them in tiles, so an overlap
+// would silently read half-updated values. Sorted intervals: O(K log K) for K tensors, cheap for whole models.
+void check_no_overlap(std::vector<Span> outputs, const std::vector<Span>& inputs) {
+  std::erase_if(outputs, [](const Span& s) { return s.begin == s.end; });
+  std::sort(outputs.begin(), outputs.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < outputs.size(); ++i) {
+    TORCH_CHECK_VALUE(outputs[i - 1].end <= outputs[i].begin, outputs[i - 1].name, " and ", outputs[i].name,
+                      " overlap in memory; every updated buffer needs its own memory");
+  }
+  for (const Span& in : inputs) {
+    if (in.begin == in.end) continue;
+    // The last output starting before `in` ends is the only candidate that can overlap it from the left; any
+    // output starting inside `in` overlaps too.
+    auto it = std::lower_bound(outputs.begin(), outputs.end(), in.end,
+                               [](const Span& s, uintptr_t value) { return s.begin < value; });
+    if (it == outputs.begin()) continue;
+    --it;
+    TORCH_CHECK_VALUE(it->end <= in.begin, in.name, " overlaps ", it->name,
+                      " in memory; gradients must not share memory with the buffers being updated");
+  }
+}
+
+}  // namespace
+
+Dtype dtype_code(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return Dtype::kFloat32;
+    case at::kBFloat16: return Dtype::kBFloat16;
+    case at::kHalf: return Dtype::kFloat16;
+    default: TORCH_CHECK_TYPE(false, "unsupported dtype ", type, "; expected float32, bfloat16 or float16");
+  }
+}
+
+int64_t check_norm_args(at::TensorList grads, int64_t num_tensors, const std::optional<at::ArrayRef<double>>& weights,
+                        const char* op_name) {
+  TORCH_CHECK_VALUE(num_tensors >= 1, op_name, ": need at least one tensor per worker; got ", num_tensors);
+  TORCH_CHECK_VALUE(!grads.empty(), op_name, ": grads must hold at least one worker's gradient (G >= 1); got an "
+                    "empty list");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(grads.size()) % num_tensors == 0, op_name, ": got ", grads.size(),
+                    " gradients, not a multiple of the ", num_tensors, " tensors");
+  const int64_t num_workers = static_cast<int64_t>(grads.size()) / num_tensors;
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const at::Tensor& first = grads[i];
+    TORCH_CHECK_VALUE(first.defined(), op_name, ": gradient of worker 0 for tensor ", i, " is undefined");
+    for (int64_t g = 0; g < num_workers; ++g) {
+      const at::Tensor& t = grads[g * num_tensors + i];
+      const std::string name = "grads[" + std::to_string(g) + "]" + (num_tensors > 1 ? "[" + std::to_string(i) + "]"
+                                                                                         : std::string());
+      TORCH_CHECK_VALUE(t.defined(), op_name, ": ", name, " is undefined");
+      TORCH_CHECK_VALUE(t.device() == first.device(), op_name, ": ", name, " must be on ", first.device(),
+                        " like the other gradients; got ", describe(t));
+      TORCH_CHECK_TYPE(is_grad_dtype(t.scalar_type()), op_name, ": ", name,
+                       " must be float32, bfloat16 or float16; got ", describe(t));
+      TORCH_CHECK_VALUE(t.numel() == first.numel(), op_name, ": ", name, " must have ", first.numel(),
+                        " elements like grads[0]; got ", describe(t));
+      TORCH_CHECK_VALUE(t.is_contiguous(), op_name, ": ", name, " must be contiguous; got ", describe(t));
+    }
+  }
+  check_weights(weights, num_workers);
+  return num_workers;
+}
+
+void check_update_args(const UpdateArgs& a) {
+  const int64_t P = a.num_tensors();
+  TORCH_CHECK_VALUE(P >= 1, "params must hold at least one tensor");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(a.exp_avgs.size()) == P && static_cast<int64_t>(a.exp_avg_sqs.size()) == P,
+                    "params, exp_avgs and exp_avg_sqs must have the same length; got ", P, ", ", a.exp_avgs.size(),
+                    " and ", a.exp_avg_sqs.size());
+  TORCH_CHECK_VALUE(!a.grads.empty(), "grads must hold at least one worker's gradient (G >= 1); got an empty list");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(a.grads.size()) % P == 0, "grads must hold G gradients per param; got ",
+                    a.grads.size(), " gradients for ", P, " params");
+  check_hyper(a.hyper);
+  const int64_t G = a.num_workers();
+  TORCH_CHECK_VALUE(!a.hyper.amsgrad || static_cast<int64_t>(a.max_exp_avg_sqs.size()) == P,
+                    "amsgrad=True needs max_exp_avg_sq (one float32 buffer per param like exp_avg_sq); got ",
+                    a.max_exp_avg_sqs.size(), " for ", P, " params");
+  TORCH_CHECK_VALUE(a.param_outs.empty() || static_cast<int64_t>(a.param_outs.size()) == P,
+                    "param_out must be None or one tensor per param; got ", a.param_outs.size(), " for ", P,
+                    " params");
+
+  const at::Device device = a.params[0].device();
+  std::vector<Span> outputs, inputs;
+  for (int64_t i = 0; i < P; ++i) {
+    const at::Tensor& p = a.params[i];
+    const std::string pname = arg_name("param", i, P);
+    TORCH_CHECK_VALUE(p.defined(), pname, " is undefined");
+    TORCH_CHECK_VALUE(p.device() == device, pname, " must be on ", device, " like the other params; got ",
+                      describe(p));
+    TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat, pname, " must be float32 (the fp32 master weights); got ",
+                     describe(p));
+    TORCH_CHECK_VALUE(p.is_contiguous(), pname, " must be contiguous (it is updated in place; a copy would lose the "
+                      "update); got ", describe(p));
+    TORCH_CHECK_VALUE(P > 1 || p.dim() == 1, "param must be 1-D (flat form); got ", describe(p));
+    check_buffer(a.exp_avgs[i], arg_name("exp_avg", i, P), p, true);
+    check_buffer(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P), p, true);
+    outputs.push_back(span_of(p, pname));
+    outputs.push_back(span_of(a.exp_avgs[i], arg_name("exp_avg", i, P)));
+    outputs.push_back(span_of(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P)));
+    if (a.hyper.amsgrad) {
+      check_buffer(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P), p, true);
+      outputs.push_back(span_of(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P)));
+    }
+    if (!a.param_outs.empty()) {
+      check_buffer(a.param_outs[i], arg_name("param_out", i, P), p, false);
+      outputs.push_back(span_of(a.param_outs[i], arg_name("param_out", i, P)));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const at::Tensor& grad = a.grad(g, i);
+      const std::string gname = "grads[" + std::to_string(g) + "]" + (P > 1 ? "[" + std::to_string(i) + "]" : "");
+      check_buffer(grad, gname, p, false);
+      inputs.push_back(span_of(grad, gname));
+    }
+  }
+  check_weights(a.weights, G);
+  check_scalar_tensor(a.grad_scale, "grad_scale", a.params[0]);
+  check_scalar_tensor(a.found_inf, "found_inf", a.params[0]);
+  check_scalar_tensor(a.grad_norm, "grad_norm", a.params[0]);
+  TORCH_CHECK_VALUE(a.hyper.max_grad_norm <= 0.0 || a.grad_norm.has_value(),
+                    "clipping (max_grad_norm > 0) needs grad_norm, the norm from mean_grad_norm()");
+  check_no_overlap(std::move(outputs), inputs);
+}
+
+UpdateScalars make_update_scalars(const UpdateArgs& a) {
+  const AdamWHyper& h = a.hyper;
+  const double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const double mean_mult = a.weights.has_value() ? 1.0 : 1.0 / static_cast<double>(a.num_workers());
+  UpdateScalars s{};
+  s.lr = static_cast<float>(h.lr);
+  s.beta1 = static_cast<float>(h.beta1);
+  s.beta2 = static_cast<float>(h.beta2);
+  s.eps = static_cast<float>(h.eps);
+  s.weight_decay = static_cast<float>(h.weight_decay);
+  s.step_size = static_cast<float>(h.lr / bias_correction1);
+  s.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
+  s.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  s.grad_mult = static_cast<float>(h.maximize ? -mean_mult : mean_mult);
+  s.max_grad_norm = static_cast<float>(h.max_grad_norm);
+  s.adamw = h.adamw;
+  s.amsgrad = h.amsgrad;
+  return s;
+}
+
+std::vector<float> summation_weights(const std::optional<at::ArrayRef<double>>& weights, int64_t num_workers) {
+  std::vector<float> w(num_workers, 1.0f);
+  if (weights.has_value()) {
+    for (int64_t g = 0; g < num_workers; ++g) w[g] = static_cast<float>((*weights)[g]);
+  }
+  return w;
+}
+
+}  // namespace pyengine

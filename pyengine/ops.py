@@ -1,0 +1,146 @@
+"""Thin Python wrappers over the fused ops (torch.ops.pyengine.*), with fake kernels for torch.compile.
+
+The ops average the gradients of G workers and apply AdamW in one pass over memory, in place:
+
+- :func:`mean_grad_adamw_` — one flat tensor (the host store's layout).
+- :func:`mean_grad_adamw_multi_` — many tensors in one launch / one parallel region.
+- :func:`mean_grad_norm` / :func:`mean_grad_norm_multi` — L2 norm of the mean gradient, for global-norm clipping.
+
+Semantics follow torch.optim.AdamW (and Adam with ``adamw=False``): ``step`` is the step count after increment.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from . import _C  # noqa: F401  (runs the op registrations)
+
+__all__ = ["GradNorm", "mean_grad_adamw_", "mean_grad_adamw_multi_", "mean_grad_norm", "mean_grad_norm_multi"]
+
+
+class GradNorm(NamedTuple):
+    """L2 norm of the mean gradient (0-d float32) and a 0-d float32 flag: 1.0 if it is not finite.
+
+    ``nonfinite`` can be passed as ``found_inf`` to the update to skip the step without a host sync.
+    """
+
+    norm: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def _tensor_list(value, name: str) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of tensors, one per worker; got {type(value).__name__}")
+    return list(value)
+
+
+def _worker_major(grads, num_tensors: int) -> list[torch.Tensor]:
+    """[[worker 0's P tensors], [worker 1's], ...] -> one flat worker-major list."""
+    workers = _tensor_list(grads, "grads")
+    flat = []
+    for g, worker in enumerate(workers):
+        worker = _tensor_list(worker, f"grads[{g}]")
+        if len(worker) != num_tensors:
+            raise ValueError(f"grads[{g}] must hold one gradient per param ({num_tensors}); got {len(worker)}")
+        flat.extend(worker)
+    return flat
+
+
+def _weights(weights) -> list[float] | None:
+    return None if weights is None else [float(w) for w in weights]
+
+
+def _clip_norm(max_grad_norm) -> float:
+    if max_grad_norm is None:
+        return 0.0
+    max_grad_norm = float(max_grad_norm)
+    if not max_grad_norm > 0.0:
+        raise ValueError(f"max_grad_norm must be > 0 (or None for no clipping); got {max_grad_norm}")
+    return max_grad_norm
+
+
+def mean_grad_adamw_(param, exp_avg, exp_avg_sq, grads, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=0.0, step, adamw=True, maximize=False, amsgrad=False, max_exp_avg_sq=None,
+                     grad_scale=None, found_inf=None, weights=None, param_out=None, max_grad_norm=None):
+    """Average ``grads`` (G tensors) and apply one AdamW step to ``param``, ``exp_avg``, ``exp_avg_sq`` in place.
+
+    Args:
+        param, exp_avg, exp_avg_sq: contiguous 1-D float32 tensors of N elements, updated in place.
+        grads: list of G >= 1 contiguous N-element tensors (float32, bfloat16 or float16, mixed allowed) on
+            param's device. Their mean (or ``weights``-weighted mean) is the gradient; summed in list order, so
+            results are bit-reproducible.
+        lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW.
+        step: the step count after increment (1 on the first step).
+        adamw: False gives Adam with L2 weight decay (torch.optim.Adam).
+        maximize, amsgrad: as torch.optim.AdamW; amsgrad needs ``max_exp_avg_sq`` (float32, N elements).
+        grad_scale: 1-element float32 tensor that divides the gradients (AMP loss scale).
+        found_inf: 1-element float32 tensor; if nonzero nothing is changed (read on the device: no host sync).
+        weights: G floats summing to 1, for uneven shards.
+        param_out: optional N-element float32/bfloat16/float16 tensor that receives the updated weights.
+        max_grad_norm: clip the mean gradient to this global norm (a norm pass, then the update pass); a
+            non-finite norm skips the step.
+
+    Returns:
+        The norm of the mean gradient (0-d tensor, before unscaling by grad_scale) when clipping, else None.
+    """
+    grads = _tensor_list(grads, "grads")
+    clip = _clip_norm(max_grad_norm)
+    norm = mean_grad_norm(grads, weights).norm if clip > 0 and grads else None
+    torch.ops.pyengine.mean_grad_adamw_.default(
+        param, exp_avg, exp_avg_sq, grads, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+        weight_decay=float(weight_decay), step=int(step), adamw=bool(adamw), maximize=bool(maximize),
+        amsgrad=bool(amsgrad), max_exp_avg_sq=max_exp_avg_sq, grad_scale=grad_scale, found_inf=found_inf,
+        weights=_weights(weights), param_out=param_out, grad_norm=norm, max_grad_norm=clip)
+    return norm
+
+
+def mean_grad_adamw_multi_(params, exp_avgs, exp_avg_sqs, grads, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.0, step, adamw=True, maximize=False, amsgrad=False, max_exp_avg_sqs=None,
+                           grad_scale=None, found_inf=None, weights=None, param_outs=None, max_grad_norm=None):
+    """:func:`mean_grad_adamw_` over many tensors in one launch (CUDA) or one parallel region (CPU).
+
+    ``params``, ``exp_avgs``, ``exp_avg_sqs`` (and ``max_exp_avg_sqs``, ``param_outs`` when given) are lists of P
+    contiguous tensors of any shape; ``grads`` is a list of G lists, worker g's P gradients. With
+    ``max_grad_norm`` the norm is the global norm over all P tensors. Returns that norm when clipping, else None.
+    """
+    params = _tensor_list(params, "params")
+    flat = _worker_major(grads, len(params))
+    clip = _clip_norm(max_grad_norm)
+    norm = mean_grad_norm_multi(grads, weights).norm if clip > 0 and flat else None
+    torch.ops.pyengine.mean_grad_adamw_multi_.default(
+        params, _tensor_list(exp_avgs, "exp_avgs"), _tensor_list(exp_avg_sqs, "exp_avg_sqs"), flat, lr=float(lr),
+        beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay), step=int(step),
+        adamw=bool(adamw), maximize=bool(maximize), amsgrad=bool(amsgrad),
+        max_exp_avg_sqs=[] if max_exp_avg_sqs is None else list(max_exp_avg_sqs), grad_scale=grad_scale,
+        found_inf=found_inf, weights=_weights(weights), param_outs=[] if param_outs is None else list(param_outs),
+        grad_norm=norm, max_grad_norm=clip)
+    return norm
+
+
+def mean_grad_norm(grads, weights=None) -> GradNorm:
+    """L2 norm of the (weighted) mean of G gradient tensors, accumulated in fp32 per chunk and in a fixed order.
+
+    Returns a :class:`GradNorm`; its ``nonfinite`` flag is 1.0 when any gradient entry is inf/NaN (or the sum of
+    squares overflows), so non-finite values are reported, never silently propagated.
+    """
+    return GradNorm(*torch.ops.pyengine.mean_grad_norm.default(_tensor_list(grads, "grads"), _weights(weights)))
+
+
+def mean_grad_norm_multi(grads, weights=None) -> GradNorm:
+    """Global L2 norm of the mean gradient over many tensors; ``grads`` is a list of G lists of P tensors."""
+    workers = _tensor_list(grads, "grads")
+    num_tensors = len(_tensor_list(workers[0], "grads[0]")) if workers else 0
+    flat = _worker_major(workers, num_tensors)
+    return GradNorm(*torch.ops.pyengine.mean_grad_norm_multi.default(flat, num_tensors, _weights(weights)))
+
+
+def _fake_norm(grads, *args):
+    like = grads[0]
+    return like.new_empty((), dtype=torch.float32), like.new_empty((), dtype=torch.float32)
+
+
+torch.library.register_fake("pyengine::mean_grad_adamw_")(lambda *args, **kwargs: None)
+torch.library.register_fake("pyengine::mean_grad_adamw_multi_")(lambda *args, **kwargs: None)
+torch.library.register_fake("pyengine::mean_grad_norm")(_fake_norm)
+torch.library.register_fake("pyengine::mean_grad_norm_multi")(_fake_norm)
