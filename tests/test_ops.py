@@ -1,0 +1,542 @@
+"""The fused mean-gradient AdamW ops against torch.optim in float64, on fresh random data.
+
+Reference for every update: torch.optim.AdamW / Adam (foreach=False) on a float64 copy of the parameter, fed the
+float64 mean of the same (already rounded) gradients the kernel sees.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pyengine
+from pyengine import ops
+
+from conftest import CUDA
+
+SIZES = [1, 7, 17, 4097, 1_000_003]
+WORKERS = [1, 2, 3, 8]
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+
+
+def assert_fp32_close(actual, expected, what):
+    """Element-wise, fp32-level agreement with a float64 reference: ~1e-6 relative to the tensor's scale."""
+    expected = expected.detach().double().cpu()
+    scale = max(expected.abs().max().item(), 1e-30)
+    torch.testing.assert_close(actual.detach().double().cpu(), expected, rtol=2e-6, atol=2e-6 * scale, msg=what)
+
+
+def random_grads(rng, n, workers, dtypes=(torch.float32,)):
+    """Fresh normal gradients on a 2^-12 grid (|g| < 16, exact in bf16/fp16 after rounding).
+
+    Why the grid: Adam's step lr * m / (sqrt(v) + eps) is ill-conditioned where the mean gradient is within ~eps of
+    zero, and a float32 sum of G normals has an absolute error ~1e-7 that a float64 reference does not share. On
+    the grid, sums of up to 8 gradients are exact in float32, so the comparison measures the kernel's arithmetic,
+    not the cancellation in an unlucky element out of millions.
+    """
+    grads = []
+    for g in range(workers):
+        x = (torch.randn(n, generator=rng) * 4096).round().clamp(-65000, 65000) / 4096
+        grads.append(x.to(dtypes[g % len(dtypes)]))
+    return grads
+
+
+class Reference:
+    """torch.optim in float64 on the mean gradient: the independent reference."""
+
+    def __init__(self, p0, *, adamw=True, amsgrad=False, maximize=False, lr, beta1, beta2, eps, weight_decay):
+        self.p = torch.nn.Parameter(p0.detach().double().clone())
+        cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        self.opt = cls([self.p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                       maximize=maximize, foreach=False)
+
+    def step(self, grads, weights=None, grad_scale=1.0, max_grad_norm=None):
+        g64 = [g.detach().double().cpu() for g in grads]
+        if weights is None:
+            mean = sum(g64) / len(g64)
+        else:
+            mean = sum(w * g for w, g in zip(weights, g64))
+        self.p.grad = mean / grad_scale
+        norm = None
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_([self.p], max_grad_norm)
+        self.opt.step()
+        return norm
+
+    def state(self, key):
+        return self.opt.state[self.p][key]
+
+
+class Ours:
+    """The fused op on fp32 buffers on `device`, stepping like torch.optim (step counted after increment)."""
+
+    def __init__(self, p0, device, amsgrad=False):
+        self.p = p0.detach().float().to(device).clone()
+        self.m = torch.zeros_like(self.p)
+        self.v = torch.zeros_like(self.p)
+        self.vmax = torch.zeros_like(self.p) if amsgrad else None
+        self.t = 0
+
+    def step(self, grads, **kwargs):
+        self.t += 1
+        device = self.p.device
+        return ops.mean_grad_adamw_(self.p, self.m, self.v, [g.to(device) for g in grads], step=self.t,
+                                    amsgrad=self.vmax is not None, max_exp_avg_sq=self.vmax, **kwargs)
+
+
+def run_both(rng, device, n, workers, steps=5, dtypes=(torch.float32,), ref_kwargs=None, our_kwargs=None,
+             hyper=HYPER):
+    ref_kwargs, our_kwargs = dict(ref_kwargs or {}), dict(our_kwargs or {})
+    options = {k: our_kwargs.pop(k) for k in ("adamw", "amsgrad", "maximize") if k in our_kwargs}
+    p0 = torch.randn(n, generator=rng)
+    ref = Reference(p0, **options, **hyper)
+    ours = Ours(p0, device, amsgrad=options.get("amsgrad", False))
+    opt_kwargs = {k: v for k, v in options.items() if k != "amsgrad"}
+    for _ in range(steps):
+        grads = random_grads(rng, n, workers, dtypes)
+        ref.step(grads, **ref_kwargs)
+        ours.step(grads, **hyper, **opt_kwargs, **our_kwargs)
+    return ref, ours
+
+
+def check_state(ref, ours):
+    assert_fp32_close(ours.p, ref.p, "param")
+    assert_fp32_close(ours.m, ref.state("exp_avg"), "exp_avg")
+    assert_fp32_close(ours.v, ref.state("exp_avg_sq"), "exp_avg_sq")
+    if ours.vmax is not None:
+        assert_fp32_close(ours.vmax, ref.state("max_exp_avg_sq"), "max_exp_avg_sq")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Agreement with torch.optim
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("workers", WORKERS)
+def test_matches_torch_adamw(rng, device, n, workers):
+    ref, ours = run_both(rng, device, n, workers)
+    check_state(ref, ours)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float16,), (torch.float32, torch.bfloat16, torch.float16)],
+                         ids=["bf16", "fp16", "mixed"])
+@pytest.mark.parametrize("n", [17, 4097, 100_003])
+def test_low_precision_grads(rng, device, dtypes, n):
+    ref, ours = run_both(rng, device, n, 3, dtypes=dtypes)
+    check_state(ref, ours)
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["", "amsgrad"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["", "maximize"])
+def test_optimizer_variants(rng, device, adamw, amsgrad, maximize):
+    opts = dict(adamw=adamw, amsgrad=amsgrad, maximize=maximize)
+    ref, ours = run_both(rng, device, 4097, 2, steps=6, our_kwargs=opts)
+    check_state(ref, ours)
+
+
+def test_weighted_mean(rng, device):
+    raw = torch.rand(3, generator=rng) + 0.1
+    weights = (raw / raw.sum()).double().tolist()
+    ref, ours = run_both(rng, device, 1003, 3, ref_kwargs=dict(weights=weights), our_kwargs=dict(weights=weights))
+    check_state(ref, ours)
+
+
+def test_grad_scale_unscales(rng, device):
+    n, scale = 1009, 1024.0
+    p0 = torch.randn(n, generator=rng)
+    ref, ours = Reference(p0, **HYPER), Ours(p0, device)
+    grad_scale = torch.tensor([scale], device=device)
+    for _ in range(5):
+        grads = random_grads(rng, n, 2)
+        ref.step(grads)
+        ours.step([g * scale for g in grads], grad_scale=grad_scale, **HYPER)
+    check_state(ref, ours)
+
+
+def test_found_inf_skips_and_zero_does_not(rng, device):
+    n = 2053
+    p0 = torch.randn(n, generator=rng)
+    ours, plain = Ours(p0, device), Ours(p0, device)
+    grads = random_grads(rng, n, 2)
+    before = [t.clone() for t in (ours.p, ours.m, ours.v)]
+    ours.step(grads, found_inf=torch.ones(1, device=device), **HYPER)
+    for now, then in zip((ours.p, ours.m, ours.v), before):
+        assert torch.equal(now, then), "found_inf != 0 must leave every buffer untouched"
+    ours.t = 0
+    ours.step(grads, found_inf=torch.zeros(1, device=device), **HYPER)
+    plain.step(grads, **HYPER)
+    assert torch.equal(ours.p, plain.p) and torch.equal(ours.m, plain.m) and torch.equal(ours.v, plain.v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_param_out_is_the_rounded_update(rng, device, dtype):
+    n = 4099
+    ours = Ours(torch.randn(n, generator=rng), device)
+    out = torch.full((n,), float("nan"), dtype=dtype, device=device)
+    for _ in range(3):
+        ours.step(random_grads(rng, n, 2), param_out=out, **HYPER)
+        assert torch.equal(out, ours.p.to(dtype)), "param_out must equal the updated fp32 weights cast by torch"
+
+
+def test_clipping_by_mean_gradient_norm(rng, device):
+    n = 10_007
+    p0 = torch.randn(n, generator=rng)
+    ref, ours = Reference(p0, **HYPER), Ours(p0, device)
+    for _ in range(5):
+        grads = random_grads(rng, n, 3)
+        true_norm = (sum(g.double() for g in grads) / 3).norm().item()
+        max_norm = 0.25 * true_norm  # always clips
+        ref_norm = ref.step(grads, max_grad_norm=max_norm)
+        our_norm = ours.step(grads, max_grad_norm=max_norm, **HYPER)
+        assert our_norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
+    check_state(ref, ours)
+
+
+def test_clipping_with_grad_scale_uses_unscaled_norm(rng, device):
+    n, scale = 3001, 512.0
+    p0 = torch.randn(n, generator=rng)
+    ref, ours = Reference(p0, **HYPER), Ours(p0, device)
+    grad_scale = torch.tensor([scale], device=device)
+    for _ in range(4):
+        grads = random_grads(rng, n, 2)
+        ref.step(grads, max_grad_norm=0.5)
+        ours.step([g * scale for g in grads], grad_scale=grad_scale, max_grad_norm=0.5, **HYPER)
+    check_state(ref, ours)
+
+
+def test_clipping_skips_step_on_nonfinite_gradient(rng, device):
+    ours = Ours(torch.randn(100, generator=rng), device)
+    grads = random_grads(rng, 100, 2)
+    grads[1][37] = float("inf")
+    before = ours.p.clone()
+    norm = ours.step(grads, max_grad_norm=1.0, **HYPER)
+    assert not torch.isfinite(norm)
+    assert torch.equal(ours.p, before) and torch.equal(ours.m, torch.zeros_like(ours.m))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Norm
+
+
+@pytest.mark.parametrize("n", [1, 17, 1_000_003])
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_mean_grad_norm(rng, device, n, workers):
+    grads = [g.to(device) for g in random_grads(rng, n, workers, (torch.float32, torch.bfloat16))]
+    expected = (sum(g.double().cpu() for g in grads) / workers).norm().item()
+    norm, nonfinite = ops.mean_grad_norm(grads)
+    assert norm.dtype == torch.float32 and norm.device.type == device.type
+    assert norm.item() == pytest.approx(expected, rel=1e-5)
+    assert nonfinite.item() == 0.0
+
+
+def test_mean_grad_norm_weighted(rng, device):
+    grads = [g.to(device) for g in random_grads(rng, 5000, 2)]
+    expected = (0.25 * grads[0].double() + 0.75 * grads[1].double()).norm().item()
+    assert ops.mean_grad_norm(grads, weights=[0.25, 0.75]).norm.item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_mean_grad_norm_reports_nonfinite(rng, device, bad):
+    grads = [g.to(device) for g in random_grads(rng, 4097, 2)]
+    grads[1][4096] = bad
+    norm, nonfinite = ops.mean_grad_norm(grads)
+    assert nonfinite.item() == 1.0 and not torch.isfinite(norm)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-tensor form
+
+SHAPES = [(7,), (33, 5), (1,), (4097,), (3, 3, 3), (0,)]
+
+
+def multi_buffers(rng, device, shapes=SHAPES):
+    params = [torch.randn(s, generator=rng).to(device) for s in shapes]
+    return params, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+
+
+def test_multi_equals_flat_per_tensor(rng, device):
+    workers = 3
+    params, ms, vs = multi_buffers(rng, device)
+    flat_p = [p.clone().reshape(-1) for p in params]
+    flat_m = [torch.zeros_like(p) for p in flat_p]
+    flat_v = [torch.zeros_like(p) for p in flat_p]
+    outs = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+    for step in range(1, 4):
+        grads = [[torch.randn(s, generator=rng).to(device) for s in SHAPES] for _ in range(workers)]
+        ops.mean_grad_adamw_multi_(params, ms, vs, grads, step=step, param_outs=outs, **HYPER)
+        for i in range(len(params)):
+            ops.mean_grad_adamw_(flat_p[i], flat_m[i], flat_v[i], [g[i].reshape(-1) for g in grads], step=step,
+                                 **HYPER)
+    for i in range(len(params)):
+        assert torch.equal(params[i].reshape(-1), flat_p[i]) and torch.equal(ms[i].reshape(-1), flat_m[i])
+        assert torch.equal(vs[i].reshape(-1), flat_v[i]) and torch.equal(outs[i], params[i].to(torch.bfloat16))
+
+
+def test_multi_global_norm_clipping(rng, device):
+    shapes = [(100,), (20, 30), (5,)]
+    params, ms, vs = multi_buffers(rng, device, shapes)
+    ref = [torch.nn.Parameter(p.detach().double().cpu().clone()) for p in params]
+    opt = torch.optim.AdamW(ref, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                            weight_decay=HYPER["weight_decay"], foreach=False)
+    for step in range(1, 5):
+        grads = [[torch.randn(s, generator=rng) for s in shapes] for _ in range(2)]
+        for i, r in enumerate(ref):
+            r.grad = (grads[0][i].double() + grads[1][i].double()) / 2
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        opt.step()
+        norm = ops.mean_grad_adamw_multi_(params, ms, vs, [[g.to(device) for g in w] for w in grads], step=step,
+                                          max_grad_norm=1.0, **HYPER)
+        assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
+    for p, r in zip(params, ref):
+        assert_fp32_close(p, r, "param")
+
+
+def test_multi_norm_matches_concatenation(rng, device):
+    params, _, _ = multi_buffers(rng, device)
+    grads = [[torch.randn(p.shape, generator=rng).to(device) for p in params] for _ in range(2)]
+    flat = [torch.cat([g.reshape(-1) for g in w]) for w in grads]
+    assert ops.mean_grad_norm_multi(grads).norm.item() == pytest.approx(ops.mean_grad_norm(flat).norm.item(),
+                                                                        rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument, and nothing written
+
+
+def valid_call(device, n=64, workers=2):
+    p = torch.randn(n, device=device)
+    return dict(param=p, exp_avg=torch.rand(n, device=device), exp_avg_sq=torch.rand(n, device=device),
+                grads=[torch.randn(n, device=device) for _ in range(workers)], lr=1e-3, step=1)
+
+
+def _set(key, value):
+    return lambda a: a.__setitem__(key, value(a) if callable(value) else value)
+
+
+BAD_CALLS = {
+    "length": (_set("exp_avg", lambda a: torch.zeros(63, device=a["param"].device)), r"exp_avg must have 64 elements"),
+    "grad length": (_set("grads", lambda a: [a["grads"][0], a["grads"][1][:-1]]), r"grads\[1\] must have 64"),
+    "no workers": (_set("grads", []), r"G >= 1"),
+    "float64 param": (_set("param", lambda a: a["param"].double()), r"param must be float32"),
+    "int grad": (_set("grads", lambda a: [a["grads"][0], a["grads"][1].int()]), r"grads\[1\] must be float32, bf"),
+    "fp16 exp_avg": (_set("exp_avg", lambda a: a["exp_avg"].half()), r"exp_avg must be float32"),
+    "non-contiguous": (_set("exp_avg_sq", lambda a: torch.rand(128, device=a["param"].device)[::2]),
+                       r"exp_avg_sq must be contiguous"),
+    "2-D param": (_set("param", lambda a: a["param"].view(8, 8)), r"param must be 1-D"),
+    "overlap": (_set("exp_avg", lambda a: a["param"]), r"overlap"),
+    "grad overlaps output": (_set("grads", lambda a: [a["grads"][0], a["exp_avg_sq"]]), r"overlaps exp_avg_sq"),
+    "param_out overlaps": (_set("param_out", lambda a: a["exp_avg"]), r"overlap"),
+    "amsgrad without buffer": (_set("amsgrad", True), r"amsgrad=True needs max_exp_avg_sq"),
+    "negative lr": (_set("lr", -1e-3), r"lr must be a finite number >= 0"),
+    "nan lr": (_set("lr", float("nan")), r"lr must be"),
+    "negative eps": (_set("eps", -1.0), r"eps must be"),
+    "beta1 = 1": (_set("beta1", 1.0), r"beta1 must be in \[0, 1\)"),
+    "beta2 < 0": (_set("beta2", -0.1), r"beta2 must be in \[0, 1\)"),
+    "negative weight_decay": (_set("weight_decay", -0.1), r"weight_decay must be"),
+    "step 0": (_set("step", 0), r"step must be >= 1"),
+    "weights length": (_set("weights", [1.0]), r"weights must have one entry per worker \(2\)"),
+    "weights sum": (_set("weights", [0.5, 0.6]), r"weights must sum to 1"),
+    "negative weight": (_set("weights", [1.5, -0.5]), r"weights\[1\] must be"),
+    "grad_scale shape": (_set("grad_scale", lambda a: torch.ones(2, device=a["param"].device)),
+                         r"grad_scale must have exactly 1 element"),
+    "found_inf dtype": (_set("found_inf", lambda a: torch.zeros(1, dtype=torch.float64, device=a["param"].device)),
+                        r"found_inf must be float32"),
+    "param_out length": (_set("param_out", lambda a: torch.empty(3, dtype=torch.bfloat16,
+                                                                 device=a["param"].device)),
+                         r"param_out must have 64 elements"),
+    "max_grad_norm": (_set("max_grad_norm", -1.0), r"max_grad_norm must be > 0"),
+    "grads not a list": (_set("grads", lambda a: a["grads"][0]), r"grads must be a list of tensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_is_a_clear_error_and_writes_nothing(device, case):
+    mutate, message = BAD_CALLS[case]
+    call = valid_call(device)
+    mutate(call)
+    outputs = [call[k] for k in ("param", "exp_avg", "exp_avg_sq") if call[k].dtype == torch.float32]
+    before = [t.clone() for t in outputs]
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+        ops.mean_grad_adamw_(call.pop("param"), call.pop("exp_avg"), call.pop("exp_avg_sq"), call.pop("grads"),
+                             **call)
+    for now, then in zip(outputs, before):
+        assert torch.equal(now, then), "a rejected call must not write"
+
+
+@CUDA
+def test_device_mismatch_is_an_error():
+    call = valid_call("cpu")
+    call["grads"] = [call["grads"][0], call["grads"][1].cuda()]
+    with pytest.raises(ValueError, match=r"grads\[1\] must be on cpu"):
+        ops.mean_grad_adamw_(call.pop("param"), call.pop("exp_avg"), call.pop("exp_avg_sq"), call.pop("grads"),
+                             **call)
+
+
+def test_multi_bad_structure_is_an_error(device):
+    params, ms, vs = multi_buffers(torch.Generator().manual_seed(0), device, [(3,), (4,)])
+    with pytest.raises(ValueError, match=r"grads\[1\] must hold one gradient per param \(2\)"):
+        ops.mean_grad_adamw_multi_(params, ms, vs, [[torch.zeros(3), torch.zeros(4)], [torch.zeros(3)]], lr=1e-3,
+                                   step=1)
+    with pytest.raises(ValueError, match=r"params, exp_avgs and exp_avg_sqs must have the same length"):
+        ops.mean_grad_adamw_multi_(params, ms[:1], vs, [[p.clone() for p in params]], lr=1e-3, step=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Determinism, ISA variants, torch.library integration
+
+
+def update_inputs(seed=None, n=100_003):
+    """Inputs of one_update. Generated once and passed around: torch.randn itself differs between CPU ISAs."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.empty((), dtype=torch.int64)
+                                                                          .random_().item()))
+    p0 = torch.randn(n, generator=gen)
+    return p0, [random_grads(gen, n, 3, (torch.float32, torch.bfloat16, torch.float16)) for _ in range(3)]
+
+
+def one_update(device, inputs):
+    p0, steps = inputs
+    state = Ours(p0, device, amsgrad=True)
+    out = torch.empty(p0.numel(), dtype=torch.bfloat16, device=device)
+    for grads in steps:
+        state.step(grads, param_out=out, weights=[0.2, 0.3, 0.5], **HYPER)
+    norm = ops.mean_grad_norm([g.to(device) for g in steps[-1]]).norm
+    return [state.p, state.m, state.v, state.vmax, out, norm]
+
+
+def test_bit_reproducible_and_thread_count_independent(device):
+    threads = torch.get_num_threads()
+    try:
+        inputs = update_inputs()
+        torch.set_num_threads(1)
+        first = one_update(device, inputs)
+        torch.set_num_threads(max(2, threads))
+        second = one_update(device, inputs)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+ISA_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[2])
+    import pyengine
+    from test_ops import one_update
+    inputs = torch.load(sys.argv[3])
+    torch.save({"isa": pyengine._C.cpu_isa(), "out": one_update(torch.device("cpu"), inputs)}, sys.argv[1])
+""")
+
+
+def test_cpu_isa_variants_are_bit_identical(tmp_path):
+    results = {}
+    inputs = tmp_path / "inputs.pt"
+    torch.save(update_inputs(), inputs)
+    for isa in ["default", "avx2", "avx512"]:
+        path = tmp_path / f"{isa}.pt"
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
+        subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path), os.path.dirname(__file__), str(inputs)], env=env,
+                       check=True, timeout=300)
+        results[isa] = torch.load(path)
+    assert results["default"]["isa"] == "default", "ATEN_CPU_CAPABILITY=default must select the baseline loops"
+    ran = {r["isa"] for r in results.values()}
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert ran == {"default", "avx2", "avx512"}, f"expected every variant to run here; ran {ran}"
+    for isa, r in results.items():
+        for a, b in zip(r["out"], results["default"]["out"]):
+            assert torch.equal(a, b), f"{isa} differs from the baseline loops"
+
+
+def opcheck_args(device):
+    call = valid_call(device, n=37, workers=3)
+    call["grads"][1] = call["grads"][1].bfloat16()
+    return call
+
+
+def test_opcheck_update(device):
+    c = opcheck_args(device)
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, adamw=True, maximize=False,
+                  amsgrad=False, max_exp_avg_sq=None, grad_scale=None, found_inf=None, weights=None,
+                  param_out=torch.empty(37, dtype=torch.bfloat16, device=device), grad_norm=None, max_grad_norm=0.0)
+    torch.library.opcheck(torch.ops.pyengine.mean_grad_adamw_.default,
+                          (c["param"], c["exp_avg"], c["exp_avg_sq"], c["grads"]), kwargs)
+
+
+def test_opcheck_multi_and_norm(device):
+    params, ms, vs = multi_buffers(torch.Generator().manual_seed(0), device, [(5,), (2, 3)])
+    grads = [torch.randn(p.shape, device=device) for _ in range(2) for p in params]
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=2, adamw=False, maximize=True,
+                  amsgrad=False, max_exp_avg_sqs=[], grad_scale=None, found_inf=None, weights=[0.5, 0.5],
+                  param_outs=[], grad_norm=None, max_grad_norm=0.0)
+    torch.library.opcheck(torch.ops.pyengine.mean_grad_adamw_multi_.default, (params, ms, vs, grads), kwargs)
+    torch.library.opcheck(torch.ops.pyengine.mean_grad_norm.default, ([grads[0], grads[2]], None))
+    torch.library.opcheck(torch.ops.pyengine.mean_grad_norm_multi.default, (grads, 2, None))
+
+
+def test_torch_compile_calls_the_ops(rng, device):
+    n = 1001
+    eager, compiled = Ours(torch.randn(n, generator=rng), device), None
+    compiled = Ours(eager.p.cpu(), device)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(p, m, v, g0, g1, t):
+        norm = ops.mean_grad_norm([g0, g1]).norm
+        ops.mean_grad_adamw_(p, m, v, [g0, g1], step=t, **HYPER)
+        return norm
+
+    for t in range(1, 4):
+        grads = [g.to(device) for g in random_grads(rng, n, 2)]
+        eager.step(grads, **HYPER)
+        norm = step(compiled.p, compiled.m, compiled.v, grads[0], grads[1], t)
+        assert norm.item() == pytest.approx(ops.mean_grad_norm(grads).norm.item(), rel=1e-6)
+    assert torch.equal(eager.p, compiled.p) and torch.equal(eager.v, compiled.v)
+
+
+def test_build_reports_cuda_and_isa():
+    assert isinstance(pyengine.with_cuda, bool)
+    assert pyengine.with_cuda == (torch.version.cuda is not None and pyengine.with_cuda)
+    assert pyengine._C.cpu_isa() in {"avx512", "avx2", "default"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA only
+
+
+@CUDA
+def test_cuda_matches_cpu_bit_for_bit():
+    """--fmad=false and the same summation order: the CUDA kernel rounds exactly as the CPU loops."""
+    inputs = update_inputs()
+    for a, b in zip(one_update(torch.device("cpu"), inputs)[:5], one_update(torch.device("cuda"), inputs)[:5]):
+        assert torch.equal(a, b.cpu())
+
+
+@CUDA
+def test_cuda_unaligned_views_take_the_scalar_path(rng):
+    n = 4101
+    ref, ours = Reference(torch.randn(n, generator=rng), **HYPER), None
+    big = torch.zeros(3 * (n + 1), device="cuda")
+    p, m, v = big[1:n + 1], big[n + 2:2 * n + 2], big[2 * n + 3:3 * n + 3]  # offsets not multiples of 4
+    p.copy_(ref.p.detach().float())
+    for t in range(1, 4):
+        grads = random_grads(rng, n, 2)
+        ref.step(grads)
+        ops.mean_grad_adamw_(p, m, v, [g.cuda() for g in grads], step=t, **HYPER)
+    assert_fp32_close(p, ref.p, "param")
+
+
+@CUDA
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 40 * 2**30,
+                    reason="needs ~30 GB of device memory")
+def test_cuda_64bit_indexing():
+    n = 2**31 + 5
+    p = torch.zeros(n, device="cuda")
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    g = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    g[-5:] = torch.tensor([1.0, -2.0, 3.0, 0.5, -1.0], dtype=torch.bfloat16)
+    ops.mean_grad_adamw_(p, m, v, [g], lr=0.1, step=1)
+    # First Adam step moves each weight by -lr * sign(g) (|m/sqrt(v)| = 1 after bias correction).
+    expected = torch.tensor([-0.1, 0.1, -0.1, -0.1, 0.1], device="cuda")
+    torch.testing.assert_close(p[-5:], expected, rtol=1e-5, atol=1e-6)
+    assert p[: n - 5].abs().max().item() == 0.0
