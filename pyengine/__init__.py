@@ -1,10 +1,16 @@
 """pyengine: train one PyTorch model on many workers.
 
-The master fp32 weights and the Adam state live in host memory; every worker holds a replica; gradients stream to the
-host while backward runs; one fused kernel averages the G gradients and applies AdamW. See README.md.
+The master fp32 weights and the Adam state live in host memory (:class:`HostStore`); every worker holds a replica;
+gradients stream to the host while backward runs (:class:`GradientStreamer`); one fused kernel averages the G
+gradients and applies AdamW (:mod:`pyengine.ops`). :class:`Engine` runs the hybrid, sync and async schedules.
 """
 from . import ops
 from ._C import with_cuda
+from .engine import Engine, WorkerError
+from .optim import AdamW
+from .store import HostStore
+from .streamer import GradientStreamer, pipelined_update
 
-__all__ = ["ops", "with_cuda"]
+__all__ = ["AdamW", "Engine", "GradientStreamer", "HostStore", "WorkerError", "ops", "pipelined_update",
+           "with_cuda"]
 __version__ = "0.1.0"

@@ -1,0 +1,115 @@
+"""Async schedule (Zhang et al., ICASSP 2013): every worker loops on its own — pull a snapshot of the weights under
+the store's mutex, compute on its next mini-batch(es), push — and the host applies every push at once, under the
+mutex, with the fused kernel at G = 1.
+
+Note [Async pushes and staleness]
+``engine.mutex`` guards the master weights, the Adam state and ``engine.version``: a pull (store -> replica) and a
+push (fused update from the worker's slot) each hold it for their whole duration, so a replica never sees a
+half-applied update and every push is applied exactly once, in the order the mutex grants. A worker's slot is
+written only by its own streamer, outside the mutex, while the worker computes: no other thread reads it then.
+Staleness of a push = version at apply - version at pull. With ``max_staleness=s`` a push older than s refreshes
+(pull again, recompute the same mini-batches) instead of applying; ``staleness_lr="inverse"`` scales lr by
+1 / (1 + staleness).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from .metrics import step_metrics
+from .workers import WorkerError, batch_size, set_worker_threads
+
+
+class _BatchSource:
+    """Thread-safe source of mini-batches: ``epochs`` passes over ``batches`` (None: until the steps are done).
+
+    An epoch that yields nothing (an empty or exhausted one-shot iterable) ends the source.
+    """
+
+    def __init__(self, batches, epochs):
+        self._batches, self._epochs = batches, epochs
+        self._epoch, self._it = 0, iter(batches)
+        self._fresh, self._done = True, False
+        self._lock = threading.Lock()
+
+    def take(self, k: int) -> list:
+        out = []
+        with self._lock:
+            while len(out) < k and not self._done:
+                try:
+                    out.append(next(self._it))
+                    self._fresh = False
+                except StopIteration:
+                    self._epoch += 1
+                    if self._fresh or (self._epochs is not None and self._epoch >= self._epochs):
+                        self._done = True
+                    else:
+                        self._it, self._fresh = iter(self._batches), True
+        return out
+
+
+def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
+    source = _BatchSource(batches, epochs)
+    stop = threading.Event()
+    errors: list[tuple[int, BaseException]] = []
+
+    def push(worker, pulled, loss, samples, compute, wait):
+        """Under the mutex: apply (True) or ask for a refresh (False)."""
+        staleness = engine.version - pulled
+        if engine.max_staleness is not None and staleness > engine.max_staleness:
+            engine.count("refreshes")
+            return False
+        lr = engine.optimizer.lr / (1 + staleness) if engine.staleness_lr == "inverse" else None
+        start = time.perf_counter()
+        engine.count("pushes")
+        applied = engine.apply_update([worker.index], None, lr)
+        engine.record_staleness(staleness)
+        metrics = step_metrics(engine, loss=loss, samples=samples, wall=compute + wait + time.perf_counter() - start,
+                               compute=compute, update=time.perf_counter() - start, transfer_wait=wait,
+                               copy_back=0.0, applied=applied, worker=worker.index, version_at_pull=pulled,
+                               version_at_apply=engine.version - int(applied), staleness=staleness)
+        engine.history.append(metrics)
+        for callback in callbacks:
+            callback(engine, metrics)
+        if steps is not None and engine.stats()["pushes"] >= steps:
+            stop.set()
+        return True
+
+    def pull(worker) -> int:
+        with engine.mutex, engine.phase("pull", worker.index):
+            worker.pull(wait=True)
+            return engine.version
+
+    def loop(worker):
+        set_worker_threads(engine.devices)
+        try:
+            while not stop.is_set():
+                k = engine.batch_schedule(engine.version) if engine.batch_schedule else engine.accumulate
+                pulled = pull(worker)
+                minibatches = source.take(int(k))
+                if not minibatches:
+                    return
+                samples = sum(batch_size(b) for b in minibatches)
+                while not stop.is_set():
+                    with engine.phase("forward_backward+transfer", worker.index):
+                        loss, compute, wait = worker.compute(engine.loss_fn, minibatches)
+                    with engine.mutex:
+                        if stop.is_set():
+                            return
+                        with engine.phase("push", worker.index):
+                            if push(worker, pulled, loss, samples, compute, wait):
+                                break
+                    pulled = pull(worker)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
+            errors.append((worker.index, exc))
+            stop.set()
+
+    threads = [threading.Thread(target=loop, args=(w,), name=f"pyengine-async-{w.index}", daemon=True)
+               for w in engine.workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        index, exc = errors[0]
+        raise WorkerError(index, engine.devices[index], exc) from exc

@@ -1,0 +1,15 @@
+"""Per-step metrics shared by the schedules."""
+from __future__ import annotations
+
+import math
+import time
+
+
+def step_metrics(engine: Engine, *, loss: float, samples: int, wall: float, compute: float, update: float,
+                 transfer_wait: float, copy_back: float, applied: bool, **extra) -> dict:
+    """The per-step metrics every schedule reports (seconds; overlap = (compute + update) / wall)."""
+    return dict(step=len(engine.history) + 1, version=engine.version, loss=loss, samples=samples,
+                samples_per_s=samples / wall if wall > 0 else math.inf, wall_s=wall, compute_s=compute,
+                transfer_wait_s=transfer_wait, update_s=update, copy_back_s=copy_back,
+                overlap_efficiency=min(1.0, (compute + update) / wall) if wall > 0 else 1.0, applied=applied,
+                time=time.time(), **extra)

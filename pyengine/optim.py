@@ -1,0 +1,103 @@
+"""Optimizer configuration of the engine: the options of the fused mean-gradient AdamW kernel.
+
+:class:`AdamW` holds hyper-parameters only; the state (exp_avg, exp_avg_sq, ...) lives in the host store. Its
+:meth:`torch_state_dict` builds a dict with the same keys and values as ``torch.optim.AdamW.state_dict()`` for the
+same model, so users can move between the two (:meth:`load_torch_state_dict` goes the other way).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["AdamW"]
+
+
+@dataclass
+class AdamW:
+    """AdamW (``adamw=False``: Adam with L2 weight decay) as torch.optim defines it, plus global-norm clipping.
+
+    Args:
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        max_grad_norm: clip the mean gradient to this global L2 norm (None: no clipping).
+        adamw: True for decoupled weight decay (AdamW), False for Adam's L2 penalty.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    amsgrad: bool = False
+    maximize: bool = False
+    max_grad_norm: float | None = None
+    adamw: bool = True
+
+    def __post_init__(self):
+        self.betas = tuple(float(b) for b in self.betas)
+        checks = [
+            (math.isfinite(self.lr) and self.lr >= 0, f"lr must be a finite number >= 0; got {self.lr}"),
+            (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+             f"betas must be two numbers in [0, 1); got {self.betas}"),
+            (math.isfinite(self.eps) and self.eps >= 0, f"eps must be a finite number >= 0; got {self.eps}"),
+            (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"weight_decay must be a finite number >= 0; got {self.weight_decay}"),
+            (self.max_grad_norm is None or self.max_grad_norm > 0,
+             f"max_grad_norm must be > 0 or None; got {self.max_grad_norm}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def kernel_kwargs(self, lr: float | None = None) -> dict:
+        """Keyword arguments of ``torch.ops.pyengine.mean_grad_adamw_`` (all but tensors, step and clipping)."""
+        return dict(lr=float(self.lr if lr is None else lr), beta1=self.betas[0], beta2=self.betas[1],
+                    eps=float(self.eps), weight_decay=float(self.weight_decay), adamw=self.adamw,
+                    maximize=self.maximize, amsgrad=self.amsgrad)
+
+    def config(self) -> dict:
+        return asdict(self)
+
+    def torch_state_dict(self, store, step: int) -> dict:
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` form (params indexed in model order)."""
+        views = {name: store.views(flat) for name, flat in self._state_buffers(store).items()}
+        state = {}
+        if step > 0:
+            for index, name in enumerate(store.names):
+                entry = {"step": torch.tensor(float(step))}
+                for key in views:
+                    entry[key] = views[key][name].detach().clone()
+                state[index] = entry
+        group = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                     amsgrad=self.amsgrad, maximize=self.maximize, foreach=None, capturable=False,
+                     differentiable=False, fused=None, decoupled_weight_decay=self.adamw,
+                     params=list(range(len(store.names))))
+        return {"state": state, "param_groups": [group]}
+
+    def load_torch_state_dict(self, store, state_dict: dict) -> int:
+        """Copies a ``torch.optim.AdamW.state_dict()`` into the store; returns its step count."""
+        if set(state_dict) != {"state", "param_groups"} or len(state_dict["param_groups"]) != 1:
+            raise ValueError("expected a torch.optim state_dict with keys 'state' and 'param_groups' and one group")
+        state = state_dict["state"]
+        if not state:
+            return 0
+        if sorted(state) != list(range(len(store.names))):
+            raise ValueError(f"optimizer state covers params {sorted(state)}; the model has {len(store.names)}")
+        steps = {float(entry["step"]) for entry in state.values()}
+        if len(steps) != 1:
+            raise ValueError(f"every param must be at the same step; got steps {sorted(steps)}")
+        for key, flat in self._state_buffers(store).items():
+            views = store.views(flat)
+            for index, name in enumerate(store.names):
+                value = state[index][key]
+                if tuple(value.shape) != tuple(views[name].shape):
+                    raise ValueError(f"state[{index}][{key!r}] has shape {tuple(value.shape)}; param {name!r} "
+                                     f"has {tuple(views[name].shape)}")
+                views[name].copy_(value)
+        return int(steps.pop())
+
+    def _state_buffers(self, store) -> dict:
+        buffers = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}
+        if self.amsgrad:
+            buffers["max_exp_avg_sq"] = store.max_exp_avg_sq
+        return buffers

@@ -1,0 +1,29 @@
+"""Sync schedule: one worker at a time, round-robin. The worker gets the current weights and the whole batch; the
+update lands before the next batch goes out. Correct gradients, one worker busy: the baseline for the others."""
+from __future__ import annotations
+
+import time
+
+from .metrics import step_metrics
+from .workers import batch_size
+
+
+def sync_step(engine, batch) -> dict:
+    start = time.perf_counter()
+    samples = batch_size(batch)
+    worker = engine.workers[engine.stats()["steps"] % engine.num_workers]
+
+    def run():
+        with engine.phase("pull", worker.index):
+            worker.pull()
+        with engine.phase("forward_backward+transfer", worker.index):
+            return worker.compute(engine.loss_fn, [batch])
+
+    loss, compute, wait = engine.run_workers({worker.index: run})[worker.index]
+    engine.count("steps")
+    updated = time.perf_counter()
+    with engine.phase("update"):
+        applied = engine.apply_update([worker.index], None)
+    end = time.perf_counter()
+    return step_metrics(engine, loss=loss, samples=samples, wall=end - start, compute=compute, update=end - updated,
+                        transfer_wait=wait, copy_back=0.0, applied=applied, worker=worker.index)

@@ -1,0 +1,167 @@
+"""Workers: one replica of the model per worker, on its device, with its gradient streamer.
+
+A worker computes forward and backward on its shard; the streamer's hooks copy each bucket of gradients into the
+worker's slot of the host store while backward goes on. ``pull`` copies the master weights back into the replica.
+Worker threads call :func:`set_worker_threads` once, so CPU workers divide the intra-op threads among themselves
+(oversubscription is the first thing that kills CPU throughput on small machines).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .streamer import GradientStreamer
+
+__all__ = ["Worker", "WorkerError", "parse_devices", "split_batch", "batch_size", "to_device"]
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; ``worker`` is its index. The original exception is ``__cause__`` (with its traceback)."""
+
+    def __init__(self, worker: int, device, cause: BaseException):
+        super().__init__(f"worker {worker} ({device}) failed: {type(cause).__name__}: {cause}")
+        self.worker = worker
+
+
+def parse_devices(devices) -> list[torch.device]:
+    """``["cuda:0", "cuda:0", "cpu"]`` -> devices, checked; default: every visible GPU, else 2 CPU workers."""
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")] * 2
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
+        raise ValueError(f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0']; got {devices!r}")
+    parsed = []
+    for d in devices:
+        try:
+            device = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"devices: {d!r} is not a device ({exc})") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"devices: {d!r} asks for CUDA but no CUDA device is usable here")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"devices: {d!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+            device = torch.device("cuda", index)
+        elif device.type != "cpu":
+            raise ValueError(f"devices: {d!r} is neither 'cpu' nor 'cuda:i'")
+        parsed.append(device)
+    return parsed
+
+
+def batch_size(batch) -> int:
+    """Size of dim 0, the same for every tensor of a tensor / tuple / list / dict batch."""
+    tensors = _tensors(batch)
+    if not tensors:
+        raise ValueError("a batch must contain at least one tensor")
+    sizes = {t.shape[0] if t.dim() > 0 else None for t in tensors}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"every tensor of a batch must have the same size along dim 0; got sizes {sorted(map(str, sizes))}")
+    return sizes.pop()
+
+
+def split_batch(batch, parts: int) -> list:
+    """Splits a batch on dim 0 into ``parts`` shards whose sizes differ by at most one."""
+    n = batch_size(batch)
+    if n < parts:
+        raise ValueError(f"a batch of {n} samples cannot feed {parts} workers; use a batch of at least {parts}")
+    return [_map(batch, lambda t, i=i: torch.tensor_split(t, parts)[i]) for i in range(parts)]
+
+
+def to_device(batch, device: torch.device):
+    return _map(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def _tensors(batch) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def _map(batch, fn):
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return type(batch)((k, _map(v, fn)) for k, v in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map(v, fn) for v in batch)
+    return batch
+
+
+def set_worker_threads(devices: list[torch.device]) -> None:
+    """Intra-op threads of the calling worker thread: the cores divided among the CPU workers."""
+    cpu_workers = sum(d.type == "cpu" for d in devices)
+    if cpu_workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
+
+
+class Worker:
+    """One replica on one device, its streamer and (on CUDA) its compute stream."""
+
+    def __init__(self, index: int, device: torch.device, model: torch.nn.Module, store, *, bucket_mb: float,
+                 first_bucket_mb: float, unused: str, autocast_dtype: torch.dtype | None):
+        self.index = index
+        self.device = device
+        self.replica = copy.deepcopy(model).to(device)
+        self.streamer = GradientStreamer(self.replica, store, worker=index, bucket_mb=bucket_mb,
+                                         first_bucket_mb=first_bucket_mb, unused=unused)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.autocast_dtype = autocast_dtype
+
+    def pull(self, wait: bool = False) -> None:
+        """Master weights (fp32, or the store's low-precision shadow) -> replica.
+
+        The replica's next forward waits for the copies by itself. ``wait=True`` also blocks the host until they
+        are done, so the store may be written right after (async pulls under the mutex need this).
+        """
+        self.streamer.copy_back()
+        if wait:
+            for k in range(len(self.streamer.buckets)):
+                self.streamer.wait_weights(k)
+
+    def forward_backward(self, loss_fn, batch) -> float:
+        """One forward and backward on ``batch``; returns the loss. Gradients stream to the host as they are ready."""
+        batch = to_device(batch, self.device)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            loss = loss_fn(self.replica, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
+        loss.backward()
+        return float(loss.detach())
+
+    def compute(self, loss_fn, batches) -> tuple[float, float, float]:
+        """Forward+backward over ``batches`` (gradients summed in the replica, copied once).
+
+        Returns (mean loss, seconds of forward+backward, seconds waiting for the last copies). The copies into the
+        host slot are complete when this returns.
+        """
+        context = torch.cuda.stream(self.stream) if self.stream is not None else _null()
+        with context:
+            start = time.perf_counter()
+            self.replica.zero_grad(set_to_none=True)
+            self.streamer.accumulate(len(batches))
+            losses = [self.forward_backward(loss_fn, b) for b in batches]
+            computed = time.perf_counter()
+            self.streamer.wait_all()
+            waited = time.perf_counter()
+        return sum(losses) / len(losses), computed - start, waited - computed
+
+    def close(self) -> None:
+        self.streamer.close()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
