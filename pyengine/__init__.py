@@ -5,6 +5,8 @@ host while backward runs; one fused kernel averages the G gradients and applies 
 """
 from . import ops
 from ._C import with_cuda
+from .store import HostStore
+from .streamer import GradientStreamer, pipelined_update
 
-__all__ = ["ops", "with_cuda"]
+__all__ = ["GradientStreamer", "HostStore", "ops", "pipelined_update", "with_cuda"]
 __version__ = "0.1.0"
