@@ -7,6 +7,10 @@
 
 #include "cpu/isa.h"
 
+namespace pyengine::store {
+void init_store_bindings(pybind11::module_& m);  // store/bindings.cpp
+}
+
 #define PYENGINE_UPDATE_OPTIONS                                                                                  \
   "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool adamw, bool maximize, "  \
   "bool amsgrad, "
@@ -36,4 +40,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_isa", &pyengine::cpu::selected_isa,
         "Name of the CPU kernel variant in use (avx512, avx2 or default), chosen from at::get_cpu_capability(), "
         "which honours ATEN_CPU_CAPABILITY.");
+  pyengine::store::init_store_bindings(m);
 }

@@ -1,0 +1,112 @@
+// The CUDA backend of BucketTransfer: one copy stream per worker, ordered by events, never by a device or stream
+// synchronisation on the host. A gradient bucket's D2H copy waits on an event recorded on the compute stream when
+// the bucket's last gradient is ready; every launch records the bucket's completion event on the copy stream; the
+// host waits on that one event (wait) and the compute stream waits on the copy-back events before the next forward
+// (order_current_stream). See Note [Pinned buffer busy until its copy's event] in store/transfer.h.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstring>
+
+#include "../store/nvtx.h"
+#include "../store/transfer.h"
+
+namespace pyengine::store {
+namespace {
+
+class CudaTransfer final : public BucketTransfer {
+ public:
+  CudaTransfer(int64_t num_buckets, const at::Device& device, std::string label)
+      : BucketTransfer(num_buckets, std::move(label)),
+        device_(device.index() < 0 ? at::Device(at::kCUDA, c10::cuda::current_device()) : device),
+        copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
+        ready_(num_buckets),
+        done_(kNumChannels * num_buckets) {}
+
+  ~CudaTransfer() override {
+    try {
+      close();
+    } catch (...) {
+      // A failing device cannot be reported from a destructor; close() raised it already if it was called.
+    }
+  }
+
+  void order_current_stream(int64_t channel) override {
+    c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t k = 0; k < num_buckets_; ++k) {
+      if (counters(channel, k).launched > 0) done_[channel * num_buckets_ + k].block(current);
+    }
+  }
+
+  void close() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) return;
+      closed_ = true;
+    }
+    changed_.notify_all();
+    c10::cuda::CUDAGuard guard(device_);
+    copy_stream_.synchronize();  // copies in flight read or write memory their owners may free next
+  }
+
+ protected:
+  void start(int64_t channel, int64_t bucket, CopyJob job) override {
+    c10::cuda::CUDAGuard guard(device_);
+    NvtxRange range(range_name(channel == kGrads ? "d2h" : "h2d", channel, bucket));
+    // The copies read what the compute stream wrote (gradients) or overwrite what it reads (weights): they start
+    // after the work enqueued so far on the current stream.
+    at::cuda::CUDAEvent& ready = ready_[bucket];
+    ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+    ready.block(copy_stream_);
+    c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+    for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
+    done_[channel * num_buckets_ + bucket].record(copy_stream_);
+  }
+
+  void wait_completed(int64_t channel, int64_t bucket, int64_t target, std::unique_lock<std::mutex>& lock) override {
+    at::cuda::CUDAEvent& done = done_[channel * num_buckets_ + bucket];
+    lock.unlock();
+    {
+      c10::cuda::CUDAGuard guard(device_);
+      done.synchronize();  // a launch in between re-records the event: waiting longer is still correct
+    }
+    lock.lock();
+    Counters& c = counters(channel, bucket);
+    c.completed = std::max(c.completed, target);
+  }
+
+ private:
+  // Runs on the copy stream (current under the caller's guard).
+  void copy_pair(const at::Tensor& src, const at::Tensor& dst) {
+    if (!src.defined()) {
+      if (dst.is_cuda()) {
+        dst.zero_();
+      } else {
+        std::memset(dst.data_ptr(), 0, dst.nbytes());  // host slot of an unused parameter: no copy reads it now
+      }
+      return;
+    }
+    dst.copy_(src, /*non_blocking=*/true);
+    // The caching allocator must not reuse a device block before this stream is done with it.
+    if (src.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), copy_stream_);
+    if (dst.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(dst.storage().data_ptr(), copy_stream_);
+  }
+
+  const at::Device device_;
+  c10::cuda::CUDAStream copy_stream_;
+  std::vector<at::cuda::CUDAEvent> ready_;  // per bucket: compute-stream point the copies start after
+  std::vector<at::cuda::CUDAEvent> done_;   // per channel and bucket: completion of the last launch
+};
+
+}  // namespace
+
+std::unique_ptr<BucketTransfer> make_cuda_transfer(int64_t num_buckets, const at::Device& device, std::string label) {
+  return std::make_unique<CudaTransfer>(num_buckets, device, std::move(label));
+}
+
+}  // namespace pyengine::store

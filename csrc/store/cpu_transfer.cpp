@@ -1,0 +1,136 @@
+// The CPU backend of BucketTransfer: one copy thread per worker runs the bucket copies in launch order while the
+// worker's thread goes on with backward (or the host with the next bucket's update). The copy thread uses no
+// intra-op parallelism: on a few cores, a second parallel region fighting backward's would undo the overlap.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "nvtx.h"
+#include "transfer.h"
+
+namespace pyengine::store {
+namespace {
+
+template <typename Src, typename Dst>
+void convert(const Src* __restrict src, Dst* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<Dst>(static_cast<float>(src[i]));
+}
+
+template <typename Src>
+void convert_to(const Src* src, const at::Tensor& dst, int64_t n) {
+  switch (dst.scalar_type()) {
+    case at::kFloat: return convert(src, static_cast<float*>(dst.data_ptr()), n);
+    case at::kBFloat16: return convert(src, static_cast<c10::BFloat16*>(dst.data_ptr()), n);
+    case at::kHalf: return convert(src, static_cast<c10::Half*>(dst.data_ptr()), n);
+    default: TORCH_CHECK(false, "copy_on_host: unsupported destination dtype ", dst.scalar_type());
+  }
+}
+
+void copy_pair(const at::Tensor& src, const at::Tensor& dst) {
+  if (!src.defined()) {
+    std::memset(dst.data_ptr(), 0, dst.nbytes());
+    return;
+  }
+  if (src.scalar_type() == dst.scalar_type()) {
+    std::memcpy(dst.data_ptr(), src.data_ptr(), dst.nbytes());
+    return;
+  }
+  const int64_t n = src.numel();
+  switch (src.scalar_type()) {
+    case at::kFloat: return convert_to(static_cast<const float*>(src.data_ptr()), dst, n);
+    case at::kBFloat16: return convert_to(static_cast<const c10::BFloat16*>(src.data_ptr()), dst, n);
+    case at::kHalf: return convert_to(static_cast<const c10::Half*>(src.data_ptr()), dst, n);
+    default: TORCH_CHECK(false, "copy_on_host: unsupported source dtype ", src.scalar_type());
+  }
+}
+
+class CpuTransfer final : public BucketTransfer {
+ public:
+  CpuTransfer(int64_t num_buckets, std::string label)
+      : BucketTransfer(num_buckets, std::move(label)), thread_([this] { run(); }) {}
+
+  ~CpuTransfer() override { close(); }
+
+  void order_current_stream(int64_t channel) override { wait_all(channel, /*until_launched=*/false); }
+
+  void close() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closed_ = true;  // the thread drains the queue, then returns
+    }
+    work_.notify_all();
+    changed_.notify_all();
+    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  }
+
+ protected:
+  void start(int64_t channel, int64_t bucket, CopyJob job) override {
+    for (size_t i = 0; i < job.srcs.size(); ++i) {
+      TORCH_CHECK_VALUE(job.dsts[i].is_cpu() && (!job.srcs[i].defined() || job.srcs[i].is_cpu()),
+                        "GradientStreamer: a CPU worker copies between CPU tensors only; pair ", i, " is ",
+                        job.srcs[i].defined() ? job.srcs[i].device().str() : "zero", " -> ", job.dsts[i].device());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(Task{channel, bucket, std::move(job)});
+    }
+    work_.notify_one();
+  }
+
+  void wait_completed(int64_t channel, int64_t bucket, int64_t target, std::unique_lock<std::mutex>& lock) override {
+    Counters& c = counters(channel, bucket);
+    changed_.wait(lock, [&] { return c.completed >= target; });
+  }
+
+ private:
+  struct Task {
+    int64_t channel;
+    int64_t bucket;
+    CopyJob job;
+  };
+
+  void run() {
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_.wait(lock, [&] { return !queue_.empty() || closed_; });
+      if (queue_.empty()) return;
+      Task task = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      std::string error;
+      try {
+        NvtxRange range(range_name("copy", task.channel, task.bucket));
+        copy_on_host(task.job);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      task.job = CopyJob{};  // drop the tensor references outside the lock
+      lock.lock();
+      Counters& c = counters(task.channel, task.bucket);
+      c.completed += 1;
+      if (!error.empty()) c.error = error;
+      lock.unlock();
+      changed_.notify_all();
+    }
+  }
+
+  std::deque<Task> queue_;
+  std::condition_variable work_;
+  std::thread thread_;  // last member: started once the others exist
+};
+
+}  // namespace
+
+void copy_on_host(const CopyJob& job) {
+  for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
+}
+
+std::unique_ptr<BucketTransfer> make_cpu_transfer(int64_t num_buckets, std::string label) {
+  return std::make_unique<CpuTransfer>(num_buckets, std::move(label));
+}
+
+}  // namespace pyengine::store

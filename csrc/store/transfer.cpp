@@ -1,0 +1,110 @@
+// BucketTransfer's backend-independent half: argument checks, the per-bucket launch/complete/release counters and
+// the waits built on them (see the Note in transfer.h), and the choice of backend.
+#include "transfer.h"
+
+#include <c10/util/Exception.h>
+
+#include "nvtx.h"
+
+namespace pyengine::store {
+namespace {
+
+bool copyable_dtype(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
+void check_pair(const at::Tensor& src, const at::Tensor& dst, size_t i) {
+  TORCH_CHECK_VALUE(dst.defined() && dst.is_contiguous(), "BucketTransfer: dsts[", i,
+                    "] must be a contiguous tensor");
+  TORCH_CHECK_VALUE(copyable_dtype(dst.scalar_type()), "BucketTransfer: dsts[", i,
+                    "] must be float32, bfloat16 or float16; got ", dst.scalar_type());
+  if (!src.defined()) return;  // zero-fill
+  TORCH_CHECK_VALUE(src.is_contiguous(), "BucketTransfer: srcs[", i, "] must be contiguous");
+  TORCH_CHECK_VALUE(copyable_dtype(src.scalar_type()), "BucketTransfer: srcs[", i,
+                    "] must be float32, bfloat16 or float16; got ", src.scalar_type());
+  TORCH_CHECK_VALUE(src.numel() == dst.numel(), "BucketTransfer: srcs[", i, "] has ", src.numel(),
+                    " elements but dsts[", i, "] has ", dst.numel());
+}
+
+}  // namespace
+
+const char* channel_name(int channel) { return channel == kGrads ? "grads" : "weights"; }
+
+BucketTransfer::BucketTransfer(int64_t num_buckets, std::string label)
+    : num_buckets_(num_buckets), label_(std::move(label)), counters_(kNumChannels * num_buckets) {
+  TORCH_CHECK_VALUE(num_buckets >= 0, "BucketTransfer: num_buckets must be >= 0; got ", num_buckets);
+}
+
+void BucketTransfer::check_index(int64_t channel, int64_t bucket, const char* what) const {
+  TORCH_CHECK_VALUE(channel == kGrads || channel == kWeights, "BucketTransfer.", what,
+                    ": channel must be 0 (grads) or 1 (weights); got ", channel);
+  TORCH_CHECK_INDEX(bucket >= 0 && bucket < num_buckets_, "BucketTransfer.", what, ": bucket must be in [0, ",
+                    num_buckets_, "); got ", bucket);
+}
+
+std::string BucketTransfer::range_name(const char* verb, int64_t channel, int64_t bucket) const {
+  return std::string("pyengine/") + verb + " " + channel_name(static_cast<int>(channel)) + " b" +
+         std::to_string(bucket) + " " + label_;
+}
+
+void BucketTransfer::launch(int64_t channel, int64_t bucket, std::vector<at::Tensor> srcs,
+                            std::vector<at::Tensor> dsts) {
+  check_index(channel, bucket, "launch");
+  TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "BucketTransfer.launch: srcs and dsts must have the same length; got ",
+                    srcs.size(), " and ", dsts.size());
+  for (size_t i = 0; i < srcs.size(); ++i) check_pair(srcs[i], dsts[i], i);
+  std::lock_guard<std::mutex> order(launch_mutex_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!closed_, "BucketTransfer.launch: the transfer of ", label_, " is closed");
+  }
+  start(channel, bucket, CopyJob{std::move(srcs), std::move(dsts)});
+  {
+    // Counted only once start() has issued the copy, so a waiter never waits on an earlier copy's completion.
+    std::lock_guard<std::mutex> lock(mutex_);
+    counters(channel, bucket).launched += 1;
+  }
+  changed_.notify_all();
+}
+
+void BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched) {
+  check_index(channel, bucket, "wait");
+  NvtxRange range(range_name("wait", channel, bucket));
+  std::unique_lock<std::mutex> lock(mutex_);
+  Counters& c = counters(channel, bucket);
+  if (until_launched) {
+    changed_.wait(lock, [&] { return c.launched > c.released || closed_; });
+    TORCH_CHECK(c.launched > c.released, "BucketTransfer.wait: the transfer of ", label_,
+                " was closed before bucket ", bucket, " was launched");
+  }
+  const int64_t target = c.launched;
+  if (c.completed < target) wait_completed(channel, bucket, target, lock);
+  if (!c.error.empty()) {
+    const std::string error = std::move(c.error);
+    c.error.clear();
+    TORCH_CHECK(false, "BucketTransfer: the copy of ", channel_name(static_cast<int>(channel)), " bucket ", bucket,
+                " of ", label_, " failed: ", error);
+  }
+}
+
+void BucketTransfer::wait_all(int64_t channel, bool until_launched) {
+  for (int64_t k = 0; k < num_buckets_; ++k) wait(channel, k, until_launched);
+}
+
+void BucketTransfer::release(int64_t channel, int64_t bucket) {
+  check_index(channel, bucket, "release");
+  std::lock_guard<std::mutex> lock(mutex_);
+  Counters& c = counters(channel, bucket);
+  c.released = c.launched;
+}
+
+std::unique_ptr<BucketTransfer> make_transfer(int64_t num_buckets, const at::Device& device, std::string label) {
+  if (device.is_cpu()) return make_cpu_transfer(num_buckets, std::move(label));
+#ifdef PYENGINE_WITH_CUDA
+  if (device.is_cuda()) return make_cuda_transfer(num_buckets, device, std::move(label));
+#endif
+  TORCH_CHECK_VALUE(false, "GradientStreamer: replicas on ", device,
+                    " are not supported (cpu, and cuda in a CUDA build of pyengine)");
+}
+
+}  // namespace pyengine::store

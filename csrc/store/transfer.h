@@ -1,0 +1,114 @@
+// BucketTransfer: the copy machinery of one worker's GradientStreamer. Two channels of per-bucket copies:
+//   kGrads   — a replica's gradients into the worker's slot of the host store (launched from the grad hooks),
+//   kWeights — updated weights from the host store back into the replica (launched after each bucket's update).
+// CUDA replicas copy on a dedicated copy stream ordered by events (cuda/cuda_transfer.cpp); CPU replicas copy on one
+// copy thread per worker (cpu_transfer.cpp), so the overlap with backward is real without a GPU. Both give the same
+// per-bucket waits: the host never waits for the whole device, only for the bucket it is about to read or write.
+//
+// Note [Pinned buffer busy until its copy's event]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A range of the host store is busy from the moment a copy that reads or writes it is launched until that copy is
+// known to be complete: on CUDA, its bucket event has completed (cudaEventSynchronize/Query); on CPU, the copy thread
+// has counted it complete. Until then the host must neither read it (a grad slot being filled by D2H holds a mix of
+// two steps) nor write it (the fp32 master or the shadow being read by an H2D copy back would ship a half-updated
+// bucket to the replica). Launching a copy is not completing it, and a guess ("backward has returned, so the copies
+// are done") is wrong: the copy stream runs behind the compute stream. Hence:
+//   * the update of bucket k starts only after wait(kGrads, k) for every worker;
+//   * the update of bucket k writes the master weights only after wait(kWeights, k) for every worker, i.e. the
+//     previous step's copy back of bucket k has completed;
+//   * the next forward of a replica runs only after order_current_stream(kWeights): on CUDA its compute stream waits
+//     on the copy-back events (no host block), on CPU the host waits for the copy thread.
+// On CUDA a replica's gradient is also busy for the copy stream: it is recorded on the copy stream, so the caching
+// allocator does not hand its memory to the next step before the D2H copy has read it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace pyengine::store {
+
+enum Channel : int { kGrads = 0, kWeights = 1, kNumChannels = 2 };
+
+const char* channel_name(int channel);
+
+// One bucket's copies: dsts[i] <- srcs[i], converted to dsts[i]'s dtype; an undefined srcs[i] zero-fills dsts[i].
+struct CopyJob {
+  std::vector<at::Tensor> srcs;
+  std::vector<at::Tensor> dsts;
+};
+
+// Copies the pairs of job on the calling thread (CPU tensors): memcpy when the dtypes match, else a converting loop
+// (round to nearest even, as Tensor.to does). Used by the CPU copy thread.
+void copy_on_host(const CopyJob& job);
+
+class BucketTransfer {
+ public:
+  BucketTransfer(int64_t num_buckets, std::string label);
+  virtual ~BucketTransfer() = default;
+  BucketTransfer(const BucketTransfer&) = delete;
+  BucketTransfer& operator=(const BucketTransfer&) = delete;
+
+  int64_t num_buckets() const { return num_buckets_; }
+
+  // Starts the copies of bucket `bucket` on `channel` and returns at once. The tensors are checked here: same
+  // numel per pair, contiguous, float32/bfloat16/float16.
+  void launch(int64_t channel, int64_t bucket, std::vector<at::Tensor> srcs, std::vector<at::Tensor> dsts);
+
+  // Blocks (the caller releases the GIL) until the last launched copy of the bucket has completed, and rethrows an
+  // error raised by that copy. until_launched: first wait until the bucket has been launched since the last
+  // release() (a gradient bucket of a backward that is still running); otherwise a bucket with no copy in flight
+  // returns at once.
+  void wait(int64_t channel, int64_t bucket, bool until_launched);
+  void wait_all(int64_t channel, bool until_launched);
+
+  // The host is done with the bucket's data of this step: the next wait(until_launched) waits for a new launch.
+  void release(int64_t channel, int64_t bucket);
+
+  // Orders later work after every launched copy of the channel: on CUDA the current stream waits on the bucket
+  // events (no host block); on CPU the host waits.
+  virtual void order_current_stream(int64_t channel) = 0;
+
+  // Completes the copies in flight and releases the copy thread / stream resources. Idempotent.
+  virtual void close() = 0;
+
+ protected:
+  struct Counters {
+    int64_t launched = 0;   // launches so far
+    int64_t completed = 0;  // completions so far (copies of one bucket and channel complete in launch order)
+    int64_t released = 0;   // value of `launched` at the last release
+    std::string error;      // the error of the last failed copy, rethrown by the next wait
+  };
+
+  // Begins the copies of a launch (called with mutex_ not held, in launch order per transfer).
+  virtual void start(int64_t channel, int64_t bucket, CopyJob job) = 0;
+  // Blocks until the copy counted as launch number `target` has completed; called and returns with lock held.
+  virtual void wait_completed(int64_t channel, int64_t bucket, int64_t target, std::unique_lock<std::mutex>& lock) = 0;
+
+  Counters& counters(int64_t channel, int64_t bucket) { return counters_[channel * num_buckets_ + bucket]; }
+  void check_index(int64_t channel, int64_t bucket, const char* what) const;
+  std::string range_name(const char* verb, int64_t channel, int64_t bucket) const;
+
+  const int64_t num_buckets_;
+  const std::string label_;
+  std::mutex mutex_;
+  std::condition_variable changed_;  // notified on every launch and completion
+  std::mutex launch_mutex_;          // keeps the order of start() calls equal to the order of launches
+  std::vector<Counters> counters_;
+  bool closed_ = false;
+};
+
+// A transfer for a replica on `device`: the copy thread for CPU, the copy stream for CUDA (CUDA builds only).
+std::unique_ptr<BucketTransfer> make_transfer(int64_t num_buckets, const at::Device& device, std::string label);
+
+std::unique_ptr<BucketTransfer> make_cpu_transfer(int64_t num_buckets, std::string label);
+#ifdef PYENGINE_WITH_CUDA
+std::unique_ptr<BucketTransfer> make_cuda_transfer(int64_t num_buckets, const at::Device& device, std::string label);
+#endif
+
+}  // namespace pyengine::store

@@ -1,0 +1,353 @@
+"""Gradient streaming from a replica into the host store while backward runs, and the pipelined update.
+
+A :class:`GradientStreamer` registers a post-accumulate-grad hook on each trainable parameter of one worker's replica.
+Parameters are grouped into buckets as DDP does (reverse registration order, a small first bucket, then a size cap);
+because the store is laid out in that order, each bucket is one contiguous range of the flat store. When a bucket's
+last gradient is ready, its copy into the worker's gradient slot starts (buckets start in order) while backward goes
+on: on a copy stream ordered by events for CUDA replicas, on a copy thread for CPU replicas. The host waits per
+bucket. :func:`pipelined_update` runs the fused mean-gradient AdamW on bucket k as soon as all G workers delivered it,
+then starts bucket k's copy back to the replicas. See Note [Pinned buffer busy until its copy's event] in
+csrc/store/transfer.h for the ordering rules.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import NamedTuple, Sequence
+
+import torch
+
+from . import _C
+from .store import HostStore
+
+__all__ = ["Bucket", "GradientStreamer", "pipelined_update"]
+
+_GRADS, _WEIGHTS = 0, 1
+
+
+class Bucket(NamedTuple):
+    """Bucket ``index``: parameters ``names`` (backward order), elements ``[begin, end)`` of the flat store."""
+
+    index: int
+    names: tuple[str, ...]
+    begin: int
+    end: int
+
+
+def _make_buckets(store: HostStore, bucket_mb: float, first_bucket_mb: float) -> list[Bucket]:
+    """DDP's scheme over the store layout: a parameter joins the open bucket, which closes once it reaches its cap."""
+    itemsize = store.grad_dtype.itemsize
+    buckets, names, begin, size = [], [], 0, 0
+    for i, entry in enumerate(store.layout):
+        names.append(entry.name)
+        size += entry.numel * itemsize
+        cap = (first_bucket_mb if not buckets else bucket_mb) * 2**20
+        last = i + 1 == len(store.layout)
+        if size >= cap or last:
+            end = store.numel if last else store.layout[i + 1].offset
+            buckets.append(Bucket(len(buckets), tuple(names), begin, end))
+            names, begin, size = [], end, 0
+    return buckets
+
+
+class GradientStreamer:
+    """Streams one worker's gradients into ``store.grad_slot(worker)`` during backward, bucket by bucket.
+
+    Args:
+        replica: the worker's model (an ``nn.Module`` on ``cpu`` or ``cuda:i``), with the store's trainable parameters
+            under the same names and shapes (contiguous; any floating dtype: gradients are converted to the slot's).
+        store: the :class:`~pyengine.HostStore`.
+        worker: which gradient slot this replica fills.
+        bucket_mb, first_bucket_mb: bucket size caps in MiB of slot bytes (DDP's defaults).
+        unused: what a parameter that got no gradient in a step (all backward passes of an accumulation window)
+            gives: ``"zero"`` (zeros in the slot; ``param.grad`` untouched) or ``"error"`` (backward raises, naming
+            the parameters; DDP's find_unused_parameters).
+
+    Use it as a context manager, or call :meth:`close`, to remove its hooks.
+    """
+
+    def __init__(self, replica: torch.nn.Module, store: HostStore, worker: int = 0, bucket_mb: float = 25,
+                 first_bucket_mb: float = 1, unused: str = "zero"):
+        if not isinstance(replica, torch.nn.Module):
+            raise TypeError(f"GradientStreamer: replica must be an nn.Module; got {type(replica).__name__}")
+        if unused not in ("zero", "error"):
+            raise ValueError(f"GradientStreamer: unused must be 'zero' or 'error'; got {unused!r}")
+        if not bucket_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"GradientStreamer: bucket_mb and first_bucket_mb must be > 0; got {bucket_mb}, "
+                             f"{first_bucket_mb}")
+        store.grad_slot(worker)  # validates worker
+        self.store, self.worker, self.unused = store, worker, unused
+        self._params = self._replica_params(replica, store)
+        self.device = self._params[0].device
+        self.buckets = _make_buckets(store, bucket_mb, first_bucket_mb)
+        index = {name: i for i, name in enumerate(store.names)}
+        self._bucket_params = [[index[name] for name in b.names] for b in self.buckets]
+        self._bucket_of = [0] * len(self._params)
+        for k, members in enumerate(self._bucket_params):
+            for i in members:
+                self._bucket_of[i] = k
+        slot = store.grad_slot(worker)
+        self._slot_views = [slot[e.offset:e.offset + e.numel] for e in store.layout]
+        self._transfer = _C.BucketTransfer(len(self.buckets), str(self.device), f"w{worker}")
+        self._lock = threading.Lock()
+        self._accumulate = 1
+        self._no_sync = False
+        self._backward_count = 0
+        self._in_backward = False
+        self._sync = False
+        self._fired = [False] * len(self._params)  # got a gradient in the current accumulation window
+        self._pending = [0] * len(self.buckets)
+        self._next_launch = 0
+        self.hook_calls = 0
+        self._handles = self._register_hooks(replica)
+
+    @staticmethod
+    def _replica_params(replica, store) -> list[torch.Tensor]:
+        named = dict(replica.named_parameters())
+        params = []
+        for entry in store.layout:
+            param = named.get(entry.name)
+            if param is None or param.shape != entry.shape or not param.requires_grad:
+                raise ValueError(f"GradientStreamer: the replica must have a trainable parameter {entry.name!r} of "
+                                 f"shape {tuple(entry.shape)} like the store; got "
+                                 f"{None if param is None else (tuple(param.shape), param.requires_grad)}")
+            if not param.is_contiguous():
+                raise ValueError(f"GradientStreamer: replica parameter {entry.name!r} must be contiguous")
+            params.append(param)
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"GradientStreamer: a replica lives on one device; got {sorted(map(str, devices))}")
+        return params
+
+    def _register_hooks(self, replica) -> list:
+        ref = weakref.ref(self)  # the hooks must not keep the streamer alive (close() on __del__)
+
+        def on_grad(index):
+            def hook(param):
+                streamer = ref()
+                if streamer is not None:
+                    streamer._on_grad(index, param)
+            return hook
+
+        def before_forward(module, args):
+            streamer = ref()
+            if streamer is not None:
+                streamer.wait_weights()
+
+        handles = [p.register_post_accumulate_grad_hook(on_grad(i)) for i, p in enumerate(self._params)]
+        handles.append(replica.register_forward_pre_hook(before_forward))
+        return handles
+
+    # ---- hooks (autograd threads) ----
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        with self._lock:
+            if not self._in_backward:
+                self._begin_backward()
+            self.hook_calls += 1
+            self._fired[index] = True
+            if not self._sync:
+                return
+            k = self._bucket_of[index]
+            self._pending[k] -= 1
+            self._launch_ready()
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._sync = not self._no_sync and (self._backward_count + 1) % self._accumulate == 0
+        if self._sync:
+            self._pending = [len(members) for members in self._bucket_params]
+            self._next_launch = 0
+        ref = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: ref() is not None and ref()._end_backward())
+
+    def _end_backward(self) -> None:
+        with self._lock:
+            self._in_backward = False
+            self._backward_count += 1
+            if not self._sync:
+                return
+            never = [self.store.names[i] for i, fired in enumerate(self._fired) if not fired]
+            # Parameters that did not fire in this pass: their accumulated .grad, or zeros if they never fired in
+            # the window. Launched in "error" mode too, so that no waiter hangs.
+            self._pending = [0] * len(self.buckets)
+            self._launch_ready()
+            self._fired = [False] * len(self._params)
+        if never and self.unused == "error":
+            raise RuntimeError(
+                f"GradientStreamer(worker={self.worker}): {len(never)} parameter(s) received no gradient in this "
+                f"step: {never[:10]}; pass unused='zero' to stream zeros for them, or freeze them "
+                "(requires_grad=False) so the store leaves them out")
+
+    def _launch_ready(self) -> None:
+        """Launches, in bucket order, every bucket whose gradients are all ready."""
+        while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
+            k = self._next_launch
+            srcs = []
+            for i in self._bucket_params[k]:
+                grad = self._params[i].grad
+                srcs.append(grad.detach().contiguous() if self._fired[i] and grad is not None else None)
+            self._transfer.launch(_GRADS, k, srcs, [self._slot_views[i] for i in self._bucket_params[k]])
+            self._next_launch += 1
+
+    # ---- host side ----
+
+    def accumulate(self, n: int) -> "GradientStreamer":
+        """Copy gradients after every ``n``-th backward pass (gradient accumulation; ``param.grad`` accumulates as
+        usual in between, so zero it after each step). Returns self."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"GradientStreamer.accumulate: n must be an int >= 1; got {n!r}")
+        with self._lock:
+            self._accumulate = n
+            self._backward_count = 0
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this context only accumulate into ``param.grad``; the next one outside copies."""
+        with self._lock:
+            self._no_sync = True
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._no_sync = False
+                self._backward_count = -1 % self._accumulate  # the next backward completes the window
+
+    def wait(self, k: int) -> None:
+        """Block until bucket ``k``'s gradients of this step are in the worker's slot (its backward may still run)."""
+        self._transfer.wait(_GRADS, k, True)
+
+    def wait_all(self) -> None:
+        """Block until every bucket's gradients of this step are in the worker's slot."""
+        self._transfer.wait_all(_GRADS, True)
+
+    def copy_back(self, source: torch.Tensor | None = None, buckets: Sequence[int] | None = None) -> None:
+        """Start copying updated weights into the replica's parameters, bucket by bucket.
+
+        ``source`` is a flat store buffer (default: ``store.shadow`` if the store has one, else ``store.param``).
+        This also marks the buckets' gradients as consumed: the next :meth:`wait` waits for the next backward. The
+        replica's next forward waits for the copies (a forward pre-hook: on CUDA its stream waits on the events, on
+        CPU the host waits).
+        """
+        source = self._source(source)
+        for k in range(len(self.buckets)) if buckets is None else buckets:
+            self._copy_back_bucket(k, source)
+
+    def _source(self, source):
+        if source is None:
+            source = self.store.shadow if self.store.shadow is not None else self.store.param
+        if source.dim() != 1 or source.numel() != self.store.numel:
+            raise ValueError(f"GradientStreamer.copy_back: source must be a flat store buffer of {self.store.numel} "
+                             f"elements; got shape {tuple(source.shape)}")
+        return source
+
+    def _copy_back_bucket(self, k: int, source: torch.Tensor) -> None:
+        members = self._bucket_params[k]
+        layout = self.store.layout
+        srcs = [source[layout[i].offset:layout[i].offset + layout[i].numel] for i in members]
+        dsts = [self._params[i].detach().view(-1) for i in members]
+        self._transfer.release(_GRADS, k)
+        self._transfer.launch(_WEIGHTS, k, srcs, dsts)
+
+    def wait_weights(self, k: int | None = None) -> None:
+        """Order the replica's next work after the weight copies: on CUDA the current stream waits on the events
+        (no host block); on CPU the host waits. With ``k``, the host waits for bucket k's copy back (the store's
+        bucket k may be written again after this)."""
+        if k is None:
+            self._transfer.order_current_stream(_WEIGHTS)
+        else:
+            self._transfer.wait(_WEIGHTS, k, False)
+
+    def close(self) -> None:
+        """Remove every hook and finish the copies in flight. Idempotent."""
+        handles, self._handles = getattr(self, "_handles", []), []
+        for handle in handles:
+            handle.remove()
+        transfer = getattr(self, "_transfer", None)
+        if transfer is not None:
+            transfer.close()
+
+    def __enter__(self) -> "GradientStreamer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"GradientStreamer(worker={self.worker}, device={self.device}, buckets={len(self.buckets)}, "
+                f"unused={self.unused!r})")
+
+
+def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, step: int, *, lr: float,
+                     betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
+                     amsgrad: bool = False, maximize: bool = False, weights=None, grad_scale=None, found_inf=None,
+                     max_grad_norm=None, copy_back: bool = True):
+    """One optimizer step over the store, bucket by bucket, overlapped with the transfers.
+
+    For bucket k in order: wait until every streamer delivered bucket k (their backward passes may still run), wait
+    until the previous copy back of bucket k has completed, run :func:`pyengine.ops.mean_grad_adamw_` on the
+    bucket's range (gradients summed in the order of ``streamers``, writing ``store.shadow`` too when it exists),
+    then start bucket k's copy back to every replica. The update is elementwise, so the weights are bit-identical to
+    one update over the whole store after all gradients arrived. ``max_grad_norm`` needs the global norm first: all
+    buckets are waited for, the norm is taken, then the buckets are updated (no overlap with backward).
+
+    Returns the norm of the mean gradient when clipping, else None.
+    """
+    streamers = list(streamers)
+    _check_streamers(streamers, store)
+    if amsgrad and store.max_exp_avg_sq is None:
+        raise ValueError("pipelined_update: amsgrad=True needs a store built with amsgrad=True")
+    slots = [store.grad_slot(s.worker) for s in streamers]
+    beta1, beta2 = betas
+    weights = None if weights is None else [float(w) for w in weights]
+    norm, clip = None, 0.0
+    if max_grad_norm is not None:
+        clip = float(max_grad_norm)
+        if not clip > 0:
+            raise ValueError(f"pipelined_update: max_grad_norm must be > 0 or None; got {max_grad_norm}")
+        for s in streamers:
+            s.wait_all()
+        norm = torch.ops.pyengine.mean_grad_norm.default(slots, weights)[0]
+    for bucket in streamers[0].buckets:
+        k, b, e = bucket.index, bucket.begin, bucket.end
+        for s in streamers:
+            s.wait(k)
+        for s in streamers:
+            s.wait_weights(k)  # the copy back of the previous step still reads bucket k (the Note in transfer.h)
+        _C._nvtx_push(f"pyengine/update b{k}")
+        try:
+            torch.ops.pyengine.mean_grad_adamw_.default(
+                store.param[b:e], store.exp_avg[b:e], store.exp_avg_sq[b:e], [slot[b:e] for slot in slots],
+                lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                weight_decay=float(weight_decay), step=int(step), adamw=bool(adamw), maximize=bool(maximize),
+                amsgrad=bool(amsgrad), max_exp_avg_sq=store.max_exp_avg_sq[b:e] if amsgrad else None,
+                grad_scale=grad_scale, found_inf=found_inf, weights=weights,
+                param_out=None if store.shadow is None else store.shadow[b:e], grad_norm=norm, max_grad_norm=clip)
+        finally:
+            _C._nvtx_pop()
+        for s in streamers:
+            if copy_back:
+                s._copy_back_bucket(k, s._source(None))
+            else:
+                s._transfer.release(_GRADS, k)
+    return norm
+
+
+def _check_streamers(streamers: list[GradientStreamer], store: HostStore) -> None:
+    if not streamers:
+        raise ValueError("pipelined_update: streamers must hold at least one GradientStreamer")
+    for s in streamers:
+        if s.store is not store:
+            raise ValueError(f"pipelined_update: {s!r} streams into another store")
+        if [(b.begin, b.end) for b in s.buckets] != [(b.begin, b.end) for b in streamers[0].buckets]:
+            raise ValueError("pipelined_update: all streamers must use the same buckets (same bucket_mb and "
+                             "first_bucket_mb)")
+    workers = [s.worker for s in streamers]
+    if len(set(workers)) != len(workers):
+        raise ValueError(f"pipelined_update: each worker must appear once; got workers {workers}")
