@@ -1,0 +1,294 @@
+"""Fused mean-gradient AdamW (pyengine.ops.mean_grad_adamw_) against the stock torch paths.
+
+Paths, all on preallocated buffers, each checked against the stock result before it is timed:
+
+- ``ours``:  ``pyengine.ops.mean_grad_adamw_(param, m, v, grads, ...)``, one pass over memory.
+- ``stock``: the best stock path: ``torch.add(g0, g1, out=buf)`` (bf16: ``buf.copy_(g0)``, torch would add two bf16
+  tensors in bf16), ``torch._foreach_add_`` of the remaining gradients into that one fp32 buffer, ``mul_(1/G)``, then ``torch.optim.AdamW(fused=True).step()`` (G=1: the fp32 gradient is the
+  ``.grad`` itself; a bf16 one is copied into the fp32 buffer, fused AdamW needs the param's dtype).
+- ``stack``: ``torch.stack(grads, out=...)``, ``torch.mean(..., 0, out=buf)`` + fused AdamW.
+- ``adamw``: fused AdamW alone on a ready fp32 gradient (the floor for G=1).
+- ``deepspeed``: the mean as in ``stock``, then DeepSpeed's CPU Adam, when deepspeed is importable.
+
+Bytes counted for one update (the fewest a single pass can move): 4N(G+6) with fp32 gradients, 2NG+24N with bf16.
+GB/s are quoted against a copy bandwidth measured in the same process (``dst.copy_(src)`` of 32M floats, read+write).
+
+Two ways to run:
+
+    pytest bench/bench_fused_adamw.py --benchmark-only           # pytest-benchmark, one test per path and case
+    python bench/bench_fused_adamw.py --quick|--full [--cuda]    # interleaved medians, markdown table (RESULTS.md)
+
+These VMs are noisy: the script mode alternates the paths round by round in one process and reports medians.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import pyengine.ops as ops
+
+LR, WEIGHT_DECAY = 1e-3, 1e-2
+COPY_NUMEL = 32 << 20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def update_bytes(n: int, g: int, dtype: str) -> int:
+    return 4 * n * (g + 6) if dtype == "fp32" else 2 * n * g + 24 * n
+
+
+def deepspeed_adam():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001  (not installed, or its op fails to build: skip)
+        return None
+    return DeepSpeedCPUAdam
+
+
+@dataclass
+class Workspace:
+    """Every buffer of one (N, G, dtype, device) case, allocated and touched once, reused by every round."""
+
+    n: int
+    g: int
+    dtype: str
+    device: str
+    grads: list = field(init=False)
+
+    def __post_init__(self):
+        dev, dt = torch.device(self.device), DTYPES[self.dtype]
+        self.grads = [torch.randn(self.n, device=dev).to(dt) for _ in range(self.g)]
+        init = torch.randn(self.n, device=dev)
+        self.param, self.exp_avg, self.exp_avg_sq = init.clone(), torch.zeros_like(init), torch.zeros_like(init)
+        self.step = 0
+        self.buf = torch.randn_like(init)
+        self.stock_param = torch.nn.Parameter(init.clone())
+        self.stock_opt = torch.optim.AdamW([self.stock_param], lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        self.stack_buf = None
+        self.ds_param = None
+
+    # -- the paths ----------------------------------------------------------------------------------------------
+    def ours(self):
+        self.step += 1
+        ops.mean_grad_adamw_(self.param, self.exp_avg, self.exp_avg_sq, self.grads, lr=LR,
+                             weight_decay=WEIGHT_DECAY, step=self.step)
+
+    def mean_into_buf(self):
+        grads = self.grads
+        if len(grads) == 1:
+            if grads[0].dtype == torch.float32:
+                return grads[0]
+            return self.buf.copy_(grads[0])
+        if grads[0].dtype == torch.float32 and grads[1].dtype == torch.float32:
+            torch.add(grads[0], grads[1], out=self.buf)  # saves the copy; with bf16 inputs it would add in bf16
+            rest = grads[2:]
+        else:
+            self.buf.copy_(grads[0])
+            rest = grads[1:]
+        for g in rest:
+            torch._foreach_add_([self.buf], [g])
+        return self.buf.mul_(1.0 / len(grads))
+
+    def stock(self):
+        self.stock_param.grad = self.mean_into_buf()
+        self.stock_opt.step()
+
+    def stack(self):
+        if self.stack_buf is None:
+            self.stack_buf = torch.empty((self.g, self.n), dtype=self.grads[0].dtype, device=self.buf.device)
+        torch.stack(self.grads, out=self.stack_buf)
+        torch.mean(self.stack_buf, 0, dtype=torch.float32, out=self.buf)
+        self.stock_param.grad = self.buf
+        self.stock_opt.step()
+
+    def adamw(self):
+        self.stock_param.grad = self.buf
+        self.stock_opt.step()
+
+    def deepspeed(self):
+        if self.ds_param is None:
+            self.ds_param = torch.nn.Parameter(self.param.clone())
+            self.ds_opt = deepspeed_adam()([self.ds_param], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+        self.ds_param.grad = self.mean_into_buf()
+        self.ds_opt.step()
+
+    # -- correctness before timing ------------------------------------------------------------------------------
+    def check(self):
+        """One step of ours and of the stock path from the same state: the weights must agree."""
+        with torch.no_grad():
+            self.stock_param.copy_(self.param)
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.step = 0
+        self.ours()
+        self.stock()  # first step: creates (and zero-fills) the optimizer's state
+        torch.testing.assert_close(self.param, self.stock_param.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"ours vs stock, N={self.n} G={self.g} {self.dtype}: {m}")
+        state = self.stock_opt.state[self.stock_param]
+        torch.testing.assert_close(self.exp_avg, state["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+def sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_once(fn, device: str) -> float:
+    """Seconds of one call: host clock on the CPU, CUDA events on the GPU."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(fns: dict, rounds: int, device: str, warmup: int = 2) -> dict:
+    """Median seconds per path, the paths alternating within every round (same noise for all)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(device)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_once(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+class CopyBench:
+    """dst.copy_(src) of 32M floats (256M for CUDA, to leave the 50 MB L2), counted as bytes read + written."""
+
+    def __init__(self, device: str):
+        numel = COPY_NUMEL * (8 if device == "cuda" else 1)
+        self.src = torch.randn(numel, device=device)
+        self.dst = torch.empty_like(self.src).fill_(0)
+        self.bytes = 2 * 4 * numel
+
+    def __call__(self):
+        self.dst.copy_(self.src)
+
+
+# -- pytest-benchmark -------------------------------------------------------------------------------------------
+try:
+    import pytest
+except ImportError:  # script mode needs no pytest
+    pytest = None
+
+if pytest is not None:
+    _workspaces: dict = {}
+
+    def _workspace(n, g, dtype):
+        key = (n, g, dtype)
+        if key not in _workspaces:
+            _workspaces.clear()  # one case's buffers at a time (32M x G=8 fp32 is ~3 GB with every path)
+            ws = Workspace(n, g, dtype, "cpu")
+            ws.check()
+            _workspaces[key] = ws
+        return _workspaces[key]
+
+    @pytest.mark.parametrize("threads", [1, 2])
+    @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+    @pytest.mark.parametrize("g", [1, 2, 4, 8])
+    @pytest.mark.parametrize("n", [32 << 20, 4 << 20], ids=["32M", "4M"])
+    @pytest.mark.parametrize("path", ["ours", "stock", "stack", "deepspeed"])
+    def test_mean_grad_adamw(benchmark, path, n, g, dtype, threads):
+        if path == "deepspeed" and deepspeed_adam() is None:
+            pytest.skip("deepspeed is not importable")
+        torch.set_num_threads(threads)
+        ws = _workspace(n, g, dtype)
+        copy = CopyBench("cpu")
+        fn = getattr(ws, path)
+        medians = interleaved_medians({path: fn, "stock": ws.stock, "copy": copy}, rounds=3, device="cpu")
+        benchmark.pedantic(fn, rounds=5, warmup_rounds=1)
+        nbytes = update_bytes(n, g, dtype)
+        t = benchmark.stats.stats.median
+        benchmark.extra_info.update({
+            "time_s": t, "bytes": nbytes, "GBps": nbytes / t / 1e9,
+            "copy_GBps": copy.bytes / medians["copy"] / 1e9,
+            "ratio_to_stock": medians["stock"] / medians[path],  # interleaved: > 1 means faster than stock
+        })
+
+
+# -- script mode: interleaved medians, markdown table ------------------------------------------------------------
+def run_table(sizes, gs, dtypes, threads_list, rounds, device, paths):
+    rows = []
+    copy = CopyBench(device)
+    for threads in threads_list:
+        if device == "cpu":
+            torch.set_num_threads(threads)
+        for n in sizes:
+            for dtype in dtypes:
+                for g in gs:
+                    ws = Workspace(n, g, dtype, device)
+                    ws.check()
+                    fns = {p: getattr(ws, p) for p in paths if p != "adamw" or g == 1}
+                    fns["copy"] = copy
+                    med = interleaved_medians(fns, rounds, device)
+                    rows.append(dict(n=n, g=g, dtype=dtype, threads=threads, med=med,
+                                     bytes=update_bytes(n, g, dtype), copy_GBps=copy.bytes / med["copy"] / 1e9))
+                    print(format_row(rows[-1], paths), flush=True)
+                    del ws
+    return rows
+
+
+def header(paths):
+    cols = ["N", "G", "grads", "threads"] + [f"{p} ms" for p in paths] + \
+           ["ours GB/s", "copy GB/s", "ours/copy", "stock/ours"]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def format_row(r, paths):
+    med = r["med"]
+    ours_gbps = r["bytes"] / med["ours"] / 1e9
+    cells = [f"{r['n'] >> 20}M", str(r["g"]), r["dtype"], str(r["threads"])]
+    cells += [f"{med[p] * 1e3:.2f}" if p in med else "" for p in paths]
+    cells += [f"{ours_gbps:.1f}", f"{r['copy_GBps']:.1f}", f"{ours_gbps / r['copy_GBps']:.2f}",
+              f"{med['stock'] / med['ours']:.2f}x"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_true", help="N=32M, G in {1,4,8}, 1 thread, 7 rounds")
+    mode.add_argument("--full", action="store_true", help="N in {32M,4M}, G in {1,2,4,8}, 1 and 2 threads")
+    ap.add_argument("--cuda", action="store_true", help="run on the GPU (CUDA events; copy = 1 GiB device copy)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", help="also write the markdown table to this file")
+    args = ap.parse_args(argv)
+
+    device = "cuda" if args.cuda else "cpu"
+    if args.cuda and not torch.cuda.is_available():
+        sys.exit("--cuda: torch.cuda.is_available() is False")
+    paths = ["ours", "stock", "stack", "adamw"]
+    if device == "cpu" and args.full and deepspeed_adam() is not None:
+        paths.append("deepspeed")
+    if args.quick:
+        sizes, gs, threads = [32 << 20], [1, 4, 8], [1]
+    else:
+        sizes, gs, threads = [32 << 20, 4 << 20], [1, 2, 4, 8], [1, 2]
+    if device == "cuda":
+        sizes, threads = ([64 << 20] if args.quick else [256 << 20, 32 << 20]), [1]
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads max"
+    title = (f"{datetime.date.today()} torch {torch.__version__}, {machine}, cpu isa {ops._C.cpu_isa()}, "
+             f"median of {args.rounds} interleaved rounds")
+    print(title)
+    print(header(paths), flush=True)
+    rows = run_table(sizes, gs, ["fp32", "bf16"], threads, args.rounds, device, paths)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(title + "\n\n" + header(paths) + "\n" + "\n".join(format_row(r, paths) for r in rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

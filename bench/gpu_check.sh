@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU suite: one command for a machine with a CUDA GPU (an H100 here), run from a clean checkout.
+#
+#   bench/gpu_check.sh            logs and summary.md under $OUT (or bench/out/ when OUT is unset)
+#
+# Stages, each logged, timed and recorded in summary.md; a failing stage does not stop the next:
+#   env        nvidia-smi, the machine's own torch and nvcc
+#   build      pip install -e . --no-build-isolation --no-deps with that torch (fallback: setup.py build_ext --inplace)
+#   tests      pytest tests -q -k cuda (the CUDA twins that skip on GPU-less machines)
+#   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
+#   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
+#   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
+# Needs no network. PYTHON picks the interpreter (default python3: the one holding that machine's torch).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PYTHON=${PYTHON:-python3}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.md"
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+declare -a ROWS=()
+
+# stage NAME LOG TIMEOUT_S COMMAND...: runs the command, appends its output to LOG, records status and time.
+stage() {
+  local name=$1 log=$2 limit=$3
+  shift 3
+  echo "== $name: $*" | tee -a "$log"
+  local start=$SECONDS rc
+  timeout "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  local status=ok
+  [[ $rc -ne 0 ]] && status="FAILED (rc=$rc$([[ $rc -eq 124 ]] && echo ", timed out after ${limit}s"))"
+  ROWS+=("| $name | $status | $((SECONDS - start)) | $(basename "$log") |")
+  echo "== $name: $status" | tee -a "$log"
+  tail -n 5 "$log"
+}
+
+build() {
+  "$PYTHON" -m pip install -e . --no-build-isolation --no-deps -v && return 0
+  echo "pip install -e failed; falling back to setup.py build_ext --inplace"
+  "$PYTHON" setup.py build_ext --inplace
+}
+
+check_build() {
+  "$PYTHON" -c 'import torch, pyengine.ops as ops
+print("pyengine._C.with_cuda =", ops._C.with_cuda, "| cpu isa", ops._C.cpu_isa())
+assert ops._C.with_cuda, "pyengine was built without CUDA"
+assert torch.cuda.is_available(), "torch sees no GPU"'
+}
+
+cat >"$SCRATCH/sanitize_case.py" <<'EOF'
+# A small case through every op on CUDA: odd length, an unaligned view (scalar path), mixed gradient dtypes, every
+# option. Run under compute-sanitizer; the caching allocator is off so every buffer is its own allocation.
+import torch
+import pyengine.ops as ops
+
+dev = torch.device("cuda")
+n = 100003
+for offset in (0, 1):  # offset 1: the tensors start 4 bytes past a 16-byte boundary
+    def buf(dtype=torch.float32, fill=None):
+        t = torch.randn(n + offset, device=dev)[offset:].to(dtype)
+        return t if fill is None else t.fill_(fill)
+    p, m, v, vmax = buf(), buf(fill=0.0), buf(fill=0.0), buf(fill=0.0)
+    grads = [buf(), buf(torch.bfloat16), buf(torch.float16)]
+    out = torch.empty(n + offset, device=dev, dtype=torch.bfloat16)[offset:]
+    for step in (1, 2):
+        ops.mean_grad_adamw_(p, m, v, grads, lr=1e-3, weight_decay=0.01, step=step, amsgrad=True, max_exp_avg_sq=vmax,
+                             grad_scale=torch.full((1,), 2.0, device=dev), found_inf=torch.zeros(1, device=dev),
+                             weights=[0.5, 0.25, 0.25], param_out=out, max_grad_norm=1.0)
+    norm = ops.mean_grad_norm(grads)
+    params = [buf(), torch.randn(33, device=dev)]
+    ops.mean_grad_adamw_multi_(params, [torch.zeros_like(x) for x in params], [torch.zeros_like(x) for x in params],
+                               [[torch.randn_like(x) for x in params] for _ in range(2)], lr=1e-3, step=1,
+                               max_grad_norm=1.0)
+    ops.mean_grad_norm_multi([[torch.randn_like(x) for x in params] for _ in range(2)])
+torch.cuda.synchronize()
+assert torch.isfinite(p).all() and torch.isfinite(norm.norm), "non-finite result"
+print("sanitize case done, norm", norm.norm.item())
+EOF
+
+sanitize() {
+  command -v compute-sanitizer >/dev/null || { echo "compute-sanitizer not on PATH"; return 127; }
+  local rc=0
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$PYTHON" "$SCRATCH/sanitize_case.py" || rc=1
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck --error-exitcode 1 \
+    "$PYTHON" "$SCRATCH/sanitize_case.py" || rc=1
+  return $rc
+}
+
+stage env "$OUT/env.log" 120 bash -c "nvidia-smi; nvcc --version || /usr/local/cuda/bin/nvcc --version; \
+  $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
+  $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools) '"
+stage build "$OUT/build.log" 1200 build
+stage import "$OUT/build.log" 120 check_build
+stage tests "$OUT/tests.log" 1200 "$PYTHON" -m pytest tests -q -k cuda -p no:cacheprovider
+stage ctest "$OUT/ctest.log" 1200 env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
+  tests/cpp/run_ctest.sh -DPYENGINE_WITH_CUDA=ON
+stage sanitizer "$OUT/sanitizer.log" 1200 sanitize
+stage bench "$OUT/bench.log" 1800 "$PYTHON" bench/bench_fused_adamw.py --full --cuda --out "$OUT/bench_cuda.md"
+
+{
+  echo "# pyengine GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo
+  echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo none)"
+  echo "torch: $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo
+  echo "| stage | status | seconds | log |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${ROWS[@]}"
+  echo
+  if [[ -s "$OUT/bench_cuda.md" ]]; then
+    echo "## CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
+    echo
+    cat "$OUT/bench_cuda.md"
+  fi
+} >"$SUMMARY"
+cat "$SUMMARY"
+! grep -q FAILED "$SUMMARY"
