@@ -68,6 +68,8 @@ class Engine:
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.devices = parse_devices(devices)
+        # model.parameters() order (shared parameters once): how torch.optim indexes its state
+        self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.mode = mode
         self.loss_fn = loss_fn
         self.optimizer = optimizer if optimizer is not None else AdamW()
@@ -146,7 +148,7 @@ class Engine:
 
     def optimizer_state_dict(self) -> dict:
         """The Adam state in ``torch.optim.AdamW.state_dict()`` form."""
-        return self.optimizer.torch_state_dict(self.store, self.version)
+        return self.optimizer.torch_state_dict(self.store, self.version, self.param_names)
 
     def state_dict(self) -> dict:
         """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics."""
@@ -176,7 +178,7 @@ class Engine:
             if tuple(value.shape) != tuple(views[name].shape) or value.dtype != torch.float32:
                 raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
                                  f"{value.dtype} {tuple(value.shape)}")
-        step = self.optimizer.load_torch_state_dict(self.store, sd["optimizer"])
+        step = self.optimizer.load_torch_state_dict(self.store, sd["optimizer"], self.param_names)
         for name, value in sd["master"].items():
             views[name].copy_(value)
         self.version = int(sd["version"])

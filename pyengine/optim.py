@@ -58,12 +58,13 @@ class AdamW:
     def config(self) -> dict:
         return asdict(self)
 
-    def torch_state_dict(self, store, step: int) -> dict:
-        """The optimizer state in ``torch.optim.AdamW.state_dict()`` form (params indexed in model order)."""
+    def torch_state_dict(self, store, step: int, names: list[str]) -> dict:
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` form; ``names`` are the trainable parameters
+        in ``model.parameters()`` order, which is how torch indexes them."""
         views = {name: store.views(flat) for name, flat in self._state_buffers(store).items()}
         state = {}
         if step > 0:
-            for index, name in enumerate(store.names):
+            for index, name in enumerate(names):
                 entry = {"step": torch.tensor(float(step))}
                 for key in views:
                     entry[key] = views[key][name].detach().clone()
@@ -71,24 +72,24 @@ class AdamW:
         group = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                      amsgrad=self.amsgrad, maximize=self.maximize, foreach=None, capturable=False,
                      differentiable=False, fused=None, decoupled_weight_decay=self.adamw,
-                     params=list(range(len(store.names))))
+                     params=list(range(len(names))))
         return {"state": state, "param_groups": [group]}
 
-    def load_torch_state_dict(self, store, state_dict: dict) -> int:
+    def load_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
         """Copies a ``torch.optim.AdamW.state_dict()`` into the store; returns its step count."""
         if set(state_dict) != {"state", "param_groups"} or len(state_dict["param_groups"]) != 1:
             raise ValueError("expected a torch.optim state_dict with keys 'state' and 'param_groups' and one group")
         state = state_dict["state"]
         if not state:
             return 0
-        if sorted(state) != list(range(len(store.names))):
-            raise ValueError(f"optimizer state covers params {sorted(state)}; the model has {len(store.names)}")
+        if sorted(state) != list(range(len(names))):
+            raise ValueError(f"optimizer state covers params {sorted(state)}; the model has {len(names)}")
         steps = {float(entry["step"]) for entry in state.values()}
         if len(steps) != 1:
             raise ValueError(f"every param must be at the same step; got steps {sorted(steps)}")
         for key, flat in self._state_buffers(store).items():
             views = store.views(flat)
-            for index, name in enumerate(store.names):
+            for index, name in enumerate(names):
                 value = state[index][key]
                 if tuple(value.shape) != tuple(views[name].shape):
                     raise ValueError(f"state[{index}][{key!r}] has shape {tuple(value.shape)}; param {name!r} "

@@ -1,0 +1,361 @@
+"""The engine's three schedules, each against a reference it does not share code with: torch.optim on one copy of
+the model (float64), run step by step on the same batches."""
+import copy
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+import pyengine
+from pyengine import AdamW, Engine, WorkerError
+
+OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+
+
+def make_model(seed=0, d_in=10, hidden=24, d_out=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, d_out))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def make_batches(rng, count, size, d_in=10, classes=3):
+    return [(torch.randn(size, d_in, generator=rng), torch.randint(0, classes, (size,), generator=rng))
+            for _ in range(count)]
+
+
+class TorchReference:
+    """One model in float64 trained by torch.optim.AdamW: the independent reference."""
+
+    def __init__(self, model, **opt):
+        self.model = copy.deepcopy(model).double()
+        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=False, **opt)
+
+    def step(self, batches, clip=None):
+        self.opt.zero_grad()
+        for x, y in batches:
+            loss_fn(self.model, (x.double(), y)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.opt.step()
+
+
+def assert_matches(engine, reference, rtol=1e-5):
+    master = engine.master_state_dict()
+    for name, p in reference.model.named_parameters():
+        scale = p.detach().abs().max().item()
+        torch.testing.assert_close(master[name].double(), p.detach(), rtol=rtol, atol=rtol * scale, msg=name)
+
+
+@pytest.mark.parametrize("workers,batch", [(1, 32), (2, 32), (4, 67)], ids=["G1", "G2", "G4-uneven"])
+def test_hybrid_equals_one_big_batch(rng, workers, batch):
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    with Engine(model, loss_fn, devices=["cpu"] * workers, optimizer=AdamW(**OPT)) as engine:
+        for b in make_batches(rng, 12, batch):
+            engine.step(b)
+            reference.step([b])
+        assert_matches(engine, reference)
+        assert engine.stats()["applied_updates"] == 12
+
+
+def test_hybrid_with_clipping(rng):
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    with Engine(model, loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT, max_grad_norm=0.05)) as engine:
+        for b in make_batches(rng, 10, 30):
+            engine.step(b)
+            reference.step([b], clip=0.05)
+        assert_matches(engine, reference)
+
+
+def test_hybrid_is_bit_reproducible(rng):
+    batches = make_batches(rng, 6, 40)
+    results = []
+    for _ in range(2):
+        with Engine(make_model(), loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT), seed=7) as engine:
+            for b in batches:
+                engine.step(b)
+            results.append(engine.master_state_dict())
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_sync_equals_sequential_training(rng):
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    with Engine(model, loss_fn, devices=["cpu"] * 3, mode="sync", optimizer=AdamW(**OPT)) as engine:
+        for i, b in enumerate(make_batches(rng, 10, 16)):
+            metrics = engine.step(b)
+            assert metrics["worker"] == i % 3, "sync is round-robin"
+            reference.step([b])
+        assert_matches(engine, reference)
+
+
+def test_async_with_one_worker_equals_sync_exactly(rng):
+    batches = make_batches(rng, 9, 16)
+    with Engine(make_model(), loss_fn, devices=["cpu"], mode="sync", optimizer=AdamW(**OPT)) as sync:
+        sync.fit(batches)
+        expected = sync.master_state_dict()
+    with Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=AdamW(**OPT)) as engine:
+        engine.fit(batches)
+        got = engine.master_state_dict()
+        assert engine.stats()["pushes"] == 9 and engine.stats()["staleness_max"] == 0
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def test_async_accumulate_sums_minibatch_gradients(rng):
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    batches = make_batches(rng, 8, 16)
+    with Engine(model, loss_fn, devices=["cpu"], mode="async", optimizer=AdamW(**OPT), accumulate=2) as engine:
+        engine.fit(batches)
+        assert engine.stats()["pushes"] == 4
+    for i in range(0, 8, 2):
+        reference.step(batches[i:i + 2])
+    assert_matches(engine, reference)
+
+
+def test_async_batch_schedule_grows_the_minibatch(rng):
+    batches = make_batches(rng, 7, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=AdamW(**OPT),
+                batch_schedule=lambda version: 1 if version < 3 else 2) as engine:
+        history = engine.fit(batches)
+    assert [m["samples"] for m in history] == [8, 8, 8, 16, 16]
+
+
+def test_async_stress_every_push_applied_exactly_once(rng):
+    batches = make_batches(rng, 50, 4)
+    with Engine(make_model(hidden=8), loss_fn, devices=["cpu"] * 8, mode="async", optimizer=AdamW(**OPT)) as engine:
+        engine.fit(batches, epochs=40)
+        stats = engine.stats()
+        history = engine.history
+    assert stats["pushes"] == 2000 == len(history)
+    assert stats["applied_updates"] == stats["pushes"] == stats["version"]
+    assert sum(stats["staleness_histogram"].values()) == stats["pushes"]
+    applied_versions = sorted(m["version_at_apply"] for m in history)
+    assert applied_versions == list(range(2000)), "each push gets its own version: none lost, none doubled"
+    for m in history:
+        assert m["staleness"] == m["version_at_apply"] - m["version_at_pull"] >= 0
+    assert {m["worker"] for m in history} == set(range(8))
+
+
+def test_async_max_staleness_bounds_every_applied_push(rng):
+    batches = make_batches(rng, 60, 4)
+    with Engine(make_model(hidden=8), loss_fn, devices=["cpu"] * 4, mode="async", optimizer=AdamW(**OPT),
+                max_staleness=1) as engine:
+        engine.fit(batches)
+        stats = engine.stats()
+    assert stats["pushes"] == 60
+    assert stats["staleness_max"] <= 1
+
+
+def test_async_inverse_staleness_damps_lr(rng, monkeypatch):
+    batches = make_batches(rng, 40, 4)
+    engine = Engine(make_model(hidden=8), loss_fn, devices=["cpu"] * 4, mode="async", optimizer=AdamW(**OPT),
+                    staleness_lr="inverse")
+    seen = []
+    original = engine.apply_update
+
+    def spy(workers, weights, lr=None):
+        seen.append((engine.version, lr))
+        return original(workers, weights, lr)
+
+    monkeypatch.setattr(engine, "apply_update", spy)
+    with engine:
+        history = engine.fit(batches)
+    assert len(seen) == len(history) == 40
+    for (version, lr), m in zip(seen, history):
+        assert version - m["version_at_pull"] == m["staleness"]
+        assert lr == pytest.approx(OPT["lr"] / (1 + m["staleness"]))
+
+
+def test_nonfinite_gradient_skip_and_raise(rng):
+    batches = make_batches(rng, 4, 8)
+    poisoned = (batches[2][0].clone(), batches[2][1])
+    poisoned[0][0, 0] = float("inf")
+    batches[2] = poisoned
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.step(batches[0])
+        engine.step(batches[1])
+        before = engine.master_state_dict()
+        metrics = engine.step(batches[2])
+        assert not metrics["applied"] and engine.stats()["skipped_steps"] == 1
+        after = engine.master_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(torch.isfinite(v).all() for v in after.values())
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), nonfinite="raise") as engine:
+        with pytest.raises(FloatingPointError, match="non-finite gradient"):
+            engine.step(batches[2])
+
+
+def test_failing_worker_is_named_and_weights_keep_last_update(rng):
+    batches = make_batches(rng, 3, 12)
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def flaky(model, batch):
+        with lock:
+            calls["n"] += 1
+            n = calls["n"]
+        if n == 5:  # step 2 (calls 4..6), one of the workers
+            raise RuntimeError("boom in loss")
+        return loss_fn(model, batch)
+
+    with Engine(make_model(), flaky, devices=["cpu"] * 3, optimizer=AdamW(**OPT)) as engine:
+        engine.step(batches[0])
+        before = engine.master_state_dict()
+        with pytest.raises(WorkerError, match=r"worker \d \(cpu\) failed: RuntimeError: boom in loss") as info:
+            engine.step(batches[1])
+        assert isinstance(info.value.__cause__, RuntimeError) and info.value.worker in range(3)
+        after = engine.master_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_failing_async_worker_stops_everyone(rng):
+    batches = make_batches(rng, 400, 4)
+
+    def slow_then_fail(model, batch):
+        if threading.current_thread().name.endswith("-2") and batch[0][0, 0] > 2.5:
+            raise ValueError("bad sample")
+        time.sleep(0.002)
+        return loss_fn(model, batch)
+
+    start = time.monotonic()
+    with Engine(make_model(), slow_then_fail, devices=["cpu"] * 4, mode="async") as engine:
+        with pytest.raises(WorkerError, match=r"worker 2 \(cpu\) failed: ValueError: bad sample"):
+            engine.fit(batches, epochs=50)
+    assert time.monotonic() - start < 60
+    assert not [t for t in threading.enumerate() if t.name.startswith("pyengine-async")], "orphan worker thread"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(devices=["cuda:7"]), r"(asks for CUDA|does not exist)"),
+    (dict(devices=["tpu"]), r"is not a device|neither 'cpu' nor"),
+    (dict(devices=[]), r"non-empty list"),
+    (dict(mode="gossip"), r"mode must be one of"),
+    (dict(accumulate=2), r"accumulate is an async option"),
+    (dict(nonfinite="ignore"), r"nonfinite must be"),
+    (dict(max_staleness=-1, mode="async"), r"max_staleness must be"),
+    (dict(staleness_lr="sqrt", mode="async"), r"staleness_lr must be"),
+])
+def test_bad_engine_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(make_model(), loss_fn, **kwargs)
+
+
+def test_no_trainable_parameters_is_an_error():
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        Engine(model, loss_fn, devices=["cpu"])
+
+
+def test_batch_smaller_than_workers_and_non_scalar_loss(rng):
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 4) as engine:
+        with pytest.raises(ValueError, match="a batch of 3 samples cannot feed 4 workers"):
+            engine.step(make_batches(rng, 1, 3)[0])
+    per_sample = lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+    with Engine(make_model(), per_sample, devices=["cpu"] * 2) as engine:
+        with pytest.raises(WorkerError, match="loss_fn must return a scalar"):
+            engine.step(make_batches(rng, 1, 8)[0])
+
+
+def test_state_dict_resume_is_bit_identical(rng):
+    batches = make_batches(rng, 10, 24)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+        for b in batches:
+            engine.step(b)
+        straight = engine.master_state_dict()
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+        for b in batches[:4]:
+            engine.step(b)
+        saved = copy.deepcopy(engine.state_dict())
+    with Engine(make_model(seed=1), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+        engine.load_state_dict(saved)
+        for b in batches[4:]:
+            engine.step(b)
+        resumed = engine.master_state_dict()
+        assert engine.stats()["steps"] == 10
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_load_state_dict_rejects_foreign_state():
+    with Engine(make_model(), loss_fn, devices=["cpu"]) as engine:
+        with pytest.raises(ValueError, match="not a pyengine engine state"):
+            engine.load_state_dict({"weights": 1})
+        other = Engine(make_model(hidden=5), loss_fn, devices=["cpu"])
+        with pytest.raises(ValueError, match="expected float32"):
+            engine.load_state_dict(other.state_dict())
+        other.close()
+
+
+def test_optimizer_state_dict_matches_torch(rng):
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    with Engine(model, loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        for b in make_batches(rng, 5, 20):
+            engine.step(b)
+            reference.step([b])
+        ours = engine.optimizer_state_dict()
+    theirs = reference.opt.state_dict()
+    assert set(ours["state"]) == set(theirs["state"])
+    for index, entry in theirs["state"].items():
+        assert set(entry) == set(ours["state"][index])
+        assert float(ours["state"][index]["step"]) == float(entry["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours["state"][index][key].double(), entry[key], rtol=1e-4, atol=1e-7)
+    group, ref_group = ours["param_groups"][0], theirs["param_groups"][0]
+    for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "params"):
+        assert group[key] == ref_group[key], key
+    # and back: a torch.optim.AdamW can load it
+    fresh = torch.optim.AdamW(copy.deepcopy(model).parameters(), **OPT)
+    fresh.load_state_dict(ours)
+
+
+def test_bf16_autocast_trains_with_fp32_master(rng):
+    batches = make_batches(rng, 30, 32)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(lr=3e-2), autocast=torch.bfloat16) as e:
+        assert e.store.grad_slot(0).dtype == torch.bfloat16 and e.store.param.dtype == torch.float32
+        history = e.fit(batches[:1] * 30)
+    assert history[-1]["loss"] < 0.5 * history[0]["loss"], "overfitting one batch must reduce its loss"
+
+
+def test_metrics_trace_and_unused_parameters(rng, tmp_path):
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(10, 3)
+            self.unused = torch.nn.Linear(10, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = WithUnused()
+    with Engine(model, loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**{**OPT, "weight_decay": 0.0})) as engine:
+        history = engine.fit(make_batches(rng, 3, 8))
+        engine.trace(tmp_path / "trace.json")
+        unused = engine.master_state_dict()["unused.weight"]
+    assert torch.equal(unused, model.unused.weight.detach()), "zero gradient and no decay: unchanged"
+    for key in ("loss", "samples_per_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s",
+                "overlap_efficiency"):
+        assert key in history[-1]
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    rows = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"host", "worker0", "worker1"} <= rows
+    assert any(e.get("name") == "update" for e in events)
+
+
+def test_default_devices_and_public_api():
+    with Engine(make_model(), loss_fn) as engine:
+        expected = torch.cuda.device_count() if torch.cuda.is_available() else 2
+        assert engine.num_workers == expected
+    assert pyengine.Engine is Engine and pyengine.AdamW is AdamW
