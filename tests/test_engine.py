@@ -220,17 +220,20 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng):
 
 def test_failing_async_worker_stops_everyone(rng):
     batches = make_batches(rng, 400, 4)
+    calls = threading.local()
 
-    def slow_then_fail(model, batch):
-        if threading.current_thread().name.endswith("-2") and batch[0][0, 0] > 2.5:
+    def fail_on_fifth_call_of_worker_2(model, batch):
+        calls.n = getattr(calls, "n", 0) + 1
+        if threading.current_thread().name == "pyengine-async-2" and calls.n == 5:
             raise ValueError("bad sample")
         time.sleep(0.002)
         return loss_fn(model, batch)
 
     start = time.monotonic()
-    with Engine(make_model(), slow_then_fail, devices=["cpu"] * 4, mode="async") as engine:
+    with Engine(make_model(), fail_on_fifth_call_of_worker_2, devices=["cpu"] * 4, mode="async") as engine:
         with pytest.raises(WorkerError, match=r"worker 2 \(cpu\) failed: ValueError: bad sample"):
             engine.fit(batches, epochs=50)
+        assert engine.stats()["pushes"] < 400, "the others must stop soon after the failure"
     assert time.monotonic() - start < 60
     assert not [t for t in threading.enumerate() if t.name.startswith("pyengine-async")], "orphan worker thread"
 
