@@ -1,0 +1,137 @@
+"""Checkpoints of ``python -m pyengine train``: atomic, versioned, validated.
+
+File layout (``step-00000123.pyeckpt``)::
+
+    magic  b"PYENGINE-CKPT\\n"      14 bytes
+    header little-endian u32 format version, u64 payload length, 32-byte SHA-256 of the payload
+    payload torch.save({...}) bytes (loaded with weights_only=True: tensors and plain containers only)
+
+Writing goes to a temporary file in the same directory, is fsynced, then renamed over the final name (and the
+directory fsynced), so a crash leaves either the old set of checkpoints or the new one, never a half file under a
+checkpoint's name. Loading checks magic, version, length and hash before unpickling anything, so a truncated,
+corrupted or foreign file is a :class:`CheckpointError` that says which, never a crash or a partial load.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "save", "load", "latest", "list_checkpoints", "prune"]
+
+MAGIC = b"PYENGINE-CKPT\n"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<IQ32s")
+_NAME = re.compile(r"^step-(\d{8,})\.pyeckpt$")
+SUFFIX = ".pyeckpt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong with it."""
+
+
+def path_for(directory, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}{SUFFIX}"
+
+
+def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
+    """Writes ``payload`` as the checkpoint of ``step`` atomically; then keeps only the newest ``keep``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    final = path_for(directory, step)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC)
+            f.write(_HEADER.pack(FORMAT_VERSION, len(data), hashlib.sha256(data).digest()))
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    if keep is not None:
+        prune(directory, keep)
+    return final
+
+
+def load(path) -> dict:
+    """Reads and validates a checkpoint file; raises :class:`CheckpointError` with the reason."""
+    path = Path(path)
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+    if not blob.startswith(MAGIC):
+        if MAGIC.startswith(blob):
+            raise CheckpointError(f"checkpoint {path} is truncated ({len(blob)} bytes, not even a header)")
+        raise CheckpointError(f"{path} is not a pyengine checkpoint (no {MAGIC[:-1].decode()} header; "
+                              "is it a file from another program?)")
+    header = blob[len(MAGIC):len(MAGIC) + _HEADER.size]
+    if len(header) < _HEADER.size:
+        raise CheckpointError(f"checkpoint {path} is truncated ({len(blob)} bytes, header incomplete)")
+    version, length, digest = _HEADER.unpack(header)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {version}; this pyengine reads version "
+                              f"{FORMAT_VERSION}")
+    data = blob[len(MAGIC) + _HEADER.size:]
+    if len(data) != length:
+        what = "truncated" if len(data) < length else "has trailing bytes"
+        raise CheckpointError(f"checkpoint {path} is {what}: payload is {len(data)} bytes, header says {length} "
+                              "(an interrupted copy?)")
+    if hashlib.sha256(data).digest() != digest:
+        raise CheckpointError(f"checkpoint {path} is corrupted: its SHA-256 does not match the header")
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - hash matched, so this is a payload this version cannot read
+        raise CheckpointError(f"checkpoint {path} could not be decoded: {type(exc).__name__}: {exc}") from None
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(payload).__name__}, not a pyengine training state")
+    return payload
+
+
+def list_checkpoints(directory) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest step first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest(directory) -> Path | None:
+    files = list_checkpoints(directory)
+    return files[-1] if files else None
+
+
+def prune(directory, keep: int) -> None:
+    """Deletes all but the newest ``keep`` checkpoints."""
+    for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

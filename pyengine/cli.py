@@ -1,0 +1,679 @@
+"""``python -m pyengine train``: the main training job.
+
+With no arguments: scikit-learn's handwritten digits (embedded in the package, nothing downloaded), a small MLP,
+the hybrid schedule on every available device (2 CPU workers when there is no GPU), evaluation on a held-out split.
+A run directory (``--out``, default ``runs/<timestamp>-<mode>``) gets ``summary.json``, ``metrics.jsonl`` (one line
+per step), ``checkpoints/`` (atomic, the last ``--keep``) and ``loss.png``; ``--mode all`` trains every schedule on
+the same data and seed into ``<out>/<mode>/`` and draws ``<out>/compare.png``.
+
+Exit codes: 0 done, 2 bad input (argparse errors and impossible combinations, reported before any work; an unusable
+checkpoint), 1 a failure while training, 130 interrupted (Ctrl-C: a checkpoint is saved and the message says how to
+resume).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+__all__ = ["main", "build_parser", "UsageError"]
+
+PROG = "pyengine train"
+MODES = ("hybrid", "sync", "async")
+
+# Per-dataset defaults (a flag given on the command line always wins).
+DATA_DEFAULTS = {
+    "digits": dict(model="mlp", batch_size=64, lr=2e-3, epochs=60, hidden=256),
+    "tokens": dict(model="transformer", batch_size=32, lr=1e-3, epochs=2, hidden=128),
+}
+# Flags a resumed run may change; every other flag must match the checkpoint's run (or be left out).
+RESUME_OVERRIDABLE = {"steps", "epochs", "quiet", "trace", "keep", "checkpoint_every", "log_every"}
+
+
+class UsageError(Exception):
+    """An impossible combination of options or an unusable input: one line, exit code 2."""
+
+
+class Interrupted(Exception):
+    """Raised from a step callback when Ctrl-C asked the run to stop after the current step."""
+
+
+# ---- arguments ------------------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0; got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0; got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pyengine", description="pyengine: train one model on many "
+                                     "workers (master weights and AdamW state in host memory).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = commands.add_parser(
+        "train", prog=PROG, help="train a model (default: digits, MLP, hybrid on every device)",
+        description="Trains a small model on embedded data with the pyengine engine and writes a run directory "
+                    "(summary.json, metrics.jsonl, checkpoints/, loss.png).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Every default is None here and filled in by _resolve (so a resumed run can tell what was given).
+    S = None
+    g = p.add_argument_group("what to train")
+    g.add_argument("--mode", choices=MODES + ("all",), default=S,
+                   help="schedule: hybrid (all workers, mean gradient), sync (one worker at a time), async "
+                        "(push when done), all (each on the same data and seed, plus compare.png) [hybrid]")
+    g.add_argument("--data", choices=("digits", "tokens"), default=S,
+                   help="digits: sklearn handwritten digits (real, embedded); tokens: synthetic token sequences "
+                        "for a transformer throughput workload [digits]")
+    g.add_argument("--model", choices=("mlp", "transformer"), default=S,
+                   help="mlp for digits, transformer for tokens [chosen by --data]")
+    g.add_argument("--hidden", type=_positive_int, default=S, help="MLP width / transformer d_model [256 / 128]")
+    g.add_argument("--seed", type=int, default=S, help="model init, data order and engine seed [0]")
+    g = p.add_argument_group("workers")
+    g.add_argument("--devices", default=S,
+                   help="comma-separated worker devices, e.g. cpu, cuda:0,cuda:1, cuda (every GPU); one entry is "
+                        "repeated --workers times [every GPU, else cpu]")
+    g.add_argument("--workers", type=_positive_int, default=S,
+                   help="number of workers (replicas) [one per GPU, else 2 CPU workers]")
+    g = p.add_argument_group("schedule")
+    length = g.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int, default=S,
+                        help="optimizer updates (async: pushes) to train for [from --epochs]")
+    length.add_argument("--epochs", type=_positive_int, default=S,
+                        help="passes over the training split [60 digits / 2 tokens]")
+    g.add_argument("--batch-size", type=_positive_int, default=S,
+                   help="samples per update (hybrid: split across the workers; sync: one worker; async: each "
+                        "worker's mini-batch) [64 digits / 32 tokens]")
+    g.add_argument("--lr", type=_positive_float, default=S, help="AdamW learning rate [2e-3 digits / 1e-3 tokens]")
+    g.add_argument("--weight-decay", type=_nonnegative_float, default=S, help="AdamW weight decay [0.01]")
+    g.add_argument("--max-grad-norm", type=_positive_float, default=S, help="clip the mean gradient [off]")
+    g.add_argument("--autocast", choices=("none", "bf16", "fp16"), default=S,
+                   help="replicas compute under autocast, gradients travel in that dtype [none]")
+    g.add_argument("--accumulate", type=_positive_int, default=S,
+                   help="async: mini-batches a worker sums before one push [1]")
+    g.add_argument("--max-staleness", type=_nonnegative_int, default=S,
+                   help="async: a push more than this many versions old recomputes on fresh weights [unbounded]")
+    g.add_argument("--staleness-lr", choices=("none", "inverse"), default=S,
+                   help="async: scale lr by 1/(1+staleness) [none]")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=S, help="run directory [runs/<timestamp>-<mode>]")
+    g.add_argument("--resume", metavar="DIR", default=S,
+                   help="continue the run in DIR (a run directory or one checkpoint file) from its latest "
+                        "checkpoint; --steps/--epochs set a new end")
+    g.add_argument("--keep", type=_positive_int, default=S, help="checkpoints to keep [3]")
+    g.add_argument("--checkpoint-every", type=_positive_int, default=S,
+                   help="steps between checkpoints [one epoch]; one is always written at the end")
+    g.add_argument("--trace", metavar="PATH", default=S,
+                   help="write a Chrome trace (chrome://tracing, Perfetto) of every worker's phases; with "
+                        "--mode all, one per mode (PATH with -<mode> before the extension)")
+    g.add_argument("--quiet", action="store_true", default=S, help="no progress output")
+    g.add_argument("--log-every", type=_positive_int, default=S,
+                   help="steps between progress lines when stdout is not a terminal [about 20 lines a run]")
+    return parser
+
+
+# ---- configuration --------------------------------------------------------------------------------------------
+
+def _resolve(given: dict) -> dict:
+    """Fills the defaults; ``given`` holds the flags from the command line (not None)."""
+    cfg = dict(given)
+    data = cfg.get("data") or "digits"
+    defaults = dict(mode="hybrid", data=data, seed=0, weight_decay=0.01, autocast="none", accumulate=1,
+                    staleness_lr="none", keep=3, quiet=False, **DATA_DEFAULTS[data])
+    for key, value in defaults.items():
+        if cfg.get(key) is None:
+            cfg[key] = value
+    if "steps" in given:
+        cfg["epochs"] = None
+    for key in ("steps", "hidden", "devices", "workers", "max_staleness", "max_grad_norm", "out", "trace",
+                "checkpoint_every", "log_every"):
+        cfg.setdefault(key, None)
+    cfg.pop("resume", None)
+    cfg.pop("command", None)
+    return cfg
+
+
+def _given(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if v is not None and k not in ("command",)}
+
+
+def resolve_devices(devices: str | None, workers: int | None) -> list[str]:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices is None:
+        if gpus:
+            n = workers or gpus
+            return [f"cuda:{i % gpus}" for i in range(n)]
+        return ["cpu"] * (workers or 2)
+    entries = [d.strip() for d in devices.split(",") if d.strip()]
+    if not entries:
+        raise UsageError(f"--devices {devices!r} names no device (use e.g. cpu or cuda:0,cuda:1)")
+    if entries == ["cuda"]:
+        if not gpus:
+            raise UsageError("--devices cuda: no CUDA device is usable here (use --devices cpu)")
+        entries = [f"cuda:{i}" for i in range(gpus)]
+        if workers:
+            return [entries[i % gpus] for i in range(workers)]
+        return entries
+    if len(entries) == 1 and workers:
+        entries = entries * workers
+    elif workers and workers != len(entries):
+        raise UsageError(f"--workers {workers} does not match the {len(entries)} devices of --devices {devices}")
+    from .workers import parse_devices
+
+    try:
+        parse_devices(entries)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
+    return entries
+
+
+def check_config(cfg: dict, train_size: int | None = None) -> None:
+    """Impossible combinations; raises :class:`UsageError` with one line."""
+    mode = cfg["mode"]
+    async_only = mode == "async"
+    if cfg["accumulate"] > 1 and not async_only:
+        raise UsageError(f"--accumulate is an async option (a worker sums mini-batches before one push); "
+                         f"--mode {mode} updates once per batch: drop --accumulate or use --mode async")
+    if cfg["max_staleness"] is not None and not async_only:
+        raise UsageError(f"--max-staleness is an async option; --mode {mode} has no stale gradients")
+    if cfg["staleness_lr"] != "none" and not async_only:
+        raise UsageError(f"--staleness-lr is an async option; --mode {mode} has no stale gradients")
+    expected = {"digits": "mlp", "tokens": "transformer"}[cfg["data"]]
+    if cfg["model"] != expected:
+        raise UsageError(f"--model {cfg['model']} does not fit --data {cfg['data']} (use --model {expected})")
+    workers = len(cfg["devices"])
+    if train_size is not None:
+        if workers > train_size:
+            raise UsageError(f"{workers} workers but only {train_size} training samples: every worker needs at "
+                             "least one sample")
+        if cfg["batch_size"] > train_size:
+            raise UsageError(f"--batch-size {cfg['batch_size']} is larger than the {train_size} training samples "
+                             f"of --data {cfg['data']}")
+    if mode in ("hybrid", "all") and cfg["batch_size"] < workers:
+        raise UsageError(f"hybrid splits each batch across the workers: --batch-size {cfg['batch_size']} cannot "
+                         f"feed {workers} workers (use --batch-size >= {workers} or fewer --workers)")
+
+
+def _check_writable(directory: Path, what: str) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"cannot write to {what} {directory}: {exc.strerror or exc}") from None
+
+
+def _default_out(mode: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path("runs") / f"{stamp}-{mode}"
+    n = 1
+    while out.exists():
+        n += 1
+        out = Path("runs") / f"{stamp}-{mode}-{n}"
+    return out
+
+
+def _holds_run(directory: Path) -> bool:
+    return directory.is_dir() and any((directory / name).exists() for name in
+                                      ("summary.json", "metrics.jsonl", "checkpoints", "hybrid", "sync", "async"))
+
+
+def _trace_path(trace: str | None, mode: str, all_modes: bool) -> Path | None:
+    if trace is None:
+        return None
+    path = Path(trace)
+    return path.with_name(f"{path.stem}-{mode}{path.suffix}") if all_modes else path
+
+
+# ---- progress ---------------------------------------------------------------------------------------------------
+
+class Progress:
+    """tqdm bar on a terminal, plain lines otherwise, nothing with --quiet. Thread-safe (async callbacks)."""
+
+    def __init__(self, mode: str, total: int, initial: int, quiet: bool, log_every: int | None):
+        self.mode, self.total, self.quiet = mode, total, quiet
+        self.tty = sys.stdout.isatty()
+        self.log_every = log_every or max(1, (total - initial) // 20)
+        self.window = collections.deque(maxlen=50)  # (elapsed, samples) for a windowed samples/s
+        self.samples = 0
+        self.lock = threading.Lock()
+        self.bar = None
+        if not quiet and self.tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=mode, unit="step", dynamic_ncols=True,
+                            file=sys.stdout, mininterval=0.2)
+
+    def rate(self) -> float:
+        if len(self.window) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self.window[0], self.window[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def update(self, rec: dict) -> None:
+        if self.quiet:
+            return
+        with self.lock:
+            self.samples += rec["samples"]
+            self.window.append((rec["elapsed_s"], self.samples))
+            fields = {"loss": f"{rec['loss']:.4f}", "samples/s": f"{self.rate():,.0f}"}
+            if "staleness" in rec:
+                fields["staleness"] = rec["staleness"]
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix(fields, refresh=False)
+            elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
+                extra = f"  staleness {rec['staleness']}" if "staleness" in rec else ""
+                print(f"[{self.mode}] step {rec['step']}/{self.total}  loss {rec['loss']:.4f}  "
+                      f"samples/s {self.rate():,.0f}{extra}  ({rec['elapsed_s']:.1f} s)", flush=True)
+
+    def write(self, message: str, force: bool = False) -> None:
+        if self.quiet and not force:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stdout)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+# ---- one run ----------------------------------------------------------------------------------------------------
+
+class _StopFlag:
+    """First Ctrl-C: stop after the current step and checkpoint. Second: abort at once (KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupted: stopping after this step and saving a checkpoint (Ctrl-C again to abort)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(_json_safe(obj), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
+    records = []
+    if path.exists():
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by a crash: everything after it is redone
+                if upto is not None and rec.get("step", 0) > upto:
+                    break
+                records.append(rec)
+    return records
+
+
+def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume: dict | None = None) -> dict:
+    """Trains one schedule into ``out``; returns its summary (``interrupted`` set when Ctrl-C stopped it)."""
+    import torch
+
+    from . import checkpoint as ckpt
+    from . import models, plots
+    from .engine import Engine
+    from .optim import AdamW
+
+    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoints"
+    devices = cfg["devices"]
+    batch_size, seed = cfg["batch_size"], cfg["seed"]
+    per_epoch = dataset.steps_per_epoch(batch_size)
+    per_update = cfg["accumulate"] if mode == "async" else 1
+    target = cfg["steps"] if cfg["steps"] is not None else max(1, cfg["epochs"] * per_epoch // per_update)
+    every = cfg["checkpoint_every"] or max(1, per_epoch // per_update)
+
+    model = models.build(cfg["model"], dataset, seed, cfg["hidden"])
+    autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg["autocast"]]
+    optimizer = AdamW(lr=cfg["lr"], weight_decay=cfg["weight_decay"], max_grad_norm=cfg["max_grad_norm"])
+    pin = False if all(d == "cpu" for d in devices) else "auto"
+    engine = Engine(model, models.loss_fn, devices=devices, mode=mode, optimizer=optimizer, seed=seed,
+                    autocast=autocast, accumulate=cfg["accumulate"] if mode == "async" else 1,
+                    max_staleness=cfg["max_staleness"] if mode == "async" else None,
+                    staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin)
+    metrics_path = out / "metrics.jsonl"
+    try:
+        start_step, batches_done, elapsed_offset = 0, 0, 0.0
+        if resume is not None:
+            try:
+                engine.load_state_dict(resume["engine"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise UsageError(f"checkpoint does not fit this run: {exc}") from None
+            start_step, batches_done = int(resume["step"]), int(resume["batches_done"])
+            elapsed_offset = float(resume["elapsed_s"])
+        kept = _read_metrics(metrics_path, upto=start_step) if resume is not None else []
+        with open(metrics_path, "w") as f:  # a resumed run redoes the steps after its checkpoint
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        records = list(kept)
+        metrics_file = open(metrics_path, "a")
+        progress = Progress(mode, target, start_step, cfg["quiet"], cfg["log_every"])
+        if resume is not None:
+            progress.write(f"[{mode}] resuming {out} at step {start_step} of {target}")
+        state = dict(step=start_step, batches=batches_done, last_ckpt=None, t0=time.perf_counter())
+
+        def elapsed() -> float:
+            return elapsed_offset + time.perf_counter() - state["t0"]
+
+        def save_checkpoint() -> Path:
+            payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
+                           elapsed_s=elapsed(), mode=mode, config=_json_safe(dict(cfg, mode=mode, out=str(out))),
+                           engine=engine.state_dict())
+            state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"])
+            return state["last_ckpt"]
+
+        def on_step(_engine, metrics: dict) -> None:
+            """After every update (async: under the store's mutex, so the state is consistent)."""
+            state["step"] += 1
+            state["batches"] += max(1, metrics["samples"] // batch_size)
+            rec = {"mode": mode, **metrics, "step": state["step"], "elapsed_s": elapsed()}
+            rec.pop("time", None)
+            rec = _json_safe(rec)
+            records.append(rec)
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+            progress.update(rec)
+            if state["step"] % every == 0 and state["step"] < target:
+                save_checkpoint()
+            if stop.requested:
+                raise Interrupted
+
+        interrupted = False
+        train_start = time.perf_counter()
+        try:
+            if mode == "async":
+                from .workers import WorkerError
+
+                if state["step"] < target:
+                    try:
+                        # the engine's push counter is restored from the checkpoint: steps is the total
+                        engine.fit(dataset.stream(batches_done, batch_size, seed), steps=target,
+                                   callbacks=[on_step])
+                    except WorkerError as exc:
+                        if not isinstance(exc.__cause__, Interrupted):
+                            raise
+                        interrupted = True
+            else:
+                for step in range(start_step, target):
+                    on_step(engine, engine.step(dataset.batch(step, batch_size, seed)))
+        except Interrupted:
+            interrupted = True
+        train_s = time.perf_counter() - train_start
+        progress.close()
+        metrics_file.close()
+        if stop.requested:
+            interrupted = True
+        path = save_checkpoint()
+        trace = _trace_path(cfg["trace"], mode, cfg["mode"] == "all")
+        if trace is not None:
+            engine.trace(trace)
+
+        final_model = models.build(cfg["model"], dataset, seed, cfg["hidden"])
+        engine.copy_to(final_model)
+        evaluation = models.evaluate(final_model, dataset.x_test, dataset.y_test)
+        stats = engine.stats()
+    finally:
+        engine.close()
+
+    this_run = records[len(kept):]
+    samples = sum(r["samples"] for r in records)
+    train_total = records[-1]["elapsed_s"] if records else 0.0
+    tail = [r["loss"] for r in records[-10:] if r["loss"] is not None]
+    mean = lambda key: (sum(r[key] for r in this_run if r.get(key) is not None) / len(this_run)  # noqa: E731
+                        if this_run else None)
+    summary = dict(
+        mode=mode, devices=list(devices), workers=len(devices), steps=state["step"], target_steps=target,
+        samples=samples, samples_per_s=samples / train_total if train_total > 0 else 0.0,
+        final_loss=sum(tail) / len(tail) if tail else None, final_loss_window=len(tail),
+        test_accuracy=evaluation["test_accuracy"], test_loss=evaluation["test_loss"],
+        wall_s=time.perf_counter() - started, train_s=train_total, this_run_train_s=train_s,
+        data=cfg["data"], model=cfg["model"], params=sum(p.numel() for p in model.parameters()),
+        batch_size=batch_size, lr=cfg["lr"], seed=seed, epochs=cfg["epochs"],
+        dataset=dataset.info, checkpoint=str(path), resumed_from_step=start_step if resume is not None else None,
+        interrupted=interrupted, trace=str(trace) if trace is not None else None,
+        phases_mean_s={k: mean(k) for k in ("wall_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s")},
+        overlap_efficiency_mean=mean("overlap_efficiency"), engine_stats=stats)
+    _write_json(out / "summary.json", summary)
+    if records:
+        plots.plot_loss(records, out / "loss.png", f"pyengine {mode}: {cfg['model']} on {cfg['data']}, "
+                        f"{len(devices)} workers ({', '.join(sorted(set(devices)))})")
+    return summary
+
+
+def _load_resume(target: str) -> tuple[dict, Path]:
+    from . import checkpoint as ckpt
+
+    path = Path(target)
+    if not path.exists():
+        raise UsageError(f"--resume {target}: no such file or directory")
+    if path.is_dir():
+        if (path / "summary.json").exists() and not (path / "checkpoints").exists() and any(
+                (path / m).is_dir() for m in MODES):
+            raise UsageError(f"--resume {target} is a --mode all directory; resume one mode's directory, "
+                             f"e.g. {path / 'hybrid'}")
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        file = ckpt.latest(folder)
+        if file is None:
+            raise UsageError(f"--resume {target}: no checkpoint (step-*.pyeckpt) in {folder}")
+    else:
+        file = path
+    payload = ckpt.load(file)
+    missing = {"kind", "step", "batches_done", "elapsed_s", "mode", "config", "engine"} - set(payload)
+    if payload.get("kind") != "pyengine.train" or missing:
+        raise ckpt.CheckpointError(f"{file} is a pyengine checkpoint but not of a `pyengine train` run "
+                                   f"(missing {sorted(missing)})")
+    run_dir = file.parent.parent if file.parent.name == "checkpoints" else file.parent
+    return payload, run_dir
+
+
+def _summarise(summary: dict) -> str:
+    acc, loss = summary["test_accuracy"], summary["final_loss"]
+    return (f"[{summary['mode']}] {summary['steps']} steps on {summary['workers']} workers: "
+            f"{summary['samples_per_s']:,.0f} samples/s, final loss "
+            f"{'n/a' if loss is None else format(loss, '.4f')}, "
+            f"test accuracy {acc:.2%} ({summary['wall_s']:.1f} s)")
+
+
+# ---- entry point ------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse errors exit 2 with usage
+    given = _given(args)
+    try:
+        return _train(given)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _train(given: dict) -> int:
+    from . import checkpoint as ckpt
+
+    resume_payload, out = None, None
+    if "resume" in given:
+        if "out" in given:
+            raise UsageError("--resume continues in the run's own directory; leave out --out")
+        try:
+            resume_payload, out = _load_resume(given["resume"])
+        except ckpt.CheckpointError as exc:
+            raise UsageError(f"cannot resume: {exc}") from None
+        base = dict(resume_payload["config"])
+        if "devices" in given or "workers" in given:
+            devices = resolve_devices(given.get("devices"), given.get("workers", base["workers"]))
+            if devices != base["devices"]:
+                raise UsageError(f"the resumed run trained on {','.join(base['devices'])}; it cannot change "
+                                 f"to {','.join(devices)} (leave out --devices/--workers)")
+        for key, value in given.items():
+            if key in ("resume", "devices", "workers"):
+                continue
+            if key in RESUME_OVERRIDABLE:
+                base[key] = value
+                if key == "steps":
+                    base["epochs"] = None
+                if key == "epochs":
+                    base["steps"] = None
+            elif base.get(key) != value:
+                raise UsageError(f"--{key.replace('_', '-')} {value} differs from the resumed run's "
+                                 f"{base[key]!r}; a resumed run keeps its settings (only "
+                                 f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_OVERRIDABLE))} "
+                                 "may change)")
+        cfg = base
+        cfg["out"] = str(out)
+    else:
+        cfg = _resolve(given)
+        cfg["devices"] = resolve_devices(cfg["devices"], cfg["workers"])
+        cfg["workers"] = len(cfg["devices"])
+    check_config(cfg)
+    if resume_payload is None:
+        out = Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"])
+        if _holds_run(out):
+            raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
+                             "another --out")
+        _check_writable(out, "--out")
+        cfg["out"] = str(out)
+    else:
+        _check_writable(out, "the resumed run directory")
+    if cfg["trace"] is not None:
+        _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
+
+    from . import data as data_mod
+
+    dataset = data_mod.load(cfg["data"], seed=cfg["seed"])
+    check_config(cfg, dataset.train_size)
+    if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
+        raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
+
+    warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
+    modes = MODES if cfg["mode"] == "all" else (cfg["mode"],)
+    quiet = cfg["quiet"]
+    if not quiet:
+        what = f"{cfg['model']} on {cfg['data']} ({dataset.train_size} train / {dataset.x_test.shape[0]} test)"
+        print(f"pyengine train: {', '.join(modes)} | {what} | workers: {', '.join(cfg['devices'])} | out: {out}",
+              flush=True)
+    summaries, runs = {}, {}
+    with _StopFlag() as stop:
+        try:
+            for mode in modes:
+                run_dir = out / mode if cfg["mode"] == "all" else out
+                try:
+                    summary = train_one(cfg, mode, run_dir, stop, dataset, resume_payload)
+                except ckpt.CheckpointError as exc:
+                    raise UsageError(str(exc)) from None
+                summaries[mode] = summary
+                runs[mode] = (_read_metrics(run_dir / "metrics.jsonl"), summary)
+                if summary["interrupted"]:
+                    print(f"stopped at step {summary['steps']}; checkpoint saved: {summary['checkpoint']}\n"
+                          f"resume with: python -m pyengine train --resume {run_dir}", file=sys.stderr,
+                          flush=True)
+                    return 130
+                if not quiet:
+                    print(_summarise(summary) + f" -> {run_dir}", flush=True)
+        except KeyboardInterrupt:
+            last = ckpt.latest(Path(cfg["out"]) / "checkpoints") if cfg["mode"] != "all" else None
+            hint = (f"; the last checkpoint is {last}: resume with python -m pyengine train --resume {out}"
+                    if last else "")
+            print(f"aborted{hint}", file=sys.stderr, flush=True)
+            return 130
+        except Exception as exc:  # noqa: BLE001 - a failure while training: one line, the cause chained
+            if isinstance(exc, UsageError):
+                raise
+            print(f"{PROG}: training failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            if os.environ.get("PYENGINE_TRACEBACK"):
+                raise
+            return 1
+    if cfg["mode"] == "all":
+        from . import plots
+
+        plots.plot_compare(runs, out / "compare.png",
+                           f"pyengine: {cfg['model']} on {cfg['data']}, {len(cfg['devices'])} workers, "
+                           f"same data and seed")
+        _write_json(out / "summary.json", dict(mode="all", devices=cfg["devices"], workers=len(cfg["devices"]),
+                                               runs=summaries))
+        if not quiet:
+            print(f"comparison: {out / 'compare.png'}", flush=True)
+    return 0

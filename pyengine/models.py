@@ -1,0 +1,93 @@
+"""Small models for ``python -m pyengine train``: an MLP for digits and a small causal transformer for the token
+workload. Neither has dropout or buffers: every run is a pure function of the seed (the engine trains parameters;
+there is no RNG to share between worker threads)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["MODELS", "MLP", "TinyTransformer", "build", "loss_fn", "evaluate"]
+
+MODELS = ("mlp", "transformer")
+TASK_OF_MODEL = {"mlp": "classify", "transformer": "lm"}
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 64, hidden: int = 256, d_out: int = 10, depth: int = 2):
+        super().__init__()
+        layers, width = [], d_in
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.GELU()]
+            width = hidden
+        layers.append(nn.Linear(width, d_out))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    """Pre-LN causal transformer LM (token + learned position embeddings, tied-free output head)."""
+
+    def __init__(self, vocab: int = 256, seq_len: int = 64, d: int = 128, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq_len, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(1)  # True: not allowed to attend
+        x = self.tok(tokens) + self.pos[:t]
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
+
+
+def build(name: str, dataset, seed: int, hidden: int | None = None) -> nn.Module:
+    """The model ``name`` sized for ``dataset``, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP(dataset.info["features"], hidden or 256, dataset.info["classes"])
+    if name == "transformer":
+        return TinyTransformer(dataset.info["vocab"], dataset.info["seq_len"], d=hidden or 128)
+    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+
+
+def loss_fn(model, batch):
+    """Mean cross-entropy; works for (N, C) logits and (N, T, V) token logits."""
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, x, y, batch_size: int = 512) -> dict:
+    """Held-out mean loss and accuracy (per sample for classification, per token for the LM)."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(0, x.shape[0], batch_size):
+        logits = model(x[i:i + batch_size])
+        target = y[i:i + batch_size]
+        flat = logits.reshape(-1, logits.shape[-1])
+        loss_sum += F.cross_entropy(flat, target.reshape(-1), reduction="sum").item()
+        correct += (flat.argmax(-1) == target.reshape(-1)).sum().item()
+        count += target.numel()
+    model.train()
+    return {"test_loss": loss_sum / count, "test_accuracy": correct / count}

@@ -1,0 +1,81 @@
+"""Plots of ``python -m pyengine train`` (matplotlib, Agg backend: no display needed).
+
+- ``loss.png``: training loss against step and against wall time (raw, and a moving average).
+- ``compare.png`` (``--mode all``): every schedule's loss against step and against wall time, and samples/s bars.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["plot_loss", "plot_compare"]
+
+COLORS = {"hybrid": "tab:blue", "sync": "tab:orange", "async": "tab:green"}
+
+
+def _smooth(values, window: int):
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def _series(records):
+    steps = [r["step"] for r in records]
+    elapsed = [r["elapsed_s"] for r in records]
+    loss = [r["loss"] for r in records]
+    return steps, elapsed, loss
+
+
+def plot_loss(records: list[dict], path, title: str) -> None:
+    steps, elapsed, loss = _series(records)
+    window = max(1, len(loss) // 50)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for ax, xs, label in ((axes[0], steps, "step"), (axes[1], elapsed, "wall time (s)")):
+        ax.plot(xs, loss, color="0.75", linewidth=0.8, label="loss")
+        if window > 1:
+            ax.plot(xs, _smooth(loss, window), color="tab:blue", linewidth=1.6, label=f"moving mean ({window})")
+        ax.set_xlabel(label)
+        ax.set_ylabel("training loss")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_compare(runs: dict[str, tuple[list[dict], dict]], path, title: str) -> None:
+    """``runs``: mode -> (metrics records, summary)."""
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    for mode, (records, _) in runs.items():
+        steps, elapsed, loss = _series(records)
+        window = max(1, len(loss) // 50)
+        color = COLORS.get(mode)
+        axes[0].plot(steps, _smooth(loss, window), label=mode, color=color)
+        axes[1].plot(elapsed, _smooth(loss, window), label=mode, color=color)
+    for ax, label in ((axes[0], "step (optimizer update)"), (axes[1], "wall time (s)")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("training loss (moving mean)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    modes = list(runs)
+    rates = [runs[m][1]["samples_per_s"] for m in modes]
+    bars = axes[2].bar(modes, rates, color=[COLORS.get(m, "tab:gray") for m in modes])
+    for bar, mode in zip(bars, modes):
+        acc = runs[mode][1].get("test_accuracy")
+        text = f"{bar.get_height():,.0f}" + (f"\nacc {acc:.1%}" if acc is not None else "")
+        axes[2].annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                         fontsize=9)
+    axes[2].set_ylabel("training samples/s")
+    axes[2].set_ylim(0, max(rates) * 1.25 if rates and max(rates) > 0 else 1)
+    axes[2].grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
