@@ -27,6 +27,9 @@ ctest: $(DEPS)
 
 test: pytest ctest
 
+train: build
+	$(PY) -m pyengine train
+
 bench: build
 	$(PY) bench/bench_fused_adamw.py --quick
 

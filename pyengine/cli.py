@@ -32,7 +32,7 @@ MODES = ("hybrid", "sync", "async")
 
 # Per-dataset defaults (a flag given on the command line always wins).
 DATA_DEFAULTS = {
-    "digits": dict(model="mlp", batch_size=64, lr=2e-3, epochs=60, hidden=256),
+    "digits": dict(model="mlp", batch_size=64, lr=2e-3, epochs=100, hidden=512),
     "tokens": dict(model="transformer", batch_size=32, lr=1e-3, epochs=2, hidden=128),
 }
 # Flags a resumed run may change; every other flag must match the checkpoint's run (or be left out).
@@ -96,8 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser(
         "train", prog=PROG, help="train a model (default: digits, MLP, hybrid on every device)",
         description="Trains a small model on embedded data with the pyengine engine and writes a run directory "
-                    "(summary.json, metrics.jsonl, checkpoints/, loss.png).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "(summary.json, metrics.jsonl, checkpoints/, loss.png). Defaults in brackets.")
     # Every default is None here and filled in by _resolve (so a resumed run can tell what was given).
     S = None
     g = p.add_argument_group("what to train")
@@ -109,12 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a transformer throughput workload [digits]")
     g.add_argument("--model", choices=("mlp", "transformer"), default=S,
                    help="mlp for digits, transformer for tokens [chosen by --data]")
-    g.add_argument("--hidden", type=_positive_int, default=S, help="MLP width / transformer d_model [256 / 128]")
+    g.add_argument("--hidden", type=_positive_int, default=S, help="MLP width / transformer d_model [512 / 128]")
     g.add_argument("--seed", type=int, default=S, help="model init, data order and engine seed [0]")
     g = p.add_argument_group("workers")
     g.add_argument("--devices", default=S,
                    help="comma-separated worker devices, e.g. cpu, cuda:0,cuda:1, cuda (every GPU); one entry is "
-                        "repeated --workers times [every GPU, else cpu]")
+                        "repeated --workers times (cpu alone: 2 workers) [every GPU, else cpu]")
     g.add_argument("--workers", type=_positive_int, default=S,
                    help="number of workers (replicas) [one per GPU, else 2 CPU workers]")
     g = p.add_argument_group("schedule")
@@ -122,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--steps", type=_positive_int, default=S,
                         help="optimizer updates (async: pushes) to train for [from --epochs]")
     length.add_argument("--epochs", type=_positive_int, default=S,
-                        help="passes over the training split [60 digits / 2 tokens]")
+                        help="passes over the training split [100 digits / 2 tokens]")
     g.add_argument("--batch-size", type=_positive_int, default=S,
                    help="samples per update (hybrid: split across the workers; sync: one worker; async: each "
                         "worker's mini-batch) [64 digits / 32 tokens]")
@@ -198,7 +197,9 @@ def resolve_devices(devices: str | None, workers: int | None) -> list[str]:
         if workers:
             return [entries[i % gpus] for i in range(workers)]
         return entries
-    if len(entries) == 1 and workers:
+    if entries == ["cpu"] and not workers:
+        entries = ["cpu"] * 2  # the engine's CPU default
+    elif len(entries) == 1 and workers:
         entries = entries * workers
     elif workers and workers != len(entries):
         raise UsageError(f"--workers {workers} does not match the {len(entries)} devices of --devices {devices}")
@@ -609,6 +610,12 @@ def _train(given: dict) -> int:
         cfg["devices"] = resolve_devices(cfg["devices"], cfg["workers"])
         cfg["workers"] = len(cfg["devices"])
     check_config(cfg)
+    from . import data as data_mod
+
+    dataset = data_mod.load(cfg["data"], seed=cfg["seed"])
+    check_config(cfg, dataset.train_size)
+    if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
+        raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
     if resume_payload is None:
         out = Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"])
         if _holds_run(out):
@@ -621,12 +628,6 @@ def _train(given: dict) -> int:
     if cfg["trace"] is not None:
         _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
 
-    from . import data as data_mod
-
-    dataset = data_mod.load(cfg["data"], seed=cfg["seed"])
-    check_config(cfg, dataset.train_size)
-    if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
-        raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
 
     warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
     modes = MODES if cfg["mode"] == "all" else (cfg["mode"],)

@@ -1,0 +1,183 @@
+"""`python -m pyengine train` end to end, on short runs: the run directory of every mode, resume equality, checkpoint
+validation, bad input, Ctrl-C."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyengine import checkpoint as ckpt
+from pyengine.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT = ["--hidden", "32", "--batch-size", "32", "--devices", "cpu", "--workers", "2"]
+SUMMARY_KEYS = {"mode", "devices", "workers", "steps", "samples_per_s", "final_loss", "test_accuracy", "wall_s"}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def train(*argv):
+    return main(["train", *argv])
+
+
+def check_run_dir(run: Path, mode: str, steps: int):
+    summary = json.loads((run / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["mode"] == mode and summary["steps"] == steps and summary["workers"] == 2
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["samples_per_s"] > 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, steps + 1))
+    assert all({"loss", "samples", "samples_per_s", "wall_s", "elapsed_s"} <= set(r) for r in lines)
+    if mode == "async":
+        assert all("staleness" in r and "worker" in r for r in lines)
+    png = (run / "loss.png").read_bytes()
+    assert png.startswith(PNG) and len(png) > 1000
+    assert ckpt.latest(run / "checkpoints") is not None
+    return summary
+
+
+def test_mode_all_writes_every_run_and_compare_png(tmp_path, capsys):
+    out = tmp_path / "all"
+    assert train("--mode", "all", "--steps", "12", "--out", str(out), "--trace", str(tmp_path / "t.json"),
+                 *SHORT) == 0
+    printed = capsys.readouterr().out
+    for mode in ("hybrid", "sync", "async"):
+        summary = check_run_dir(out / mode, mode, 12)
+        assert f"[{mode}] 12 steps" in printed and "test accuracy" in printed
+        trace = json.loads((tmp_path / f"t-{mode}.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"]}
+        assert "forward_backward+transfer" in names and "update" in names or "push" in names
+        assert summary["trace"].endswith(f"t-{mode}.json")
+    top = json.loads((out / "summary.json").read_text())
+    assert top["mode"] == "all" and set(top["runs"]) == {"hybrid", "sync", "async"}
+    assert (out / "compare.png").read_bytes().startswith(PNG)
+
+
+def test_default_digits_run_learns(tmp_path):
+    """Enough steps of the default model and data to clear 90 % (the full default reaches >= 95 %)."""
+    assert train("--steps", "150", "--out", str(tmp_path / "run"), "--quiet", "--devices", "cpu") == 0
+    summary = check_run_dir(tmp_path / "run", "hybrid", 150)
+    assert summary["test_accuracy"] >= 0.90, summary["test_accuracy"]
+
+
+def test_tokens_transformer_workload(tmp_path):
+    out = tmp_path / "tok"
+    assert train("--data", "tokens", "--steps", "3", "--hidden", "32", "--batch-size", "8", "--devices", "cpu",
+                 "--out", str(out), "--quiet", "--mode", "async") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "transformer" and summary["steps"] == 3
+
+
+def master(run: Path) -> dict:
+    payload = ckpt.load(ckpt.latest(run / "checkpoints"))
+    return payload["engine"]
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+def test_resume_is_bit_identical(tmp_path, mode):
+    common = ["--mode", mode, "--quiet", "--checkpoint-every", "5", *SHORT]
+    assert train("--steps", "20", "--out", str(tmp_path / "full"), *common) == 0
+    part = tmp_path / "part"
+    assert train("--steps", "20", "--out", str(part), "--keep", "2", *common) == 0
+    files = ckpt.list_checkpoints(part / "checkpoints")
+    assert [f.name for f in files] == ["step-00000015.pyeckpt", "step-00000020.pyeckpt"]  # --keep 2
+    files[-1].unlink()  # as if the run had stopped after step 15's checkpoint
+    assert train("--resume", str(part), "--steps", "20", "--quiet") == 0
+    a, b = master(tmp_path / "full"), master(part)
+    assert a["version"] == b["version"] == 20
+    for name in a["master"]:
+        assert torch.equal(a["master"][name], b["master"][name]), name
+    for index, entry in a["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], b["optimizer"]["state"][index][key]), (index, key)
+    steps = [json.loads(line)["step"] for line in (part / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))  # steps 16..20 were redone, not duplicated
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ck") / "run"
+    assert main(["train", "--steps", "4", "--out", str(out), "--quiet", *SHORT]) == 0
+    return out
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[: len(b) // 2], "is truncated"),
+    (lambda b: b[:10], "is truncated"),
+    (lambda b: b"PK\x03\x04 some zip from another program" + b[40:], "is not a pyengine checkpoint"),
+    (lambda b: b[:-100] + bytes(x ^ 0xFF for x in b[-100:]), "is corrupted"),
+], ids=["half", "header", "foreign", "bitflip"])
+def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, damage, message):
+    run = tmp_path / "copy"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text((finished_run / "metrics.jsonl").read_text())
+    source = ckpt.latest(finished_run / "checkpoints")
+    (run / "checkpoints" / source.name).write_bytes(damage(source.read_bytes()))
+    assert train("--resume", str(run), "--steps", "6") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyengine train: error: cannot resume:") and message in err[0], err
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.load(run / "checkpoints" / source.name)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "sync", "--accumulate", "2"], "--accumulate is an async option"),
+    (["--devices", "cuda:99"], "cuda:99"),
+    (["--devices", "tpu"], "'tpu'"),
+    (["--mode", "sync", "--devices", "cpu", "--workers", "1500"], "1500 workers but only 1437 training samples"),
+    (["--devices", "cpu", "--workers", "8", "--batch-size", "4"], "cannot feed 8 workers"),
+    (["--model", "transformer"], "--model transformer does not fit --data digits"),
+    (["--out", "{file}/sub"], "cannot write to --out"),
+    (["--resume", "{missing}"], "no such file or directory"),
+], ids=["sync+accumulate", "no-such-gpu", "bad-device", "workers>samples", "batch<workers", "model/data",
+        "unwritable-out", "resume-missing"])
+def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("x")
+    argv = [a.format(file=tmp_path / "file", missing=tmp_path / "nope") for a in argv]
+    out = tmp_path / "out"
+    if "--out" not in argv and "--resume" not in argv:
+        argv += ["--out", str(out)]
+    assert train(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyengine train: error:") and message in err[0], err
+    assert not out.exists()  # no work was done
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--mode", "fast"], ["--steps", "0"], ["--steps", "3", "--epochs", "1"]])
+def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train(*argv)
+    assert exc.value.code == 2 and "usage:" in capsys.readouterr().err
+
+
+def test_out_holding_a_run_is_refused(finished_run, capsys):
+    assert train("--out", str(finished_run), "--steps", "2") == 2
+    assert "already holds a run; continue it with --resume" in capsys.readouterr().err
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "pyengine", "train", "--steps", "100000", "--out", str(out),
+                             "--checkpoint-every", "100000", *SHORT], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        metrics = out / "metrics.jsonl"
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert f"resume with: python -m pyengine train --resume {out}" in stderr and "Traceback" not in stderr
+    stopped = json.loads((out / "summary.json").read_text())
+    assert stopped["interrupted"] and stopped["steps"] >= 5
+    assert ckpt.latest(out / "checkpoints").name == f"step-{stopped['steps']:08d}.pyeckpt"
+    assert train("--resume", str(out), "--steps", str(stopped["steps"] + 3), "--quiet") == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == stopped["steps"] + 3
