@@ -287,8 +287,13 @@ class Progress:
         if not quiet and self.tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=mode, unit="step", dynamic_ncols=True,
-                            file=sys.stdout, mininterval=0.2)
+            try:
+                sized = os.get_terminal_size(sys.stdout.fileno()).columns > 0
+            except OSError:
+                sized = False
+            self.bar = tqdm(total=total, initial=initial, desc=mode, unit="step", dynamic_ncols=sized,
+                            ncols=None if sized else 120, nrows=None if sized else 40, file=sys.stdout,
+                            mininterval=0.2)
 
     def rate(self) -> float:
         if len(self.window) < 2:

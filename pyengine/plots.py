@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 __all__ = ["plot_loss", "plot_compare"]
 
 COLORS = {"hybrid": "tab:blue", "sync": "tab:orange", "async": "tab:green"}
+STYLES = {"sync": "--"}  # hybrid and sync take the same steps on the same batches: their loss curves coincide
 
 
 def _smooth(values, window: int):
@@ -57,7 +58,7 @@ def plot_compare(runs: dict[str, tuple[list[dict], dict]], path, title: str) -> 
         steps, elapsed, loss = _series(records)
         window = max(1, len(loss) // 50)
         color = COLORS.get(mode)
-        axes[0].plot(steps, _smooth(loss, window), label=mode, color=color)
+        axes[0].plot(steps, _smooth(loss, window), label=mode, color=color, linestyle=STYLES.get(mode, "-"))
         axes[1].plot(elapsed, _smooth(loss, window), label=mode, color=color)
     for ax, label in ((axes[0], "step (optimizer update)"), (axes[1], "wall time (s)")):
         ax.set_xlabel(label)
