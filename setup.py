@@ -15,7 +15,8 @@ import torch  # noqa: E402
 from setuptools import setup  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
-CXX_FLAGS = ["-O3", "-g0", "-std=c++20", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is a header template over `#pragma omp parallel`; without the flag it runs serially.
+CXX_FLAGS = ["-O3", "-g0", "-std=c++20", "-fno-math-errno", "-fopenmp"]
 # The fused loops, compiled once per ISA and chosen at run time (csrc/cpu/kernel.h). -ffp-contract=off keeps every
 # variant bit-identical. Never -march=native: the binary must run on any x86-64.
 ISA_FLAGS = {
@@ -59,7 +60,7 @@ def extension():
               % (torch.version.cuda, cpp_extension.CUDA_HOME))
         sources = [s for s in sources if not s.startswith("csrc/cuda/")]
         return cpp_extension.CppExtension("pyengine._C", sources, define_macros=macros,
-                                          extra_compile_args={"cxx": CXX_FLAGS})
+                                          extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"])
     if not torch.cuda.is_available():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # nothing to detect the arch from: Hopper
     include_dirs = []
@@ -70,7 +71,8 @@ def extension():
     return cpp_extension.CUDAExtension(
         "pyengine._C", sources, include_dirs=include_dirs,
         define_macros=macros + [("PYENGINE_WITH_CUDA", None)],
-        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--fmad=false"]})
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--fmad=false"]},
+        extra_link_args=["-fopenmp"])
 
 
 setup(

@@ -225,6 +225,8 @@ UpdateScalars make_update_scalars(const UpdateArgs& a) {
   s.lr = static_cast<float>(h.lr);
   s.beta1 = static_cast<float>(h.beta1);
   s.beta2 = static_cast<float>(h.beta2);
+  s.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   s.eps = static_cast<float>(h.eps);
   s.weight_decay = static_cast<float>(h.weight_decay);
   s.step_size = static_cast<float>(h.lr / bias_correction1);

@@ -13,6 +13,8 @@ struct UpdateScalars {
   float lr;
   float beta1;
   float beta2;
+  float one_minus_beta1;  // 1 - beta1 and 1 - beta2 computed in double: 1 - (float)0.999 is 1.3e-5 off
+  float one_minus_beta2;
   float eps;
   float weight_decay;
   float step_size;                  // lr / (1 - beta1^step)

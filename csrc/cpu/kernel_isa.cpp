@@ -128,8 +128,8 @@ void adam_tile(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, in
   float* __restrict m = t.exp_avg + begin;
   float* __restrict v = t.exp_avg_sq + begin;
   float* __restrict vmax = kAmsgrad ? t.max_exp_avg_sq + begin : nullptr;
-  const float beta1 = s.beta1, one_minus_beta1 = 1.0f - s.beta1;
-  const float beta2 = s.beta2, one_minus_beta2 = 1.0f - s.beta2;
+  const float beta1 = s.beta1, one_minus_beta1 = s.one_minus_beta1;
+  const float beta2 = s.beta2, one_minus_beta2 = s.one_minus_beta2;
   const float wd = s.weight_decay, decay = s.decay, mult = s.grad_mult;
   const float step_size = s.step_size, inv_bc2 = s.inv_bias_correction2_sqrt, eps = s.eps;
   for (int64_t j = 0; j < n; ++j) {

@@ -66,8 +66,8 @@ __device__ __forceinline__ void adamw(ElementState& e, float g, const UpdateScal
   } else {
     g = g + s.weight_decay * e.p;
   }
-  e.m = s.beta1 * e.m + (1.0f - s.beta1) * g;
-  e.v = s.beta2 * e.v + (1.0f - s.beta2) * (g * g);
+  e.m = s.beta1 * e.m + s.one_minus_beta1 * g;
+  e.v = s.beta2 * e.v + s.one_minus_beta2 * (g * g);
   float vd = e.v;
   if (kAmsgrad) {
     vd = e.vmax > e.v ? e.vmax : e.v;

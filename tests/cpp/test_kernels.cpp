@@ -241,6 +241,8 @@ class KernelCase {
     s.lr = kLr;
     s.beta1 = kBeta1;
     s.beta2 = kBeta2;
+    s.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(kBeta1));
+    s.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(kBeta2));
     s.eps = kEps;
     s.weight_decay = kWeightDecay;
     s.step_size = static_cast<float>(static_cast<double>(kLr) / (1.0 - std::pow(static_cast<double>(kBeta1), kStep)));
