@@ -3,7 +3,7 @@
 #   tests/cpp/run_ctest.sh [extra cmake -D flags]      PYTHON (default .venv/bin/python), BUILD_DIR (build-cmake),
 #                                                      JOBS (2)
 # The CUDA toolkit and nvrtc paths are only needed because torch's CMake config looks for CUDA whenever torch was
-# built with it, even for a CPU-only build (see ../shared/BUILD-NOTES.md).
+# built with it, even for a CPU-only build.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
