@@ -12,7 +12,7 @@ import torch
 import pyengine
 
 CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda:0"] if CUDA else [])
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
 TINY = 1e-5  # MiB: every parameter closes its bucket
 
 
