@@ -1,0 +1,205 @@
+"""HostStore: exact-size 64-byte-aligned arena, views that alias it, load/copy round trips, budgets, pin errors and
+lifetime. CUDA twins skip without a GPU."""
+import gc
+import warnings
+
+import pytest
+import torch
+
+import pyengine
+from pyengine import store as store_module
+
+CUDA = torch.cuda.is_available()
+PAGE = 4096
+ODD_SIZES = [1, 7, 17, 4097, 1_000_003]
+
+
+class OddNet(torch.nn.Module):
+    def __init__(self, sizes=ODD_SIZES):
+        super().__init__()
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in sizes)
+        self.mat = torch.nn.Parameter(torch.randn(13, 11))
+
+
+def buffers(store):
+    out = {"param": store.param, "exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}
+    if store.max_exp_avg_sq is not None:
+        out["max_exp_avg_sq"] = store.max_exp_avg_sq
+    if store.shadow is not None:
+        out["shadow"] = store.shadow
+    out.update({f"grad{g}": store.grad_slot(g) for g in range(store.workers)})
+    return out
+
+
+def make(model, **kw):
+    kw.setdefault("pin", False)
+    return pyengine.HostStore(model, **kw)
+
+
+@pytest.mark.parametrize("grad_dtype,shadow_dtype,amsgrad,workers", [
+    (torch.float32, None, False, 1),
+    (torch.float32, None, True, 3),
+    (torch.bfloat16, torch.bfloat16, False, 2),
+    (torch.float16, torch.float16, True, 4),
+])
+def test_layout_alignment_views_and_exact_size(grad_dtype, shadow_dtype, amsgrad, workers):
+    model = OddNet()
+    store = make(model, workers=workers, grad_dtype=grad_dtype, shadow_dtype=shadow_dtype, amsgrad=amsgrad)
+    bufs = buffers(store)
+    # Reverse registration order, offsets increasing, no overlap.
+    assert store.names == [name for name, _ in reversed(list(model.named_parameters()))]
+    for prev, entry in zip(store.layout, store.layout[1:]):
+        assert entry.offset >= prev.offset + prev.numel
+    # One arena of exactly nbytes; every buffer a view of it, disjoint, each parameter on a 64-byte boundary.
+    storage = store.param.untyped_storage()
+    assert storage.nbytes() == store.nbytes
+    spans = []
+    for name, flat in bufs.items():
+        assert flat.dim() == 1 and flat.numel() == store.numel, name
+        assert flat.untyped_storage().data_ptr() == storage.data_ptr(), name
+        spans.append((flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()))
+        for entry in store.layout:
+            assert (flat.data_ptr() + entry.offset * flat.element_size()) % 64 == 0, (name, entry.name)
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert sum(b - a for a, b in spans) == store.nbytes
+    # Size bound: parameter bytes per buffer plus less than one alignment unit per tensor per buffer, plus a page.
+    align = 64 // min(t.element_size() for t in bufs.values())
+    bound = PAGE
+    for flat in bufs.values():
+        bound += sum((e.numel + align - 1) * flat.element_size() for e in store.layout)
+    assert store.nbytes <= bound
+    if align == 16:  # all-fp32 store: the issue's bound, 64 B per tensor per buffer
+        P = len(store.layout)
+        assert store.nbytes <= sum(e.numel * 4 for e in store.layout) * len(bufs) + 64 * P * len(bufs) + PAGE
+
+
+def test_views_alias_arena_and_padding_is_zero():
+    model = OddNet()
+    store = make(model, workers=2, shadow_dtype=torch.bfloat16)
+    named = dict(model.named_parameters())
+    views = store.views(store.param)
+    for name, view in views.items():
+        assert view.shape == named[name].shape
+        assert torch.equal(view, named[name].detach())
+        assert view.untyped_storage().data_ptr() == store.param.untyped_storage().data_ptr()
+    name = store.names[2]
+    entry = store.entry(name)
+    views[name].view(-1)[0] = 123.5
+    assert store.param[entry.offset].item() == 123.5
+    assert torch.equal(store.shadow, store.param.to(torch.bfloat16)) is False  # shadow is a separate buffer
+    mask = torch.ones(store.numel, dtype=torch.bool)
+    for e in store.layout:
+        mask[e.offset:e.offset + e.numel] = False
+    assert mask.any()
+    for name, flat in buffers(store).items():
+        assert torch.count_nonzero(flat[mask]) == 0, name
+    for name, flat in buffers(store).items():
+        if name not in ("param", "shadow"):
+            assert torch.count_nonzero(flat) == 0, name
+
+
+def test_load_from_copy_to_round_trip_bit_exact():
+    src, dst = OddNet(), OddNet()
+    store = make(src, shadow_dtype=torch.float16)
+    assert torch.equal(store.shadow, store.param.to(torch.float16))
+    store.copy_to(dst)
+    for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
+        assert torch.equal(a, b), name
+    other = OddNet()
+    store.load_from(other)
+    for name, view in store.views(store.param).items():
+        assert torch.equal(view, dict(other.named_parameters())[name].detach())
+    with pytest.raises(ValueError, match="shape"):
+        store.load_from(OddNet(sizes=[2, 7, 17, 4097, 1_000_003]))
+    with pytest.raises(KeyError, match="no parameter named"):
+        store.copy_to(torch.nn.Linear(2, 2))
+
+
+def test_frozen_left_out_shared_once():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 5)
+            self.head = torch.nn.Linear(5, 11, bias=False)
+            self.head.weight = self.emb.weight
+            self.frozen = torch.nn.Linear(5, 3)
+            self.frozen.requires_grad_(False)
+
+    store = make(Tied())
+    assert store.names == ["emb.weight"]
+    assert store.numel == 64  # 55 elements padded to 16-element (64-byte) units
+    named = [("a", torch.nn.Parameter(torch.randn(3))), ("b", torch.nn.Parameter(torch.randn(2)))]
+    named.append(("a_again", named[0][1]))
+    store = make(named)
+    assert store.names == ["b", "a"]
+
+
+def test_max_bytes_refusal_names_the_bytes():
+    model = OddNet()
+    needed = make(model, workers=2).nbytes
+    assert make(model, workers=2, max_bytes=needed).nbytes == needed
+    with pytest.raises(ValueError, match=rf"needs {needed} bytes.*max_bytes is {needed - 1}"):
+        make(model, workers=2, max_bytes=needed - 1)
+
+
+@pytest.mark.skipif(CUDA, reason="needs a machine without a usable CUDA device")
+def test_pin_true_without_cuda_is_a_clear_error():
+    model = OddNet()
+    nbytes = make(model).nbytes
+    with pytest.raises(RuntimeError, match=rf"pin=True asks for {nbytes} bytes.*pin=False"):
+        pyengine.HostStore(model, pin=True)
+
+
+@pytest.mark.skipif(CUDA, reason="needs a machine without a usable CUDA device")
+def test_pin_auto_falls_back_and_warns_once(monkeypatch):
+    monkeypatch.setattr(store_module, "_warned_unpinned", False)
+    with pytest.warns(RuntimeWarning, match="pageable"):
+        store = pyengine.HostStore(OddNet(sizes=[3]), pin="auto")
+    assert store.pinned is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pyengine.HostStore(OddNet(sizes=[3]), pin="auto")
+
+
+def test_argument_errors():
+    model = OddNet(sizes=[5])
+    with pytest.raises(ValueError, match="workers"):
+        make(model, workers=0)
+    with pytest.raises(ValueError, match="grad_dtype"):
+        make(model, grad_dtype=torch.float64)
+    with pytest.raises(ValueError, match="pin"):
+        make(model, pin="yes")
+    with pytest.raises(ValueError, match="no trainable"):
+        make(torch.nn.Linear(2, 2).requires_grad_(False))
+    store = make(model, workers=2)
+    with pytest.raises(IndexError, match=r"\[0, 2\)"):
+        store.grad_slot(2)
+    with pytest.raises(ValueError, match="1-D tensor"):
+        store.views(torch.zeros(3))
+
+
+def test_views_outlive_the_store():
+    model = OddNet()
+    store = make(model, workers=2)
+    param, slot, expect = store.param, store.grad_slot(1), store.param.clone()
+    views = store.views(store.exp_avg)
+    del store
+    gc.collect()
+    junk = [torch.randn(1_000_000) for _ in range(8)]  # reuse freed memory if the arena had been freed
+    assert torch.equal(param, expect)
+    slot.fill_(2.0)
+    for view in views.values():
+        view.fill_(3.0)
+    assert torch.all(slot == 2.0) and all(torch.all(v == 3.0) for v in views.values())
+    del junk
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_pinned_store_on_cuda():
+    store = pyengine.HostStore(OddNet(), workers=2, pin=True)
+    assert store.pinned and store.param.is_pinned() and store.grad_slot(1).is_pinned()
+    assert store.param.untyped_storage().nbytes() == store.nbytes
+    gpu = store.param.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(gpu.cpu(), store.param)

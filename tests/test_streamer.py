@@ -1,0 +1,331 @@
+"""GradientStreamer and pipelined_update on CPU workers (copy thread), with CUDA twins that skip without a GPU.
+
+Every comparison is bit for bit: slots against param.grad, the pipelined update against one update over the whole
+store after all gradients arrived, replicas against the store after the copy back."""
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+
+import pyengine
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
+TINY = 1e-5  # MiB: every parameter closes its bucket
+
+
+class Net(torch.nn.Module):
+    """Odd sizes, a tied (shared) weight, a frozen layer, and a branch used only when asked."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(17, 7)
+        self.frozen = torch.nn.Linear(7, 7)
+        self.frozen.requires_grad_(False)
+        self.body = torch.nn.Linear(7, 4097)
+        self.scale = torch.nn.Parameter(torch.randn(1))
+        self.out = torch.nn.Linear(4097, 7)
+        self.head = torch.nn.Linear(7, 17, bias=False)
+        self.head.weight = self.emb.weight
+        self.extra = torch.nn.Linear(7, 7)
+        self.to(dtype)
+
+    def forward(self, idx, use_extra=True):
+        h = self.frozen(self.emb(idx))
+        h = self.out(torch.tanh(self.body(h)) * self.scale)
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(h).float().pow(2).mean()
+
+
+def batch(device="cpu", n=9):
+    return torch.randint(0, 17, (n,), device=device)
+
+
+def slot_views(store, worker):
+    return store.views(store.grad_slot(worker))
+
+
+def assert_slots_equal_grads(store, model, worker, dtype=None):
+    named = dict(model.named_parameters())
+    for name, view in slot_views(store, worker).items():
+        grad = named[name].grad
+        expect = torch.zeros_like(view) if grad is None else grad.detach().cpu().to(view.dtype)
+        assert torch.equal(view, expect), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bucket_mb,first_bucket_mb", [(TINY, TINY), (0.01, 0.001), (25, 1)])
+def test_slot_equals_param_grad(device, grad_dtype, bucket_mb, first_bucket_mb):
+    model = Net().to(device)
+    store = pyengine.HostStore(model, workers=2, grad_dtype=grad_dtype, pin=False)
+    with pyengine.GradientStreamer(model, store, worker=1, bucket_mb=bucket_mb,
+                                   first_bucket_mb=first_bucket_mb) as streamer:
+        for _ in range(2):  # twice: the second step's copies replace the first's
+            model.zero_grad()
+            model(batch(device)).backward()
+            streamer.wait_all()
+            assert_slots_equal_grads(store, model, 1)
+            streamer.copy_back()
+            assert torch.count_nonzero(store.grad_slot(0)) == 0
+
+
+def test_shared_and_frozen_parameters():
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    assert "head.weight" not in store.names and "emb.weight" in store.names  # tied: once, under its first name
+    assert not any(name.startswith("frozen.") for name in store.names)
+    with pyengine.GradientStreamer(model, store) as streamer:
+        model(batch()).backward()
+        streamer.wait_all()
+        assert streamer.hook_calls == len(store.names)  # the tied weight's hook fires once, after both uses
+        assert_slots_equal_grads(store, model, 0)
+        assert model.frozen.weight.grad is None
+
+
+def test_buckets_cover_every_parameter_once_and_are_contiguous():
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    for bucket_mb, first in [(TINY, TINY), (0.01, 0.001), (0.05, 0.05), (25, 1)]:
+        streamer = pyengine.GradientStreamer(model, store, bucket_mb=bucket_mb, first_bucket_mb=first)
+        names = [name for b in streamer.buckets for name in b.names]
+        assert sorted(names) == sorted(store.names) and len(names) == len(set(names))
+        assert names == store.names  # backward (reverse registration) order
+        assert streamer.buckets[0].begin == 0 and streamer.buckets[-1].end == store.numel
+        for k, b in enumerate(streamer.buckets):
+            assert b.index == k
+            first_entry, last_entry = store.entry(b.names[0]), store.entry(b.names[-1])
+            assert b.begin == first_entry.offset and b.end >= last_entry.offset + last_entry.numel
+            if k + 1 < len(streamer.buckets):
+                assert b.end == streamer.buckets[k + 1].begin
+            cap = (first if k == 0 else bucket_mb) * 2**20
+            without_last = sum(store.entry(n).numel * 4 for n in b.names[:-1])
+            assert without_last < cap  # a bucket closes as soon as it reaches its cap
+        streamer.close()
+    assert len(pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY).buckets) == \
+        len(store.names)
+
+
+def hook_count(model):
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_hooks_fire_once_per_parameter_and_close_removes_them():
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    assert hook_count(model) == 0
+    streamer = pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001)
+    assert hook_count(model) == len(store.names) and len(model._forward_pre_hooks) == 1
+    for step in range(1, 4):
+        model.zero_grad()
+        model(batch()).backward()
+        streamer.wait_all()
+        streamer.copy_back()
+        assert streamer.hook_calls == step * len(store.names)
+    streamer.close()
+    streamer.close()
+    assert hook_count(model) == 0 and len(model._forward_pre_hooks) == 0
+    model(batch()).backward()  # no hook left to fire
+    assert streamer.hook_calls == 3 * len(store.names)
+
+
+def test_dropping_the_streamer_removes_its_hooks():
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    streamer = pyengine.GradientStreamer(model, store)
+    model(batch()).backward()
+    streamer.wait_all()
+    del streamer
+    gc.collect()
+    assert hook_count(model) == 0 and len(model._forward_pre_hooks) == 0
+
+
+def test_unused_parameter_gives_zero():
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001) as streamer:
+        store.grad_slot(0).fill_(7.0)  # stale contents must be overwritten
+        model(batch(), use_extra=False).backward()
+        streamer.wait_all()
+        assert model.extra.weight.grad is None
+        assert_slots_equal_grads(store, model, 0)
+        assert torch.count_nonzero(slot_views(store, 0)["extra.weight"]) == 0
+
+
+def test_unused_parameter_error_names_it_and_does_not_hang():
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, unused="error") as streamer:
+        with pytest.raises(RuntimeError, match=r"no gradient.*extra\.weight.*unused='zero'"):
+            model(batch(), use_extra=False).backward()
+        streamer.wait_all()  # every bucket was still delivered
+        streamer.copy_back()
+        model.zero_grad()
+        model(batch()).backward()  # a step where all are used is fine
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
+
+
+@pytest.mark.parametrize("style", ["accumulate", "no_sync"])
+def test_gradient_accumulation(style):
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    streamer = pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001)
+    if style == "accumulate":
+        streamer.accumulate(3)
+    for step in range(2):
+        model.zero_grad()
+        store.grad_slot(0).fill_(5.0)
+        # extra is used only in the first micro-batch: its accumulated grad is still streamed on the last pass.
+        uses = [True, False, False]
+        for i, use_extra in enumerate(uses):
+            if style == "no_sync" and i < len(uses) - 1:
+                with streamer.no_sync():
+                    model(batch(), use_extra=use_extra).backward()
+            else:
+                model(batch(), use_extra=use_extra).backward()
+            if i < len(uses) - 1:
+                assert torch.all(store.grad_slot(0) == 5.0)  # nothing copied before the window ends
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
+        assert model.extra.weight.grad is not None
+        streamer.copy_back()
+    assert streamer.hook_calls == 2 * (3 * len(store.names) - 2 * 2)  # extra.{weight,bias} silent twice per step
+    streamer.close()
+
+
+def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper):
+    """Steps of G workers; returns nothing, leaves the result in store and replicas."""
+    for step in range(1, steps + 1):
+        def work(g):
+            models[g].zero_grad()
+            models[g](data[step][g]).backward()
+
+        if threaded:
+            threads = [threading.Thread(target=work, args=(g,)) for g in range(len(models))]
+            for t in threads:
+                t.start()
+        else:
+            for g in range(len(models)):
+                work(g)
+        if pipelined:
+            pyengine.pipelined_update(streamers, store, step, **hyper)
+        else:
+            for s in streamers:
+                s.wait_all()
+            pyengine.ops.mean_grad_adamw_(
+                store.param, store.exp_avg, store.exp_avg_sq, [store.grad_slot(s.worker) for s in streamers],
+                step=step, lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1],
+                weight_decay=hyper["weight_decay"], amsgrad=hyper.get("amsgrad", False),
+                max_exp_avg_sq=store.max_exp_avg_sq, param_out=store.shadow, weights=hyper.get("weights"))
+            for s in streamers:
+                s.copy_back()
+        if threaded:
+            for t in threads:
+                t.join()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shadow_dtype,amsgrad,weights", [(None, False, None), (torch.bfloat16, True, [0.3, 0.7])])
+def test_pipelined_update_equals_one_shot(device, shadow_dtype, amsgrad, weights):
+    base = Net()
+    data = {step: [batch(device, n=5 + g) for g in range(2)] for step in range(1, 4)}
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=amsgrad, weights=weights)
+    results = []
+    for pipelined, threaded in [(False, False), (True, False), (True, True)]:
+        models = [copy.deepcopy(base).to(device) for _ in range(2)]
+        store = pyengine.HostStore(models[0], workers=2, pin=False, shadow_dtype=shadow_dtype, amsgrad=amsgrad)
+        streamers = [pyengine.GradientStreamer(m, store, worker=g, bucket_mb=0.01, first_bucket_mb=0.001)
+                     for g, m in enumerate(models)]
+        run_steps(models, store, streamers, 3, data, pipelined, threaded, hyper)
+        for s in streamers:
+            s.wait_weights()
+            s.close()
+        results.append((store, models))
+    (ref_store, ref_models) = results[0]
+    for store, models in results[1:]:
+        for name in ["param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "shadow"]:
+            a, b = getattr(ref_store, name), getattr(store, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+        for m in models:  # replicas hold the shipped weights (shadow when present), bit for bit
+            source = store.views(store.shadow if shadow_dtype is not None else store.param)
+            for name, p in m.named_parameters():
+                if name in source:
+                    assert torch.equal(p.detach().cpu(), source[name].to(p.dtype)), name
+    assert not torch.equal(ref_store.param, pyengine.HostStore(base, pin=False).param)  # it did train
+
+
+def test_pipelined_update_argument_errors():
+    model = Net()
+    store = pyengine.HostStore(model, workers=2, pin=False)
+    a = pyengine.GradientStreamer(model, store, worker=0)
+    b = pyengine.GradientStreamer(copy.deepcopy(model), store, worker=0)
+    with pytest.raises(ValueError, match="at least one"):
+        pyengine.pipelined_update([], store, 1, lr=1e-3)
+    with pytest.raises(ValueError, match="each worker must appear once"):
+        pyengine.pipelined_update([a, b], store, 1, lr=1e-3)
+    with pytest.raises(ValueError, match="amsgrad"):
+        pyengine.pipelined_update([a], store, 1, lr=1e-3, amsgrad=True)
+    c = pyengine.GradientStreamer(copy.deepcopy(model), store, worker=1, bucket_mb=TINY, first_bucket_mb=TINY)
+    with pytest.raises(ValueError, match="same buckets"):
+        pyengine.pipelined_update([a, c], store, 1, lr=1e-3)
+    with pytest.raises(ValueError, match="unused"):
+        pyengine.GradientStreamer(model, store, unused="ignore")
+    with pytest.raises(ValueError, match="trainable parameter 'extra.bias'"):
+        pyengine.GradientStreamer(torch.nn.Linear(3, 3), store)
+    for s in (a, b, c):
+        s.close()
+
+
+def test_transfer_checks_its_arguments():
+    transfer = pyengine._C.BucketTransfer(2, "cpu", "test")
+    with pytest.raises(ValueError, match="elements"):
+        transfer.launch(0, 0, [torch.zeros(3)], [torch.zeros(4)])
+    with pytest.raises(IndexError, match=r"bucket must be in \[0, 2\)"):
+        transfer.launch(0, 2, [torch.zeros(3)], [torch.zeros(3)])
+    with pytest.raises(ValueError, match="contiguous"):
+        transfer.launch(0, 0, [torch.zeros(3)], [torch.zeros(6)[::2]])
+    dst = torch.full((5,), 9.0)
+    src = torch.randn(5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        transfer.launch(0, 1, [src], [dst])
+    transfer.launch(0, 1, [None], [dst])
+    transfer.wait(0, 1, True)
+    assert torch.count_nonzero(dst) == 0
+    transfer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        transfer.launch(0, 0, [None], [dst])
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_thousand_steps_without_memory_growth():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.Tanh(), torch.nn.Linear(65, 3))
+    store = pyengine.HostStore(model, workers=1, pin=False, shadow_dtype=torch.bfloat16)
+    x, y = torch.randn(8, 33), torch.randn(8, 3)
+    with pyengine.GradientStreamer(model, store, bucket_mb=0.005, first_bucket_mb=0.001) as streamer:
+        assert len(streamer.buckets) >= 2
+        first_loss = None
+        for step in range(1, 1001):
+            model.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            pyengine.pipelined_update([streamer], store, step, lr=1e-3)
+            if step == 1:
+                first_loss = loss.item()
+            if step == 200:
+                gc.collect()
+                before = rss_bytes()
+        streamer.wait_weights()
+        gc.collect()
+        assert rss_bytes() - before < 4 * 2**20
+        assert torch.nn.functional.mse_loss(model(x), y).item() < first_loss / 10  # the replica got the updates
+        for name, view in store.views(store.shadow).items():
+            assert torch.equal(dict(model.named_parameters())[name].detach(), view.float()), name
