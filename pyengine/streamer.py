@@ -64,6 +64,9 @@ class GradientStreamer:
             gives: ``"zero"`` (zeros in the slot; ``param.grad`` untouched) or ``"error"`` (backward raises, naming
             the parameters; DDP's find_unused_parameters).
 
+    Attributes: ``buckets`` (list of :class:`Bucket`), ``device``, ``worker``, ``hook_calls`` (hook invocations so
+    far: one per parameter per backward pass).
+
     Use it as a context manager, or call :meth:`close`, to remove its hooks.
     """
 

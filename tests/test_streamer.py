@@ -73,6 +73,29 @@ def test_slot_equals_param_grad(device, grad_dtype, bucket_mb, first_bucket_mb):
             assert torch.count_nonzero(store.grad_slot(0)) == 0
 
 
+@pytest.mark.timeout(60)
+def test_first_buckets_are_copied_while_backward_still_runs():
+    model = torch.nn.Sequential(torch.nn.Linear(7, 4097), torch.nn.Tanh(), torch.nn.Linear(4097, 7))
+    store = pyengine.HostStore(model, pin=False)
+    seen = {}
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        def during_backward(grad):
+            # Layer 2's gradients are accumulated; layer 0's are not computed yet: backward is mid-way.
+            seen["layer0_grad"] = model[0].weight.grad
+            for k, bucket in enumerate(streamer.buckets[:2]):
+                streamer.wait(k)
+                seen[bucket.names] = torch.equal(slot_views(store, 0)[bucket.names[0]],
+                                                 dict(model.named_parameters())[bucket.names[0]].grad)
+
+        h = model[0](torch.randn(3, 7))
+        h.register_hook(during_backward)
+        model[2](model[1](h)).sum().backward()
+        streamer.wait_all()
+    assert seen.pop("layer0_grad") is None
+    assert seen == {("2.bias",): True, ("2.weight",): True}
+    assert_slots_equal_grads(store, model, 0)
+
+
 def test_shared_and_frozen_parameters():
     model = Net()
     store = pyengine.HostStore(model, pin=False)
