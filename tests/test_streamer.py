@@ -243,7 +243,8 @@ def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper)
                 store.param, store.exp_avg, store.exp_avg_sq, [store.grad_slot(s.worker) for s in streamers],
                 step=step, lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1],
                 weight_decay=hyper["weight_decay"], amsgrad=hyper.get("amsgrad", False),
-                max_exp_avg_sq=store.max_exp_avg_sq, param_out=store.shadow, weights=hyper.get("weights"))
+                max_exp_avg_sq=store.max_exp_avg_sq, param_out=store.shadow, weights=hyper.get("weights"),
+                max_grad_norm=hyper.get("max_grad_norm"))
             for s in streamers:
                 s.copy_back()
         if threaded:
@@ -252,11 +253,12 @@ def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shadow_dtype,amsgrad,weights", [(None, False, None), (torch.bfloat16, True, [0.3, 0.7])])
-def test_pipelined_update_equals_one_shot(device, shadow_dtype, amsgrad, weights):
+@pytest.mark.parametrize("shadow_dtype,amsgrad,weights,clip", [
+    (None, False, None, None), (torch.bfloat16, True, [0.3, 0.7], None), (torch.float16, False, None, 0.05)])
+def test_pipelined_update_equals_one_shot(device, shadow_dtype, amsgrad, weights, clip):
     base = Net()
     data = {step: [batch(device, n=5 + g) for g in range(2)] for step in range(1, 4)}
-    hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=amsgrad, weights=weights)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=amsgrad, weights=weights, max_grad_norm=clip)
     results = []
     for pipelined, threaded in [(False, False), (True, False), (True, True)]:
         models = [copy.deepcopy(base).to(device) for _ in range(2)]
