@@ -64,6 +64,9 @@ class GradientStreamer:
             gives: ``"zero"`` (zeros in the slot; ``param.grad`` untouched) or ``"error"`` (backward raises, naming
             the parameters; DDP's find_unused_parameters).
 
+    Attributes: ``buckets`` (list of :class:`Bucket`), ``device``, ``worker``, ``hook_calls`` (hook invocations so
+    far: one per parameter per backward pass).
+
     Use it as a context manager, or call :meth:`close`, to remove its hooks.
     """
 
@@ -284,7 +287,7 @@ class GradientStreamer:
                 f"unused={self.unused!r})")
 
 
-def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, step: int, *, lr: float,
+def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, step: int, lr: float,
                      betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                      amsgrad: bool = False, maximize: bool = False, weights=None, grad_scale=None, found_inf=None,
                      max_grad_norm=None, copy_back: bool = True):
@@ -296,6 +299,8 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     then start bucket k's copy back to every replica. The update is elementwise, so the weights are bit-identical to
     one update over the whole store after all gradients arrived. ``max_grad_norm`` needs the global norm first: all
     buckets are waited for, the norm is taken, then the buckets are updated (no overlap with backward).
+    ``grad_scale``, ``found_inf`` and ``weights`` are passed to the fused op as they are; ``copy_back=False`` leaves
+    the copies back to the caller (:meth:`GradientStreamer.copy_back`).
 
     Returns the norm of the mean gradient when clipping, else None.
     """

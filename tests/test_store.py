@@ -179,6 +179,19 @@ def test_argument_errors():
         store.views(torch.zeros(3))
 
 
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def test_pages_are_resident_at_creation():
+    model = OddNet(sizes=[4 * 2**20])  # 16 MiB per buffer
+    gc.collect()
+    before = rss_bytes()
+    store = make(model, workers=2)
+    assert rss_bytes() - before >= 0.9 * store.nbytes  # faulted in at creation, not on first use
+
+
 def test_views_outlive_the_store():
     model = OddNet()
     store = make(model, workers=2)

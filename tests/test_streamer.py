@@ -73,6 +73,29 @@ def test_slot_equals_param_grad(device, grad_dtype, bucket_mb, first_bucket_mb):
             assert torch.count_nonzero(store.grad_slot(0)) == 0
 
 
+@pytest.mark.timeout(60)
+def test_first_buckets_are_copied_while_backward_still_runs():
+    model = torch.nn.Sequential(torch.nn.Linear(7, 4097), torch.nn.Tanh(), torch.nn.Linear(4097, 7))
+    store = pyengine.HostStore(model, pin=False)
+    seen = {}
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        def during_backward(grad):
+            # Layer 2's gradients are accumulated; layer 0's are not computed yet: backward is mid-way.
+            seen["layer0_grad"] = model[0].weight.grad
+            for k, bucket in enumerate(streamer.buckets[:2]):
+                streamer.wait(k)
+                seen[bucket.names] = torch.equal(slot_views(store, 0)[bucket.names[0]],
+                                                 dict(model.named_parameters())[bucket.names[0]].grad)
+
+        h = model[0](torch.randn(3, 7))
+        h.register_hook(during_backward)
+        model[2](model[1](h)).sum().backward()
+        streamer.wait_all()
+    assert seen.pop("layer0_grad") is None
+    assert seen == {("2.bias",): True, ("2.weight",): True}
+    assert_slots_equal_grads(store, model, 0)
+
+
 def test_shared_and_frozen_parameters():
     model = Net()
     store = pyengine.HostStore(model, pin=False)
@@ -220,7 +243,8 @@ def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper)
                 store.param, store.exp_avg, store.exp_avg_sq, [store.grad_slot(s.worker) for s in streamers],
                 step=step, lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1],
                 weight_decay=hyper["weight_decay"], amsgrad=hyper.get("amsgrad", False),
-                max_exp_avg_sq=store.max_exp_avg_sq, param_out=store.shadow, weights=hyper.get("weights"))
+                max_exp_avg_sq=store.max_exp_avg_sq, param_out=store.shadow, weights=hyper.get("weights"),
+                max_grad_norm=hyper.get("max_grad_norm"))
             for s in streamers:
                 s.copy_back()
         if threaded:
@@ -229,11 +253,12 @@ def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shadow_dtype,amsgrad,weights", [(None, False, None), (torch.bfloat16, True, [0.3, 0.7])])
-def test_pipelined_update_equals_one_shot(device, shadow_dtype, amsgrad, weights):
+@pytest.mark.parametrize("shadow_dtype,amsgrad,weights,clip", [
+    (None, False, None, None), (torch.bfloat16, True, [0.3, 0.7], None), (torch.float16, False, None, 0.05)])
+def test_pipelined_update_equals_one_shot(device, shadow_dtype, amsgrad, weights, clip):
     base = Net()
     data = {step: [batch(device, n=5 + g) for g in range(2)] for step in range(1, 4)}
-    hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=amsgrad, weights=weights)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=amsgrad, weights=weights, max_grad_norm=clip)
     results = []
     for pipelined, threaded in [(False, False), (True, False), (True, True)]:
         models = [copy.deepcopy(base).to(device) for _ in range(2)]
