@@ -65,9 +65,13 @@ def test_hybrid_equals_one_big_batch(rng, workers, batch):
 
 
 def test_hybrid_with_clipping(rng):
+    # Clipping shrinks every gradient, pushing many entries to within ~eps of zero, where Adam's step is
+    # ill-conditioned and fp32 vs fp64 summation of the workers' gradients decides it: a larger eps keeps the
+    # comparison about the clipping, not about that rounding.
+    opt = {**OPT, "eps": 1e-4}
     model = make_model()
-    reference = TorchReference(model, **OPT)
-    with Engine(model, loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT, max_grad_norm=0.05)) as engine:
+    reference = TorchReference(model, **opt)
+    with Engine(model, loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**opt, max_grad_norm=0.05)) as engine:
         for b in make_batches(rng, 10, 30):
             engine.step(b)
             reference.step([b], clip=0.05)
