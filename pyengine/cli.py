@@ -49,44 +49,23 @@ class Interrupted(Exception):
 
 # ---- arguments ------------------------------------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
+def _number(convert, ok, expected: str):
+    """An argparse type: ``convert`` the text, then require ``ok(value)``; errors say ``expected``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}")
+        return value
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0; got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0; got {text!r}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+_nonnegative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,9 +22,12 @@ import threading
 import torch
 
 from . import ops
+from .asynchronous import run_async
+from .hybrid import hybrid_step
 from .optim import AdamW
 from .profiling import PhaseRecorder
 from .store import HostStore
+from .sync import sync_step
 from .workers import Worker, WorkerError, parse_devices, set_worker_threads
 
 __all__ = ["Engine", "WorkerError"]
@@ -108,10 +111,8 @@ class Engine:
         """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn)."""
         self._check_open()
         if self.mode == "hybrid":
-            from .hybrid import hybrid_step
             return self._record(hybrid_step(self, batch))
         if self.mode == "sync":
-            from .sync import sync_step
             return self._record(sync_step(self, batch))
         raise ValueError("step() is for mode='hybrid' or 'sync'; async workers pull batches: use fit(batches)")
 
@@ -128,7 +129,6 @@ class Engine:
             raise ValueError(f"epochs must be >= 1; got {epochs}")
         start = len(self.history)
         if self.mode == "async":
-            from .asynchronous import run_async
             run_async(self, batches, steps=steps, epochs=epochs if epochs is not None or steps is not None else 1,
                       callbacks=callbacks)
         else:

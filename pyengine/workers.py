@@ -7,6 +7,7 @@ Worker threads call :func:`set_worker_threads` once, so CPU workers divide the i
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -144,7 +145,7 @@ class Worker:
         Returns (mean loss, seconds of forward+backward, seconds waiting for the last copies). The copies into the
         host slot are complete when this returns.
         """
-        context = torch.cuda.stream(self.stream) if self.stream is not None else _null()
+        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
             start = time.perf_counter()
             self.replica.zero_grad(set_to_none=True)
@@ -158,10 +159,3 @@ class Worker:
     def close(self) -> None:
         self.streamer.close()
 
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
