@@ -51,6 +51,7 @@ class _BatchSource:
 def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     source = _BatchSource(batches, epochs)
     stop = threading.Event()
+    pushes_before = engine.stats()["pushes"]  # ``steps`` counts this call's pushes
     errors: list[tuple[int, BaseException]] = []
 
     def push(worker, pulled, loss, samples, compute, wait):
@@ -71,7 +72,7 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         engine.history.append(metrics)
         for callback in callbacks:
             callback(engine, metrics)
-        if steps is not None and engine.stats()["pushes"] >= steps:
+        if engine.stop_requested or (steps is not None and engine.stats()["pushes"] - pushes_before >= steps):
             stop.set()
         return True
 
@@ -111,5 +112,7 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     for t in threads:
         t.join()
     if errors:
+        for worker in engine.workers:
+            worker.streamer.reset()
         index, exc = errors[0]
         raise WorkerError(index, engine.devices[index], exc) from exc

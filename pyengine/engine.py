@@ -9,9 +9,15 @@ times larger), :mod:`pyengine.sync` (one worker at a time, round-robin), :mod:`p
 pushes whenever it is done; the host applies each push under a mutex; staleness measured, bounded, damped).
 
 Note [One update path]
-Every schedule updates the store through :meth:`Engine.apply_update`: a norm pass over the gradient slots (the
-non-finite check and clipping both need the global norm before any weight changes), then the fused kernel over the
-whole flat store. The step counter (``version``) counts applied updates; it is torch's ``step`` for bias correction.
+Every update of the store is the fused kernel run by :meth:`Engine.update_range`, after :meth:`Engine.admit_update`
+has decided from the global norm of the mean gradient whether the step is applied (the non-finite check and clipping
+both need that norm before any weight changes). Sync and async take the norm and update the whole flat store in one
+go (:meth:`Engine.apply_update`). Hybrid pipelines both per bucket (:mod:`pyengine.hybrid`): each bucket's share of
+the norm is taken as soon as every worker delivered it, while backward still runs, and once the step is admitted
+each bucket is updated and its copy back to the replicas starts at once, overlapping the update of the next bucket.
+Updating before the whole norm is known would let a non-finite gradient in a late bucket leave a half-applied step:
+the master weights must always hold the last complete update. The step counter (``version``) counts applied
+updates; it is torch's ``step`` for bias correction.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ __all__ = ["Engine", "WorkerError"]
 
 MODES = ("hybrid", "sync", "async")
 FORMAT = "pyengine.engine/1"
+_POLL_S = 0.05  # how often a host wait for a gradient bucket looks whether a worker has failed
 
 
 class Engine:
@@ -60,6 +67,12 @@ class Engine:
         batch_schedule: async: ``callable(version) -> int`` mini-batches per push, overriding ``accumulate`` (the
             mini-batch growing during training).
         pin: host store memory: ``"auto"``, True or False (see :class:`pyengine.HostStore`).
+
+    Buffers (BatchNorm running statistics and the like) are not averaged. As DDP with ``broadcast_buffers=True``,
+    one replica is their source: hybrid copies worker 0's buffers to the other replicas at the start of every step;
+    sync hands them from each worker to the next, like one model trained sequentially; async leaves each replica its
+    own and reports worker 0's. :meth:`buffers_state_dict`, :meth:`state_dict`, :meth:`copy_to` and
+    :meth:`load_state_dict` use that source.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, devices=None, mode: str = "hybrid",
@@ -99,6 +112,9 @@ class Engine:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=len(self.workers), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
+        self._buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
+        self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
+        self._stop = threading.Event()
         self._closed = False
 
     # ---- public API ------------------------------------------------------------------------------------------
@@ -119,10 +135,13 @@ class Engine:
     def fit(self, batches, steps: int | None = None, epochs: int | None = None, callbacks=()) -> list[dict]:
         """Trains on ``batches`` (an iterable; re-iterated per epoch) for ``steps`` updates or ``epochs`` passes.
 
-        Each callback is called as ``callback(engine, metrics)`` after every step (hybrid, sync) or push (async).
-        Returns the metrics of this call's steps.
+        ``steps`` counts this call's steps (hybrid, sync) or pushes (async), whatever ran before. Each callback is
+        called as ``callback(engine, metrics)`` after every step or push; a callback may call :meth:`stop` to end
+        training after the current step (async: after the pushes in flight). Returns the metrics of this call's
+        steps.
         """
         self._check_open()
+        self._stop.clear()
         if steps is not None and steps < 0:
             raise ValueError(f"steps must be >= 0; got {steps}")
         if epochs is not None and epochs < 1:
@@ -136,15 +155,49 @@ class Engine:
                 metrics = self.step(batch)
                 for callback in callbacks:
                     callback(self, metrics)
+                if self._stop.is_set():
+                    break
         return self.history[start:]
+
+    def stop(self) -> None:
+        """Ends the running :meth:`fit` after the current step (for callbacks: early stopping, time budgets)."""
+        self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
 
     def master_state_dict(self) -> dict:
         """The fp32 master weights, keys as ``model.state_dict()`` (trainable parameters only)."""
         return {name: view.detach().clone() for name, view in self.store.views(self.store.param).items()}
 
     def copy_to(self, model: torch.nn.Module) -> None:
-        """Writes the master weights into ``model``'s parameters."""
+        """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers."""
         self.store.copy_to(model)
+        named = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, value in self.buffers_state_dict().items():
+                named[name].copy_(value)
+
+    def buffers_state_dict(self) -> dict:
+        """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
+        docstring), on the CPU, keys as ``model.state_dict()``."""
+        named = dict(self.workers[self.buffer_source].replica.named_buffers())
+        return {name: named[name].detach().to("cpu", copy=True) for name in self._buffer_names}
+
+    def share_buffers(self, targets) -> None:
+        """Copies the buffers of the source replica (worker ``buffer_source``) into the replicas of ``targets``."""
+        if not self._buffer_names:
+            return
+        source = self.buffer_source
+        named = dict(self.workers[source].replica.named_buffers())
+        with torch.no_grad():
+            for t in targets:
+                if t == source:
+                    continue
+                mine = dict(self.workers[t].replica.named_buffers())
+                for name in self._buffer_names:
+                    mine[name].copy_(named[name])
 
     def optimizer_state_dict(self) -> dict:
         """The Adam state in ``torch.optim.AdamW.state_dict()`` form."""
@@ -158,6 +211,7 @@ class Engine:
             "version": self.version,
             "names": list(self.store.names),
             "master": self.master_state_dict(),
+            "buffers": self.buffers_state_dict(),
             "optimizer": self.optimizer_state_dict(),
             "optimizer_config": self.optimizer.config(),
             "rng": torch.get_rng_state(),
@@ -178,6 +232,14 @@ class Engine:
             if tuple(value.shape) != tuple(views[name].shape) or value.dtype != torch.float32:
                 raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
                                  f"{value.dtype} {tuple(value.shape)}")
+        buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
+        current = self.buffers_state_dict()
+        if buffers and sorted(buffers) != sorted(current):
+            raise ValueError(f"the state's buffers {sorted(buffers)} do not match this model's {sorted(current)}")
+        for name, value in buffers.items():
+            if tuple(value.shape) != tuple(current[name].shape) or value.dtype != current[name].dtype:
+                raise ValueError(f"buffer {name!r}: expected {current[name].dtype} {tuple(current[name].shape)}; got "
+                                 f"{value.dtype} {tuple(value.shape)}")
         step = self.optimizer.load_torch_state_dict(self.store, sd["optimizer"], self.param_names)
         for name, value in sd["master"].items():
             views[name].copy_(value)
@@ -189,6 +251,10 @@ class Engine:
         self._staleness = collections.Counter({int(k): v for k, v in sd["staleness"].items()})
         for worker in self.workers:
             worker.pull()
+            mine = dict(worker.replica.named_buffers())
+            with torch.no_grad():
+                for name, value in buffers.items():
+                    mine[name].copy_(value)
 
     def stats(self) -> dict:
         """Counters: steps, pushes, applied updates, skipped steps, refreshes, and the staleness histogram."""
@@ -239,36 +305,80 @@ class Engine:
         If any worker raises, waits for the others to finish their task (so no thread is left running), then
         raises :class:`WorkerError` naming the first failed worker, with the original exception as its cause.
         """
-        futures = {i: self._pool.submit(fn) for i, fn in tasks.items()}
+        return self.gather_workers(self.submit_workers(tasks))
+
+    def submit_workers(self, tasks: dict) -> dict:
+        """Starts ``{worker_index: fn}`` on the worker threads; returns ``{index: future}`` for
+        :meth:`gather_workers`."""
+        return {i: self._pool.submit(fn) for i, fn in tasks.items()}
+
+    def gather_workers(self, futures: dict) -> dict:
+        """Waits for every future of :meth:`submit_workers`; returns ``{index: result}`` or raises
+        :class:`WorkerError` for the first failed worker after all have finished. After a failure every worker's
+        streamer is reset, so the engine can go on with the next step from the last complete update."""
         concurrent.futures.wait(futures.values())
         for i, future in futures.items():
             exc = future.exception()
             if exc is not None:
+                for worker in self.workers:
+                    worker.streamer.reset()
                 raise WorkerError(i, self.devices[i], exc) from exc
         return {i: f.result() for i, f in futures.items()}
 
+    def wait_bucket(self, k: int, futures: dict) -> bool:
+        """Blocks until bucket ``k`` of every worker in ``futures`` is in its slot; False as soon as one of those
+        workers has failed (its bucket may never come; :meth:`gather_workers` then raises)."""
+        for i in futures:
+            while not self.workers[i].streamer.wait(k, timeout=_POLL_S):
+                if any(f.done() and f.exception() is not None for f in futures.values()):
+                    return False
+        return True
+
     def apply_update(self, workers: list[int], weights: list[float] | None, lr: float | None = None) -> bool:
-        """One fused update from the gradient slots of ``workers`` (see Note [One update path]).
+        """One fused update of the whole store from the gradient slots of ``workers`` (Note [One update path]).
 
         Returns False when the step was skipped because a gradient was not finite (``nonfinite="skip"``).
         """
-        store, opt = self.store, self.optimizer
-        slots = [store.grad_slot(g) for g in workers]
+        slots = [self.store.grad_slot(g) for g in workers]
         norm, nonfinite = ops.mean_grad_norm(slots, weights)
-        if nonfinite.item() != 0.0:
+        if not self.admit_update(nonfinite.item() != 0.0, workers):
+            return False
+        self.update_range(0, self.store.numel, slots, weights, norm, lr)
+        return True
+
+    def admit_update(self, nonfinite: bool, workers: list[int]) -> bool:
+        """Decides whether the step whose mean gradient is (non)finite is applied: raises (``nonfinite="raise"``) or
+        counts a skipped step and returns False; otherwise counts the update, advances ``version`` (the step of the
+        :meth:`update_range` calls that follow) and returns True."""
+        if nonfinite:
             if self.nonfinite == "raise":
                 raise FloatingPointError(f"non-finite gradient at step {self.version + 1} (workers {workers}); the "
                                          "master weights keep the last complete update")
             self._counters["skipped_steps"] += 1
             return False
         self.version += 1
-        clip = opt.max_grad_norm or 0.0
-        torch.ops.pyengine.mean_grad_adamw_.default(
-            store.param, store.exp_avg, store.exp_avg_sq, slots, **opt.kernel_kwargs(lr), step=self.version,
-            max_exp_avg_sq=store.max_exp_avg_sq, grad_scale=None, found_inf=None, weights=weights,
-            param_out=store.shadow, grad_norm=norm if clip else None, max_grad_norm=float(clip))
         self._counters["applied_updates"] += 1
         return True
+
+    def update_range(self, begin: int, end: int, slots: list[torch.Tensor], weights: list[float] | None,
+                     norm: torch.Tensor, lr: float | None = None) -> None:
+        """The fused mean-gradient AdamW over elements ``[begin, end)`` of the store at step ``version``.
+
+        ``slots``: the full gradient slots of the step's workers; ``norm``: the global norm of their (weighted) mean,
+        used when the optimizer clips. Elementwise, so updating the store range by range gives the same bits as one
+        call over all of it.
+        """
+        store, opt = self.store, self.optimizer
+        clip = opt.max_grad_norm or 0.0
+
+        def part(t):
+            return None if t is None else t[begin:end]
+
+        torch.ops.pyengine.mean_grad_adamw_.default(
+            store.param[begin:end], store.exp_avg[begin:end], store.exp_avg_sq[begin:end],
+            [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=self.version,
+            max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
+            param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
     def count(self, key: str, n: int = 1) -> None:
         self._counters[key] += n

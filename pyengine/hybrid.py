@@ -1,9 +1,19 @@
 """Hybrid schedule: every worker computes on its shard of the batch, the host waits for all, averages the gradients
-(weighted by shard sizes when uneven) and updates once: exactly one step on a batch G times larger."""
+(weighted by shard sizes when uneven) and updates once: exactly one step on a batch G times larger.
+
+The host works per bucket (Note [One update path] in :mod:`pyengine.engine`): while the workers' backward passes run,
+it takes each bucket's share of the mean gradient's norm as soon as every worker delivered that bucket; once all
+workers are done and the step is admitted, it updates bucket by bucket and starts each bucket's copy back to the
+replicas right after its update, so the copies overlap the update of the next bucket.
+"""
 from __future__ import annotations
 
+import math
 import time
 
+import torch
+
+from . import ops
 from .metrics import step_metrics
 from .workers import batch_size, split_batch
 
@@ -14,6 +24,9 @@ def hybrid_step(engine, batch) -> dict:
     sizes = [batch_size(s) for s in shards]
     total = sum(sizes)
     weights = None if len(set(sizes)) == 1 else [n / total for n in sizes]
+    workers = list(range(engine.num_workers))
+    slots = [engine.store.grad_slot(g) for g in workers]
+    buckets = engine.workers[0].streamer.buckets
 
     def task(worker, shard):
         def run():
@@ -21,16 +34,31 @@ def hybrid_step(engine, batch) -> dict:
                 return worker.compute(engine.loss_fn, [shard])
         return run
 
-    results = engine.run_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
+    engine.share_buffers(workers)  # DDP's broadcast_buffers: worker 0's buffers go to every replica
+    futures = engine.submit_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
+    squares, nonfinite = 0.0, False
+    for b in buckets:
+        if not engine.wait_bucket(b.index, futures):
+            break  # a worker failed: gather_workers raises
+        with engine.phase("norm"):
+            norm, flag = ops.mean_grad_norm([slot[b.begin:b.end] for slot in slots], weights)
+        squares += float(norm) ** 2
+        nonfinite |= bool(flag)
+    results = engine.gather_workers(futures)
     engine.count("steps")
     updated = time.perf_counter()
     with engine.phase("update"):
-        applied = engine.apply_update(list(range(engine.num_workers)), weights)
-    copied = time.perf_counter()
-    with engine.phase("copy_back"):
-        engine.run_workers({w.index: w.pull for w in engine.workers})
+        applied = engine.admit_update(nonfinite or not math.isfinite(squares), workers)
+        norm = torch.tensor([math.sqrt(squares)], dtype=torch.float32)
+        for b in buckets:
+            for w in engine.workers:
+                w.streamer.wait_weights(b.index)  # the last copy back of this bucket has completed
+            if applied:
+                engine.update_range(b.begin, b.end, slots, weights, norm)
+            for w in engine.workers:
+                w.streamer.copy_back(buckets=[b.index])
     end = time.perf_counter()
     loss = sum(results[i][0] * n for i, n in enumerate(sizes)) / total
     return step_metrics(engine, loss=loss, samples=total, wall=end - start,
-                        compute=max(r[1] for r in results.values()), update=copied - updated,
-                        transfer_wait=max(r[2] for r in results.values()), copy_back=end - copied, applied=applied)
+                        compute=max(r[1] for r in results.values()), update=end - updated,
+                        transfer_wait=max(r[2] for r in results.values()), copy_back=0.0, applied=applied)

@@ -219,9 +219,16 @@ class GradientStreamer:
                 self._no_sync = False
                 self._backward_count = -1 % self._accumulate  # the next backward completes the window
 
-    def wait(self, k: int) -> None:
-        """Block until bucket ``k``'s gradients of this step are in the worker's slot (its backward may still run)."""
-        self._transfer.wait(_GRADS, k, True)
+    def wait(self, k: int, timeout: float | None = None) -> bool:
+        """Block until bucket ``k``'s gradients of this step are in the worker's slot (its backward may still run).
+
+        ``timeout`` (seconds) bounds the wait for the bucket's copy to be launched, i.e. for the backward that
+        produces it (which may have failed, or touch no parameter of the bucket until it ends): returns False when
+        it ran out, True once the bucket is in the slot. Without a timeout it waits as long as it takes.
+        """
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"GradientStreamer.wait: timeout must be >= 0 seconds or None; got {timeout}")
+        return self._transfer.wait(_GRADS, k, True, -1.0 if timeout is None else float(timeout))
 
     def wait_all(self) -> None:
         """Block until every bucket's gradients of this step are in the worker's slot."""
@@ -263,6 +270,24 @@ class GradientStreamer:
             self._transfer.order_current_stream(_WEIGHTS)
         else:
             self._transfer.wait(_WEIGHTS, k, False)
+
+    def reset(self) -> None:
+        """Forget a step that did not complete (its worker, or another one, failed): wait for the copies in flight,
+        drop the gradient buckets launched but not consumed and the accumulation window, so the next backward starts
+        a fresh step and no wait returns on the failed step's data. Errors of those copies are dropped with them."""
+        with self._lock:
+            self._in_backward = False
+            self._sync = False
+            self._backward_count = 0
+            self._fired = [False] * len(self._params)
+            self._pending = [0] * len(self.buckets)
+            self._next_launch = 0
+        for k in range(len(self.buckets)):
+            try:
+                self._transfer.wait(_GRADS, k, False)
+            except RuntimeError:
+                pass  # the failed step's copy; its slot is overwritten by the next step
+            self._transfer.release(_GRADS, k)
 
     def close(self) -> None:
         """Remove every hook and finish the copies in flight. Idempotent."""

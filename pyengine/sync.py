@@ -13,6 +13,8 @@ def sync_step(engine, batch) -> dict:
     samples = batch_size(batch)
     worker = engine.workers[engine.stats()["steps"] % engine.num_workers]
 
+    engine.share_buffers([worker.index])  # one model trained sequentially: the buffers follow the batches
+
     def run():
         with engine.phase("pull", worker.index):
             worker.pull()
@@ -21,6 +23,7 @@ def sync_step(engine, batch) -> dict:
 
     loss, compute, wait = engine.run_workers({worker.index: run})[worker.index]
     engine.count("steps")
+    engine.buffer_source = worker.index
     updated = time.perf_counter()
     with engine.phase("update"):
         applied = engine.apply_update([worker.index], None)

@@ -56,11 +56,18 @@ def assert_matches(engine, reference, rtol=1e-5):
         torch.testing.assert_close(master[name].double(), p.detach(), rtol=rtol, atol=rtol * scale, msg=name)
 
 
+# 1e-6 MiB (one byte): every parameter of make_model() gets its own bucket, so the per-bucket norm and update paths
+# of the hybrid schedule run over four buckets (the default 25 MiB puts the whole model in one).
+TINY_BUCKETS = dict(bucket_mb=1e-6, first_bucket_mb=1e-6)
+
+
+@pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])
 @pytest.mark.parametrize("workers,batch", [(1, 32), (2, 32), (4, 67)], ids=["G1", "G2", "G4-uneven"])
-def test_hybrid_equals_one_big_batch(rng, workers, batch):
+def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets):
     model = make_model()
     reference = TorchReference(model, **OPT)
-    with Engine(model, loss_fn, devices=["cpu"] * workers, optimizer=AdamW(**OPT)) as engine:
+    with Engine(model, loss_fn, devices=["cpu"] * workers, optimizer=AdamW(**OPT), **buckets) as engine:
+        assert len(engine.workers[0].streamer.buckets) == (4 if buckets else 1)
         for b in make_batches(rng, 12, batch):
             engine.step(b)
             reference.step([b])
@@ -68,15 +75,39 @@ def test_hybrid_equals_one_big_batch(rng, workers, batch):
         assert engine.stats()["applied_updates"] == 12
 
 
-def test_hybrid_with_clipping(rng):
+@pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])
+def test_hybrid_with_clipping(rng, buckets):
     opt = OPT
     model = make_model()
     reference = TorchReference(model, **opt)
-    with Engine(model, loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**opt, max_grad_norm=0.05)) as engine:
+    with Engine(model, loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**opt, max_grad_norm=0.05),
+                **buckets) as engine:
         for b in make_batches(rng, 10, 30):
             engine.step(b)
             reference.step([b], clip=0.05)
         assert_matches(engine, reference)
+
+
+def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng):
+    """Backward delivers the first layer's weight last: its infinite gradient arrives after the other buckets, and
+    none of them may have been updated (no half-applied step)."""
+    batches = make_batches(rng, 3, 12)
+    poison = {"on": False}
+
+    def poisoned_loss(model, batch):
+        loss = loss_fn(model, batch)
+        return loss + float("inf") * model[0].weight.sum() if poison["on"] else loss
+
+    with Engine(make_model(), poisoned_loss, devices=["cpu"] * 2, optimizer=AdamW(**OPT), **TINY_BUCKETS) as engine:
+        assert engine.workers[0].streamer.buckets[-1].names == ("0.weight",)
+        engine.step(batches[0])
+        before = engine.master_state_dict()
+        poison["on"] = True
+        assert not engine.step(batches[1])["applied"]
+        after = engine.master_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        poison["on"] = False
+        assert engine.step(batches[2])["applied"] and engine.version == 2
 
 
 def test_hybrid_is_bit_reproducible(rng):
@@ -213,7 +244,11 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng):
             raise RuntimeError("boom in loss")
         return loss_fn(model, batch)
 
-    with Engine(make_model(), flaky, devices=["cpu"] * 3, optimizer=AdamW(**OPT)) as engine:
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    # Clipping: the host's per-bucket norm is taken while backward runs, so a stale bucket would change the step.
+    with Engine(model, flaky, devices=["cpu"] * 3, optimizer=AdamW(**OPT, max_grad_norm=0.05),
+                **TINY_BUCKETS) as engine:
         engine.step(batches[0])
         before = engine.master_state_dict()
         with pytest.raises(WorkerError, match=r"worker \d \(cpu\) failed: RuntimeError: boom in loss") as info:
@@ -221,6 +256,11 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng):
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.worker in range(3)
         after = engine.master_state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
+        # Nothing of the failed step leaks into the next: training goes on as if batches[1] had never been seen.
+        engine.step(batches[2])
+        for b in (batches[0], batches[2]):
+            reference.step([b], clip=0.05)
+        assert_matches(engine, reference)
 
 
 def test_failing_async_worker_stops_everyone(rng):
@@ -368,3 +408,81 @@ def test_default_devices_and_public_api():
         expected = torch.cuda.device_count() if torch.cuda.is_available() else 2
         assert engine.num_workers == expected
     assert pyengine.Engine is Engine and pyengine.AdamW is AdamW
+
+
+def make_bn_model(seed=0, d_in=10, hidden=24, d_out=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, d_out))
+
+
+def assert_buffers_match(buffers, reference_model, rtol=1e-5):
+    expected = dict(reference_model.named_buffers())
+    assert sorted(buffers) == sorted(expected)
+    for name, value in buffers.items():
+        if value.dtype == torch.int64:
+            assert torch.equal(value, expected[name]), name
+        else:
+            torch.testing.assert_close(value.double(), expected[name].detach(), rtol=rtol, atol=rtol, msg=name)
+
+
+def test_sync_buffers_follow_the_batches_like_sequential_training(rng):
+    model = make_bn_model()
+    reference = TorchReference(model, **OPT)
+    with Engine(model, loss_fn, devices=["cpu"] * 3, mode="sync", optimizer=AdamW(**OPT)) as engine:
+        for b in make_batches(rng, 7, 16):
+            engine.step(b)
+            reference.step([b])
+        assert_matches(engine, reference)
+        assert_buffers_match(engine.buffers_state_dict(), reference.model)
+        assert engine.buffers_state_dict()["1.num_batches_tracked"].item() == 7
+        copied = make_bn_model(seed=5)
+        engine.copy_to(copied)
+        assert_buffers_match(dict(copied.named_buffers()), reference.model)
+
+
+def test_hybrid_buffers_come_from_worker_0_and_resume(rng):
+    """As DDP's broadcast_buffers: every step starts from worker 0's running statistics, which it updates on its own
+    shard. Reference: a float64 copy that sees shard 0 with the master weights of the step."""
+    model = make_bn_model()
+    stats = copy.deepcopy(model).double()
+    batches = make_batches(rng, 6, 20)
+    with Engine(model, loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        for b in batches:
+            with torch.no_grad():
+                for name, p in stats.named_parameters():
+                    p.copy_(engine.master_state_dict()[name])
+                worker1 = copy.deepcopy(stats)  # worker 1 starts from worker 0's statistics, sees shard 1
+                worker1(b[0][10:].double())
+                stats(b[0][:10].double())
+            engine.step(b)
+            assert_buffers_match(dict(engine.workers[1].replica.named_buffers()), worker1)
+        assert_buffers_match(engine.buffers_state_dict(), stats)
+        saved = copy.deepcopy(engine.state_dict())
+    with Engine(make_bn_model(seed=3), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.load_state_dict(saved)
+        for worker in engine.workers:
+            assert_buffers_match({k: v for k, v in worker.replica.named_buffers()}, stats)
+        bad = copy.deepcopy(saved)
+        bad["buffers"]["1.running_mean"] = torch.zeros(5)
+        with pytest.raises(ValueError, match="buffer '1.running_mean'"):
+            engine.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "async"])
+def test_a_callback_can_stop_fit(rng, mode):
+    def stop_at_third(engine, metrics):
+        if len(engine.history) == 3:
+            engine.stop()
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        history = engine.fit(make_batches(rng, 20, 8), callbacks=[stop_at_third])
+        assert len(history) == 3 == engine.stats()["pushes" if mode == "async" else "steps"]
+        assert len(engine.fit(make_batches(rng, 4, 8))) == 4, "the next fit starts afresh"
+
+
+def test_async_fit_steps_counts_this_calls_pushes(rng):
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT)) as engine:
+        assert len(engine.fit(make_batches(rng, 40, 8), steps=5)) == 5
+        assert len(engine.fit(make_batches(rng, 40, 8), steps=4)) == 4
+        assert engine.stats()["pushes"] == 9 == engine.stats()["applied_updates"]

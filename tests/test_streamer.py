@@ -5,6 +5,7 @@ store after all gradients arrived, replicas against the store after the copy bac
 import copy
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -94,6 +95,29 @@ def test_first_buckets_are_copied_while_backward_still_runs():
     assert seen.pop("layer0_grad") is None
     assert seen == {("2.bias",): True, ("2.weight",): True}
     assert_slots_equal_grads(store, model, 0)
+
+
+@pytest.mark.timeout(60)
+def test_wait_with_timeout_and_reset_after_a_failed_step():
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        last = len(streamer.buckets) - 1
+        start = time.perf_counter()
+        assert streamer.wait(0, timeout=0.05) is False  # no backward has run: the bucket never comes
+        assert 0.04 < time.perf_counter() - start < 5
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            streamer.wait(0, timeout=-1)
+        model(batch("cpu")).backward()
+        assert streamer.wait(last, timeout=5) is True
+        # The step fails before its update: reset() drops the delivered buckets, so the next wait waits for the
+        # next backward instead of returning at once on the failed step's gradients.
+        streamer.reset()
+        assert streamer.wait(last, timeout=0.05) is False
+        model.zero_grad()
+        model(batch("cpu")).backward()
+        assert streamer.wait(last, timeout=5) is True
+        assert_slots_equal_grads(store, model, 0)
 
 
 def test_shared_and_frozen_parameters():

@@ -51,7 +51,9 @@ void init_store_bindings(pybind11::module_& m) {
           py::arg("channel"), py::arg("bucket"), py::arg("srcs"), py::arg("dsts"),
           "Starts dsts[i] <- srcs[i] (None zero-fills) for one bucket; returns at once.")
       .def("wait", &BucketTransfer::wait, py::arg("channel"), py::arg("bucket"), py::arg("until_launched"),
-           py::call_guard<py::gil_scoped_release>(), "Blocks until the bucket's last launched copy is complete.")
+           py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>(),
+           "Blocks until the bucket's last launched copy is complete; False if timeout_s (>= 0) ran out waiting for "
+           "the launch.")
       .def("wait_all", &BucketTransfer::wait_all, py::arg("channel"), py::arg("until_launched"),
            py::call_guard<py::gil_scoped_release>())
       .def("release", &BucketTransfer::release, py::arg("channel"), py::arg("bucket"))

@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
+
 #include "nvtx.h"
 
 namespace pyengine::store {
@@ -67,13 +69,18 @@ void BucketTransfer::launch(int64_t channel, int64_t bucket, std::vector<at::Ten
   changed_.notify_all();
 }
 
-void BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched) {
+bool BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched, double timeout_s) {
   check_index(channel, bucket, "wait");
   NvtxRange range(range_name("wait", channel, bucket));
   std::unique_lock<std::mutex> lock(mutex_);
   Counters& c = counters(channel, bucket);
   if (until_launched) {
-    changed_.wait(lock, [&] { return c.launched > c.released || closed_; });
+    const auto ready = [&] { return c.launched > c.released || closed_; };
+    if (timeout_s < 0) {
+      changed_.wait(lock, ready);
+    } else if (!changed_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
+      return false;
+    }
     TORCH_CHECK(c.launched > c.released, "BucketTransfer.wait: the transfer of ", label_,
                 " was closed before bucket ", bucket, " was launched");
   }
@@ -85,6 +92,7 @@ void BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched) 
     TORCH_CHECK(false, "BucketTransfer: the copy of ", channel_name(static_cast<int>(channel)), " bucket ", bucket,
                 " of ", label_, " failed: ", error);
   }
+  return true;
 }
 
 void BucketTransfer::wait_all(int64_t channel, bool until_launched) {

@@ -63,8 +63,10 @@ class BucketTransfer {
   // Blocks (the caller releases the GIL) until the last launched copy of the bucket has completed, and rethrows an
   // error raised by that copy. until_launched: first wait until the bucket has been launched since the last
   // release() (a gradient bucket of a backward that is still running); otherwise a bucket with no copy in flight
-  // returns at once.
-  void wait(int64_t channel, int64_t bucket, bool until_launched);
+  // returns at once. timeout_s >= 0 bounds the wait for the launch (the backward that produces the bucket may have
+  // failed or never run): returns false when it ran out, true once the copy is complete. A launched copy always
+  // completes, so the wait for completion itself has no timeout.
+  bool wait(int64_t channel, int64_t bucket, bool until_launched, double timeout_s = -1.0);
   void wait_all(int64_t channel, bool until_launched);
 
   // The host is done with the bucket's data of this step: the next wait(until_launched) waits for a new launch.
