@@ -455,8 +455,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
 
                 if state["step"] < target:
                     try:
-                        # the engine's push counter is restored from the checkpoint: steps is the total
-                        engine.fit(dataset.stream(batches_done, batch_size, seed), steps=target,
+                        engine.fit(dataset.stream(batches_done, batch_size, seed), steps=target - state["step"],
                                    callbacks=[on_step])
                     except WorkerError as exc:
                         if not isinstance(exc.__cause__, Interrupted):

@@ -77,6 +77,17 @@ def master(run: Path) -> dict:
     return payload["engine"]
 
 
+def test_async_resume_runs_the_remaining_pushes(tmp_path):
+    run = tmp_path / "run"
+    common = ["--mode", "async", "--quiet", "--checkpoint-every", "5", "--out", str(run), *SHORT]
+    assert train("--steps", "12", *common) == 0
+    ckpt.list_checkpoints(run / "checkpoints")[-1].unlink()  # stopped after step 10's checkpoint
+    assert train("--resume", str(run), "--steps", "12", "--quiet") == 0
+    state = master(run)
+    assert state["version"] == 12 and state["counters"]["pushes"] == 12
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 12
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "sync"])
 def test_resume_is_bit_identical(tmp_path, mode):
     common = ["--mode", mode, "--quiet", "--checkpoint-every", "5", *SHORT]
