@@ -10,6 +10,8 @@
 #   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
 #   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
 #   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
+#   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap, hybrid with 4
+#              workers on the GPU vs single-replica training
 # Needs no network. PYTHON picks the interpreter (default python3: the one holding that machine's torch).
 set -u
 cd "$(dirname "$0")/.."
@@ -101,6 +103,7 @@ stage ctest "$OUT/ctest.log" 1200 env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build
   tests/cpp/run_ctest.sh -DPYENGINE_WITH_CUDA=ON
 stage sanitizer "$OUT/sanitizer.log" 1200 sanitize
 stage bench "$OUT/bench.log" 1800 "$PYTHON" bench/bench_fused_adamw.py --full --cuda --out "$OUT/bench_cuda.md"
+stage transfer "$OUT/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 --out "$OUT/transfer.md"
 
 {
   echo "# pyengine GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -117,6 +120,12 @@ stage bench "$OUT/bench.log" 1800 "$PYTHON" bench/bench_fused_adamw.py --full --
     echo "## CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
     echo
     cat "$OUT/bench_cuda.md"
+  fi
+  if [[ -s "$OUT/transfer.md" ]]; then
+    echo
+    echo "## Gradient transfer and engine on the GPU"
+    echo
+    cat "$OUT/transfer.md"
   fi
 } >"$SUMMARY"
 cat "$SUMMARY"
