@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from . import ops
+from . import distributed, ops
 from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .optim import AdamW
@@ -60,13 +60,20 @@ class Engine:
         batch_schedule: async: ``callable(version) -> int`` mini-batches per push, overriding ``accumulate`` (the
             mini-batch growing during training).
         pin: host store memory: ``"auto"``, True or False (see :class:`pyengine.HostStore`).
+        process_group: ``"auto"`` (the default torch.distributed group when it is initialized with more than one
+            rank, e.g. under torchrun), None (this process alone) or a ``ProcessGroup``. With a group, hybrid steps
+            combine every rank's gradients (one step on the concatenated batch) and async runs rank 0 as the server
+            of the other ranks' pushes; see :mod:`pyengine.distributed`.
+        shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
+            Adam state, all-gather (ZeRO-1 style).
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, devices=None, mode: str = "hybrid",
                  optimizer: AdamW | None = None, seed: int = 0, *, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, unused: str = "zero", autocast: torch.dtype | None = None,
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
-                 staleness_lr: str = "none", batch_schedule=None, pin="auto"):
+                 staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
+                 shard_update: bool = False):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
@@ -100,6 +107,10 @@ class Engine:
             max_workers=len(self.workers), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
         self._closed = False
+        group = distributed.resolve_group(process_group, shard_update, mode)
+        self.process_group = group
+        self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
+            mode == "hybrid" else None
 
     # ---- public API ------------------------------------------------------------------------------------------
 
@@ -111,7 +122,7 @@ class Engine:
         """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn)."""
         self._check_open()
         if self.mode == "hybrid":
-            return self._record(hybrid_step(self, batch))
+            return self._record(self.dist.step(self, batch) if self.dist is not None else hybrid_step(self, batch))
         if self.mode == "sync":
             return self._record(sync_step(self, batch))
         raise ValueError("step() is for mode='hybrid' or 'sync'; async workers pull batches: use fit(batches)")
@@ -128,7 +139,10 @@ class Engine:
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1; got {epochs}")
         start = len(self.history)
-        if self.mode == "async":
+        if self.mode == "async" and self.process_group is not None:
+            distributed.run_async(self, self.process_group, batches, steps=steps,
+                                  epochs=epochs if epochs is not None or steps is not None else 1, callbacks=callbacks)
+        elif self.mode == "async":
             run_async(self, batches, steps=steps, epochs=epochs if epochs is not None or steps is not None else 1,
                       callbacks=callbacks)
         else:
@@ -247,13 +261,15 @@ class Engine:
                 raise WorkerError(i, self.devices[i], exc) from exc
         return {i: f.result() for i, f in futures.items()}
 
-    def apply_update(self, workers: list[int], weights: list[float] | None, lr: float | None = None) -> bool:
-        """One fused update from the gradient slots of ``workers`` (see Note [One update path]).
+    def apply_update(self, workers: list[int], weights: list[float] | None, lr: float | None = None,
+                     grads: list[torch.Tensor] | None = None) -> bool:
+        """One fused update from the gradient slots of ``workers``, or from ``grads`` (flat buffers of the store's
+        size, e.g. a gradient reduced across processes) when given (see Note [One update path]).
 
         Returns False when the step was skipped because a gradient was not finite (``nonfinite="skip"``).
         """
         store, opt = self.store, self.optimizer
-        slots = [store.grad_slot(g) for g in workers]
+        slots = [store.grad_slot(g) for g in workers] if grads is None else list(grads)
         norm, nonfinite = ops.mean_grad_norm(slots, weights)
         if nonfinite.item() != 0.0:
             if self.nonfinite == "raise":
