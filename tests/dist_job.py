@@ -54,7 +54,7 @@ def hybrid(seed, rank, world):
     for name, shard in (("replicated", False), ("sharded", True)):
         opt = pyengine.AdamW(**OPT, max_grad_norm=HYBRID["clip"])
         with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=opt, pin=False,
-                             bucket_mb=0.001, first_bucket_mb=0.0005, shard_update=shard) as engine:
+                             bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
             metrics = [engine.step(b) for b in batches]
             distributed.gather_optimizer_state(engine)
             out[name] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict(),
@@ -98,13 +98,18 @@ def failure(seed, rank, world, how):
 
 
 def async_failure(seed, rank, world):
-    """Rank 2 (a client) dies after a few pushes: the server and the other client must raise."""
+    """The last rank (a client) dies after a few pushes: the server must raise."""
     batches = [client_batch(seed, rank, i) for i in range(200)] if rank else []
-    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+    calls = []
+
+    def dying_loss(model, batch):
+        calls.append(1)
+        if rank == world - 1 and len(calls) == 4:
+            os._exit(17)  # mid-computation, between two exchanges with the server
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), dying_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
                          pin=False) as engine:
-        if rank == 2:
-            engine.fit(batches[:3], steps=None)  # pushes 3 mini-batches, then dies without a word
-            os._exit(17)
         engine.fit(batches, steps=1000)
     return {}
 
