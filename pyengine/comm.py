@@ -1,8 +1,8 @@
 """Communication planner: the per-step gradient exchange time of data-parallel training, as an alpha-beta model.
 
 A message of n bytes between two nodes costs ``alpha + n / B`` (alpha: latency, B: link bandwidth in bytes/s). Every
-node has one full-duplex link; messages to different peers in the same round run concurrently but share the
-sender's and the receiver's link. An algorithm is then two numbers, both linear in the model's parameters:
+node has one full-duplex link; messages to different peers in the same round run concurrently (their latencies
+overlap) but share the sender's and the receiver's link bandwidth. An algorithm is then two numbers, both linear in the model's parameters:
 
     time = steps * alpha + link_bytes / B
 
@@ -210,7 +210,7 @@ def parse_bandwidth(text: str) -> float:
     """``"25Gbit"``, ``"25Gbps"``, ``"100Mbit/s"``, ``"3.2GB/s"``, ``"1GiB/s"`` -> bytes per second (> 0)."""
     value, unit = _split(text, "bandwidth", "25Gbit or 3GB/s")
     u = unit[:-2] if unit.endswith("/s") else unit
-    u = u[:-2] + "bit" if u.endswith("bps") else u
+    u = u[:-3] + "bit" if u.endswith("bps") else u
     prefixes = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
                 "Ti": 2**40}
     for suffix, per in (("bit", 1 / 8), ("b", 1 / 8), ("B", 1.0)):
