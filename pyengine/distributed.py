@@ -26,6 +26,7 @@ rank and what it was doing, so no rank hangs.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -85,19 +86,16 @@ def resolve_group(process_group, shard_update: bool, mode: str):
     return process_group
 
 
+@contextlib.contextmanager
 def _collective(what: str, rank: int):
-    """Context: re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation."""
-    class _Guard:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, kind, exc, tb):
-            if exc is not None and isinstance(exc, (RuntimeError, dist.DistBackendError)) and \
-                    not isinstance(exc, (DistributedError, WorkerError)):
-                raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); a peer rank "
-                                       "died, raised or timed out") from exc
-            return False
-    return _Guard()
+    """Re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation."""
+    try:
+        yield
+    except (DistributedError, WorkerError):
+        raise
+    except RuntimeError as exc:  # gloo's errors, DistBackendError included
+        raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); a peer rank died, raised "
+                               "or timed out") from exc
 
 
 def _wait(work, what: str, rank: int) -> None:
