@@ -129,7 +129,62 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", default=S, help="no progress output")
     g.add_argument("--log-every", type=_positive_int, default=S,
                    help="steps between progress lines when stdout is not a terminal [about 20 lines a run]")
+    _add_plan_parser(commands)
     return parser
+
+
+def _add_plan_parser(commands) -> None:
+    """``python -m pyengine plan``: the communication planner (:mod:`pyengine.comm`)."""
+    from . import comm
+
+    def unit(parse, expected):
+        return _number(parse, lambda v: True, expected)
+
+    p = commands.add_parser(
+        "plan", prog="pyengine plan", help="model the gradient exchange time of each allreduce algorithm",
+        description="Alpha-beta model (latency + bytes / bandwidth) of one step's gradient exchange across nodes: "
+                    "parameter server (one, sharded), tree, butterfly and ring allreduce; prints time per step, "
+                    "scaling efficiency and the fastest. Defaults in brackets.")
+    p.add_argument("--nodes", type=_positive_int, required=True, help="number of nodes (data-parallel ranks)")
+    p.add_argument("--params", type=unit(comm.parse_count, "a parameter count like 1.3e9 or 350M"), required=True,
+                   help="model parameters, e.g. 1.3e9, 1.3B, 350M")
+    p.add_argument("--grad-dtype", type=unit(comm.parse_dtype, "bf16, fp16 or fp32"), default=4,
+                   help="gradient dtype on the wire: bf16, fp16, fp32 [fp32]")
+    p.add_argument("--bandwidth", type=unit(comm.parse_bandwidth, "a bandwidth like 25Gbit or 3GB/s"),
+                   required=True, help="per-node link bandwidth, e.g. 25Gbit, 100Gbps, 3GB/s")
+    p.add_argument("--latency", type=unit(comm.parse_latency, "a latency like 5us or 0.2ms"), default=5e-6,
+                   help="per-message latency, e.g. 5us, 0.2ms [5us]")
+    p.add_argument("--compute-ms", type=_positive_float, required=True,
+                   help="forward+backward time of one step on one node, in ms")
+    p.add_argument("--servers", type=_positive_int, default=None,
+                   help="server shards of the sharded parameter server [one per node]")
+    p.add_argument("--overlap", type=_number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]"), default=0.0,
+                   help="fraction of the exchange hidden behind backward [0]")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="also draw efficiency against node count (1, 2, 4, ... up to --nodes) to this PNG")
+
+
+def _plan(args) -> int:
+    from . import comm
+
+    network = comm.Network(args.latency, args.bandwidth)
+    compute_s = args.compute_ms / 1e3
+    rows = comm.plan(args.nodes, args.params, args.grad_dtype, network, compute_s, servers=args.servers,
+                     overlap=args.overlap)
+    dtype = {2: "16-bit", 4: "fp32"}[args.grad_dtype]
+    print(f"pyengine plan: {args.nodes} nodes, {args.params:.3g} params, {dtype} gradients "
+          f"({comm.format_bytes(args.params * args.grad_dtype)} per node), {args.bandwidth * 8 / 1e9:.3g} Gbit/s "
+          f"links, {args.latency * 1e6:.3g} us latency, {args.compute_ms:.3g} ms "
+          f"compute, overlap {args.overlap:.0%}")
+    print(comm.format_plan(rows, args.servers))
+    if args.plot:
+        counts = sorted({2 ** i for i in range(args.nodes.bit_length())} | {args.nodes})
+        comm.plot_efficiency(args.plot, counts, args.params, args.grad_dtype, network, compute_s,
+                             servers=args.servers, title=f"{args.params:.3g} params, {dtype} gradients, "
+                             f"{args.bandwidth * 8 / 1e9:.3g} Gbit/s, {args.latency * 1e6:.3g} us, "
+                             f"{args.compute_ms:.3g} ms compute")
+        print(f"plot: {args.plot}")
+    return 0
 
 
 # ---- configuration --------------------------------------------------------------------------------------------
@@ -547,6 +602,8 @@ def _summarise(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse errors exit 2 with usage
+    if args.command == "plan":
+        return _plan(args)
     given = _given(args)
     try:
         return _train(given)

@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from . import ops
+from . import distributed, ops
 from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .optim import AdamW
@@ -67,6 +67,12 @@ class Engine:
         batch_schedule: async: ``callable(version) -> int`` mini-batches per push, overriding ``accumulate`` (the
             mini-batch growing during training).
         pin: host store memory: ``"auto"``, True or False (see :class:`pyengine.HostStore`).
+        process_group: ``"auto"`` (the default torch.distributed group when it is initialized with more than one
+            rank, e.g. under torchrun), None (this process alone) or a ``ProcessGroup``. With a group, hybrid steps
+            combine every rank's gradients (one step on the concatenated batch) and async runs rank 0 as the server
+            of the other ranks' pushes; see :mod:`pyengine.distributed`.
+        shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
+            Adam state, all-gather (ZeRO-1 style).
 
     Buffers (BatchNorm running statistics and the like) are not averaged. As DDP with ``broadcast_buffers=True``,
     one replica is their source: hybrid copies worker 0's buffers to the other replicas at the start of every step;
@@ -79,7 +85,8 @@ class Engine:
                  optimizer: AdamW | None = None, seed: int = 0, *, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, unused: str = "zero", autocast: torch.dtype | None = None,
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
-                 staleness_lr: str = "none", batch_schedule=None, pin="auto"):
+                 staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
+                 shard_update: bool = False):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
@@ -112,10 +119,14 @@ class Engine:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=len(self.workers), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
-        self._buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
+        self.buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._stop = threading.Event()
         self._closed = False
+        group = distributed.resolve_group(process_group, shard_update, mode)
+        self.process_group = group
+        self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
+            mode == "hybrid" else None
 
     # ---- public API ------------------------------------------------------------------------------------------
 
@@ -127,7 +138,7 @@ class Engine:
         """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn)."""
         self._check_open()
         if self.mode == "hybrid":
-            return self._record(hybrid_step(self, batch))
+            return self._record(self.dist.step(self, batch) if self.dist is not None else hybrid_step(self, batch))
         if self.mode == "sync":
             return self._record(sync_step(self, batch))
         raise ValueError("step() is for mode='hybrid' or 'sync'; async workers pull batches: use fit(batches)")
@@ -147,7 +158,10 @@ class Engine:
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1; got {epochs}")
         start = len(self.history)
-        if self.mode == "async":
+        if self.mode == "async" and self.process_group is not None:
+            distributed.run_async(self, self.process_group, batches, steps=steps,
+                                  epochs=epochs if epochs is not None or steps is not None else 1, callbacks=callbacks)
+        elif self.mode == "async":
             run_async(self, batches, steps=steps, epochs=epochs if epochs is not None or steps is not None else 1,
                       callbacks=callbacks)
         else:
@@ -183,11 +197,11 @@ class Engine:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
         docstring), on the CPU, keys as ``model.state_dict()``."""
         named = dict(self.workers[self.buffer_source].replica.named_buffers())
-        return {name: named[name].detach().to("cpu", copy=True) for name in self._buffer_names}
+        return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
 
     def share_buffers(self, targets) -> None:
         """Copies the buffers of the source replica (worker ``buffer_source``) into the replicas of ``targets``."""
-        if not self._buffer_names:
+        if not self.buffer_names:
             return
         source = self.buffer_source
         named = dict(self.workers[source].replica.named_buffers())
@@ -196,7 +210,7 @@ class Engine:
                 if t == source:
                     continue
                 mine = dict(self.workers[t].replica.named_buffers())
-                for name in self._buffer_names:
+                for name in self.buffer_names:
                     mine[name].copy_(named[name])
 
     def optimizer_state_dict(self) -> dict:
@@ -334,12 +348,14 @@ class Engine:
                     return False
         return True
 
-    def apply_update(self, workers: list[int], weights: list[float] | None, lr: float | None = None) -> bool:
-        """One fused update of the whole store from the gradient slots of ``workers`` (Note [One update path]).
+    def apply_update(self, workers: list[int], weights: list[float] | None, lr: float | None = None,
+                     grads: list[torch.Tensor] | None = None) -> bool:
+        """One fused update of the whole store from the gradient slots of ``workers``, or from ``grads`` (flat
+        buffers of the store's size, e.g. a gradient reduced across processes) when given (Note [One update path]).
 
         Returns False when the step was skipped because a gradient was not finite (``nonfinite="skip"``).
         """
-        slots = [self.store.grad_slot(g) for g in workers]
+        slots = [self.store.grad_slot(g) for g in workers] if grads is None else list(grads)
         norm, nonfinite = ops.mean_grad_norm(slots, weights)
         if not self.admit_update(nonfinite.item() != 0.0, workers):
             return False
@@ -352,8 +368,9 @@ class Engine:
         :meth:`update_range` calls that follow) and returns True."""
         if nonfinite:
             if self.nonfinite == "raise":
-                raise FloatingPointError(f"non-finite gradient at step {self.version + 1} (workers {workers}); the "
-                                         "master weights keep the last complete update")
+                where = f" (workers {workers})" if workers else ""
+                raise FloatingPointError(f"non-finite gradient at step {self.version + 1}{where}; the master weights "
+                                         "keep the last complete update")
             self._counters["skipped_steps"] += 1
             return False
         self.version += 1

@@ -1,0 +1,91 @@
+"""Calibrates the planner's alpha-beta model (pyengine.comm) against measured gloo allreduce between local processes.
+
+    python bench/bench_comm.py [--sizes 4e3,6.4e4,1e6,1.6e7,6.4e7] [--worlds 2,4] [--repeats 9]
+
+Starts P processes (gloo, CPU tensors, 127.0.0.1) per world size, times ``all_reduce`` of float32 tensors of each
+size (median of ``--repeats`` after a warm-up, barrier before each), fits alpha and the bandwidth on the P = 2
+measurements with the ring model (gloo's CPU allreduce is ring-based for these sizes), and prints, for every
+measurement, the model's prediction and relative error; the P > 2 rows are predictions from the P = 2 fit.
+Localhost gloo is memory copies and loopback TCP, not a network: the fitted "bandwidth" and "latency" describe this
+machine's loopback, and the error says how well the model's shape fits, not what a cluster would do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's pyengine, also in the rank processes
+
+
+def rank_main(sizes: list[int], repeats: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pyengine import comm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    times = [comm.time_collective("all_reduce", n, repeats) for n in sizes]
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def measure(world: int, sizes: list[int], repeats: int) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                   PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", json.dumps(sizes), str(repeats), out],
+                                  env=dict(env, RANK=str(r))) for r in range(world)]
+        try:
+            codes = [p.wait(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if codes != [0] * world:
+            raise RuntimeError(f"measurement ranks exited with {codes}")
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank-main":
+        rank_main(json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4e3,6.4e4,1e6,1.6e7,6.4e7", help="message sizes in bytes")
+    parser.add_argument("--worlds", default="2,4", help="process counts; the first is used for the fit")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    from pyengine import comm
+
+    sizes = [int(float(s)) // 4 * 4 for s in args.sizes.split(",")]
+    worlds = [int(w) for w in args.worlds.split(",")]
+    samples = {w: [("ring", w, n, t) for n, t in zip(sizes, measure(w, sizes, args.repeats))] for w in worlds}
+    net = comm.fit_network(samples[worlds[0]])
+    print(f"fit on P={worlds[0]} (ring model): alpha = {net.alpha * 1e6:.1f} us, bandwidth = "
+          f"{net.bandwidth / 1e9:.2f} GB/s ({net.bandwidth * 8 / 1e9:.1f} Gbit/s)")
+    print("| P | bytes | measured ms | model ms | error |")
+    print("|---|---:|---:|---:|---:|")
+    for w in worlds:
+        errors = comm.model_errors(samples[w], net)
+        for (_, _, n, t), e in zip(samples[w], errors):
+            print(f"| {w}{' (fit)' if w == worlds[0] else ''} | {n:,} | {t * 1e3:.3f} | "
+                  f"{comm.exchange_cost('ring', w, n, net).time_s * 1e3:.3f} | {e:+.0%} |")
+        print(f"P={w}: mean |error| {sum(map(abs, errors)) / len(errors):.0%}, max |error| "
+              f"{max(map(abs, errors)):.0%}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Communication planner: the per-step gradient exchange time of data-parallel training, as an alpha-beta model.
+
+A message of n bytes between two nodes costs ``alpha + n / B`` (alpha: latency, B: link bandwidth in bytes/s). Every
+node has one full-duplex link; messages to different peers in the same round run concurrently (their latencies
+overlap) but share the sender's and the receiver's link bandwidth. An algorithm is then two numbers, both linear in the model's parameters:
+
+    time = steps * alpha + link_bytes / B
+
+``steps`` is the number of sequential message rounds on the critical path and ``link_bytes`` the bytes that cross
+the busiest link, one direction at a time, along that path (a full-duplex round that sends and receives n bytes
+costs n / B). For P nodes and N bytes of gradient per node (the closed forms of :func:`exchange_cost`):
+
+=================  ===============================  =======================  =================================
+algorithm          steps                            link_bytes               bytes sent by the busiest worker
+=================  ===============================  =======================  =================================
+ps (1 server)      2 (push, pull)                   2 P N (the server's)     N (its push)
+ps (S shards)      2                                2 max(N, P N / S)        N (N / S to each shard)
+tree (binomial)    2 ceil(log2 P) (reduce, bcast)   2 ceil(log2 P) N         ceil(log2 P) N (the root)
+butterfly          log2 P (+2 if P is no power of   (steps) N                (steps) N
+                   two: fold in, fold out)
+ring               2 (P - 1)                        2 (P - 1) / P N          2 (P - 1) / P N
+=================  ===============================  =======================  =================================
+
+So the ring's traffic per node does not grow with P (its latency term does), a single parameter server is a
+bandwidth bottleneck (P N through one link), tree and butterfly pay log2 P full-size rounds. The model ignores
+compute inside the reduction, congestion beyond one link per node, and overlap of communication with backward
+(``overlap`` in :func:`plan` is the fraction hidden behind compute, 0 by default).
+
+Calibration: :func:`fit_network` fits alpha and B by least squares on relative error from measured
+``(algorithm, P, N, seconds)`` samples (bench/bench_comm.py measures gloo collectives between local processes with
+:func:`time_collective`); :func:`model_errors` gives the model's relative error on measurements.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = ["ALGORITHMS", "Cost", "Network", "PlanRow", "exchange_cost", "plan", "format_plan", "best",
+           "efficiency_curve", "parse_bandwidth", "parse_latency", "parse_count", "parse_dtype", "fit_network",
+           "model_errors", "time_collective", "plot_efficiency"]
+
+ALGORITHMS = ("ps", "ps-sharded", "tree", "butterfly", "ring")
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Network:
+    """Link model: ``alpha`` seconds per message, ``bandwidth`` bytes/s per link."""
+
+    alpha: float
+    bandwidth: float
+
+    def __post_init__(self):
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"Network: alpha (latency, s) must be a finite number >= 0; got {self.alpha}")
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"Network: bandwidth (bytes/s) must be a finite number > 0; got {self.bandwidth}")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One algorithm's exchange: ``steps`` rounds, ``link_bytes`` over the busiest link, ``node_bytes`` sent by the
+    busiest worker, and ``time_s`` on a given network."""
+
+    algorithm: str
+    nodes: int
+    steps: int
+    link_bytes: float
+    node_bytes: float
+    time_s: float
+
+
+def _check_nodes(nodes) -> int:
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be an integer >= 1; got {nodes!r}")
+    return nodes
+
+
+def _log2_ceil(p: int) -> int:
+    return (p - 1).bit_length()
+
+
+def exchange_cost(algorithm: str, nodes: int, nbytes: float, network: Network, servers: int | None = None) -> Cost:
+    """The gradient exchange of ``nbytes`` per node among ``nodes`` nodes with ``algorithm`` (see the module table).
+
+    ``servers``: the number of server shards of ``"ps-sharded"`` (default: ``nodes``). One node exchanges nothing.
+    """
+    p = _check_nodes(nodes)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    if not (math.isfinite(nbytes) and nbytes >= 0):
+        raise ValueError(f"nbytes must be a finite number >= 0; got {nbytes}")
+    n = float(nbytes)
+    if p == 1:
+        steps, link, node = 0, 0.0, 0.0
+    elif algorithm == "ps":
+        # every worker pushes N to the one server and pulls N back: P N cross the server's link each way
+        steps, link, node = 2, 2 * p * n, n
+    elif algorithm == "ps-sharded":
+        s = p if servers is None else servers
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"servers must be an integer >= 1; got {servers!r}")
+        # a worker sends N/S to each shard (N through its own link); a shard's link carries P N / S
+        steps, link, node = 2, 2 * max(n, p * n / s), n
+    elif algorithm == "tree":
+        # binomial tree: reduce up ceil(log2 P) levels, broadcast down as many, each level a full N message; the
+        # root receives one per level, then sends one per level
+        steps = 2 * _log2_ceil(p)
+        link, node = steps * n, steps // 2 * n
+    elif algorithm == "butterfly":
+        # recursive doubling: log2 P rounds of full-size pairwise exchanges; a P that is no power of two folds the
+        # extra nodes into a power of two first and back after (two more rounds)
+        steps = p.bit_length() - 1 + (0 if p & (p - 1) == 0 else 2)
+        link, node = steps * n, steps * n
+    else:  # ring: reduce-scatter then all-gather, P - 1 rounds each of N / P
+        steps = 2 * (p - 1)
+        link = node = 2 * (p - 1) / p * n
+    return Cost(algorithm, p, steps, link, node, steps * network.alpha + link / network.bandwidth)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One algorithm in a plan: its exchange and the resulting step time and scaling efficiency."""
+
+    cost: Cost
+    step_s: float
+    efficiency: float
+
+
+def plan(nodes: int, params: float, grad_bytes: int, network: Network, compute_s: float, *,
+         servers: int | None = None, overlap: float = 0.0) -> list[PlanRow]:
+    """Step time of every algorithm: ``compute_s + (1 - overlap) * exchange``; efficiency = compute_s / step time
+    (weak scaling: each node keeps its batch, so 1.0 is perfect linear speed-up)."""
+    _check_nodes(nodes)
+    if not (math.isfinite(params) and params > 0):
+        raise ValueError(f"params must be a number > 0; got {params}")
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (bf16/fp16) or 4 (fp32); got {grad_bytes}")
+    if not (math.isfinite(compute_s) and compute_s > 0):
+        raise ValueError(f"compute_s must be a number > 0; got {compute_s}")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1]; got {overlap}")
+    rows = []
+    for algorithm in ALGORITHMS:
+        cost = exchange_cost(algorithm, nodes, params * grad_bytes, network, servers)
+        step = compute_s + (1.0 - overlap) * cost.time_s
+        rows.append(PlanRow(cost, step, compute_s / step))
+    return rows
+
+
+def best(rows: list[PlanRow]) -> PlanRow:
+    """The fastest row (the first of equals, in :data:`ALGORITHMS` order)."""
+    return min(rows, key=lambda r: r.step_s)
+
+
+def efficiency_curve(node_counts, params, grad_bytes, network, compute_s, **kwargs) -> dict[str, list[float]]:
+    """algorithm -> scaling efficiency at each of ``node_counts``."""
+    curves = {a: [] for a in ALGORITHMS}
+    for p in node_counts:
+        for row in plan(p, params, grad_bytes, network, compute_s, **kwargs):
+            curves[row.cost.algorithm].append(row.efficiency)
+    return curves
+
+
+def _label(algorithm: str, nodes: int, servers: int | None) -> str:
+    if algorithm == "ps":
+        return "ps (1 server)"
+    if algorithm == "ps-sharded":
+        return f"ps ({servers or nodes} shards)"
+    return algorithm
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_plan(rows: list[PlanRow], servers: int | None = None) -> str:
+    """The plan as a text table, then the winner."""
+    header = f"{'algorithm':<16}{'steps':>7}{'node sends':>12}{'busiest link':>14}{'exchange ms':>13}" \
+             f"{'step ms':>11}{'efficiency':>12}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        c = r.cost
+        lines.append(f"{_label(c.algorithm, c.nodes, servers):<16}{c.steps:>7}{format_bytes(c.node_bytes):>12}"
+                     f"{format_bytes(c.link_bytes):>14}{c.time_s * 1e3:>13.1f}{r.step_s * 1e3:>11.1f}"
+                     f"{r.efficiency:>11.1%} ")
+    win = best(rows)
+    lines.append(f"fastest: {_label(win.cost.algorithm, win.cost.nodes, servers)} ({win.step_s * 1e3:.1f} ms per "
+                 f"step, scaling efficiency {win.efficiency:.1%})")
+    return "\n".join(lines)
+
+
+# ---- parsing of human units -------------------------------------------------------------------------------------
+
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+
+def _split(text: str, what: str, example: str) -> tuple[float, str]:
+    match = re.fullmatch(_NUMBER + r"\s*([A-Za-zµ/]*)", str(text).strip())
+    if not match:
+        raise ValueError(f"{what}: expected a number with a unit like {example}; got {text!r}")
+    return float(match.group(1)), match.group(2)
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"25Gbit"``, ``"25Gbps"``, ``"100Mbit/s"``, ``"3.2GB/s"``, ``"1GiB/s"`` -> bytes per second (> 0)."""
+    value, unit = _split(text, "bandwidth", "25Gbit or 3GB/s")
+    u = unit[:-2] if unit.endswith("/s") else unit
+    u = u[:-3] + "bit" if u.endswith("bps") else u
+    prefixes = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
+                "Ti": 2**40}
+    for suffix, per in (("bit", 1 / 8), ("b", 1 / 8), ("B", 1.0)):
+        if u.endswith(suffix) and u[:-len(suffix)] in prefixes:
+            result = value * prefixes[u[:-len(suffix)]] * per
+            if result > 0 and math.isfinite(result):
+                return result
+            break
+    raise ValueError(f"bandwidth: expected a positive number with a unit like 25Gbit, 100Mbit/s or 3GB/s; got "
+                     f"{text!r}")
+
+
+def parse_latency(text: str) -> float:
+    """``"5us"``, ``"5µs"``, ``"0.5ms"``, ``"200ns"``, ``"1e-5s"`` -> seconds (>= 0)."""
+    value, unit = _split(text, "latency", "5us or 0.2ms")
+    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}.get(unit)
+    if scale is None or not math.isfinite(value * scale):
+        raise ValueError(f"latency: expected a number >= 0 with a unit s, ms, us or ns (like 5us); got {text!r}")
+    return value * scale
+
+
+def parse_count(text: str) -> float:
+    """``"1.3e9"``, ``"1.3B"``, ``"350M"``, ``"7k"`` -> a number of parameters (> 0)."""
+    value, unit = _split(text, "params", "1.3e9 or 350M")
+    scale = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(unit)
+    if scale is None or not value * scale > 0 or not math.isfinite(value * scale):
+        raise ValueError(f"params: expected a positive count like 1.3e9, 1.3B or 350M; got {text!r}")
+    return value * scale
+
+
+def parse_dtype(text: str) -> int:
+    """``"bf16"``, ``"fp16"``, ``"fp32"`` (or the torch names) -> bytes per gradient element."""
+    try:
+        return DTYPE_BYTES[str(text).lower()]
+    except KeyError:
+        raise ValueError(f"grad dtype: expected one of bf16, fp16, fp32; got {text!r}") from None
+
+
+# ---- calibration ------------------------------------------------------------------------------------------------
+
+def fit_network(samples) -> Network:
+    """Fits alpha and the bandwidth to measured exchanges.
+
+    ``samples``: iterable of ``(algorithm, nodes, nbytes, seconds)``. Each predicts ``steps * alpha + link_bytes *
+    (1/B)``, linear in (alpha, 1/B); the fit minimises the sum of squared *relative* errors (small and large
+    messages count alike) with both parameters kept >= 0.
+    """
+    rows = []
+    for algorithm, nodes, nbytes, seconds in samples:
+        if not seconds > 0:
+            raise ValueError(f"fit_network: measured seconds must be > 0; got {seconds}")
+        c = exchange_cost(algorithm, nodes, nbytes, Network(0.0, 1.0))
+        rows.append((c.steps / seconds, c.link_bytes / seconds))  # divide by t: relative error
+    if len(rows) < 2:
+        raise ValueError("fit_network: needs at least two samples (two unknowns: alpha and bandwidth)")
+    # normal equations of min sum (a*x + b*y - 1)^2
+    sxx = sum(x * x for x, _ in rows)
+    syy = sum(y * y for _, y in rows)
+    sxy = sum(x * y for x, y in rows)
+    sx, sy = sum(x for x, _ in rows), sum(y for _, y in rows)
+    det = sxx * syy - sxy * sxy
+    alpha, inv_bw = ((sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det) if det > 0 else (-1.0, -1.0)
+    if alpha < 0 and syy > 0:  # the optimum has a negative latency: the best fit with alpha = 0
+        alpha, inv_bw = 0.0, sy / syy
+    if inv_bw <= 0:
+        raise ValueError("fit_network: the measured times do not grow with the bytes moved; measure a wider range "
+                         "of message sizes")
+    return Network(alpha, 1.0 / inv_bw)
+
+
+def model_errors(samples, network: Network) -> list[float]:
+    """Relative error (model - measured) / measured of each ``(algorithm, nodes, nbytes, seconds)`` sample."""
+    return [(exchange_cost(a, p, n, network).time_s - t) / t for a, p, n, t in samples]
+
+
+def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> float:
+    """Median seconds of one gloo ``all_reduce`` or ``broadcast`` (from rank 0) of ``nbytes`` of float32 in the
+    initialized torch.distributed group, after a warm-up; a barrier before each timed call. Every rank must call it
+    with the same arguments."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if op not in ("all_reduce", "broadcast"):
+        raise ValueError(f"time_collective: op must be 'all_reduce' or 'broadcast'; got {op!r}")
+    tensor = torch.ones(max(1, nbytes // 4))
+    run = (lambda: dist.all_reduce(tensor, group=group)) if op == "all_reduce" else \
+        (lambda: dist.broadcast(tensor, src=0, group=group))
+    run()
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *, servers=None, title=None) -> None:
+    """PNG of the scaling efficiency of every algorithm against the node count (log2 axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = efficiency_curve(node_counts, params, grad_bytes, network, compute_s, servers=servers)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for algorithm, values in curves.items():
+        label = "ps (one shard per node)" if algorithm == "ps-sharded" and servers is None else \
+            _label(algorithm, 0, servers)
+        ax.plot(node_counts, values, marker="o", markersize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("scaling efficiency (compute / step time)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title(title or "gradient exchange: alpha-beta model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,149 @@
+"""One rank of a multi-process test (tests/test_distributed.py starts P of these with a torchrun-like environment).
+
+    python tests/dist_job.py SCENARIO OUT_DIR SEED
+
+Each rank writes ``OUT_DIR/rank<r>.pt`` with what the test checks; the data is generated from SEED the same way in
+every rank and in the test, so the test can rebuild the concatenated batches and the reference.
+"""
+import os
+import sys
+import time
+
+import torch
+
+import pyengine
+from pyengine import distributed
+
+OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01)
+D_IN, HIDDEN, CLASSES = 10, 24, 3
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def global_batches(seed, count, size):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, D_IN, generator=g), torch.randint(0, CLASSES, (size,), generator=g))
+            for _ in range(count)]
+
+
+def rank_slice(batch, rank, world):
+    """Rank r's part of a global batch: torch.tensor_split, so sizes differ by at most one (uneven when needed)."""
+    return tuple(torch.tensor_split(t, world)[rank] for t in batch)
+
+
+def client_batch(seed, rank, index, size=16):
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 100 + index)
+    return torch.randn(size, D_IN, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
+
+
+HYBRID = dict(steps=6, batch=37, clip=0.05)
+
+
+def hybrid(seed, rank, world):
+    """Replicated and sharded engines (2 local CPU workers each) on this rank's part of the same global batches."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, HYBRID["steps"], HYBRID["batch"])]
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        opt = pyengine.AdamW(**OPT, max_grad_norm=HYBRID["clip"])
+        with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=opt, pin=False,
+                             bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
+            metrics = [engine.step(b) for b in batches]
+            distributed.gather_optimizer_state(engine)
+            out[name] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict(),
+                             stats=engine.stats(), samples=[m["samples"] for m in metrics],
+                             buckets=len(engine.workers[0].streamer.buckets))
+    out["bn"] = bn_buffers(batches)
+    return out
+
+
+def make_bn_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def bn_buffers(batches):
+    """A BatchNorm model: per step, the master weights before it and worker 0's buffers after it."""
+    record = dict(master=[], buffers=[])
+    with pyengine.Engine(make_bn_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        for b in batches[:3]:
+            record["master"].append(engine.master_state_dict())
+            engine.step(b)
+            record["buffers"].append(engine.buffers_state_dict())
+    return record
+
+
+ASYNC = dict(pushes=24, per_client=40)
+
+
+def asynchronous(seed, rank, world):
+    """Rank 0 serves; the others push gradients of their own mini-batches (max_staleness=0 forces refreshes)."""
+    batches = [client_batch(seed, rank, i) for i in range(ASYNC["per_client"])] if rank else []
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, max_staleness=0) as engine:
+        engine.fit(batches, steps=ASYNC["pushes"])
+        return dict(history=[{k: m[k] for k in ("rank", "push_id", "version_at_pull", "applied") +
+                              (("staleness", "version_at_apply") if rank == 0 else ())} for m in engine.history],
+                    stats=engine.stats(), master=engine.master_state_dict())
+
+
+def _fail(how):
+    if how == "exit":
+        os._exit(17)
+    if how == "raise":
+        raise RuntimeError("rank 1 fails on purpose")
+    time.sleep(600)  # "hang": alive but silent; the group's timeout must end the others' wait
+
+
+def failure(seed, rank, world, how):
+    """Rank 1 dies, raises or hangs at its fourth hybrid step; the others must raise, not hang."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 50, 16)]
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        for i, b in enumerate(batches):
+            if rank == 1 and i == 3:
+                _fail(how)
+            engine.step(b)
+    return {}
+
+
+def async_failure(seed, rank, world):
+    """The last rank (a client) dies after a few pushes: the server must raise."""
+    batches = [client_batch(seed, rank, i) for i in range(200)] if rank else []
+    calls = []
+
+    def dying_loss(model, batch):
+        calls.append(1)
+        if rank == world - 1 and len(calls) == 4:
+            os._exit(17)  # mid-computation, between two exchanges with the server
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), dying_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        engine.fit(batches, steps=1000)
+    return {}
+
+
+def main():
+    scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    distributed.init_process_group("gloo", timeout_s=float(os.environ.get("PYENGINE_TEST_PG_TIMEOUT", "20")))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    scenarios = {"hybrid": hybrid, "async": asynchronous, "async-failure": async_failure,
+                 **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
+    result = scenarios[scenario](seed, rank, world)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The communication planner: closed forms of the alpha-beta model, unit parsing, calibration, `pyengine plan`."""
+import math
+import random
+
+import pytest
+
+from pyengine import comm
+from pyengine.cli import main
+
+NET = comm.Network(alpha=5e-6, bandwidth=25e9 / 8)
+
+
+@pytest.fixture
+def nbytes():
+    value = random.SystemRandom().uniform(1e3, 1e10)
+    print(f"nbytes: {value}")
+    return value
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 7, 8, 64, 1000])
+def test_ring_moves_two_p_minus_one_over_p_of_the_data_in_two_p_minus_one_steps(p, nbytes):
+    c = comm.exchange_cost("ring", p, nbytes, NET)
+    assert c.steps == 2 * (p - 1)
+    assert c.node_bytes == pytest.approx(2 * (p - 1) / p * nbytes, rel=1e-12)
+    assert c.time_s == pytest.approx(2 * (p - 1) * NET.alpha + 2 * (p - 1) / p * nbytes / NET.bandwidth, rel=1e-12)
+    assert c.node_bytes < 2 * nbytes  # bounded whatever P
+
+
+@pytest.mark.parametrize("p,log2", [(2, 1), (4, 2), (8, 3), (64, 6), (1024, 10)])
+def test_tree_and_butterfly_take_log2_p_steps(p, log2, nbytes):
+    tree = comm.exchange_cost("tree", p, nbytes, NET)
+    assert tree.steps == 2 * log2  # log2 P levels up (reduce), log2 P down (broadcast)
+    assert tree.time_s == pytest.approx(2 * log2 * (NET.alpha + nbytes / NET.bandwidth), rel=1e-12)
+    fly = comm.exchange_cost("butterfly", p, nbytes, NET)
+    assert fly.steps == log2
+    assert fly.node_bytes == pytest.approx(log2 * nbytes, rel=1e-12)
+    assert fly.time_s == pytest.approx(log2 * (NET.alpha + nbytes / NET.bandwidth), rel=1e-12)
+
+
+@pytest.mark.parametrize("p,tree_steps,fly_steps", [(3, 4, 3), (5, 6, 4), (6, 6, 4), (100, 14, 8)])
+def test_non_powers_of_two(p, tree_steps, fly_steps):
+    assert comm.exchange_cost("tree", p, 1e6, NET).steps == tree_steps  # 2 ceil(log2 P)
+    assert comm.exchange_cost("butterfly", p, 1e6, NET).steps == fly_steps  # floor(log2 P) + fold in and out
+
+
+@pytest.mark.parametrize("p", [2, 16, 256])
+def test_one_parameter_server_is_a_bandwidth_bottleneck(p, nbytes):
+    c = comm.exchange_cost("ps", p, nbytes, NET)
+    assert c.steps == 2 and c.link_bytes == pytest.approx(2 * p * nbytes, rel=1e-12)  # P N in, P N out
+    assert c.time_s == pytest.approx(2 * NET.alpha + 2 * p * nbytes / NET.bandwidth, rel=1e-12)
+    sharded = comm.exchange_cost("ps-sharded", p, nbytes, NET, servers=p)
+    assert sharded.link_bytes == pytest.approx(2 * nbytes, rel=1e-12)  # one shard per node: N per link
+    few = comm.exchange_cost("ps-sharded", p, nbytes, NET, servers=2)
+    assert few.link_bytes == pytest.approx(2 * max(nbytes, p * nbytes / 2), rel=1e-12)
+
+
+def test_one_node_exchanges_nothing_and_winners_follow_the_regime():
+    for algorithm in comm.ALGORITHMS:
+        assert comm.exchange_cost(algorithm, 1, 1e9, NET).time_s == 0.0
+    # large messages: bandwidth-bound, the ring wins; tiny messages on many nodes: latency-bound, the fewest rounds
+    # win (sharded servers: 2; then butterfly log2 P < tree 2 log2 P < ring 2 (P - 1))
+    assert comm.best(comm.plan(64, 1.3e9, 2, NET, 0.3)).cost.algorithm == "ring"
+    tiny = {r.cost.algorithm: r.step_s for r in comm.plan(64, 1e3, 4, NET, 0.3)}
+    assert min(tiny, key=tiny.get) == "ps-sharded"
+    assert tiny["butterfly"] < tiny["tree"] < tiny["ring"]
+    rows = comm.plan(64, 1.3e9, 2, NET, 0.3)
+    for row in rows:
+        assert row.step_s == pytest.approx(0.3 + row.cost.time_s) and row.efficiency == pytest.approx(0.3 / row.step_s)
+    hidden = comm.plan(64, 1.3e9, 2, NET, 0.3, overlap=1.0)
+    assert all(r.efficiency == 1.0 for r in hidden)
+
+
+@pytest.mark.parametrize("text,expected", [("25Gbit", 25e9 / 8), ("25Gbps", 25e9 / 8), ("100Mbit/s", 100e6 / 8),
+                                           ("3.2GB/s", 3.2e9), ("1GiB/s", 2**30), ("800kB", 8e5)])
+def test_parse_bandwidth(text, expected):
+    assert comm.parse_bandwidth(text) == pytest.approx(expected)
+
+
+def test_parse_units_and_errors():
+    assert comm.parse_latency("5us") == pytest.approx(5e-6)
+    assert comm.parse_latency("5µs") == pytest.approx(5e-6)
+    assert comm.parse_latency("0.2ms") == pytest.approx(2e-4)
+    assert comm.parse_latency("200ns") == pytest.approx(2e-7)
+    assert comm.parse_count("1.3e9") == 1.3e9 and comm.parse_count("350M") == 350e6 and comm.parse_count("7B") == 7e9
+    assert comm.parse_dtype("bf16") == 2 and comm.parse_dtype("fp16") == 2 and comm.parse_dtype("fp32") == 4
+    for parse, bad in [(comm.parse_bandwidth, "25Gbiz"), (comm.parse_bandwidth, "fast"), (comm.parse_bandwidth, "0Gbit"),
+                       (comm.parse_latency, "5 parsecs"), (comm.parse_count, "-3"), (comm.parse_dtype, "int8")]:
+        with pytest.raises(ValueError, match="expected"):
+            parse(bad)
+    with pytest.raises(ValueError, match="nodes must be an integer >= 1"):
+        comm.exchange_cost("ring", 0, 1e6, NET)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        comm.exchange_cost("hypercube", 4, 1e6, NET)
+    with pytest.raises(ValueError, match="bandwidth"):
+        comm.Network(5e-6, 0.0)
+
+
+def test_fit_recovers_alpha_and_bandwidth_from_model_timings():
+    rng = random.Random(1)
+    truth = comm.Network(alpha=rng.uniform(1e-6, 1e-4), bandwidth=rng.uniform(1e8, 1e10))
+    samples = [(a, p, n, comm.exchange_cost(a, p, n, truth).time_s * (1 + rng.uniform(-1e-3, 1e-3)))
+               for a, p in [("ring", 2), ("ring", 4), ("tree", 4)] for n in (4e2, 4e4, 4e6, 4e8)]
+    fitted = comm.fit_network(samples)
+    assert fitted.alpha == pytest.approx(truth.alpha, rel=2e-2)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=2e-2)
+    assert max(abs(e) for e in comm.model_errors(samples, fitted)) < 5e-3
+    with pytest.raises(ValueError, match="at least two samples"):
+        comm.fit_network(samples[:1])
+
+
+def test_plan_command_prints_the_table_and_draws_the_plot(tmp_path, capsys):
+    png = tmp_path / "eff.png"
+    assert main(["plan", "--nodes", "64", "--params", "1.3e9", "--grad-dtype", "bf16", "--bandwidth", "25Gbit",
+                 "--latency", "5us", "--compute-ms", "300", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    ring = comm.exchange_cost("ring", 64, 2.6e9, NET)
+    for label in ("ps (1 server)", "ps (64 shards)", "tree", "butterfly", "ring"):
+        assert label in out
+    assert f"{ring.time_s * 1e3:.1f}" in out and f"{0.3 / (0.3 + ring.time_s):.1%}" in out
+    assert "fastest: ring" in out
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 5000
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nodes", "0"], "--nodes: expected a positive integer"),
+    (["--bandwidth", "25Gbiz"], "--bandwidth: expected a bandwidth"),
+    (["--grad-dtype", "int8"], "--grad-dtype: expected bf16, fp16 or fp32"),
+    (["--latency", "5"], "--latency: expected a latency"),
+])
+def test_plan_command_rejects_bad_input(argv, message, capsys):
+    base = {"--nodes": "8", "--params": "1e9", "--bandwidth": "25Gbit", "--compute-ms": "100"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *[x for kv in base.items() for x in kv]])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,199 @@
+"""Multi-process runs on localhost (gloo, CPU workers): each test starts P ranks of tests/dist_job.py with a
+torchrun-like environment, bounds their time, and checks what they wrote against an independent reference
+(torch.optim in float64 on the concatenated batches) and against each other (bit for bit)."""
+import copy
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_job
+import pyengine
+from pyengine import distributed
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = Path(__file__).resolve().parent / "dist_job.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario, world, tmp_path, seed, timeout=45.0, pg_timeout=20.0, grace=15.0):
+    """Runs ``world`` ranks of ``scenario``. Waits up to ``timeout`` s for rank 0, then up to ``grace`` s for the
+    others, and kills whatever still runs. Returns ([returncode, None if killed], [log], seconds until rank 0 ended).
+    """
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYENGINE_TEST_PG_TIMEOUT=str(pg_timeout))
+    procs, paths = [], [tmp_path / f"rank{rank}.log" for rank in range(world)]
+    start = time.monotonic()
+    for rank, path in enumerate(paths):
+        with open(path, "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(JOB), scenario, str(tmp_path), str(seed)],
+                                          env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT))
+    codes, seconds = [], None
+    try:
+        for rank, p in enumerate(procs):
+            limit = timeout - (time.monotonic() - start) if rank == 0 else grace
+            try:
+                codes.append(p.wait(timeout=max(0.1, limit)))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+            if rank == 0:
+                seconds = time.monotonic() - start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    logs = [path.read_text() for path in paths]
+    assert codes[0] is not None, f"{scenario}: rank 0 still running after {timeout} s:\n" + "\n".join(logs)
+    return codes, logs, seconds
+
+
+def results(tmp_path, world):
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture
+def seed():
+    value = random.SystemRandom().randrange(2**31)
+    print(f"data seed: {value}")
+    return value
+
+
+class Reference:
+    """torch.optim.AdamW in float64 on one copy of the model."""
+
+    def __init__(self):
+        self.model = copy.deepcopy(dist_job.make_model()).double()
+        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=False, **dist_job.OPT)
+
+    def step(self, batch, clip=None):
+        self.opt.zero_grad()
+        x, y = batch
+        dist_job.loss_fn(self.model, (x.double(), y)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.opt.step()
+
+    def assert_matches(self, master, rtol=1e-5):
+        for name, p in self.model.named_parameters():
+            scale = p.detach().abs().max().item()
+            torch.testing.assert_close(master[name].double(), p.detach(), rtol=rtol, atol=rtol * scale, msg=name)
+
+
+def assert_identical(a, b, what):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{what}: {name} differs between ranks"
+
+
+@pytest.mark.timeout(90)
+def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, seed):
+    world = 3  # uneven shards (13/12/12 samples, then 7/6 on two local workers) and bucket parts with a tail
+    codes, logs, _ = launch("hybrid", world, tmp_path, seed)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, dist_job.HYBRID["steps"], dist_job.HYBRID["batch"]):
+        reference.step(batch, clip=dist_job.HYBRID["clip"])
+    for kind in ("replicated", "sharded"):
+        for r in ranks[1:]:
+            assert_identical(ranks[0][kind]["master"], r[kind]["master"], kind)
+            for i, state in ranks[0][kind]["optimizer"]["state"].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(state[key], r[kind]["optimizer"]["state"][i][key]), (kind, key)
+        first = ranks[0][kind]
+        assert first["buckets"] >= 2, "the test must cover several buckets"
+        assert first["samples"] == [dist_job.HYBRID["batch"]] * dist_job.HYBRID["steps"]
+        assert first["stats"]["applied_updates"] == dist_job.HYBRID["steps"]
+        reference.assert_matches(first["master"])
+        ref_state = reference.opt.state_dict()["state"]
+        for i, state in first["optimizer"]["state"].items():
+            torch.testing.assert_close(state["exp_avg"].double(), ref_state[i]["exp_avg"], rtol=1e-4, atol=1e-7)
+    for name, value in ranks[0]["replicated"]["master"].items():
+        torch.testing.assert_close(ranks[0]["sharded"]["master"][name], value, rtol=1e-6, atol=1e-7)
+    # Buffers, as DDP's broadcast_buffers: every step starts, on every rank and worker, from rank 0's worker 0
+    # buffers; worker 0 of rank r then updates them on its own shard. Reference: a float64 copy with the step's
+    # master weights that starts from rank 0's buffers of the previous step and sees that shard.
+    start = dict(dist_job.make_bn_model().named_buffers())
+    batches = dist_job.global_batches(seed, dist_job.HYBRID["steps"], dist_job.HYBRID["batch"])
+    for t in range(3):
+        for r, rank in enumerate(ranks):
+            bn = dist_job.make_bn_model().double()
+            with torch.no_grad():
+                for name, p in bn.named_parameters():
+                    p.copy_(rank["bn"]["master"][t][name])
+                for name, b in bn.named_buffers():
+                    b.copy_(start[name])
+                x = torch.tensor_split(dist_job.rank_slice(batches[t], r, world)[0], 2)[0]  # worker 0's shard
+                bn(x.double())
+            for name, b in bn.named_buffers():
+                got = rank["bn"]["buffers"][t][name]
+                torch.testing.assert_close(got.to(b.dtype), b, rtol=1e-5, atol=1e-6, msg=f"step {t} rank {r} {name}")
+        start = ranks[0]["bn"]["buffers"][t]
+
+
+@pytest.mark.timeout(90)
+def test_async_applies_every_push_exactly_once(tmp_path, seed):
+    world = 3
+    codes, logs, _ = launch("async", world, tmp_path, seed)
+    assert codes == [0] * world, "\n".join(logs)
+    server, *clients = results(tmp_path, world)
+    applied = [(m["rank"], m["push_id"]) for m in server["history"]]
+    assert len(applied) == len(set(applied)) == dist_job.ASYNC["pushes"] == server["stats"]["pushes"]
+    assert server["stats"]["applied_updates"] == dist_job.ASYNC["pushes"]
+    assert [m["version_at_apply"] for m in server["history"]] == list(range(dist_job.ASYNC["pushes"]))
+    assert all(m["staleness"] == 0 for m in server["history"])  # max_staleness=0
+    assert server["stats"]["staleness_histogram"] == {0: dist_job.ASYNC["pushes"]}
+    assert server["stats"]["refreshes"] == sum(c["stats"]["refreshes"] for c in clients)
+    for rank, client in enumerate(clients, start=1):
+        ids = [i for r, i in applied if r == rank]
+        assert ids == list(range(1, len(ids) + 1)), f"rank {rank}: pushes lost or reordered: {ids}"
+        assert [m["push_id"] for m in client["history"]] == ids, f"rank {rank}: acknowledgements differ"
+        assert client["stats"]["pushes"] - client["stats"]["refreshes"] in (len(ids), len(ids) + 1)
+    # max_staleness=0: every applied push was computed at the current weights, so the run is sequential training on
+    # the applied mini-batches in the server's order
+    reference = Reference()
+    for rank, push_id in applied:
+        reference.step(dist_job.client_batch(seed, rank, push_id - 1))
+    reference.assert_matches(server["master"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scenario,world,pg_timeout,culprit", [
+    ("failure-exit", 2, 20.0, "Connection"),  # gloo: "closed by peer" or "reset by peer"
+    ("failure-raise", 2, 20.0, "Connection"),  # gloo: "closed by peer" or "reset by peer"
+    ("failure-hang", 2, 2.0, "Timed out"),
+    ("async-failure", 2, 20.0, "receive from rank 1"),
+])
+def test_a_failing_rank_ends_the_run_with_an_error(tmp_path, seed, scenario, world, pg_timeout, culprit):
+    # the hanging rank never ends by itself: killed as soon as rank 0 is done
+    codes, logs, seconds = launch(scenario, world, tmp_path, seed, timeout=60.0, pg_timeout=pg_timeout,
+                                  grace=0.0 if scenario == "failure-hang" else 15.0)
+    assert codes[0] not in (0, None), logs[0]
+    assert "DistributedError: rank 0:" in logs[0] and culprit in logs[0], logs[0]
+    assert seconds < 30, f"the run took {seconds:.1f} s to fail"
+
+
+def test_option_errors():
+    model = dist_job.make_model()
+    with pytest.raises(ValueError, match="shard_update=True .* needs a process group"):
+        pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], shard_update=True)
+    with pytest.raises(ValueError, match="process_group must be"):
+        pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], process_group="world")
+    with pytest.raises(ValueError, match="environment lacks"):
+        env = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ}
+        try:
+            distributed.init_process_group()
+        finally:
+            os.environ.update(env)
