@@ -6,7 +6,8 @@
 
 Schedules (one module each): :mod:`pyengine.hybrid` (all workers compute, the host averages and updates: one batch G
 times larger), :mod:`pyengine.sync` (one worker at a time, round-robin), :mod:`pyengine.asynchronous` (each worker
-pushes whenever it is done; the host applies each push under a mutex; staleness measured, bounded, damped).
+pushes whenever it is done; the host applies each push under a mutex; staleness measured, bounded, damped),
+:mod:`pyengine.pipeline` (the layers split into stages on separate workers, fed by micro-batches: GPipe or 1F1B).
 
 Note [One update path]
 Every schedule updates the store through :meth:`Engine.apply_update`: a norm pass over the gradient slots (the
@@ -25,14 +26,15 @@ from . import ops
 from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .optim import AdamW
+from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .profiling import PhaseRecorder
 from .store import HostStore
 from .sync import sync_step
 from .workers import Worker, WorkerError, parse_devices, set_worker_threads
 
-__all__ = ["Engine", "WorkerError"]
+__all__ = ["Engine", "StageError", "WorkerError"]
 
-MODES = ("hybrid", "sync", "async")
+MODES = ("hybrid", "sync", "async", "pipeline")
 FORMAT = "pyengine.engine/1"
 
 
@@ -45,7 +47,9 @@ class Engine:
         loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss over the batch.
         devices: one entry per worker (``"cpu"``, ``"cuda:i"``; entries may repeat). Default: every visible GPU,
             else 2 CPU workers.
-        mode: ``"hybrid"``, ``"sync"`` or ``"async"``.
+        mode: ``"hybrid"``, ``"sync"``, ``"async"`` or ``"pipeline"`` (see :mod:`pyengine.pipeline`: the model is an
+            ``nn.Sequential`` or a list of layers, batches are ``(inputs, targets)`` and ``loss_fn`` is called on
+            the last stage as ``loss_fn(last_stage, (activations, targets))``).
         optimizer: :class:`pyengine.AdamW` (default ``AdamW()``).
         seed: seeds torch's RNG before the replicas are made.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
@@ -60,17 +64,31 @@ class Engine:
         batch_schedule: async: ``callable(version) -> int`` mini-batches per push, overriding ``accumulate`` (the
             mini-batch growing during training).
         pin: host store memory: ``"auto"``, True or False (see :class:`pyengine.HostStore`).
+        stages: pipeline: S stages (default: one per device); ``devices`` holds S x R entries, stage s replica r
+            on ``devices[s * R + r]``.
+        microbatches: pipeline: M micro-batches per replica per step.
+        schedule: pipeline: ``"1f1b"`` (at most S micro-batches stored per stage) or ``"gpipe"`` (fill-drain).
+        balance: pipeline: ``"params"``, ``"time"`` or a list of S layer counts.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, devices=None, mode: str = "hybrid",
                  optimizer: AdamW | None = None, seed: int = 0, *, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, unused: str = "zero", autocast: torch.dtype | None = None,
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
-                 staleness_lr: str = "none", batch_schedule=None, pin="auto"):
+                 staleness_lr: str = "none", batch_schedule=None, pin="auto", stages: int | None = None,
+                 microbatches: int = 1, schedule: str = "1f1b", balance="params"):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn)
+        check_mode_options(mode, stages, microbatches, schedule, balance, autocast)
+        if mode == "pipeline":
+            model = as_sequential(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.devices = parse_devices(devices)
+        slots = len(self.devices)
+        if mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
+            stages = len(self.devices) if stages is None else stages
+            check_pipeline(len(model), len(self.devices), stages, microbatches, schedule, balance)
+            slots = len(self.devices) // stages
         # model.parameters() order (shared parameters once): how torch.optim indexes its state
         self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.mode = mode
@@ -86,9 +104,9 @@ class Engine:
         self.seed = seed
         torch.manual_seed(seed)
         grad_dtype = autocast if autocast is not None else torch.float32
-        self.store = HostStore(model, workers=len(self.devices), grad_dtype=grad_dtype, pin=pin,
+        self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin,
                                amsgrad=self.optimizer.amsgrad)
-        self.workers = [Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+        self.workers = [] if mode == "pipeline" else [Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                                unused=unused, autocast_dtype=autocast) for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
         self.mutex = threading.Lock()  # the store's mutex: async pulls and pushes hold it
@@ -97,8 +115,10 @@ class Engine:
         self._counters = collections.Counter()
         self._staleness = collections.Counter()
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=len(self.workers), thread_name_prefix="pyengine-worker",
+            max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
+        self.pipeline = None if mode != "pipeline" else Pipeline(
+            self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance, unused=unused)
         self._closed = False
 
     # ---- public API ------------------------------------------------------------------------------------------
@@ -108,8 +128,11 @@ class Engine:
         return len(self.workers)
 
     def step(self, batch) -> dict:
-        """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn)."""
+        """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn; pipeline:
+        ``(inputs, targets)`` through the stages in micro-batches)."""
         self._check_open()
+        if self.mode == "pipeline":
+            return self._record(self.pipeline.step(batch))
         if self.mode == "hybrid":
             return self._record(hybrid_step(self, batch))
         if self.mode == "sync":
@@ -216,6 +239,8 @@ class Engine:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self.pipeline is not None:
+            self.pipeline.close()
         for worker in self.workers:
             worker.close()
 
