@@ -330,7 +330,7 @@ class Pipeline:
     def __init__(self, engine, model: torch.nn.Sequential, *, stages: int, microbatches: int, schedule: str,
                  balance, unused: str = "zero"):
         devices = engine.devices
-        self.layers = list(model.named_children())
+        self.layers = list(model._modules.items())  # named_children() would list a repeated module once
         check_options(len(self.layers), len(devices), stages, microbatches, schedule, balance)
         self.engine, self.store = engine, engine.store
         self.num_stages, self.microbatches, self.schedule = stages, microbatches, schedule
