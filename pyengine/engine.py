@@ -106,8 +106,9 @@ class Engine:
         grad_dtype = autocast if autocast is not None else torch.float32
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin,
                                amsgrad=self.optimizer.amsgrad)
-        self.workers = [] if mode == "pipeline" else [Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
-                               unused=unused, autocast_dtype=autocast) for i, d in enumerate(self.devices)]
+        self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
+            Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
+                   autocast_dtype=autocast) for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
         self.mutex = threading.Lock()  # the store's mutex: async pulls and pushes hold it
         self.recorder = PhaseRecorder()
