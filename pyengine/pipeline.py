@@ -62,7 +62,7 @@ from .metrics import step_metrics
 from .workers import WorkerError, batch_size, set_worker_threads, split_batch, to_device
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
-           "schedule_actions"]
+           "schedule_actions", "split_layers"]
 
 SCHEDULES = ("1f1b", "gpipe")
 _POLL_S = 0.05
@@ -123,6 +123,22 @@ def partition(costs, stages: int) -> list[int]:
         sizes.append(i - j)
         i = j
     return sizes[::-1]
+
+
+def split_layers(layers, sizes: list[int]) -> list[torch.nn.Sequential]:
+    """``layers`` (``(name, module)`` pairs) cut into ``sizes`` groups, each an ``nn.Sequential`` whose children keep
+    their names, so its parameters are named as in the whole model (the store's names). The modules are shared with
+    ``layers``, not copied. A trainable parameter in two stages is a ValueError."""
+    modules, owner, begin = [], {}, 0
+    for s, size in enumerate(sizes):
+        module = torch.nn.Sequential(collections.OrderedDict(layers[begin:begin + size]))
+        for name, p in module.named_parameters():
+            if p.requires_grad and owner.setdefault(id(p), s) != s:
+                raise ValueError(f"parameter {name!r} is shared between stages {owner[id(p)]} and {s}; a pipeline "
+                                 "needs every trainable parameter in one stage")
+        modules.append(module)
+        begin += size
+    return modules
 
 
 def _param_costs(layers) -> list[int]:
@@ -350,18 +366,10 @@ class Pipeline:
 
     def _build(self, sizes: list[int]) -> None:
         self.sizes = _check_sizes(sizes, len(self.layers), self.num_stages)
-        owner, begin = {}, 0
-        for s, size in enumerate(self.sizes):
-            group = collections.OrderedDict(self.layers[begin:begin + size])
-            module = torch.nn.Sequential(group)
-            for name, p in module.named_parameters():
-                if p.requires_grad and owner.setdefault(id(p), s) != s:
-                    raise ValueError(f"parameter {name!r} is shared between stages {owner[id(p)]} and {s}; a "
-                                     "pipeline needs every trainable parameter in one stage")
+        for s, module in enumerate(split_layers(self.layers, self.sizes)):
             self._check_range(s, [name for name, p in module.named_parameters() if p.requires_grad])
             self.stages.append([_Stage(s, r, self.devices[s * self.replicas + r], module, self.store)
                                 for r in range(self.replicas)])
-            begin += size
 
     def _check_range(self, stage: int, names: list[str]) -> None:
         """A stage's parameters must be one contiguous range of the flat store (Note [Pipeline update path])."""
