@@ -331,3 +331,84 @@ def test_bad_models_and_modes():
     with pytest.raises(ValueError, match="shared between stages 0 and 1"):
         Engine(torch.nn.Sequential(shared, torch.nn.Tanh(), shared), loss_fn, devices=["cpu"] * 2,
                mode="pipeline", balance=[2, 1])
+
+
+# ---- stages in separate processes (torch.distributed.pipelining) ----
+
+def _distributed_worker(rank, world, init_file, seed, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    from pyengine.pipeline_distributed import DistributedPipelineStage
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init_file}",
+                            timeout=datetime.timedelta(seconds=30))
+    torch.set_num_threads(1)
+    try:
+        batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
+        for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
+            stage = DistributedPipelineStage(make_model(blocks=2), torch.nn.functional.cross_entropy,
+                                             microbatches=3, schedule=schedule,
+                                             optimizer=AdamW(**OPT, max_grad_norm=clip), pin=False)
+            losses = [stage.step(inputs=x if stage.is_first else None, targets=y if stage.is_last else None)["loss"]
+                      for x, y in batches]
+            torch.save({"master": stage.master_state_dict(), "losses": losses, "sizes": stage.sizes},
+                       f"{out_dir}/{schedule}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_distributed_stages_equal_single_device(rng, tmp_path):
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    mp.spawn(_distributed_worker, args=(2, str(tmp_path / "init"), seed, str(tmp_path)), nprocs=2)
+    batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
+    for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
+        reference = TorchReference(make_model(blocks=2))
+        ref_losses = []
+        for x, y in batches:
+            reference.opt.zero_grad()
+            loss = loss_fn(reference.model, (x.double(), y))
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.model.parameters(), clip)
+            reference.opt.step()
+            ref_losses.append(loss.item())
+        ranks = [torch.load(tmp_path / f"{schedule}-{r}.pt") for r in range(2)]
+        master = {**ranks[0]["master"], **ranks[1]["master"]}
+        assert sorted(master) == sorted(n for n, _ in reference.model.named_parameters())
+        assert not set(ranks[0]["master"]) & set(ranks[1]["master"]), "each rank holds its own stage"
+        for name, p in reference.model.named_parameters():
+            scale = p.detach().abs().max().item()
+            torch.testing.assert_close(master[name].double(), p.detach(), rtol=1e-5, atol=1e-5 * scale, msg=name)
+        assert ranks[1]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        assert ranks[0]["losses"] == [None] * 5
+
+
+def test_distributed_stage_bad_inputs(rng, tmp_path):
+    import torch.distributed as dist
+
+    from pyengine.pipeline_distributed import DistributedPipelineStage
+
+    criterion = torch.nn.functional.cross_entropy
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        DistributedPipelineStage(make_model(), criterion, microbatches=2)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'init'}")
+    try:
+        with pytest.raises(ValueError, match="balance='time' is not supported across processes"):
+            DistributedPipelineStage(make_model(), criterion, microbatches=2, balance="time")
+        with pytest.raises(ValueError, match="schedule must be one of"):
+            DistributedPipelineStage(make_model(), criterion, microbatches=2, schedule="zb")
+        stage = DistributedPipelineStage(make_model(), criterion, microbatches=4, pin=False)
+        x, y = make_batches(rng, 1, 6)[0]
+        with pytest.raises(ValueError, match="equal micro-batches"):
+            stage.step(inputs=x, targets=y)
+        with pytest.raises(ValueError, match="targets go to the last rank"):
+            stage.step(inputs=x)
+        x, y = make_batches(rng, 1, 8)[0]
+        assert stage.step(inputs=x, targets=y)["applied"]
+    finally:
+        dist.destroy_process_group()
