@@ -301,13 +301,15 @@ class _Activations:
         self.count = self.peak_count = 0
         self.bytes = self.peak_bytes = 0
         self._ptrs: set = set()
+        self._current = 0
 
     def hooks(self):
+        """Counts one forward's saved bytes (call :meth:`stored` after it)."""
         self._ptrs = set()
         self._current = 0
 
         def pack(t):
-            ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
+            ptr = t.untyped_storage().data_ptr()
             if ptr not in self._param_ptrs and ptr not in self._ptrs:
                 self._ptrs.add(ptr)
                 self._current += t.untyped_storage().nbytes()
