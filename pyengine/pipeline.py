@@ -362,6 +362,8 @@ class Pipeline:
             self._build(partition(_param_costs([layer for _, layer in self.layers]), stages))
         elif balance != "time":
             self._build(list(balance))
+        # one thread per (stage, replica), all running at once: a stage blocked on its channel must not hold the
+        # only thread its neighbour could run on
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=len(devices), thread_name_prefix="pyengine-stage", initializer=set_worker_threads,
             initargs=(devices,))

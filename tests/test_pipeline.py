@@ -3,6 +3,7 @@
 sleep for fixed times for the bubble fraction (busy times under control on a noisy 2-core machine)."""
 import copy
 import itertools
+import json
 import time
 
 import pytest
@@ -119,6 +120,17 @@ def test_list_of_layers_and_resume(rng):
         got = second.master_state_dict()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+def test_trace_has_one_row_per_stage(rng, tmp_path):
+    with pipeline(make_model(), ["cpu"] * 3, stages=3, microbatches=2) as engine:
+        engine.step(make_batches(rng, 1, 8)[0])
+        engine.trace(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = {(e["cat"], e["name"]) for e in events if e["ph"] == "X"}
+    for s in range(3):
+        assert {(f"stage{s}.r0", f"{k}{m}") for k in "FB" for m in range(2)} <= spans
+    assert ("host", "update") in spans
 
 
 # ---- schedules ----
