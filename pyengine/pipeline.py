@@ -18,6 +18,7 @@ micro-batches under a GPipe (fill-drain) or 1F1B (one-forward-one-backward) sche
   ``loss_fn(last_stage, (activations, targets_m))``, so a loss_fn of the form ``criterion(model(x), y)`` works
   unchanged. Micro-batch losses are scaled by ``n_m / n`` (n_m samples of n in the replica's shard), so the summed
   gradient is the shard's mean gradient; replicas are then weighted by shard size (as in hybrid).
+- Stages in separate processes: :mod:`pyengine.pipeline_distributed` (on ``torch.distributed.pipelining``).
 
 Note [Pipeline update path]
 Master weights stay in the Engine's one :class:`~pyengine.HostStore` over the whole model, with one gradient slot per
