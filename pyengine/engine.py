@@ -6,7 +6,8 @@
 
 Schedules (one module each): :mod:`pyengine.hybrid` (all workers compute, the host averages and updates: one batch G
 times larger), :mod:`pyengine.sync` (one worker at a time, round-robin), :mod:`pyengine.asynchronous` (each worker
-pushes whenever it is done; the host applies each push under a mutex; staleness measured, bounded, damped).
+pushes whenever it is done; the host applies each push under a mutex; staleness measured, bounded, damped),
+:mod:`pyengine.pipeline` (the layers split into stages on separate workers, fed by micro-batches: GPipe or 1F1B).
 
 Note [One update path]
 Every update of the store is the fused kernel run by :meth:`Engine.update_range`, after :meth:`Engine.admit_update`
@@ -31,14 +32,15 @@ from . import distributed, ops
 from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .optim import AdamW
+from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .profiling import PhaseRecorder
 from .store import HostStore
 from .sync import sync_step
 from .workers import Worker, WorkerError, parse_devices, set_worker_threads
 
-__all__ = ["Engine", "WorkerError"]
+__all__ = ["Engine", "StageError", "WorkerError"]
 
-MODES = ("hybrid", "sync", "async")
+MODES = ("hybrid", "sync", "async", "pipeline")
 FORMAT = "pyengine.engine/1"
 _POLL_S = 0.05  # how often a host wait for a gradient bucket looks whether a worker has failed
 
@@ -52,7 +54,9 @@ class Engine:
         loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss over the batch.
         devices: one entry per worker (``"cpu"``, ``"cuda:i"``; entries may repeat). Default: every visible GPU,
             else 2 CPU workers.
-        mode: ``"hybrid"``, ``"sync"`` or ``"async"``.
+        mode: ``"hybrid"``, ``"sync"``, ``"async"`` or ``"pipeline"`` (see :mod:`pyengine.pipeline`: the model is an
+            ``nn.Sequential`` or a list of layers, batches are ``(inputs, targets)`` and ``loss_fn`` is called on
+            the last stage as ``loss_fn(last_stage, (activations, targets))``).
         optimizer: :class:`pyengine.AdamW` (default ``AdamW()``).
         seed: seeds torch's RNG before the replicas are made.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
@@ -67,6 +71,11 @@ class Engine:
         batch_schedule: async: ``callable(version) -> int`` mini-batches per push, overriding ``accumulate`` (the
             mini-batch growing during training).
         pin: host store memory: ``"auto"``, True or False (see :class:`pyengine.HostStore`).
+        stages: pipeline: S stages (default: one per device); ``devices`` holds S x R entries, stage s replica r
+            on ``devices[s * R + r]``.
+        microbatches: pipeline: M micro-batches per replica per step.
+        schedule: pipeline: ``"1f1b"`` (at most S micro-batches stored per stage) or ``"gpipe"`` (fill-drain).
+        balance: pipeline: ``"params"``, ``"time"`` or a list of S layer counts.
         process_group: ``"auto"`` (the default torch.distributed group when it is initialized with more than one
             rank, e.g. under torchrun), None (this process alone) or a ``ProcessGroup``. With a group, hybrid steps
             combine every rank's gradients (one step on the concatenated batch) and async runs rank 0 as the server
@@ -77,7 +86,7 @@ class Engine:
     Buffers (BatchNorm running statistics and the like) are not averaged. As DDP with ``broadcast_buffers=True``,
     one replica is their source: hybrid copies worker 0's buffers to the other replicas at the start of every step;
     sync hands them from each worker to the next, like one model trained sequentially; async leaves each replica its
-    own and reports worker 0's. :meth:`buffers_state_dict`, :meth:`state_dict`, :meth:`copy_to` and
+    own and reports worker 0's; pipeline starts every step from replica 0's stages. :meth:`buffers_state_dict`, :meth:`state_dict`, :meth:`copy_to` and
     :meth:`load_state_dict` use that source.
     """
 
@@ -86,11 +95,20 @@ class Engine:
                  first_bucket_mb: float = 1.0, unused: str = "zero", autocast: torch.dtype | None = None,
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
-                 shard_update: bool = False):
+                 shard_update: bool = False, stages: int | None = None, microbatches: int = 1,
+                 schedule: str = "1f1b", balance="params"):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn)
+        check_mode_options(mode, stages, microbatches, schedule, balance, autocast)
+        if mode == "pipeline":
+            model = as_sequential(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.devices = parse_devices(devices)
+        slots = len(self.devices)
+        if mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
+            stages = len(self.devices) if stages is None else stages
+            check_pipeline(len(model), len(self.devices), stages, microbatches, schedule, balance)
+            slots = len(self.devices) // stages
         # model.parameters() order (shared parameters once): how torch.optim indexes its state
         self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.mode = mode
@@ -106,10 +124,11 @@ class Engine:
         self.seed = seed
         torch.manual_seed(seed)
         grad_dtype = autocast if autocast is not None else torch.float32
-        self.store = HostStore(model, workers=len(self.devices), grad_dtype=grad_dtype, pin=pin,
+        self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin,
                                amsgrad=self.optimizer.amsgrad)
-        self.workers = [Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
-                               unused=unused, autocast_dtype=autocast) for i, d in enumerate(self.devices)]
+        self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
+            Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
+                   autocast_dtype=autocast) for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
         self.mutex = threading.Lock()  # the store's mutex: async pulls and pushes hold it
         self.recorder = PhaseRecorder()
@@ -117,11 +136,13 @@ class Engine:
         self._counters = collections.Counter()
         self._staleness = collections.Counter()
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=len(self.workers), thread_name_prefix="pyengine-worker",
+            max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
         self.buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._stop = threading.Event()
+        self.pipeline = None if mode != "pipeline" else Pipeline(
+            self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance, unused=unused)
         self._closed = False
         group = distributed.resolve_group(process_group, shard_update, mode)
         self.process_group = group
@@ -135,8 +156,12 @@ class Engine:
         return len(self.workers)
 
     def step(self, batch) -> dict:
-        """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn)."""
+        """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn; pipeline:
+        ``(inputs, targets)`` through the stages in micro-batches)."""
         self._check_open()
+        if self.mode == "pipeline":
+            self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data-parallel replicas
+            return self._record(self.pipeline.step(batch))
         if self.mode == "hybrid":
             return self._record(self.dist.step(self, batch) if self.dist is not None else hybrid_step(self, batch))
         if self.mode == "sync":
@@ -196,22 +221,34 @@ class Engine:
     def buffers_state_dict(self) -> dict:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
         docstring), on the CPU, keys as ``model.state_dict()``."""
-        named = dict(self.workers[self.buffer_source].replica.named_buffers())
+        named = self._replica_buffers(self.buffer_source)
         return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
 
     def share_buffers(self, targets) -> None:
-        """Copies the buffers of the source replica (worker ``buffer_source``) into the replicas of ``targets``."""
+        """Copies the buffers of the source replica (``buffer_source``) into the replicas ``targets``."""
         if not self.buffer_names:
             return
         source = self.buffer_source
-        named = dict(self.workers[source].replica.named_buffers())
+        named = self._replica_buffers(source)
         with torch.no_grad():
             for t in targets:
                 if t == source:
                     continue
-                mine = dict(self.workers[t].replica.named_buffers())
+                mine = self._replica_buffers(t)
                 for name in self.buffer_names:
                     mine[name].copy_(named[name])
+
+    def _num_replicas(self) -> int:
+        return self.pipeline.replicas if self.pipeline is not None else len(self.workers)
+
+    def _replica_buffers(self, index: int) -> dict:
+        """name -> buffer of replica ``index``: a worker's replica, or in pipeline mode the stages of data-parallel
+        replica ``index`` together (before the stages are built, the layers they will be copied from)."""
+        if self.pipeline is None:
+            return dict(self.workers[index].replica.named_buffers())
+        if not self.pipeline.stages:
+            return {f"{name}.{b}": t for name, layer in self.pipeline.layers for b, t in layer.named_buffers()}
+        return {name: t for row in self.pipeline.stages for name, t in row[index].module.named_buffers()}
 
     def optimizer_state_dict(self) -> dict:
         """The Adam state in ``torch.optim.AdamW.state_dict()`` form."""
@@ -265,8 +302,9 @@ class Engine:
         self._staleness = collections.Counter({int(k): v for k, v in sd["staleness"].items()})
         for worker in self.workers:
             worker.pull()
-            mine = dict(worker.replica.named_buffers())
-            with torch.no_grad():
+        with torch.no_grad():
+            for index in range(self._num_replicas()):
+                mine = self._replica_buffers(index)
                 for name, value in buffers.items():
                     mine[name].copy_(value)
 
@@ -296,6 +334,8 @@ class Engine:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self.pipeline is not None:
+            self.pipeline.close()
         for worker in self.workers:
             worker.close()
 

@@ -486,3 +486,21 @@ def test_async_fit_steps_counts_this_calls_pushes(rng):
         assert len(engine.fit(make_batches(rng, 40, 8), steps=5)) == 5
         assert len(engine.fit(make_batches(rng, 40, 8), steps=4)) == 4
         assert engine.stats()["pushes"] == 9 == engine.stats()["applied_updates"]
+
+
+def test_pipeline_buffers_match_single_device_and_resume(rng):
+    """Two stages, one micro-batch: the BatchNorm layer sees the whole batch, as in single-device training."""
+    model = make_bn_model()
+    reference = TorchReference(model, **OPT)
+    batches = make_batches(rng, 5, 16)
+    with Engine(model, loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2, optimizer=AdamW(**OPT)) as engine:
+        for b in batches:
+            engine.step(b)
+            reference.step([b])
+        assert_matches(engine, reference)
+        assert_buffers_match(engine.buffers_state_dict(), reference.model)
+        saved = copy.deepcopy(engine.state_dict())
+    with Engine(make_bn_model(seed=4), loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2,
+                optimizer=AdamW(**OPT)) as engine:
+        engine.load_state_dict(saved)  # before the first step: the stages are built from the loaded layers
+        assert_buffers_match(engine.buffers_state_dict(), reference.model)

@@ -1,0 +1,560 @@
+"""Pipeline parallelism: a model of consecutive layers split into S stages, each on its own worker, fed by M
+micro-batches under a GPipe (fill-drain) or 1F1B (one-forward-one-backward) schedule.
+
+    engine = pyengine.Engine(torch.nn.Sequential(...), loss_fn, devices=["cpu"] * 4, mode="pipeline", stages=2,
+                             microbatches=8, schedule="1f1b", balance="params")
+    metrics = engine.step((inputs, targets))
+
+- Split: the layers (an ``nn.Sequential`` or a list of modules) are cut into S contiguous groups, balanced by
+  parameter count (``balance="params"``), by forward+backward time measured on the first micro-batch
+  (``balance="time"``), or by explicit sizes (``balance=[3, 2, ...]``): see :func:`partition`.
+- Devices: S x R entries; stage s, data-parallel replica r runs on ``devices[s * R + r]``. Each (stage, replica) is one
+  thread with a deep copy of its layers (on CUDA, its own stream). The batch is split across the R replicas as in
+  hybrid, then each replica's shard into M micro-batches.
+- Schedules are explicit per-stage action lists of ``("F", m)`` / ``("B", m)`` (:func:`schedule_actions`) that each
+  stage thread executes in order. Activations go downstream and their gradients upstream through :class:`_Channel`
+  (a ``queue.Queue``; on CUDA the sender records an event on its stream and the receiver's stream waits on it).
+- Loss contract: the batch is ``(inputs, targets)``; the Engine's ``loss_fn`` is called on the **last stage** as
+  ``loss_fn(last_stage, (activations, targets_m))``, so a loss_fn of the form ``criterion(model(x), y)`` works
+  unchanged. Micro-batch losses are scaled by ``n_m / n`` (n_m samples of n in the replica's shard), so the summed
+  gradient is the shard's mean gradient; replicas are then weighted by shard size (as in hybrid).
+- Stages in separate processes: :mod:`pyengine.pipeline_distributed` (on ``torch.distributed.pipelining``).
+
+Note [Pipeline update path]
+Master weights stay in the Engine's one :class:`~pyengine.HostStore` over the whole model, with one gradient slot per
+data-parallel replica: slot r holds replica r's gradients of *every* stage, each stage writing its own parameters'
+range (the store lays parameters out in reverse model order, so a stage's parameters are one contiguous range; this
+is checked when the stages are built). After every stage finished its micro-batches, the step is one call of
+:meth:`Engine.apply_update` over the whole store, so clipping, the non-finite check and step counting are the same
+code path as hybrid and sync; with R replicas the fused kernel averages the R slots (weighted by shard sizes). The
+price: the update does not overlap the last stages' backward. Each stage copies its weights back from the store at
+the start of the next step.
+
+Note [Stopping a failed pipeline]
+Stages block only on their input channels, and a channel ``get`` polls a stop event shared by the step every 50 ms.
+The first stage that raises records its exception and sets the event; every other stage then leaves its wait with
+:class:`_Stopped`, so no thread is left blocked and the step raises :class:`StageError` naming the failing stage
+(its original exception as the cause). Nothing was written to the master weights; the next step starts afresh (new
+channels, gradients zeroed).
+
+Note [CUDA ordering between stages]
+A message is (micro-batch, tensor, event). The sender moves the tensor to the receiver's device on its own stream
+(a device-to-device copy is ordered after the sender's kernels by PyTorch), records the event there and enqueues.
+The receiver's stream waits on the event (no host sync) and ``record_stream`` tells the caching allocator the tensor
+is used on the receiver's stream, so its memory is not reused before that work is done. Weights come back from the
+pinned store with non-blocking copies on the stage's stream; gradient copies to the store are waited for (stream
+synchronize) before the stage's thread returns, so the update never reads a slot still being written.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import copy
+import math
+import queue
+import statistics
+import threading
+import time
+
+import torch
+
+from .metrics import step_metrics
+from .workers import WorkerError, batch_size, set_worker_threads, split_batch, to_device
+
+__all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
+           "schedule_actions", "split_layers"]
+
+SCHEDULES = ("1f1b", "gpipe")
+_POLL_S = 0.05
+
+
+class StageError(WorkerError):
+    """A pipeline stage raised; ``stage`` and ``replica`` name it. The original exception is ``__cause__``."""
+
+    def __init__(self, stage: int, replica: int, device, cause: BaseException):
+        RuntimeError.__init__(self, f"pipeline stage {stage} (replica {replica}, {device}) failed: "
+                                    f"{type(cause).__name__}: {cause}")
+        self.worker = stage
+        self.stage = stage
+        self.replica = replica
+
+
+class _Stopped(Exception):
+    """Raised in a stage whose pipeline was stopped by another stage's failure."""
+
+
+# ---- splitting -------------------------------------------------------------------------------------------------
+
+def as_sequential(model) -> torch.nn.Sequential:
+    """``model`` as an ``nn.Sequential`` of its layers (a list or tuple of modules is wrapped; children keep names)."""
+    if isinstance(model, torch.nn.Sequential):
+        return model
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model):
+        return torch.nn.Sequential(*model)
+    raise TypeError("mode='pipeline' needs the model as a sequence of layers: an nn.Sequential or a non-empty list of "
+                    f"nn.Modules; got {type(model).__name__}")
+
+
+def partition(costs, stages: int) -> list[int]:
+    """Sizes of ``stages`` contiguous non-empty groups of layers minimising the largest group cost.
+
+    ``costs`` are per-layer (parameter counts or seconds). Exact dynamic programme, O(stages x layers^2); ties go to
+    the earliest cut.
+    """
+    costs = [float(c) for c in costs]
+    layers = len(costs)
+    if not isinstance(stages, int) or not 1 <= stages <= layers:
+        raise ValueError(f"stages must be an int in [1, {layers}] (the number of layers); got {stages!r}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[math.inf] * (layers + 1) for _ in range(stages + 1)]
+    cut = [[0] * (layers + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, layers - (stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    sizes, i = [], layers
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def split_layers(layers, sizes: list[int]) -> list[torch.nn.Sequential]:
+    """``layers`` (``(name, module)`` pairs) cut into ``sizes`` groups, each an ``nn.Sequential`` whose children keep
+    their names, so its parameters are named as in the whole model (the store's names). The modules are shared with
+    ``layers``, not copied. A trainable parameter in two stages is a ValueError."""
+    modules, owner, begin = [], {}, 0
+    for s, size in enumerate(sizes):
+        module = torch.nn.Sequential(collections.OrderedDict(layers[begin:begin + size]))
+        for name, p in module.named_parameters():
+            if p.requires_grad and owner.setdefault(id(p), s) != s:
+                raise ValueError(f"parameter {name!r} is shared between stages {owner[id(p)]} and {s}; a pipeline "
+                                 "needs every trainable parameter in one stage")
+        modules.append(module)
+        begin += size
+    return modules
+
+
+def _param_costs(layers) -> list[int]:
+    return [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
+
+
+def _check_sizes(sizes, layers: int, stages: int) -> list[int]:
+    if (not isinstance(sizes, (list, tuple)) or len(sizes) != stages
+            or not all(isinstance(n, int) and n >= 1 for n in sizes) or sum(sizes) != layers):
+        raise ValueError(f"balance must be 'params', 'time' or a list of {stages} positive ints (layers per stage) "
+                         f"summing to {layers}; got {sizes!r}")
+    return list(sizes)
+
+
+def measure_layer_times(layers, inputs, repeats: int = 3) -> list[float]:
+    """Median seconds of forward+backward of each layer on ``inputs`` (run on deep copies: nothing is modified)."""
+    layers = copy.deepcopy(torch.nn.Sequential(*layers))
+    samples = [[] for _ in layers]
+    for _ in range(repeats):
+        x = inputs
+        for i, layer in enumerate(layers):
+            x = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            y = layer(x)
+            if y.requires_grad:
+                y.backward(torch.ones_like(y))
+            samples[i].append(time.perf_counter() - start)
+            x = y
+    return [statistics.median(s) for s in samples]
+
+
+# ---- schedules -------------------------------------------------------------------------------------------------
+
+def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The ordered actions of ``stage``: ``("F", m)`` forward of micro-batch m, ``("B", m)`` its backward.
+
+    ``"gpipe"``: every forward, then every backward (fill-drain; stage s stores all M micro-batches).
+    ``"1f1b"``: S-1-s warm-up forwards, then one forward and one backward alternately, then the remaining backwards;
+    stage s stores at most min(S - s, M) micro-batches. Both run the backwards in micro-batch order, so the gradients
+    accumulate in the same order and the two schedules give bit-identical weights.
+    """
+    if schedule == "gpipe":
+        return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+    if schedule != "1f1b":
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    warmup = min(stages - 1 - stage, microbatches)
+    actions = [("F", m) for m in range(warmup)]
+    for m in range(warmup, microbatches):
+        actions += [("F", m), ("B", m - warmup)]
+    actions += [("B", m) for m in range(microbatches - warmup, microbatches)]
+    return actions
+
+
+# ---- stages and channels ---------------------------------------------------------------------------------------
+
+class _Channel:
+    """One direction between two adjacent stages of one replica (see Note [CUDA ordering between stages])."""
+
+    def __init__(self, stop: threading.Event):
+        self._queue = queue.Queue()
+        self._stop = stop
+
+    def put(self, m: int, tensor: torch.Tensor, device: torch.device, stream) -> None:
+        event = None
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                tensor = tensor.to(device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        self._queue.put((m, tensor, event))
+
+    def get(self, m: int, stream) -> torch.Tensor:
+        while True:
+            try:
+                got, tensor, event = self._queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if self._stop.is_set():
+                    raise _Stopped from None
+        if got != m:
+            raise RuntimeError(f"pipeline channel out of order: expected micro-batch {m}, got {got}")
+        if event is not None:
+            stream.wait_event(event)
+            tensor.record_stream(stream)
+        return tensor
+
+
+class _Stage:
+    """One (stage, replica): a deep copy of its layers on its device, the store names of its parameters."""
+
+    def __init__(self, index: int, replica: int, device: torch.device, module: torch.nn.Sequential, store):
+        self.index, self.replica, self.device = index, replica, device
+        self.module = copy.deepcopy(module).to(device)
+        self.params = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+        self._master = store.views(store.param)
+        self._slot = store.views(store.grad_slot(replica))
+
+    def context(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Master weights -> this stage's parameters (non-blocking on the stage's stream on CUDA)."""
+        with self.context():
+            for name, p in self.params:
+                p.copy_(self._master[name], non_blocking=True)
+
+    @torch.no_grad()
+    def push_grads(self, unused: str) -> None:
+        """This stage's accumulated gradients -> its range of the replica's gradient slot (zeros if none)."""
+        missing = [name for name, p in self.params if p.grad is None]
+        if missing and unused == "error":
+            raise RuntimeError(f"{len(missing)} parameter(s) of this stage received no gradient: {missing[:10]}; "
+                               "pass unused='zero' or freeze them")
+        with self.context():
+            for name, p in self.params:
+                if p.grad is None:
+                    self._slot[name].zero_()
+                else:
+                    self._slot[name].copy_(p.grad, non_blocking=True)
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class _BusyClock:
+    """Sums the compute time of a stage's actions: host time on CPU, CUDA event time on the stage's stream."""
+
+    def __init__(self, stream):
+        self.stream, self.seconds, self._events = stream, 0.0, []
+
+    @contextlib.contextmanager
+    def measure(self):
+        if self.stream is None:
+            start = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - start
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(self.stream)
+        yield
+        end.record(self.stream)
+        self._events.append((begin, end))
+
+    def total(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.seconds += sum(b.elapsed_time(e) for b, e in self._events) / 1e3
+            self._events = []
+        return self.seconds
+
+
+class _Activations:
+    """Bytes autograd saves during a stage's forwards (parameters left out; each storage counted once), and the
+    number of micro-batches stored at once."""
+
+    def __init__(self, param_ptrs):
+        self._param_ptrs = param_ptrs
+        self.count = self.peak_count = 0
+        self.bytes = self.peak_bytes = 0
+        self._ptrs: set = set()
+        self._current = 0
+
+    def hooks(self):
+        """Counts one forward's saved bytes (call :meth:`stored` after it)."""
+        self._ptrs = set()
+        self._current = 0
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._param_ptrs and ptr not in self._ptrs:
+                self._ptrs.add(ptr)
+                self._current += t.untyped_storage().nbytes()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def stored(self) -> int:
+        nbytes = self._current
+        self.count += 1
+        self.bytes += nbytes
+        self.peak_count = max(self.peak_count, self.count)
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return nbytes
+
+    def released(self, nbytes: int) -> None:
+        self.count -= 1
+        self.bytes -= nbytes
+
+
+# ---- the pipeline ----------------------------------------------------------------------------------------------
+
+class Pipeline:
+    """The stages of one Engine in ``mode="pipeline"`` and their step (see the module docstring).
+
+    Args:
+        engine: the Engine (its store, devices, loss_fn, recorder and :meth:`Engine.apply_update` are used).
+        model: an ``nn.Sequential`` (see :func:`as_sequential`).
+        stages: S; ``len(engine.devices)`` must be a multiple of S (R = len(devices) / S replicas per stage).
+        microbatches: M >= 1 micro-batches per replica per step.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        balance: ``"params"``, ``"time"`` (measured on the first step's first micro-batch) or a list of S sizes.
+        unused: ``"zero"`` or ``"error"`` for parameters that got no gradient in a step.
+    """
+
+    def __init__(self, engine, model: torch.nn.Sequential, *, stages: int, microbatches: int, schedule: str,
+                 balance, unused: str = "zero"):
+        devices = engine.devices
+        self.layers = list(model._modules.items())  # named_children() would list a repeated module once
+        check_options(len(self.layers), len(devices), stages, microbatches, schedule, balance)
+        self.engine, self.store = engine, engine.store
+        self.num_stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.replicas = len(devices) // stages
+        self.devices = devices
+        self.unused = unused
+        self.balance = balance
+        self.sizes: list[int] | None = None
+        self.stages: list[list[_Stage]] = []  # [stage][replica]
+        if balance == "params":
+            self._build(partition(_param_costs([layer for _, layer in self.layers]), stages))
+        elif balance != "time":
+            self._build(list(balance))
+        # one thread per (stage, replica), all running at once: a stage blocked on its channel must not hold the
+        # only thread its neighbour could run on
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(devices), thread_name_prefix="pyengine-stage", initializer=set_worker_threads,
+            initargs=(devices,))
+
+    def _build(self, sizes: list[int]) -> None:
+        self.sizes = _check_sizes(sizes, len(self.layers), self.num_stages)
+        for s, module in enumerate(split_layers(self.layers, self.sizes)):
+            self._check_range(s, [name for name, p in module.named_parameters() if p.requires_grad])
+            self.stages.append([_Stage(s, r, self.devices[s * self.replicas + r], module, self.store)
+                                for r in range(self.replicas)])
+
+    def _check_range(self, stage: int, names: list[str]) -> None:
+        """A stage's parameters must be one contiguous range of the flat store (Note [Pipeline update path])."""
+        if not names:
+            return
+        entries = [self.store.entry(n) for n in names]
+        begin = min(e.offset for e in entries)
+        end = max(e.offset + e.numel for e in entries)
+        inside = {e.name for e in self.store.layout if begin <= e.offset < end}
+        if inside != set(names):
+            raise ValueError(f"stage {stage}: its parameters are not one contiguous range of the host store "
+                             f"(also holds {sorted(inside - set(names))[:5]})")
+
+    # ---- one step ----
+
+    def step(self, batch) -> dict:
+        """One pipelined step on ``(inputs, targets)``: every replica's shard in M micro-batches, then one update."""
+        engine = self.engine
+        start = time.perf_counter()
+        inputs, targets, shard_sizes = self._split(batch)
+        if self.sizes is None:
+            self._build(partition(measure_layer_times([layer for _, layer in self.layers], inputs[0][0]),
+                                  self.num_stages))
+        for stage in (st for row in self.stages for st in row):
+            stage.pull()
+        pulled = time.perf_counter()
+        stop, failures = threading.Event(), []
+        channels = [[(_Channel(stop), _Channel(stop)) for _ in range(self.num_stages - 1)]
+                    for _ in range(self.replicas)]
+        futures = {}
+        for s, row in enumerate(self.stages):
+            for r, stage in enumerate(row):
+                task = self._stage_task(stage, channels[r], inputs[r], targets[r], shard_sizes[r], stop, failures)
+                futures[(s, r)] = self._pool.submit(task)
+        concurrent.futures.wait(futures.values())
+        if failures:
+            (s, r), exc = failures[0]
+            raise StageError(s, r, self.stages[s][r].device, exc) from exc
+        results = {key: f.result() for key, f in futures.items()}
+        schedule_end = max(res["end"] for res in results.values())
+        engine.count("steps")
+        total = sum(shard_sizes)
+        weights = None if len(set(shard_sizes)) == 1 else [n / total for n in shard_sizes]
+        updated = time.perf_counter()
+        with engine.phase("update"):
+            applied = engine.apply_update(list(range(self.replicas)), weights)
+        end = time.perf_counter()
+        return self._metrics(results, shard_sizes, start, pulled, schedule_end, updated, end, applied)
+
+    def _split(self, batch):
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError("mode='pipeline' needs each batch as (inputs, targets): inputs feed the first stage, "
+                             "targets go with the last stage's output to loss_fn(last_stage, (activations, "
+                             f"targets)); got {type(batch).__name__}")
+        n = batch_size(batch)
+        per_replica = n // self.replicas
+        if per_replica < self.microbatches:
+            raise ValueError(f"a batch of {n} samples gives shards of {per_replica} over {self.replicas} replica(s); "
+                             f"each shard must hold at least microbatches={self.microbatches} samples")
+        shards = split_batch(batch, self.replicas)
+        micro = [split_batch(shard, self.microbatches) for shard in shards]
+        inputs = [[mb[0] for mb in replica] for replica in micro]
+        targets = [[mb[1] for mb in replica] for replica in micro]
+        return inputs, targets, [batch_size(s) for s in shards]
+
+    def _stage_task(self, stage: _Stage, channels, inputs, targets, shard_size, stop, failures):
+        def run():
+            try:
+                with stage.context():
+                    return self._run_stage(stage, channels, inputs, targets, shard_size)
+            except _Stopped:
+                return None
+            except BaseException as exc:  # noqa: BLE001 - reported as StageError by step()
+                failures.append(((stage.index, stage.replica), exc))
+                stop.set()
+                return None
+        return run
+
+    def _run_stage(self, stage: _Stage, channels, inputs, targets, shard_size) -> dict:
+        s, last = stage.index, stage.index == self.num_stages - 1
+        recv_fwd = channels[s - 1][0] if s > 0 else None
+        send_fwd = channels[s][0] if not last else None
+        recv_bwd = channels[s][1] if not last else None
+        send_bwd = channels[s - 1][1] if s > 0 else None
+        upstream = self.stages[s - 1][stage.replica].device if s > 0 else None
+        downstream = self.stages[s + 1][stage.replica].device if not last else None
+        clock, memory = _BusyClock(stage.stream), _Activations(stage.param_ptrs)
+        who, tid = f"stage{s}.r{stage.replica}", 1 + s * self.replicas + stage.replica
+        stored, loss_sum = {}, 0.0
+        stage.module.zero_grad(set_to_none=True)
+        for kind, m in schedule_actions(self.schedule, s, self.num_stages, self.microbatches):
+            if kind == "F":
+                x = to_device(inputs[m], stage.device) if s == 0 else recv_fwd.get(m, stage.stream)
+                with clock.measure(), self.engine.recorder.phase(who, f"F{m}", tid):
+                    if s > 0:
+                        x = x.detach().requires_grad_(x.is_floating_point())
+                    with memory.hooks():
+                        out = self._forward(stage, x, targets[m] if last else None)
+                    if last:
+                        samples = batch_size(targets[m])
+                        loss_sum += float(out.detach()) * samples
+                        out = out * (samples / shard_size)
+                    else:
+                        send_fwd.put(m, out.detach(), downstream, stage.stream)
+                stored[m] = (x, out, memory.stored())
+            else:
+                x, out, nbytes = stored.pop(m)
+                grad = None if last else recv_bwd.get(m, stage.stream)
+                with clock.measure(), self.engine.recorder.phase(who, f"B{m}", tid):
+                    if out.requires_grad:
+                        torch.autograd.backward(out, grad)
+                    if s > 0:
+                        send_bwd.put(m, x.grad if x.grad is not None else torch.zeros_like(x), upstream,
+                                     stage.stream)
+                memory.released(nbytes)
+        end = time.perf_counter()
+        busy = clock.total()
+        stage.push_grads(self.unused)
+        return dict(busy=busy, end=end, pushed=time.perf_counter() - end, loss_sum=loss_sum,
+                    peak_count=memory.peak_count, peak_bytes=memory.peak_bytes)
+
+    def _forward(self, stage: _Stage, x, targets):
+        if targets is None:
+            out = stage.module(x)
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+                raise TypeError(f"a stage before the last must return one floating-point tensor (the activations "
+                                f"for the next stage); got {type(out).__name__}")
+            return out
+        loss = self.engine.loss_fn(stage.module, (x, to_device(targets, stage.device)))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
+                             f"loss over the micro-batch); got {shape}")
+        return loss
+
+    def _metrics(self, results, shard_sizes, start, pulled, schedule_end, updated, end, applied) -> dict:
+        S, R, M = self.num_stages, self.replicas, self.microbatches
+        wall = schedule_end - pulled
+        busy = [[results[(s, r)]["busy"] for r in range(R)] for s in range(S)]
+        total = sum(shard_sizes)
+        loss = sum(results[(S - 1, r)]["loss_sum"] for r in range(R))
+        return step_metrics(
+            self.engine, loss=loss / total, samples=total, wall=end - start,
+            compute=max(max(row) for row in busy), update=end - updated,
+            transfer_wait=max(res["pushed"] for res in results.values()), copy_back=pulled - start, applied=applied,
+            stages=S, replicas=R, microbatches=M, schedule=self.schedule, stage_sizes=list(self.sizes),
+            schedule_s=wall, stage_busy_s=[sum(row) / R for row in busy],
+            bubble_fraction=max(0.0, 1.0 - sum(map(sum, busy)) / (S * R * wall)) if wall > 0 else 0.0,
+            bubble_ideal=(S - 1) / (M + S - 1),
+            activation_peak=[max(results[(s, r)]["peak_count"] for r in range(R)) for s in range(S)],
+            activation_peak_bytes=[max(results[(s, r)]["peak_bytes"] for r in range(R)) for s in range(S)])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def check_options(layers: int, devices: int, stages, microbatches, schedule, balance) -> None:
+    """ValueErrors for pipeline options, before anything is built."""
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int >= 1; got {stages!r}")
+    if stages > layers:
+        raise ValueError(f"stages={stages} is more than the model's {layers} layers; each stage needs at least one")
+    if devices % stages:
+        raise ValueError(f"devices must hold stages x replicas entries (stage s, replica r on devices[s * R + r]); "
+                         f"got {devices} devices for stages={stages}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an int >= 1; got {microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    if balance not in ("params", "time"):
+        _check_sizes(balance, layers, stages)
+
+
+def check_mode_options(mode: str, stages, microbatches, schedule, balance, autocast) -> None:
+    """Pipeline options belong to ``mode="pipeline"``; autocast is not supported there yet."""
+    if mode != "pipeline":
+        given = [name for name, value, default in (("stages", stages, None), ("microbatches", microbatches, 1),
+                                                   ("schedule", schedule, "1f1b"), ("balance", balance, "params"))
+                 if value != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: pipeline options, for mode='pipeline'; mode={mode!r}")
+    elif autocast is not None:
+        raise ValueError("autocast is not supported with mode='pipeline'; pass autocast=None")

@@ -1,0 +1,426 @@
+"""Pipeline mode against references it does not share code with: torch.optim on one copy of the whole model
+(float64) for the weights, a unit-time simulation for the schedules, brute force for the balancer, and layers that
+sleep for fixed times for the bubble fraction (busy times under control on a noisy 2-core machine)."""
+import copy
+import itertools
+import json
+import time
+
+import pytest
+import torch
+
+from pyengine import AdamW, Engine, StageError
+from pyengine.pipeline import partition, schedule_actions
+
+pytestmark = pytest.mark.timeout(60)
+
+# eps = 1e-3 for the reason given in tests/test_engine.py: fp32 engine vs fp64 reference stays bounded per element.
+OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01)
+
+
+def make_model(seed=0, d_in=10, hidden=16, d_out=3, blocks=3):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(d_in, hidden), torch.nn.Tanh()]
+    for _ in range(blocks - 1):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, d_out))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def make_batches(rng, count, size, d_in=10, classes=3):
+    return [(torch.randn(size, d_in, generator=rng), torch.randint(0, classes, (size,), generator=rng))
+            for _ in range(count)]
+
+
+class TorchReference:
+    """The whole model on one device in float64, one torch.optim.AdamW step per full batch."""
+
+    def __init__(self, model):
+        self.model = copy.deepcopy(model).double()
+        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=False, **OPT)
+
+    def step(self, batch):
+        x, y = batch
+        self.opt.zero_grad()
+        loss = loss_fn(self.model, (x.double(), y))
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+
+def assert_matches(engine, reference, rtol=1e-5):
+    master = engine.master_state_dict()
+    for name, p in reference.model.named_parameters():
+        scale = p.detach().abs().max().item()
+        torch.testing.assert_close(master[name].double(), p.detach(), rtol=rtol, atol=rtol * scale, msg=name)
+
+
+def pipeline(model, devices, **options):
+    return Engine(model, loss_fn, devices=devices, mode="pipeline", optimizer=AdamW(**OPT), **options)
+
+
+# ---- equivalence with single-device training ----
+
+@pytest.mark.parametrize("stages,microbatches,batch,schedule", [
+    (2, 3, 37, "1f1b"), (3, 4, 29, "gpipe"), (4, 7, 23, "1f1b"), (3, 1, 9, "1f1b"), (1, 5, 17, "gpipe")])
+def test_pipeline_equals_single_device(rng, stages, microbatches, batch, schedule):
+    model = make_model()
+    reference = TorchReference(model)
+    with pipeline(model, ["cpu"] * stages, stages=stages, microbatches=microbatches, schedule=schedule) as engine:
+        for b in make_batches(rng, 6, batch):
+            metrics = engine.step(b)
+            ref_loss = reference.step(b)
+            assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5), "loss: micro-batch losses weighted by size"
+        assert_matches(engine, reference)
+        assert engine.stats()["applied_updates"] == 6
+        assert len(metrics["stage_sizes"]) == stages and sum(metrics["stage_sizes"]) == len(model)
+
+
+def test_1f1b_and_gpipe_give_identical_weights(rng):
+    batches = make_batches(rng, 5, 31)
+    results = []
+    for schedule in ("1f1b", "gpipe"):
+        with pipeline(make_model(), ["cpu"] * 3, stages=3, microbatches=5, schedule=schedule) as engine:
+            for b in batches:
+                engine.step(b)
+            results.append(engine.master_state_dict())
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_pipeline_times_hybrid_equals_single_device(rng):
+    model = make_model()
+    reference = TorchReference(model)
+    # stage s, replica r on devices[s * 2 + r]; 41 samples: shards of 21 and 20 (weighted), micro-batches of 7 or so
+    with pipeline(model, ["cpu"] * 4, stages=2, microbatches=3) as engine:
+        assert engine.store.workers == 2, "one gradient slot per data-parallel replica"
+        for b in make_batches(rng, 6, 41):
+            metrics = engine.step(b)
+            reference.step(b)
+        assert metrics["replicas"] == 2 and metrics["samples"] == 41
+        assert_matches(engine, reference)
+
+
+def test_list_of_layers_and_resume(rng):
+    batches = make_batches(rng, 6, 20)
+    layers = list(make_model())
+    with pipeline(layers, ["cpu"] * 2, microbatches=2) as engine:
+        engine.fit(batches)
+        expected = engine.master_state_dict()
+    with pipeline(list(make_model()), ["cpu"] * 2, microbatches=2) as first:
+        first.fit(batches[:3])
+        state = first.state_dict()
+    with pipeline(list(make_model(seed=5)), ["cpu"] * 2, microbatches=2) as second:
+        second.load_state_dict(state)
+        second.fit(batches[3:])
+        got = second.master_state_dict()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def test_trace_has_one_row_per_stage(rng, tmp_path):
+    with pipeline(make_model(), ["cpu"] * 3, stages=3, microbatches=2) as engine:
+        engine.step(make_batches(rng, 1, 8)[0])
+        engine.trace(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = {(e["cat"], e["name"]) for e in events if e["ph"] == "X"}
+    for s in range(3):
+        assert {(f"stage{s}.r0", f"{k}{m}") for k in "FB" for m in range(2)} <= spans
+    assert ("host", "update") in spans
+
+
+# ---- schedules ----
+
+def simulate(schedule, stages, microbatches):
+    """Unit-time execution of the action lists: an action runs once its input exists (F(m) after F(m) upstream,
+    B(m) after B(m) downstream). Returns (makespan, peak stored micro-batches per stage); raises on deadlock."""
+    lists = [schedule_actions(schedule, s, stages, microbatches) for s in range(stages)]
+    done, position, stored, peak, clock = set(), [0] * stages, [0] * stages, [0] * stages, 0
+    while any(position[s] < len(lists[s]) for s in range(stages)):
+        ready = []
+        for s in range(stages):
+            if position[s] < len(lists[s]):
+                kind, m = lists[s][position[s]]
+                need = (("F", m, s - 1) if s > 0 else None) if kind == "F" else (
+                    ("B", m, s + 1) if s < stages - 1 else ("F", m, s))
+                if need is None or need in done:
+                    ready.append((s, kind, m))
+        assert ready, f"deadlock at time {clock}"
+        for s, kind, m in ready:
+            done.add((kind, m, s))
+            position[s] += 1
+            stored[s] += 1 if kind == "F" else -1
+            peak[s] = max(peak[s], stored[s])
+        clock += 1
+    return clock, peak
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 1), (2, 4), (4, 3), (4, 16), (5, 7)])
+def test_schedule_actions(schedule, stages, microbatches):
+    for s in range(stages):
+        actions = schedule_actions(schedule, s, stages, microbatches)
+        assert sorted(actions) == sorted([(k, m) for k in "FB" for m in range(microbatches)])
+        assert [m for k, m in actions if k == "B"] == list(range(microbatches)), "backwards in micro-batch order"
+    makespan, peak = simulate(schedule, stages, microbatches)
+    assert makespan == 2 * (microbatches + stages - 1), "no bubble beyond fill and drain"
+    expected = [min(stages - s, microbatches) if schedule == "1f1b" else microbatches for s in range(stages)]
+    assert peak == expected
+
+
+class Sleep(torch.autograd.Function):
+    """Identity whose forward and backward sleep: fixed busy time that needs no CPU."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepLayer(torch.nn.Module):
+    def __init__(self, width=8, forward_s=0.004, backward_s=0.008):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x):
+        return Sleep.apply(self.linear(x), self.forward_s, self.backward_s)
+
+
+def sleep_model(stages, **kwargs):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[SleepLayer(**kwargs) for _ in range(stages)])
+
+
+def mse(model, batch):
+    x, y = batch
+    return (model(x) - y).square().mean()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages,microbatches", [(4, 8), (2, 1)])
+def test_bubble_fraction_near_ideal(schedule, stages, microbatches):
+    batch = (torch.randn(16, 8), torch.randn(16, 8))
+    with Engine(sleep_model(stages), mse, devices=["cpu"] * stages, mode="pipeline", stages=stages,
+                microbatches=microbatches, schedule=schedule) as engine:
+        history = [engine.step(batch) for _ in range(3)]
+    ideal = (stages - 1) / (microbatches + stages - 1)
+    measured = sorted(m["bubble_fraction"] for m in history)[1]
+    assert history[0]["bubble_ideal"] == pytest.approx(ideal)
+    # Python overhead, thread wake-ups and sleep overshoot only add idle time, a little of it
+    assert ideal - 0.03 <= measured <= ideal + 0.12, (measured, ideal)
+    for busy in history[-1]["stage_busy_s"]:
+        assert 0.012 * microbatches <= busy <= 0.012 * microbatches * 1.5 + 0.01
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_1f1b_bounds_stored_activations(schedule):
+    stages, microbatches = 4, 8
+    batch = (torch.randn(32, 8), torch.randn(32, 8))
+    with Engine(sleep_model(stages, forward_s=0.0, backward_s=0.0), mse, devices=["cpu"] * stages, mode="pipeline",
+                stages=stages, microbatches=microbatches, schedule=schedule) as engine:
+        metrics = engine.step(batch)
+    if schedule == "1f1b":
+        assert metrics["activation_peak"] == [min(stages - s, microbatches) for s in range(stages)]
+        assert metrics["activation_peak"][0] <= stages
+    else:
+        assert metrics["activation_peak"] == [microbatches] * stages
+    # stage 1 is Linear + Sleep: autograd saves the Linear's input (4 samples x 8 fp32) per micro-batch; the weight
+    # it also saves is a parameter and is not counted
+    assert metrics["activation_peak_bytes"][1] == metrics["activation_peak"][1] * 4 * 8 * 4
+
+
+# ---- balance ----
+
+def test_partition_is_optimal_against_brute_force(rng):
+    for _ in range(30):
+        layers = int(torch.randint(1, 8, (1,), generator=rng))
+        stages = int(torch.randint(1, layers + 1, (1,), generator=rng))
+        costs = torch.randint(0, 20, (layers,), generator=rng).tolist()
+        sizes = partition(costs, stages)
+        assert len(sizes) == stages and sum(sizes) == layers and min(sizes) >= 1
+
+        def worst(cuts):
+            bounds = [0, *cuts, layers]
+            return max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+        best = min(worst(c) for c in itertools.combinations(range(1, layers), stages - 1))
+        bounds = list(itertools.accumulate(sizes))[:-1]
+        assert worst(bounds) == best, (costs, stages, sizes)
+
+
+def test_balance_params_list_and_time():
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)], SleepLayer(forward_s=0.02))
+
+    batch = (torch.randn(8, 8), torch.randn(8, 8))
+    expected = {"params": [2, 3], "time": [4, 1], (1, 4): [1, 4]}
+    for balance, sizes in expected.items():
+        balance = list(balance) if isinstance(balance, tuple) else balance
+        with Engine(model(), mse, devices=["cpu"] * 2, mode="pipeline", microbatches=2, balance=balance) as engine:
+            assert engine.step(batch)["stage_sizes"] == sizes, balance
+
+
+@pytest.mark.parametrize("balance", [[2, 2], [0, 5], [5], "flops", [2.5, 2.5]])
+def test_bad_balance(balance):
+    with pytest.raises(ValueError, match="balance"):
+        pipeline(make_model(blocks=2), ["cpu"] * 2, balance=balance)
+
+
+# ---- failures and bad inputs ----
+
+class Failing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise RuntimeError("boom in the middle stage")
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_raising_stage_stops_the_pipeline_and_is_named(rng, schedule):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 8), Failing(), torch.nn.Linear(8, 3))
+    batches = make_batches(rng, 2, 12)
+    with pipeline(model, ["cpu"] * 3, stages=3, microbatches=4, schedule=schedule, balance=[1, 1, 1]) as engine:
+        engine.step(batches[0])
+        before = engine.master_state_dict()
+        engine.pipeline.stages[1][0].module[0].armed = True
+        start = time.perf_counter()
+        with pytest.raises(StageError, match="stage 1") as info:
+            engine.step(batches[1])
+        assert time.perf_counter() - start < 5, "the other stages stop instead of waiting forever"
+        assert info.value.stage == 1 and isinstance(info.value.__cause__, RuntimeError)
+        after = engine.master_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), "the master weights keep the last update"
+        engine.pipeline.stages[1][0].module[0].armed = False
+        assert engine.step(batches[1])["applied"], "the next step runs afresh"
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(stages=9), "more than the model's 7 layers"),
+    (dict(stages=2, microbatches=0), "microbatches must be an int >= 1"),
+    (dict(stages=2, microbatches=2.0), "microbatches must be an int >= 1"),
+    (dict(stages=3), "multiple|stages x replicas"),
+    (dict(stages=2, schedule="interleaved"), "schedule must be one of"),
+])
+def test_bad_pipeline_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        pipeline(make_model(), ["cpu"] * 4, **options)
+
+
+def test_bad_inputs_at_step(rng):
+    with pipeline(make_model(), ["cpu"] * 2, microbatches=4) as engine:
+        x, y = make_batches(rng, 1, 3)[0]
+        with pytest.raises(ValueError, match="at least microbatches=4"):
+            engine.step((x, y))
+        with pytest.raises(ValueError, match=r"\(inputs, targets\)"):
+            engine.step(x)
+
+
+def test_bad_models_and_modes():
+    with pytest.raises(TypeError, match="sequence of layers"):
+        Engine(torch.nn.Linear(3, 3), loss_fn, devices=["cpu"], mode="pipeline")
+    with pytest.raises(ValueError, match="pipeline options"):
+        Engine(make_model(), loss_fn, devices=["cpu"], mode="hybrid", microbatches=4)
+    with pytest.raises(ValueError, match="autocast"):
+        Engine(make_model(), loss_fn, devices=["cpu"], mode="pipeline", autocast=torch.bfloat16)
+    shared = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="shared between stages 0 and 1"):
+        Engine(torch.nn.Sequential(shared, torch.nn.Tanh(), shared), loss_fn, devices=["cpu"] * 2,
+               mode="pipeline", balance=[2, 1])
+
+
+# ---- stages in separate processes (torch.distributed.pipelining) ----
+
+def _distributed_worker(rank, world, init_file, seed, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    from pyengine.pipeline_distributed import DistributedPipelineStage
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init_file}",
+                            timeout=datetime.timedelta(seconds=30))
+    torch.set_num_threads(1)
+    try:
+        batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
+        for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
+            stage = DistributedPipelineStage(make_model(blocks=2), torch.nn.functional.cross_entropy,
+                                             microbatches=3, schedule=schedule,
+                                             optimizer=AdamW(**OPT, max_grad_norm=clip), pin=False)
+            losses = [stage.step(inputs=x if stage.is_first else None, targets=y if stage.is_last else None)["loss"]
+                      for x, y in batches]
+            torch.save({"master": stage.master_state_dict(), "losses": losses, "sizes": stage.sizes},
+                       f"{out_dir}/{schedule}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_distributed_stages_equal_single_device(rng, tmp_path):
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    mp.spawn(_distributed_worker, args=(2, str(tmp_path / "init"), seed, str(tmp_path)), nprocs=2)
+    batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
+    for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
+        reference = TorchReference(make_model(blocks=2))
+        ref_losses = []
+        for x, y in batches:
+            reference.opt.zero_grad()
+            loss = loss_fn(reference.model, (x.double(), y))
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.model.parameters(), clip)
+            reference.opt.step()
+            ref_losses.append(loss.item())
+        ranks = [torch.load(tmp_path / f"{schedule}-{r}.pt") for r in range(2)]
+        master = {**ranks[0]["master"], **ranks[1]["master"]}
+        assert sorted(master) == sorted(n for n, _ in reference.model.named_parameters())
+        assert not set(ranks[0]["master"]) & set(ranks[1]["master"]), "each rank holds its own stage"
+        for name, p in reference.model.named_parameters():
+            scale = p.detach().abs().max().item()
+            torch.testing.assert_close(master[name].double(), p.detach(), rtol=1e-5, atol=1e-5 * scale, msg=name)
+        assert ranks[1]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        assert ranks[0]["losses"] == [None] * 5
+
+
+def test_distributed_stage_bad_inputs(rng, tmp_path):
+    import torch.distributed as dist
+
+    from pyengine.pipeline_distributed import DistributedPipelineStage
+
+    criterion = torch.nn.functional.cross_entropy
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        DistributedPipelineStage(make_model(), criterion, microbatches=2)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'init'}")
+    try:
+        with pytest.raises(ValueError, match="balance='time' is not supported across processes"):
+            DistributedPipelineStage(make_model(), criterion, microbatches=2, balance="time")
+        with pytest.raises(ValueError, match="schedule must be one of"):
+            DistributedPipelineStage(make_model(), criterion, microbatches=2, schedule="zb")
+        stage = DistributedPipelineStage(make_model(), criterion, microbatches=4, pin=False)
+        x, y = make_batches(rng, 1, 6)[0]
+        with pytest.raises(ValueError, match="equal micro-batches"):
+            stage.step(inputs=x, targets=y)
+        with pytest.raises(ValueError, match="targets go to the last rank"):
+            stage.step(inputs=x)
+        x, y = make_batches(rng, 1, 8)[0]
+        assert stage.step(inputs=x, targets=y)["applied"]
+    finally:
+        dist.destroy_process_group()
