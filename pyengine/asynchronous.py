@@ -56,11 +56,10 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
 
     def push(worker, pulled, loss, samples, compute, wait):
         """Under the mutex: apply (True) or ask for a refresh (False)."""
-        staleness = engine.version - pulled
-        if engine.max_staleness is not None and staleness > engine.max_staleness:
-            engine.count("refreshes")
+        admitted = engine.admit_push(pulled)
+        if admitted is None:
             return False
-        lr = engine.optimizer.lr / (1 + staleness) if engine.staleness_lr == "inverse" else None
+        staleness, lr = admitted
         start = time.perf_counter()
         engine.count("pushes")
         applied = engine.apply_update([worker.index], None, lr)

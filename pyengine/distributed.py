@@ -381,11 +381,10 @@ class AsyncServer:
         with engine.mutex, engine.phase("push", client):
             if self.stop.is_set():
                 return _STOP
-            staleness = engine.version - pulled
-            if engine.max_staleness is not None and staleness > engine.max_staleness:
-                engine.count("refreshes")
+            admitted = engine.admit_push(pulled)
+            if admitted is None:
                 return _REFRESH
-            lr = engine.optimizer.lr / (1 + staleness) if engine.staleness_lr == "inverse" else None
+            staleness, lr = admitted
             start = time.perf_counter()
             engine.count("pushes")
             applied = engine.apply_update([], None, lr, grads=[grad])

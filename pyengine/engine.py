@@ -437,6 +437,16 @@ class Engine:
             max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
             param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
+    def admit_push(self, pulled: int) -> tuple[int, float | None] | None:
+        """The async staleness policy (Note [Async pushes and staleness]) for a push computed at version ``pulled``,
+        called under the mutex: None when it is too stale and must refresh (counted), else ``(staleness, lr)`` to
+        apply it with (``lr`` None: the optimizer's)."""
+        staleness = self.version - pulled
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            self._counters["refreshes"] += 1
+            return None
+        return staleness, self.optimizer.lr / (1 + staleness) if self.staleness_lr == "inverse" else None
+
     def count(self, key: str, n: int = 1) -> None:
         self._counters[key] += n
 
