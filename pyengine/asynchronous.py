@@ -56,14 +56,11 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
 
     def push(worker, pulled, loss, samples, compute, wait):
         """Under the mutex: apply (True) or ask for a refresh (False)."""
-        admitted = engine.admit_push(pulled)
-        if admitted is None:
-            return False
-        staleness, lr = admitted
         start = time.perf_counter()
-        engine.count("pushes")
-        applied = engine.apply_update([worker.index], None, lr)
-        engine.record_staleness(staleness)
+        pushed = engine.apply_push(pulled, [worker.index])
+        if pushed is None:
+            return False
+        applied, staleness = pushed
         metrics = step_metrics(engine, loss=loss, samples=samples, wall=compute + wait + time.perf_counter() - start,
                                compute=compute, update=time.perf_counter() - start, transfer_wait=wait,
                                copy_back=0.0, applied=applied, worker=worker.index, version_at_pull=pulled,

@@ -381,14 +381,11 @@ class AsyncServer:
         with engine.mutex, engine.phase("push", client):
             if self.stop.is_set():
                 return _STOP
-            admitted = engine.admit_push(pulled)
-            if admitted is None:
-                return _REFRESH
-            staleness, lr = admitted
             start = time.perf_counter()
-            engine.count("pushes")
-            applied = engine.apply_update([], None, lr, grads=[grad])
-            engine.record_staleness(staleness)
+            pushed = engine.apply_push(pulled, [], grads=[grad])
+            if pushed is None:
+                return _REFRESH
+            applied, staleness = pushed
             update = time.perf_counter() - start
             metrics = step_metrics(engine, loss=loss, samples=samples, wall=update, compute=0.0, update=update,
                                    transfer_wait=0.0, copy_back=0.0, applied=applied, worker=client, rank=client,

@@ -437,21 +437,23 @@ class Engine:
             max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
             param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
-    def admit_push(self, pulled: int) -> tuple[int, float | None] | None:
-        """The async staleness policy (Note [Async pushes and staleness]) for a push computed at version ``pulled``,
-        called under the mutex: None when it is too stale and must refresh (counted), else ``(staleness, lr)`` to
-        apply it with (``lr`` None: the optimizer's)."""
+    def apply_push(self, pulled: int, workers: list[int], grads: list[torch.Tensor] | None = None
+                   ) -> tuple[bool, int] | None:
+        """One async push computed at version ``pulled``, under the mutex (Note [Async pushes and staleness]): None
+        when it is too stale and must refresh (counted); else it is counted, applied from the slots of ``workers``
+        (or ``grads``) with the staleness policy's lr, and ``(applied, staleness)`` is returned."""
         staleness = self.version - pulled
         if self.max_staleness is not None and staleness > self.max_staleness:
             self._counters["refreshes"] += 1
             return None
-        return staleness, self.optimizer.lr / (1 + staleness) if self.staleness_lr == "inverse" else None
+        lr = self.optimizer.lr / (1 + staleness) if self.staleness_lr == "inverse" else None
+        self._counters["pushes"] += 1
+        applied = self.apply_update(workers, None, lr, grads=grads)
+        self._staleness[staleness] += 1
+        return applied, staleness
 
     def count(self, key: str, n: int = 1) -> None:
         self._counters[key] += n
-
-    def record_staleness(self, staleness: int) -> None:
-        self._staleness[staleness] += 1
 
     # ---- internals --------------------------------------------------------------------------------------------
 

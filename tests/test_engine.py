@@ -199,9 +199,9 @@ def test_async_inverse_staleness_damps_lr(rng, monkeypatch):
     seen = []
     original = engine.apply_update
 
-    def spy(workers, weights, lr=None):
+    def spy(workers, weights, lr=None, grads=None):
         seen.append((engine.version, lr))
-        return original(workers, weights, lr)
+        return original(workers, weights, lr, grads=grads)
 
     monkeypatch.setattr(engine, "apply_update", spy)
     with engine:
