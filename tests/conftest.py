@@ -1,4 +1,5 @@
-"""Shared fixtures: the devices every op test runs on (CUDA twins skip without a GPU)."""
+"""Shared fixtures (the devices every op test runs on: CUDA twins skip without a GPU; a fresh rng) and the
+classification workload of the engine and pipeline tests."""
 import random
 
 import pytest
@@ -19,3 +20,15 @@ def rng():
     seed = random.SystemRandom().randrange(2**31)
     print(f"rng seed: {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+def loss_fn(model, batch):
+    """Mean cross-entropy of ``model`` on ``(x, y)``: the engine's ``loss_fn(model, batch)``."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def make_batches(rng, count, size, d_in=10, classes=3):
+    """``count`` random ``(x, y)`` batches of ``size`` samples."""
+    return [(torch.randn(size, d_in, generator=rng), torch.randint(0, classes, (size,), generator=rng))
+            for _ in range(count)]

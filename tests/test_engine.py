@@ -11,6 +11,8 @@ import torch
 import pyengine
 from pyengine import AdamW, Engine, WorkerError
 
+from conftest import loss_fn, make_batches
+
 # eps = 1e-3: Adam's step m / (sqrt(v) + eps) moves by up to delta / eps for a gradient error delta. The replicas
 # compute in fp32 (delta ~ 1e-7 of the gradient terms, ~1e-9 here) against a fp64 reference, so eps = 1e-3 bounds
 # the difference at ~lr * 1e-6 per step for every element, instead of leaving elements whose gradient happens to be
@@ -21,16 +23,6 @@ OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01)
 def make_model(seed=0, d_in=10, hidden=24, d_out=3):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, d_out))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-def make_batches(rng, count, size, d_in=10, classes=3):
-    return [(torch.randn(size, d_in, generator=rng), torch.randint(0, classes, (size,), generator=rng))
-            for _ in range(count)]
 
 
 class TorchReference:

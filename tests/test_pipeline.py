@@ -12,6 +12,8 @@ import torch
 from pyengine import AdamW, Engine, StageError
 from pyengine.pipeline import partition, schedule_actions
 
+from conftest import loss_fn, make_batches
+
 pytestmark = pytest.mark.timeout(60)
 
 # eps = 1e-3 for the reason given in tests/test_engine.py: fp32 engine vs fp64 reference stays bounded per element.
@@ -24,16 +26,6 @@ def make_model(seed=0, d_in=10, hidden=16, d_out=3, blocks=3):
     for _ in range(blocks - 1):
         layers += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, d_out))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
-
-
-def make_batches(rng, count, size, d_in=10, classes=3):
-    return [(torch.randn(size, d_in, generator=rng), torch.randint(0, classes, (size,), generator=rng))
-            for _ in range(count)]
 
 
 class TorchReference:
