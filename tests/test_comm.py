@@ -1,5 +1,4 @@
 """The communication planner: closed forms of the alpha-beta model, unit parsing, calibration, `pyengine plan`."""
-import math
 import random
 
 import pytest
