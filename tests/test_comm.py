@@ -133,3 +133,32 @@ def test_plan_command_rejects_bad_input(argv, message, capsys):
         main(["plan", *[x for kv in base.items() for x in kv]])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_bench_comm_under_torchrun_measures_the_launched_group_and_checks_nominal_figures():
+    """bench/bench_comm.py under torchrun (2 local ranks): rank 0 prints the measured table; two sizes and two
+    parameters make the fit exact (a check of fit_network on real timings), and the nominal figures' model times are
+    the closed form's."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(repo / "bench" / "bench_comm.py"), "--sizes", "4e3,8e6", "--repeats", "5",
+                          "--bandwidth", "10Gbit", "--latency", "50us"],
+                         capture_output=True, text=True, timeout=110, cwd=repo)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"^\| (2(?: \(fit\))?) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([+-]\d+)% \|$", out.stdout, re.M)
+    assert [(label, int(n.replace(",", ""))) for label, n, *_ in rows] == \
+        [("2 (fit)", 4000), ("2 (fit)", 8000000), ("2", 4000), ("2", 8000000)], out.stdout
+    assert all(abs(int(err)) <= 1 for *_, err in rows[:2])  # exact two-point fit (table rounds to 1 %)
+    nominal = comm.Network(alpha=50e-6, bandwidth=10e9 / 8)
+    for (_, n, _, model_ms, _) in rows[2:]:
+        expected = comm.exchange_cost("ring", 2, int(n.replace(",", "")), nominal).time_s * 1e3
+        assert float(model_ms) == pytest.approx(expected, abs=1e-3)
+    bad = subprocess.run([sys.executable, str(repo / "bench" / "bench_comm.py"), "--bandwidth", "10Gbit"],
+                         capture_output=True, text=True, timeout=60, cwd=repo)
+    assert bad.returncode != 0 and "torchrun" in bad.stderr
