@@ -56,7 +56,6 @@ def hybrid(seed, rank, world):
         with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=opt, pin=False,
                              bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
             metrics = [engine.step(b) for b in batches]
-            distributed.gather_optimizer_state(engine)
             out[name] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict(),
                              stats=engine.stats(), samples=[m["samples"] for m in metrics],
                              buckets=len(engine.workers[0].streamer.buckets))
