@@ -155,7 +155,10 @@ class DistributedHybrid:
     buffer it waits for the reduce-scatter of bucket k - 2, which read the same buffer; likewise the all-gather copies
     bucket k - 2 out of its ring buffer before it launches bucket k. So at most two buckets are in flight, in bucket
     order, and a buffer is never rewritten while a collective still reads or writes it. The reduce-scatter outputs
-    (``shard_grad``) are distinct per bucket, as the update needs all of them.
+    (``shard_grad``) are distinct per bucket, as the update needs all of them. A waited work is dropped at once:
+    gloo runs ``reduce_scatter_tensor`` as a clone of the input, an allreduce of the clone and a copy of this rank's
+    chunk on ``wait()``, and the clone lives as long as the work object, so holding every bucket's work until the
+    end of the step would cost a full-size buffer again.
     """
 
     def __init__(self, engine, group, shard_update: bool):
@@ -222,7 +225,8 @@ class DistributedHybrid:
                 raise errors[0]
             with engine.phase("allreduce_wait"):
                 for work in works:
-                    _wait(work, "gradient bucket reduction", self.rank)
+                    if work is not None:  # None: the reducer waited for it (Note [Two reused bucket buffers])
+                        _wait(work, "gradient bucket reduction", self.rank)
             loss = torch.tensor([sum(results[i][0] * n for i, n in enumerate(sizes))], dtype=torch.float64)
             with _collective("allreduce of the loss", self.rank):
                 dist.all_reduce(loss, group=self.group)
@@ -266,6 +270,7 @@ class DistributedHybrid:
                 if self.shard_update:
                     if k >= 2:  # Note [Two reused bucket buffers]
                         _wait(works[k - 2], "reduce-scatter of a gradient bucket", self.rank)
+                        works[k - 2] = None
                     region = self._ring[k % 2][:self.world * self.part[k]]
                     self._local_sum(region[:e - b], [s[b:e] for s in slots], weights)
                     region[e - b:].zero_()
