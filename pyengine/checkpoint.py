@@ -10,6 +10,12 @@ Writing goes to a temporary file in the same directory, is fsynced, then renamed
 directory fsynced), so a crash leaves either the old set of checkpoints or the new one, never a half file under a
 checkpoint's name. Loading checks magic, version, length and hash before unpickling anything, so a truncated,
 corrupted or foreign file is a :class:`CheckpointError` that says which, never a crash or a partial load.
+
+Engines across processes (:func:`save_engine`, :func:`load_engine`): a checkpoint always holds the **full** training
+state, whatever wrote it. A sharded engine (``shard_update=True``) gathers its Adam state from every rank while
+saving, so saving is a collective (every rank calls :func:`save_engine`; rank 0 of the group writes); loading is
+not: every rank reads the same file and a sharded engine keeps its own slice. So a checkpoint of P sharded ranks
+resumes a single-process engine, a replicated run or a sharded run with another P.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "save", "load", "latest", "list_checkpoints", "prune"]
+__all__ = ["CheckpointError", "FORMAT_VERSION", "save", "load", "save_engine", "load_engine", "latest",
+           "list_checkpoints", "prune"]
 
 MAGIC = b"PYENGINE-CKPT\n"
 FORMAT_VERSION = 1
@@ -101,6 +108,36 @@ def load(path) -> dict:
         raise CheckpointError(f"checkpoint {path} could not be decoded: {type(exc).__name__}: {exc}") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(payload).__name__}, not a pyengine training state")
+    return payload
+
+
+def save_engine(directory, step: int, engine, keep: int | None = None, **extra) -> Path:
+    """Checkpoint of ``engine``: ``{"engine": engine.state_dict(), **extra}`` written as :func:`save` does.
+
+    With a process group (``engine.process_group``) this is a collective: every rank must call it with the same
+    ``step``. Every rank takes the state (a sharded engine all-gathers its Adam state there, so the file holds the
+    full state), rank 0 of the group writes the file and a barrier follows, so on return the file exists for every
+    rank. Returns the checkpoint's path on every rank.
+    """
+    payload = dict(extra, engine=engine.state_dict())
+    group = engine.process_group
+    if group is None:
+        return save(directory, step, payload, keep=keep)
+    import torch.distributed as dist
+
+    path = save(directory, step, payload, keep=keep) if dist.get_rank(group) == 0 else path_for(directory, step)
+    dist.barrier(group=group)
+    return path
+
+
+def load_engine(path, engine) -> dict:
+    """Loads a checkpoint of :func:`save_engine` (or of ``python -m pyengine train``) into ``engine`` with
+    :meth:`Engine.load_state_dict` and returns its payload. Not a collective: a sharded engine's ranks each read the
+    file and keep their slice of the Adam state."""
+    payload = load(path)
+    if not isinstance(payload.get("engine"), dict):
+        raise CheckpointError(f"checkpoint {path} holds no engine state (keys: {sorted(payload)})")
+    engine.load_state_dict(payload["engine"])
     return payload
 
 

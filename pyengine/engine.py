@@ -81,7 +81,8 @@ class Engine:
             combine every rank's gradients (one step on the concatenated batch) and async runs rank 0 as the server
             of the other ranks' pushes; see :mod:`pyengine.distributed`.
         shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
-            Adam state, all-gather (ZeRO-1 style).
+            Adam state, all-gather (ZeRO-1 style); each rank's host store holds only its 1/P of the Adam state, so
+            :meth:`state_dict` and :meth:`optimizer_state_dict` gather it: collectives every rank must call.
 
     Buffers (BatchNorm running statistics and the like) are not averaged. As DDP with ``broadcast_buffers=True``,
     one replica is their source: hybrid copies worker 0's buffers to the other replicas at the start of every step;
@@ -124,8 +125,11 @@ class Engine:
         self.seed = seed
         torch.manual_seed(seed)
         grad_dtype = autocast if autocast is not None else torch.float32
-        self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin,
-                               amsgrad=self.optimizer.amsgrad)
+        group = distributed.resolve_group(process_group, shard_update, mode)
+        self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
+                               state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
+                                                                           first_bucket_mb, group)
+                               if shard_update else None)
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
             Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
                    autocast_dtype=autocast) for i, d in enumerate(self.devices)]
@@ -144,7 +148,6 @@ class Engine:
         self.pipeline = None if mode != "pipeline" else Pipeline(
             self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance, unused=unused)
         self._closed = False
-        group = distributed.resolve_group(process_group, shard_update, mode)
         self.process_group = group
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
@@ -251,11 +254,14 @@ class Engine:
         return {name: t for row in self.pipeline.stages for name, t in row[index].module.named_buffers()}
 
     def optimizer_state_dict(self) -> dict:
-        """The Adam state in ``torch.optim.AdamW.state_dict()`` form."""
-        return self.optimizer.torch_state_dict(self.store, self.version, self.param_names)
+        """The Adam state in ``torch.optim.AdamW.state_dict()`` form. With ``shard_update=True`` a collective that
+        every rank must call (:func:`pyengine.distributed.gather_optimizer_state`); the full state on every rank."""
+        return self.optimizer.torch_state_dict(self.store, self.version, self.param_names,
+                                               distributed.gather_optimizer_state(self))
 
     def state_dict(self) -> dict:
-        """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics."""
+        """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics. With
+        ``shard_update=True`` a collective that every rank must call (the full Adam state is gathered)."""
         return {
             "format": FORMAT,
             "mode": self.mode,
@@ -271,7 +277,9 @@ class Engine:
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restores :meth:`state_dict`; validates format, names and shapes before changing anything."""
+        """Restores :meth:`state_dict`; validates format, names and shapes before changing anything. The state is
+        always full (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam
+        state, so every rank loads the same state and no collective is needed."""
         self._check_open()
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__

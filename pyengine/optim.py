@@ -58,10 +58,17 @@ class AdamW:
     def config(self) -> dict:
         return asdict(self)
 
-    def torch_state_dict(self, store, step: int, names: list[str]) -> dict:
+    def torch_state_dict(self, store, step: int, names: list[str], full_state: dict | None = None) -> dict:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` form; ``names`` are the trainable parameters
-        in ``model.parameters()`` order, which is how torch indexes them."""
-        views = {name: store.views(flat) for name, flat in self._state_buffers(store).items()}
+        in ``model.parameters()`` order, which is how torch indexes them. ``full_state``: flat full-size state
+        buffers by name, needed when the store holds part of the state only (``state_ranges``; see
+        :func:`pyengine.distributed.gather_optimizer_state`)."""
+        if full_state is None and store.state_ranges is not None:
+            raise ValueError("the store holds part of the Adam state only (state_ranges); pass full_state, e.g. "
+                             "pyengine.distributed.gather_optimizer_state(engine)")
+        buffers = self._state_buffers(store) if full_state is None else {k: full_state[k] for k in
+                                                                          self._state_buffers(store)}
+        views = {name: store.views(flat) for name, flat in buffers.items()}
         state = {}
         if step > 0:
             for index, name in enumerate(names):
@@ -76,7 +83,8 @@ class AdamW:
         return {"state": state, "param_groups": [group]}
 
     def load_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
-        """Copies a ``torch.optim.AdamW.state_dict()`` into the store; returns its step count."""
+        """Copies a ``torch.optim.AdamW.state_dict()`` into the store (a store with ``state_ranges`` keeps only its
+        ranges of it); returns its step count."""
         if set(state_dict) != {"state", "param_groups"} or len(state_dict["param_groups"]) != 1:
             raise ValueError("expected a torch.optim state_dict with keys 'state' and 'param_groups' and one group")
         state = state_dict["state"]
@@ -88,13 +96,16 @@ class AdamW:
         if len(steps) != 1:
             raise ValueError(f"every param must be at the same step; got steps {sorted(steps)}")
         for key, flat in self._state_buffers(store).items():
-            views = store.views(flat)
+            full = flat if store.state_ranges is None else torch.zeros(store.numel)
+            views = store.views(full)
             for index, name in enumerate(names):
                 value = state[index][key]
                 if tuple(value.shape) != tuple(views[name].shape):
                     raise ValueError(f"state[{index}][{key!r}] has shape {tuple(value.shape)}; param {name!r} "
                                      f"has {tuple(views[name].shape)}")
                 views[name].copy_(value)
+            if full is not flat:
+                store.load_state_from_full(flat, full)
         return int(steps.pop())
 
     def _state_buffers(self, store) -> dict:

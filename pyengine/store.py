@@ -9,17 +9,24 @@ nothing dangles when the store object goes first.
 Layout: the trainable parameters in **reverse registration order** (the order backward produces their gradients, so
 every DDP-style bucket of the :class:`~pyengine.GradientStreamer` is one contiguous range), each starting on a 64-byte
 boundary in every buffer. The same element offsets hold in all flat buffers; padding elements are zero.
+
+Partial Adam state (``state_ranges``): a process of a sharded update (ZeRO-1, :mod:`pyengine.distributed`) updates
+only some element ranges of the flat layout, so it needs the Adam state of those ranges only. The store then packs
+``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) contiguously, range after range, each buffer padded to 64 bytes;
+:meth:`HostStore.state_slice` maps a flat range to its packed slice. The master weights, the shadow and the gradient
+slots stay full size.
 """
 from __future__ import annotations
 
+import bisect
 import warnings
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
 from . import _C
 
-__all__ = ["HostStore", "LayoutEntry"]
+__all__ = ["HostStore", "LayoutEntry", "layout_of"]
 
 _ALIGN_BYTES = 64
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,6 +66,47 @@ def _trainable(model_or_named_parameters) -> list[tuple[str, torch.nn.Parameter]
     return out
 
 
+def _padded(numel: int, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in the smallest multiple of 64 bytes that holds ``numel`` of them."""
+    unit = _ALIGN_BYTES // dtype.itemsize
+    return -(-numel // unit) * unit
+
+
+def layout_of(model_or_named_parameters, grad_dtype: torch.dtype = torch.float32,
+              shadow_dtype: torch.dtype | None = None) -> tuple[list[LayoutEntry], int]:
+    """The flat layout a :class:`HostStore` with these dtypes gives these parameters, without allocating it:
+    ``(entries, numel)``. The same element offsets in every buffer, 64-byte aligned in the narrowest one (hence in
+    all of them), parameters in reverse registration order."""
+    narrow = [torch.float32, grad_dtype] + ([shadow_dtype] if shadow_dtype is not None else [])
+    align = _ALIGN_BYTES // min(dtype.itemsize for dtype in narrow)
+    layout, offset = [], 0
+    for name, param in reversed(_trainable(model_or_named_parameters)):
+        layout.append(LayoutEntry(name, param.shape, offset, param.numel()))
+        offset += -(-param.numel() // align) * align
+    return layout, offset
+
+
+def _check_state_ranges(state_ranges, numel: int) -> tuple[tuple[int, int], ...]:
+    """``state_ranges`` as a tuple of (lo, hi); ValueError unless 0 <= lo <= hi <= numel, increasing, disjoint."""
+    try:
+        ranges = [tuple(r) for r in state_ranges]
+    except TypeError:
+        raise ValueError(f"HostStore: state_ranges must be None or a sequence of (lo, hi) pairs; got "
+                         f"{type(state_ranges).__name__}") from None
+    previous = 0
+    for i, r in enumerate(ranges):
+        if len(r) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r):
+            raise ValueError(f"HostStore: state_ranges[{i}] must be a pair of ints (lo, hi); got {r!r}")
+        lo, hi = r
+        if not 0 <= lo <= hi <= numel:
+            raise ValueError(f"HostStore: state_ranges[{i}] = {r} must satisfy 0 <= lo <= hi <= numel = {numel}")
+        if lo < previous:
+            raise ValueError(f"HostStore: state_ranges must be increasing and disjoint; state_ranges[{i}] = {r} "
+                             f"starts before the previous range ends ({previous})")
+        previous = hi
+    return tuple(ranges)
+
+
 def _warn_unpinned_once(reason: str) -> None:
     global _warned_unpinned
     if not _warned_unpinned:
@@ -82,15 +130,19 @@ class HostStore:
             shipped back to the replicas (half the bytes of the fp32 master).
         amsgrad: also hold ``max_exp_avg_sq``.
         max_bytes: refuse to allocate an arena larger than this many bytes.
+        state_ranges: None (the Adam state covers the whole layout) or increasing, disjoint ``(lo, hi)`` element
+            ranges of the flat layout (empty ones allowed): the Adam state then holds these ranges only, packed
+            (see :meth:`state_slice`). The sharded update's owned ranges (:mod:`pyengine.distributed`).
 
-    Attributes: ``param``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` (or None), ``shadow`` (or None): flat 1-D
-    views of the arena, ``numel`` elements each; ``layout``, ``names``, ``numel``, ``nbytes``, ``pinned``, ``workers``,
-    ``grad_dtype``.
+    Attributes: ``param``, ``shadow`` (or None): flat 1-D views of the arena, ``numel`` elements each; ``exp_avg``,
+    ``exp_avg_sq``, ``max_exp_avg_sq`` (or None): flat 1-D views of ``state_numel`` elements (``numel`` unless
+    ``state_ranges`` is given); ``layout``, ``names``, ``numel``, ``state_ranges``, ``state_numel``, ``nbytes``,
+    ``pinned``, ``workers``, ``grad_dtype``.
     """
 
     def __init__(self, model_or_named_parameters, workers: int = 1, grad_dtype: torch.dtype = torch.float32,
                  pin="auto", shadow_dtype: torch.dtype | None = None, amsgrad: bool = False,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, state_ranges: Sequence[tuple[int, int]] | None = None):
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"HostStore: workers must be an int >= 1; got {workers!r}")
         if grad_dtype not in _GRAD_DTYPES:
@@ -102,41 +154,77 @@ class HostStore:
         named = _trainable(model_or_named_parameters)
         self.workers = workers
         self.grad_dtype = grad_dtype
-        self._layout_params(named, [grad_dtype] + ([shadow_dtype] if shadow_dtype is not None else []))
-        sections = [("param", torch.float32), ("exp_avg", torch.float32), ("exp_avg_sq", torch.float32)]
+        self.layout, self.numel = layout_of(named, grad_dtype, shadow_dtype)
+        self.names = [entry.name for entry in self.layout]
+        self._index = {entry.name: entry for entry in self.layout}
+        self._set_state_ranges(state_ranges)
+        state = [("exp_avg", torch.float32), ("exp_avg_sq", torch.float32)]
         if amsgrad:
-            sections.append(("max_exp_avg_sq", torch.float32))
+            state.append(("max_exp_avg_sq", torch.float32))
+        sections = [(name, dtype, self.numel) for name, dtype in [("param", torch.float32)]]
+        sections += [(name, dtype, self.state_numel) for name, dtype in state]
         if shadow_dtype is not None:
-            sections.append(("shadow", shadow_dtype))
-        sections += [(f"grad{g}", grad_dtype) for g in range(workers)]
-        self.nbytes = sum(self.numel * dtype.itemsize for _, dtype in sections)
+            sections.append(("shadow", shadow_dtype, self.numel))
+        sections += [(f"grad{g}", grad_dtype, self.numel) for g in range(workers)]
+        self.nbytes = sum(_padded(n, dtype) * dtype.itemsize for _, dtype, n in sections)
         if max_bytes is not None and self.nbytes > max_bytes:
+            state_note = "" if self.state_ranges is None else f", Adam state {self.state_numel} elements"
             raise ValueError(
                 f"HostStore: the arena needs {self.nbytes} bytes ({self.nbytes / 2**20:.1f} MiB: {self.numel} "
-                f"elements x [{', '.join(f'{n} {d}' for n, d in sections)}]) but max_bytes is {max_bytes}; lower "
-                "workers, use a 2-byte grad_dtype, drop the shadow, or raise max_bytes")
+                f"elements{state_note} x [{', '.join(f'{n} {d}' for n, d, _ in sections)}]) but max_bytes is "
+                f"{max_bytes}; lower workers, use a 2-byte grad_dtype, drop the shadow, shard the update, or raise "
+                "max_bytes")
         self._arena, self.pinned = self._allocate(pin)
         views, byte_offset = {}, 0
-        for name, dtype in sections:
-            size = self.numel * dtype.itemsize
-            views[name] = self._arena[byte_offset:byte_offset + size].view(dtype)
-            byte_offset += size
+        for name, dtype, n in sections:  # every section starts on a 64-byte boundary
+            views[name] = self._arena[byte_offset:byte_offset + n * dtype.itemsize].view(dtype)
+            byte_offset += _padded(n, dtype) * dtype.itemsize
         self.param, self.exp_avg, self.exp_avg_sq = views["param"], views["exp_avg"], views["exp_avg_sq"]
         self.max_exp_avg_sq = views.get("max_exp_avg_sq")
         self.shadow = views.get("shadow")
         self._grad_slots = [views[f"grad{g}"] for g in range(workers)]
         self.load_from(named)
 
-    def _layout_params(self, named, narrow_dtypes) -> None:
-        # The same element offsets in every buffer, 64-byte aligned in the narrowest one (hence in all of them).
-        align = _ALIGN_BYTES // min(dtype.itemsize for dtype in [torch.float32, *narrow_dtypes])
-        self.layout, offset = [], 0
-        for name, param in reversed(named):
-            self.layout.append(LayoutEntry(name, param.shape, offset, param.numel()))
-            offset += -(-param.numel() // align) * align
-        self.numel = offset
-        self.names = [entry.name for entry in self.layout]
-        self._index = {entry.name: entry for entry in self.layout}
+    def _set_state_ranges(self, state_ranges) -> None:
+        if state_ranges is None:
+            self.state_ranges, self.state_numel = None, self.numel
+            return
+        self.state_ranges = _check_state_ranges(state_ranges, self.numel)
+        self._range_lo = [lo for lo, _ in self.state_ranges]
+        self._range_at, at = [], 0  # packed offset of each range
+        for lo, hi in self.state_ranges:
+            self._range_at.append(at)
+            at += hi - lo
+        self.state_numel = at
+
+    def state_slice(self, lo: int, hi: int) -> slice:
+        """The slice of the Adam state buffers (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) that holds flat
+        elements ``[lo, hi)``: ``store.exp_avg[store.state_slice(lo, hi)]``. With full state it is ``slice(lo, hi)``;
+        with ``state_ranges`` the range must lie inside one of them (IndexError otherwise)."""
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= self.numel):
+            raise IndexError(f"HostStore.state_slice: expected ints 0 <= lo <= hi <= {self.numel}; got ({lo!r}, "
+                             f"{hi!r})")
+        if self.state_ranges is None:
+            return slice(lo, hi)
+        i = bisect.bisect_right(self._range_lo, lo) - 1
+        if i < 0 or hi > self.state_ranges[i][1]:
+            raise IndexError(f"HostStore.state_slice: elements [{lo}, {hi}) are not inside one of the held state "
+                             f"ranges {_summary(self.state_ranges)}")
+        start = self._range_at[i] + lo - self.state_ranges[i][0]
+        return slice(start, start + hi - lo)
+
+    @torch.no_grad()
+    def load_state_from_full(self, packed: torch.Tensor, full: torch.Tensor) -> None:
+        """Copies the held ranges of ``full`` (a flat Adam state buffer of ``numel`` elements) into ``packed`` (one
+        of this store's state buffers)."""
+        if full.dim() != 1 or full.numel() != self.numel:
+            raise ValueError(f"HostStore.load_state_from_full: full must be a 1-D tensor of {self.numel} elements; "
+                             f"got shape {tuple(full.shape)}")
+        if packed.dim() != 1 or packed.numel() != self.state_numel:
+            raise ValueError(f"HostStore.load_state_from_full: packed must be a 1-D tensor of {self.state_numel} "
+                             f"elements; got shape {tuple(packed.shape)}")
+        for lo, hi in self.state_ranges if self.state_ranges is not None else [(0, self.numel)]:
+            packed[self.state_slice(lo, hi)] = full[lo:hi]
 
     def _allocate(self, pin) -> tuple[torch.Tensor, bool]:
         if pin is False:
@@ -207,5 +295,12 @@ class HostStore:
             named[name].copy_(view)
 
     def __repr__(self) -> str:
-        return (f"HostStore({len(self.layout)} params, numel={self.numel}, workers={self.workers}, "
+        state = "" if self.state_ranges is None else f", state_numel={self.state_numel}"
+        return (f"HostStore({len(self.layout)} params, numel={self.numel}{state}, workers={self.workers}, "
                 f"grad_dtype={self.grad_dtype}, nbytes={self.nbytes}, pinned={self.pinned})")
+
+
+def _summary(ranges) -> str:
+    """The first few ranges, for error messages."""
+    shown = ", ".join(f"[{lo}, {hi})" for lo, hi in ranges[:4])
+    return f"{shown}, ... ({len(ranges)} ranges)" if len(ranges) > 4 else f"{shown or 'none'}"

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import _C
-from .store import HostStore
+from .store import HostStore, LayoutEntry
 
 __all__ = ["Bucket", "GradientStreamer", "pipelined_update"]
 
@@ -35,17 +35,19 @@ class Bucket(NamedTuple):
     end: int
 
 
-def _make_buckets(store: HostStore, bucket_mb: float, first_bucket_mb: float) -> list[Bucket]:
-    """DDP's scheme over the store layout: a parameter joins the open bucket, which closes once it reaches its cap."""
-    itemsize = store.grad_dtype.itemsize
+def make_buckets(layout: Sequence[LayoutEntry], numel: int, grad_dtype: torch.dtype, bucket_mb: float,
+                 first_bucket_mb: float) -> list[Bucket]:
+    """DDP's scheme over a store layout (``store.layout``, ``store.numel``): a parameter joins the open bucket, which
+    closes once it reaches its cap in bytes of ``grad_dtype``."""
+    itemsize = grad_dtype.itemsize
     buckets, names, begin, size = [], [], 0, 0
-    for i, entry in enumerate(store.layout):
+    for i, entry in enumerate(layout):
         names.append(entry.name)
         size += entry.numel * itemsize
         cap = (first_bucket_mb if not buckets else bucket_mb) * 2**20
-        last = i + 1 == len(store.layout)
+        last = i + 1 == len(layout)
         if size >= cap or last:
-            end = store.numel if last else store.layout[i + 1].offset
+            end = numel if last else layout[i + 1].offset
             buckets.append(Bucket(len(buckets), tuple(names), begin, end))
             names, begin, size = [], end, 0
     return buckets
@@ -83,7 +85,7 @@ class GradientStreamer:
         self.store, self.worker, self.unused = store, worker, unused
         self._params = self._replica_params(replica, store)
         self.device = self._params[0].device
-        self.buckets = _make_buckets(store, bucket_mb, first_bucket_mb)
+        self.buckets = make_buckets(store.layout, store.numel, store.grad_dtype, bucket_mb, first_bucket_mb)
         index = {name: i for i, name in enumerate(store.names)}
         self._bucket_params = [[index[name] for name in b.names] for b in self.buckets]
         self._bucket_of = [0] * len(self._params)

@@ -12,7 +12,7 @@ import time
 import torch
 
 import pyengine
-from pyengine import distributed
+from pyengine import checkpoint, distributed
 
 OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01)
 D_IN, HIDDEN, CLASSES = 10, 24, 3
@@ -56,7 +56,6 @@ def hybrid(seed, rank, world):
         with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=opt, pin=False,
                              bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
             metrics = [engine.step(b) for b in batches]
-            distributed.gather_optimizer_state(engine)
             out[name] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict(),
                              stats=engine.stats(), samples=[m["samples"] for m in metrics],
                              buckets=len(engine.workers[0].streamer.buckets))
@@ -94,6 +93,49 @@ def asynchronous(seed, rank, world):
         return dict(history=[{k: m[k] for k in ("rank", "push_id", "version_at_pull", "applied") +
                               (("staleness", "version_at_apply") if rank == 0 else ())} for m in engine.history],
                     stats=engine.stats(), master=engine.master_state_dict())
+
+
+SHARD = dict(steps=3, more=2, batch=29, ckpt_step=3)
+SHARD_ENGINE = dict(devices=["cpu"] * 2, pin=False, bucket_mb=1e-5, first_bucket_mb=1e-5)  # one bucket per parameter
+
+
+def shard_state(seed, rank, world, amsgrad, out_dir):
+    """A sharded engine: its store's size and ranges, a checkpoint after SHARD["steps"] steps (a collective), the
+    weights and gathered state after SHARD["more"] further steps. Then a full state from a single-process engine
+    loaded into a fresh sharded engine (each rank keeps its slice), and both continued side by side."""
+    globals_ = global_batches(seed, SHARD["steps"] + SHARD["more"], SHARD["batch"])
+    batches = [rank_slice(b, rank, world) for b in globals_]
+    out = {}
+    with pyengine.Engine(make_model(), loss_fn, optimizer=pyengine.AdamW(**OPT, amsgrad=amsgrad), shard_update=True,
+                         **SHARD_ENGINE) as engine:
+        store = engine.store
+        out["store"] = dict(nbytes=store.nbytes, numel=store.numel, workers=store.workers,
+                            state_ranges=list(store.state_ranges), state_numel=store.state_numel,
+                            buckets=[(b.begin, b.end) for b in engine.workers[0].streamer.buckets])
+        for b in batches[:SHARD["steps"]]:
+            engine.step(b)
+        checkpoint.save_engine(os.path.join(out_dir, "ckpt"), SHARD["ckpt_step"], engine, note="sharded")
+        for b in batches[SHARD["steps"]:]:
+            engine.step(b)
+        out["continued"] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict())
+    with pyengine.Engine(make_model(), loss_fn, optimizer=pyengine.AdamW(**OPT, amsgrad=amsgrad), process_group=None,
+                         **SHARD_ENGINE) as single:
+        for b in globals_[:SHARD["steps"]]:
+            single.step(b)
+        full = single.state_dict()
+        with pyengine.Engine(make_model(seed=1), loss_fn, optimizer=pyengine.AdamW(**OPT, amsgrad=amsgrad),
+                             shard_update=True, **SHARD_ENGINE) as sharded:
+            sharded.load_state_dict(full)
+            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+            out["loaded_packed"] = {n: getattr(sharded.store, n).clone() for n in names}
+            out["single_full"] = {n: getattr(single.store, n).clone() for n in names}
+            for b, g in zip(batches[SHARD["steps"]:], globals_[SHARD["steps"]:]):
+                sharded.step(b)
+                single.step(g)
+            out["loaded"] = dict(master=sharded.master_state_dict(), optimizer=sharded.optimizer_state_dict(),
+                                 single_master=single.master_state_dict(),
+                                 single_optimizer=single.optimizer_state_dict())
+    return out
 
 
 def _fail(how):
@@ -139,6 +181,8 @@ def main():
     distributed.init_process_group("gloo", timeout_s=float(os.environ.get("PYENGINE_TEST_PG_TIMEOUT", "20")))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     scenarios = {"hybrid": hybrid, "async": asynchronous, "async-failure": async_failure,
+                 "shard-state": lambda s, r, w: shard_state(s, r, w, False, out_dir),
+                 "shard-state-amsgrad": lambda s, r, w: shard_state(s, r, w, True, out_dir),
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
     result = scenarios[scenario](seed, rank, world)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

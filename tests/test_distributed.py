@@ -15,7 +15,7 @@ import torch
 
 import dist_job
 import pyengine
-from pyengine import distributed
+from pyengine import checkpoint, distributed
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "dist_job.py"
@@ -71,11 +71,11 @@ def seed():
 
 
 class Reference:
-    """torch.optim.AdamW in float64 on one copy of the model."""
+    """torch.optim.AdamW in float64 on one copy of the model (``extra``: more AdamW options, e.g. amsgrad)."""
 
-    def __init__(self):
+    def __init__(self, **extra):
         self.model = copy.deepcopy(dist_job.make_model()).double()
-        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=False, **dist_job.OPT)
+        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=False, **dist_job.OPT, **extra)
 
     def step(self, batch, clip=None):
         self.opt.zero_grad()
@@ -141,6 +141,86 @@ def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, see
                 got = rank["bn"]["buffers"][t][name]
                 torch.testing.assert_close(got.to(b.dtype), b, rtol=1e-5, atol=1e-6, msg=f"step {t} rank {r} {name}")
         start = ranks[0]["bn"]["buffers"][t]
+
+
+def owned_elements(buckets, rank, world):
+    """Elements of each bucket that rank owns in the sharded update: part r of ceil(n / P) elements, clipped."""
+    sizes = []
+    for begin, end in buckets:
+        n = end - begin
+        part = -(-n // world)
+        sizes.append(max(0, min(part, n - rank * part)))
+    return sizes
+
+
+def assert_state_close(got, want, keys, rtol=1e-5, atol=1e-7):
+    """Two torch.optim-form optimizer states, element by element (``want`` may be float64)."""
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, state in want["state"].items():
+        assert float(got["state"][i]["step"]) == float(state["step"])
+        for key in keys:
+            torch.testing.assert_close(got["state"][i][key].double(), state[key].double(), rtol=rtol, atol=atol,
+                                       msg=f"param {i} {key}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,amsgrad", [(2, False), (3, True)])
+def test_sharded_store_holds_one_pth_of_the_state_and_checkpoints_are_full(tmp_path, seed, world, amsgrad):
+    codes, logs, _ = launch("shard-state-amsgrad" if amsgrad else "shard-state", world, tmp_path, seed, timeout=90.0)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    full_store = pyengine.HostStore(dist_job.make_model(), workers=2, pin=False, amsgrad=amsgrad)
+
+    # Memory: param and the G fp32 gradient slots full size, the Adam state only over the owned elements.
+    owned = []
+    for r, rank in enumerate(ranks):
+        info = rank["store"]
+        assert info["numel"] == full_store.numel and len(info["buckets"]) >= 3  # the ring buffers are reused
+        sizes = owned_elements(info["buckets"], r, world)
+        assert [hi - lo for lo, hi in info["state_ranges"]] == sizes
+        assert info["state_numel"] == sum(sizes)
+        padded = -(-sum(sizes) // 16) * 16
+        expected = 4 * info["numel"] * (1 + info["workers"]) + 4 * padded * len(keys)
+        assert info["nbytes"] == expected
+        assert full_store.nbytes - info["nbytes"] == 4 * len(keys) * (info["numel"] - padded)
+        assert info["nbytes"] < full_store.nbytes
+        owned += [range(lo, hi) for lo, hi in info["state_ranges"]]
+    assert sorted(i for r in owned for i in r) == list(range(full_store.numel))  # the ranks' ranges partition it
+
+    # The checkpoint of the sharded run holds the full state: a single-process engine resumes from it.
+    batches = dist_job.global_batches(seed, dist_job.SHARD["steps"] + dist_job.SHARD["more"], dist_job.SHARD["batch"])
+    ckpt = checkpoint.path_for(tmp_path / "ckpt", dist_job.SHARD["ckpt_step"])
+    opt = pyengine.AdamW(**dist_job.OPT, amsgrad=amsgrad)
+    with pyengine.Engine(dist_job.make_model(seed=1), dist_job.loss_fn, optimizer=opt, **dist_job.SHARD_ENGINE) as one:
+        payload = checkpoint.load_engine(ckpt, one)
+        assert payload["note"] == "sharded" and one.version == dist_job.SHARD["steps"]
+        for b in batches[dist_job.SHARD["steps"]:]:
+            one.step(b)
+        resumed = dict(master=one.master_state_dict(), optimizer=one.optimizer_state_dict())
+    reference = Reference(amsgrad=amsgrad)
+    for b in batches:
+        reference.step(b)
+    reference.assert_matches(resumed["master"])
+    assert_state_close(resumed["optimizer"], reference.opt.state_dict(), keys, rtol=1e-4)
+    for rank in ranks:
+        assert_identical(ranks[0]["continued"]["master"], rank["continued"]["master"], "sharded, continued")
+        for name, value in resumed["master"].items():
+            torch.testing.assert_close(rank["continued"]["master"][name], value, rtol=1e-5, atol=1e-7)
+        assert_state_close(rank["continued"]["optimizer"], resumed["optimizer"], keys)
+
+    # A full state loaded into a sharded engine: each rank holds exactly its slices, then trains on as one process.
+    for r, rank in enumerate(ranks):
+        for key in keys:
+            packed, full, at = rank["loaded_packed"][key], rank["single_full"][key], 0
+            assert packed.numel() == rank["store"]["state_numel"]
+            for lo, hi in rank["store"]["state_ranges"]:
+                assert torch.equal(packed[at:at + hi - lo], full[lo:hi]), (r, key, lo, hi)
+                at += hi - lo
+        loaded = rank["loaded"]
+        for name, value in loaded["single_master"].items():
+            torch.testing.assert_close(loaded["master"][name], value, rtol=1e-5, atol=1e-7)
+        assert_state_close(loaded["optimizer"], loaded["single_optimizer"], keys)
 
 
 @pytest.mark.timeout(90)

@@ -216,3 +216,132 @@ def test_pinned_store_on_cuda():
     gpu = store.param.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(gpu.cpu(), store.param)
+
+
+# ---- partial Adam state (state_ranges): the sharded update's store -------------------------------------------------
+
+def random_ranges(rng, numel, count):
+    """``count`` increasing, disjoint ranges at random cut points of [0, numel), the first one empty."""
+    cuts = sorted(torch.randint(0, numel + 1, (2 * count,), generator=rng).tolist())
+    ranges = [(cuts[2 * i], cuts[2 * i + 1]) for i in range(count)]
+    return [(ranges[0][0], ranges[0][0])] + ranges[1:]
+
+
+def padded16(n):
+    return -(-n // 16) * 16
+
+
+@pytest.mark.parametrize("amsgrad,shadow_dtype,workers", [(False, None, 1), (True, torch.bfloat16, 3)])
+def test_state_ranges_pack_the_adam_state(rng, amsgrad, shadow_dtype, workers):
+    model = OddNet(sizes=[1, 7, 17, 4097, 10_001])
+    full = make(model, workers=workers, amsgrad=amsgrad, shadow_dtype=shadow_dtype)
+    assert full.state_ranges is None and full.state_numel == full.numel
+    assert full.state_slice(3, 20) == slice(3, 20)
+    ranges = random_ranges(rng, full.numel, 5)
+    store = make(model, workers=workers, amsgrad=amsgrad, shadow_dtype=shadow_dtype, state_ranges=ranges)
+    held = sum(hi - lo for lo, hi in ranges)
+    assert store.state_ranges == tuple(ranges) and store.state_numel == held
+    # nbytes: the Adam state shrinks to the held elements (padded to 64 bytes), the rest stays as in the full store
+    state_buffers = 3 if amsgrad else 2
+    assert store.nbytes == full.nbytes - 4 * state_buffers * (full.numel - padded16(held))
+    assert store.param.untyped_storage().nbytes() == store.nbytes
+    bufs = buffers(store)
+    for name, flat in bufs.items():
+        assert flat.numel() == (held if name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") else store.numel), name
+        assert flat.data_ptr() % 64 == 0, name
+    spans = sorted((f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in bufs.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    # load_state_from_full keeps the held ranges; state_slice finds them, whole or in part
+    source = torch.randn(store.numel, generator=rng)
+    store.load_state_from_full(store.exp_avg_sq, source)
+    at = 0
+    for lo, hi in ranges:
+        assert store.state_slice(lo, hi) == slice(at, at + hi - lo)
+        assert torch.equal(store.exp_avg_sq[store.state_slice(lo, hi)], source[lo:hi])
+        if hi - lo >= 3:
+            inner = store.state_slice(lo + 1, hi - 1)
+            assert torch.equal(store.exp_avg_sq[inner], source[lo + 1:hi - 1])
+        at += hi - lo
+    assert torch.count_nonzero(store.exp_avg) == 0
+    lo, hi = ranges[-1]
+    with pytest.raises(IndexError, match="not inside one of the held state ranges"):
+        store.state_slice(lo, hi + 1) if hi < store.numel else store.state_slice(lo - 1, hi)
+    with pytest.raises(IndexError, match=r"0 <= lo <= hi"):
+        store.state_slice(5, 4)
+    with pytest.raises(ValueError, match="full must be a 1-D tensor"):
+        store.load_state_from_full(store.exp_avg, torch.zeros(3))
+
+
+def test_state_ranges_update_equals_the_full_store_on_the_held_ranges(rng):
+    """The fused update on packed slices gives the same bits as on the full store, range by range."""
+    model = OddNet(sizes=[7, 17, 4097])
+    full = make(model, amsgrad=True)
+    ranges = random_ranges(rng, full.numel, 4)
+    part = make(model, amsgrad=True, state_ranges=ranges)
+    grads = [torch.randn(full.numel, generator=rng) for _ in range(3)]
+    for step, grad in enumerate(grads, start=1):
+        kw = dict(lr=1e-2, step=step, weight_decay=0.1, amsgrad=True)
+        pyengine.ops.mean_grad_adamw_(full.param, full.exp_avg, full.exp_avg_sq, [grad],
+                                      max_exp_avg_sq=full.max_exp_avg_sq, **kw)
+        for lo, hi in ranges:
+            s = part.state_slice(lo, hi)
+            if hi > lo:
+                pyengine.ops.mean_grad_adamw_(part.param[lo:hi], part.exp_avg[s], part.exp_avg_sq[s], [grad[lo:hi]],
+                                              max_exp_avg_sq=part.max_exp_avg_sq[s], **kw)
+    for lo, hi in ranges:
+        s = part.state_slice(lo, hi)
+        assert torch.equal(part.param[lo:hi], full.param[lo:hi])
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(getattr(part, name)[s], getattr(full, name)[lo:hi]), name
+
+
+def test_state_ranges_torch_state_dict_needs_the_full_state(rng):
+    model = OddNet(sizes=[7, 17])
+    full = make(model)
+    for flat in (full.exp_avg, full.exp_avg_sq):  # parameter elements only: padding is zero in every state
+        for view in full.views(flat).values():
+            view.copy_(torch.rand(view.shape, generator=rng))
+    names = [n for n, _ in model.named_parameters()]
+    opt = pyengine.AdamW()
+    sd = opt.torch_state_dict(full, 4, names)
+    part = make(model, state_ranges=[(0, 5), (9, full.numel - 3)])
+    assert opt.load_torch_state_dict(part, sd, names) == 4
+    for lo, hi in part.state_ranges:
+        assert torch.equal(part.exp_avg[part.state_slice(lo, hi)], full.exp_avg[lo:hi])
+        assert torch.equal(part.exp_avg_sq[part.state_slice(lo, hi)], full.exp_avg_sq[lo:hi])
+    with pytest.raises(ValueError, match="part of the Adam state only.*full_state"):
+        opt.torch_state_dict(part, 4, names)
+    again = opt.torch_state_dict(part, 4, names, {"exp_avg": full.exp_avg, "exp_avg_sq": full.exp_avg_sq})
+    for i, state in sd["state"].items():
+        assert torch.equal(again["state"][i]["exp_avg"], state["exp_avg"])
+
+
+def test_state_ranges_empty_and_budget():
+    model = OddNet(sizes=[7, 17])
+    full = make(model, workers=2)
+    none = make(model, workers=2, state_ranges=[])
+    assert none.state_numel == 0 and none.exp_avg.numel() == 0
+    assert none.nbytes == 4 * none.numel * 3  # param + 2 gradient slots
+    empties = make(model, workers=2, state_ranges=[(0, 0), (5, 5), (full.numel, full.numel)])
+    assert empties.nbytes == none.nbytes and empties.state_slice(5, 5) == slice(0, 0)
+    ranges = [(1, 8), (16, 33)]
+    needed = make(model, workers=2, state_ranges=ranges).nbytes
+    assert needed == full.nbytes - 8 * (full.numel - 32)
+    with pytest.raises(ValueError, match=rf"needs {needed} bytes.*Adam state 24 elements.*max_bytes is {needed - 1}"):
+        make(model, workers=2, state_ranges=ranges, max_bytes=needed - 1)
+
+
+@pytest.mark.parametrize("ranges,message", [
+    (5, "sequence of \\(lo, hi\\) pairs; got int"),
+    ([(0, 3, 5)], r"state_ranges\[0\] must be a pair of ints"),
+    ([(0, 2.0)], r"state_ranges\[0\] must be a pair of ints"),
+    ([(False, 2)], r"state_ranges\[0\] must be a pair of ints"),
+    ([(0, 4), (3, 9)], r"state_ranges\[1\] = \(3, 9\) starts before the previous range ends \(4\)"),
+    ([(6, 9), (0, 2)], "increasing and disjoint"),
+    ([(5, 2)], r"0 <= lo <= hi <= numel"),
+    ([(-1, 2)], r"0 <= lo <= hi <= numel"),
+    ([(0, 10**9)], r"0 <= lo <= hi <= numel = 176"),  # 16 + 16 + 144 (the 13 x 11 matrix)
+])
+def test_state_ranges_errors(ranges, message):
+    with pytest.raises(ValueError, match=message):
+        make(OddNet(sizes=[7, 9]), state_ranges=ranges)
