@@ -509,9 +509,9 @@ class AsyncServer:
 
     def _send_header(self, client: int, status: float, last_applied: int, staleness: int,
                      weights: bool = False) -> float:
-        """Sends ``client`` a header (ABORT naming the failed rank once this server failed, STOP once rank 0
-        stopped) and with ``weights`` a snapshot of this server's shard taken under the mutex; returns the status
-        sent."""
+        """Sends ``client`` a header (ABORT naming the failed rank once this server failed) and with ``weights``
+        a snapshot of this server's shard taken under the mutex, then STOP once rank 0 stopped (a decision is sent
+        as it was taken: the push that reached ``steps`` is still committed); returns the status sent."""
         lo, hi = self.span
         with self.engine.mutex:
             version = self.engine.version
@@ -519,7 +519,7 @@ class AsyncServer:
         failed = -1.0
         if self.failure is not None:
             status, failed = _ABORT, float(self.failure[0])
-        elif self.stop.is_set() and self.rank == 0:
+        elif weights and self.stop.is_set() and self.rank == 0:
             status = _STOP
         header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness)],
                               dtype=torch.float64)
