@@ -15,14 +15,25 @@ torch.distributed process group (``torchrun`` sets the environment; :func:`init_
   global norm (clipping, the non-finite check) is the square root of the allreduced sum of the shards' squared
   norms. The store still holds full-size Adam buffers: on a sharded engine only the rank's own parts of
   ``exp_avg``/``exp_avg_sq`` are current (:func:`gather_optimizer_state` collects them).
-- **Multi-node async** (:func:`run_async`): rank 0 is the server and holds the master store; every other rank is a
-  client that pulls the weights, computes a gradient with its local workers and pushes it with point-to-point
-  send/recv. One server thread per client applies each push under the engine's mutex, with the engine's staleness
-  options (``max_staleness``, ``staleness_lr``), exactly once.
+- **Multi-node async** (:func:`run_async`, ``Engine(..., mode="async", servers=K)``): ranks 0..K-1 are parameter
+  servers, rank s holding and updating shard s of the flat store (contiguous, split on element boundaries, sizes
+  differing by at most one: :func:`shard_spans`); every other rank is a client that pulls every shard, computes a
+  gradient with its local workers and pushes each server its slice with point-to-point send/recv. One server thread
+  per client applies that client's pushes to the server's shard under the server's mutex. Rank 0 also coordinates:
+  it alone decides each push (``max_staleness`` refresh, the end of the run), then the client commits the push to
+  the other servers, so a push is applied by all servers or none, exactly once each. Version and staleness are
+  global (rank 0's count of applied pushes; staleness = the most applied pushes missing from any shard of the
+  weights the gradient was computed on), since per-shard values would let shards disagree on refreshing and on the
+  ``staleness_lr`` damping. Clipping and the non-finite skip use the norm of the whole pushed gradient, which the
+  client computes and sends in the push header. At the end of a run every rank receives every shard (weights, Adam
+  state, version). With K = 1 (the default) rank 0 is the only server. Details: Note [Multi-node async exchange].
 
 Failures: collectives and point-to-point calls on a dead or failing peer raise (gloo reports the closed connection;
 the process group's timeout bounds a silent peer); the engine re-raises them as :class:`DistributedError` naming this
-rank and what it was doing, so no rank hangs.
+rank and what it was doing, so no rank hangs. In multi-node async, a rank that dies or raises makes every other rank
+raise ``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f: the
+servers see the broken exchange (or a client's report) and tell their other clients ABORT; a client that stops
+tells the servers waiting for it which rank failed.
 """
 from __future__ import annotations
 
@@ -41,7 +52,7 @@ from .metrics import step_metrics
 from .workers import WorkerError, batch_size, split_batch
 
 __all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "run_async",
-           "gather_optimizer_state"]
+           "gather_optimizer_state", "check_servers", "shard_spans"]
 
 
 class DistributedError(RuntimeError):

@@ -78,8 +78,8 @@ class Engine:
         balance: pipeline: ``"params"``, ``"time"`` or a list of S layer counts.
         process_group: ``"auto"`` (the default torch.distributed group when it is initialized with more than one
             rank, e.g. under torchrun), None (this process alone) or a ``ProcessGroup``. With a group, hybrid steps
-            combine every rank's gradients (one step on the concatenated batch) and async runs rank 0 as the server
-            of the other ranks' pushes; see :mod:`pyengine.distributed`.
+            combine every rank's gradients (one step on the concatenated batch) and async runs ranks
+            ``0..servers-1`` as the servers of the other ranks' pushes; see :mod:`pyengine.distributed`.
         shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
             Adam state, all-gather (ZeRO-1 style).
         servers: async with a process group: ranks ``0..servers-1`` are parameter servers, each holding and updating
