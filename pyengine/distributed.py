@@ -321,9 +321,10 @@ def gather_optimizer_state(engine) -> None:
 # ---- multi-node async: ranks 0..K-1 serve shards of the store, the other ranks push --------------------------------
 
 # Server -> client header: [status, version, id of this client's last applied push, failed rank (-1: none), staleness
-# of the push just decided], then (a state message) the server's shard of the weights. Client -> server header: [kind, push id, version at pull, samples, loss, norm of
-# the whole gradient, non-finite flag, staleness (COMMIT) or failed rank (FAILED)], then (PUSH, COMMIT) the shard of
-# the gradient. float64 tensors: exact for these integers and for the fp32 norm.
+# of the push just decided], then (a state message) the server's shard of the weights. Client -> server header:
+# [kind, push id, version at pull, samples, loss, norm of the whole gradient, non-finite flag, staleness (COMMIT) or
+# failed rank (FAILED)], then (PUSH, COMMIT) the shard of the gradient. float64 tensors: exact for these integers
+# and for the fp32 norm.
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
 _PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
 _SERVER_HEADER, _CLIENT_HEADER = 5, 8
@@ -382,8 +383,8 @@ class AsyncServer:
     Per (server, client) pair, strictly alternating messages with tag = client rank, so the threads of different
     clients never match each other's messages. A round of client c:
 
-    1. every server s >= 1 sends c [GO, version_s, -, -] + its shard (a snapshot taken under its mutex);
-    2. c sends rank 0 PULL (K > 1 only); rank 0 sends [status, version_0, last applied id, -] + shard 0;
+    1. every server s >= 1 sends c [GO, version_s, ...] + its shard (a snapshot taken under its mutex);
+    2. c sends rank 0 PULL (K > 1 only); rank 0 sends [status, version_0, last applied id, ...] + shard 0;
     3. c computes on the gathered weights, then sends rank 0 [PUSH, id, version at pull, samples, loss, norm,
        non-finite] + gradient shard 0; rank 0 decides and applies under its mutex;
     4. K = 1: the decision is the status of the next round's step 2. K > 1: rank 0 sends the decision header; c sends
@@ -407,8 +408,8 @@ class AsyncServer:
     Failures: a failed exchange names its peer, a FAILED header names the rank it reports; the first failure a
     server sees stops it, and each of its threads sends its client ABORT naming the failed rank at the next step 1
     or 2 (or 4). A client that learns of a failure (ABORT, a failed exchange, its own exception) first receives what
-    the servers are sending it, then sends FAILED to every server waiting for it, then raises; so a client that
-    exits is never mistaken for the failed rank, and every rank raises :class:`DistributedError` naming it.
+    the servers are sending it, then sends FAILED to every server waiting for it, then raises; so a surviving
+    client's exit is not taken for the failure, and every rank raises :class:`DistributedError` naming it.
     """
 
     def __init__(self, engine, group, servers: int, steps, callbacks):

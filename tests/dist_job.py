@@ -204,7 +204,8 @@ def main():
     torch.set_num_threads(1)
     distributed.init_process_group("gloo", timeout_s=float(os.environ.get("PYENGINE_TEST_PG_TIMEOUT", "20")))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    scenarios = {"hybrid": hybrid, "async": asynchronous, "async-failure": async_failure, "async-sharded": async_sharded,
+    scenarios = {"hybrid": hybrid, "async": asynchronous, "async-failure": async_failure,
+                 "async-sharded": async_sharded,
                  **{f"async-client-{how}-{k}": lambda s, r, w, k=k, how=how: async_client_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
