@@ -23,14 +23,25 @@ torch.distributed process group (``torchrun`` sets the environment; :func:`init_
   the all-gathers, so nothing else grows with N. :meth:`Engine.state_dict` (and
   :func:`pyengine.checkpoint.save_engine`) gathers the full Adam state with a collective, so **every rank must call
   it**; :meth:`Engine.load_state_dict` of a full state takes each rank's slice (no collective).
-- **Multi-node async** (:func:`run_async`): rank 0 is the server and holds the master store; every other rank is a
-  client that pulls the weights, computes a gradient with its local workers and pushes it with point-to-point
-  send/recv. One server thread per client applies each push under the engine's mutex, with the engine's staleness
-  options (``max_staleness``, ``staleness_lr``), exactly once.
+- **Multi-node async** (:func:`run_async`, ``Engine(..., mode="async", servers=K)``): ranks 0..K-1 are parameter
+  servers, rank s holding and updating shard s of the flat store (contiguous, split on element boundaries, sizes
+  differing by at most one: :func:`shard_spans`); every other rank is a client that pulls every shard, computes a
+  gradient with its local workers and pushes each server its slice with point-to-point send/recv. One server thread
+  per client applies that client's pushes to the server's shard under the server's mutex. Rank 0 also coordinates:
+  it alone decides each push (``max_staleness`` refresh, the end of the run), then the client commits the push to
+  the other servers, so a push is applied by all servers or none, exactly once each. Version and staleness are
+  global (rank 0's count of applied pushes; staleness = the most applied pushes missing from any shard of the
+  weights the gradient was computed on), since per-shard values would let shards disagree on refreshing and on the
+  ``staleness_lr`` damping. Clipping and the non-finite skip use the norm of the whole pushed gradient, which the
+  client computes and sends in the push header. At the end of a run every rank receives every shard (weights, Adam
+  state, version). With K = 1 (the default) rank 0 is the only server. Details: Note [Multi-node async exchange].
 
 Failures: collectives and point-to-point calls on a dead or failing peer raise (gloo reports the closed connection;
 the process group's timeout bounds a silent peer); the engine re-raises them as :class:`DistributedError` naming this
-rank and what it was doing, so no rank hangs.
+rank and what it was doing, so no rank hangs. In multi-node async, a rank that dies or raises makes every other rank
+raise ``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f: the
+servers see the broken exchange (or a client's report) and tell their other clients ABORT; a client that stops
+tells the servers waiting for it which rank failed.
 """
 from __future__ import annotations
 
@@ -52,7 +63,7 @@ from .streamer import make_buckets
 from .workers import WorkerError, batch_size, split_batch
 
 __all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "run_async",
-           "gather_optimizer_state", "shard_ranges", "owned_state_ranges"]
+           "gather_optimizer_state", "shard_ranges", "owned_state_ranges", "check_servers", "shard_spans"]
 
 
 class DistributedError(RuntimeError):
@@ -384,151 +395,407 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
     return hybrid.gather_state(engine)
 
 
-# ---- multi-node async: rank 0 serves, the other ranks push --------------------------------------------------------
+# ---- multi-node async: ranks 0..K-1 serve shards of the store, the other ranks push --------------------------------
 
-# Header of a server -> client message: [status, version, id of this client's last applied push]; of a client ->
-# server message: [kind, push_id, version_at_pull, samples, loss]. float64 tensors (exact for these integers).
+# Server -> client header: [status, version, id of this client's last applied push, failed rank (-1: none), staleness
+# of the push just decided], then (a state message) the server's shard of the weights. Client -> server header:
+# [kind, push id, version at pull, samples, loss, norm of the whole gradient, non-finite flag, staleness (COMMIT) or
+# failed rank (FAILED)], then (PUSH, COMMIT) the shard of the gradient. float64 tensors: exact for these integers
+# and for the fp32 norm.
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
-_PUSH, _DONE = 0.0, 1.0
+_PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
+_SERVER_HEADER, _CLIENT_HEADER = 5, 8
+
+
+def check_servers(servers, group, mode: str, numel: int) -> int:
+    """Validates the number of async parameter servers ``servers`` (K) for ``group`` and ``mode``; returns it."""
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an integer >= 1 (the number of async parameter server ranks); got "
+                         f"{servers!r}")
+    if servers == 1:
+        return servers
+    if group is None or mode != "async":
+        raise ValueError(f"servers={servers} shards the store across async server ranks: it needs mode='async' and a "
+                         f"process group; got mode={mode!r}, process_group={group}")
+    world = dist.get_world_size(group)
+    if servers >= world:
+        raise ValueError(f"servers={servers} leaves no client rank in a process group of {world} ranks: servers must "
+                         f"be in [1, {world - 1}]")
+    if servers > numel:
+        raise ValueError(f"servers={servers} is more than the {numel} elements of the store: every server needs a "
+                         "non-empty shard")
+    return servers
+
+
+def shard_spans(numel: int, servers: int) -> list[tuple[int, int]]:
+    """Server s's shard ``[lo, hi)`` of the flat store: contiguous, in rank order, sizes differing by at most one
+    (element boundaries: a shard may split a parameter or a bucket; the update is elementwise)."""
+    base, extra = divmod(numel, servers)
+    bounds = [s * base + min(s, extra) for s in range(servers + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _share_store(engine, group, spans) -> None:
+    """Broadcasts ``store[lo:hi]`` of the weights and the Adam state from rank ``src`` for each ``(src, lo, hi)`` of
+    ``spans``, then the version from rank 0: every rank then holds the same complete store. A collective."""
+    store = engine.store
+    rank = dist.get_rank(group)
+    with _collective("broadcast of the async store", rank):
+        for flat in (store.param, store.exp_avg, store.exp_avg_sq, store.max_exp_avg_sq):
+            for src, lo, hi in spans if flat is not None else ():
+                dist.broadcast(flat[lo:hi], src=dist.get_global_rank(group, src), group=group)
+        version = torch.tensor([float(engine.version)], dtype=torch.float64)
+        dist.broadcast(version, src=dist.get_global_rank(group, 0), group=group)
+    engine.version = int(version.item())
+    if store.shadow is not None:
+        store.shadow.copy_(store.param)
 
 
 class AsyncServer:
-    """Rank 0 of a multi-node async run: one thread per client, each applying that client's pushes under the
-    engine's mutex.
+    """Server rank ``s < K`` of a multi-node async run: holds shard s of the store (see :func:`shard_spans`) and runs
+    one thread per client, each applying that client's pushes to the shard under the engine's mutex. Rank 0 is also
+    the coordinator: it decides for every push whether it is applied (staleness, the run's end).
 
     Note [Multi-node async exchange]
-    Per client, strictly alternating messages on the pair (0, client) with tag = client rank, so the threads of
-    different clients never match each other's messages: the server sends [status, version, last applied id] +
-    weights (a snapshot taken under the mutex, sent outside it); the client answers [PUSH, id, version at pull,
-    samples, loss] + gradient, or [DONE]. status tells the client to go on with new mini-batches (GO), to recompute
-    the same ones on these weights because its push was too stale (REFRESH: same push id), that the run is over
-    (STOP) or that it failed on another rank (ABORT). Each push is applied at most once under the mutex and the
-    client learns from the next header which of its pushes was applied, before it sends anything else.
-    Staleness = version at apply - version at pull.
+    Per (server, client) pair, strictly alternating messages with tag = client rank, so the threads of different
+    clients never match each other's messages. A round of client c:
+
+    1. every server s >= 1 sends c [GO, version_s, ...] + its shard (a snapshot taken under its mutex);
+    2. c sends rank 0 PULL (K > 1 only); rank 0 sends [status, version_0, last applied id, ...] + shard 0;
+    3. c computes on the gathered weights, then sends rank 0 [PUSH, id, version at pull, samples, loss, norm,
+       non-finite] + gradient shard 0; rank 0 decides and applies under its mutex;
+    4. K = 1: the decision is the status of the next round's step 2. K > 1: rank 0 sends the decision header; c sends
+       every server s >= 1 COMMIT (the decision's staleness) + gradient shard s, or DROP (refresh or end); each
+       applies a COMMIT under its mutex and starts the next round with step 1.
+
+    Status GO: the previous push was applied or skipped as non-finite; go on with new mini-batches. REFRESH: it was
+    too stale; recompute the same ones on the new weights (same push id). STOP: the run is over (``steps`` pushes or
+    :meth:`Engine.stop`); the client tells the other servers DONE. ABORT: a rank failed; the header names it.
+
+    Why a push is applied by all servers or none, exactly once each: only rank 0 decides, and a server s >= 1 applies
+    exactly the pushes that c COMMITs to it, after rank 0 applied them; clipping and the non-finite skip use the norm
+    of the whole gradient, computed by the client and sent in the header, so every shard takes the same decision.
+    Why the version and staleness are global: per-shard staleness would let shards disagree on refreshing a push and
+    on its damped lr. Version_s counts the pushes server s applied, a subset of those rank 0 applied; rank 0's
+    snapshot is taken last (after c holds every other shard), so version at pull = min_s version_s, and staleness =
+    version_0 at apply - version at pull is the largest number of applied pushes missing from any shard of the
+    weights the gradient was computed on. With ``max_staleness=0`` that is none on every shard: the run is sequential
+    training in rank 0's order. With K = 1 this is the single server's version and staleness.
+
+    Failures: a failed exchange names its peer, a FAILED header names the rank it reports; the first failure a
+    server sees stops it, and each of its threads sends its client ABORT naming the failed rank at the next step 1
+    or 2 (or 4). A client that learns of a failure (ABORT, a failed exchange, its own exception) first receives what
+    the servers are sending it, then sends FAILED to every server waiting for it, then raises; so a surviving
+    client's exit is not taken for the failure, and every rank raises :class:`DistributedError` naming it.
     """
 
-    def __init__(self, engine, group, steps, callbacks):
-        self.engine, self.group, self.steps, self.callbacks = engine, group, steps, callbacks
+    def __init__(self, engine, group, servers: int, steps, callbacks):
+        self.engine, self.group, self.servers, self.callbacks = engine, group, servers, callbacks
+        self.rank = dist.get_rank(group)
+        self.span = shard_spans(engine.store.numel, servers)[self.rank]
+        self.last_push = None if steps is None else engine.stats()["pushes"] + steps  # ``steps`` counts this run's
         self.stop = threading.Event()
-        self.errors: list[BaseException] = []
+        self.failure: tuple[int, str, BaseException | None] | None = None  # (failed rank, what, cause): first wins
+        self._failure_lock = threading.Lock()
 
     def run(self) -> None:
-        ranks = range(1, dist.get_world_size(self.group))
-        threads = [threading.Thread(target=self._serve, args=(c,), name=f"pyengine-serve-{c}", daemon=True)
-                   for c in ranks]
+        serve = self._coordinate if self.rank == 0 else self._serve_shard
+        threads = [threading.Thread(target=self._guarded, args=(serve, c), name=f"pyengine-serve-{c}", daemon=True)
+                   for c in range(self.servers, dist.get_world_size(self.group))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        if self.errors:
-            raise self.errors[0]
+        if self.failure is not None:
+            failed, what, cause = self.failure
+            raise DistributedError(f"rank {self.rank}: the async run stopped because rank {failed} failed: "
+                                   f"{what}") from cause
 
-    def _serve(self, client: int) -> None:
-        engine, peer = self.engine, dist.get_global_rank(self.group, client)
-        header = torch.zeros(5, dtype=torch.float64)
-        grad = torch.zeros(engine.store.numel)
-        status, last_applied = _GO, 0
+    def _fail(self, failed: int, what: str, cause: BaseException | None = None) -> None:
+        with self._failure_lock:
+            if self.failure is None:
+                self.failure = (failed, what, cause)
+        self.stop.set()
+
+    def _guarded(self, serve, client: int) -> None:
         try:
-            while True:
-                with engine.mutex:
-                    weights, version = engine.store.param.clone(), engine.version
-                if self.stop.is_set():
-                    status = _ABORT if self.errors else _STOP
-                self._send(torch.tensor([status, float(version), float(last_applied)], dtype=torch.float64), peer,
-                           client)
-                self._send(weights, peer, client)
-                if status in (_STOP, _ABORT):
-                    return
-                self._recv(header, peer, client)
-                if header[0].item() == _DONE:
-                    return
-                self._recv(grad, peer, client)
-                status = self._apply(client, grad, header)
-                if status == _GO:
-                    last_applied = int(header[1].item())
+            serve(client)
+        except _ExchangeFailed as exc:
+            self._fail(client, str(exc), exc.__cause__)
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
-            self.errors.append(exc if isinstance(exc, DistributedError) else DistributedError(
-                f"rank 0 (async server): serving rank {client} failed ({type(exc).__name__}: {exc})"))
-            self.stop.set()
+            self._fail(self.rank, f"serving rank {client} raised {type(exc).__name__}: {exc}", exc)
 
-    def _apply(self, client: int, grad: torch.Tensor, header: torch.Tensor) -> float:
+    def _coordinate(self, client: int) -> None:
+        """Rank 0's thread for ``client``: steps 2-4 of Note [Multi-node async exchange]."""
+        header = torch.zeros(_CLIENT_HEADER, dtype=torch.float64)
+        grad = torch.zeros(self.engine.store.numel)
+        lo, hi = self.span
+        status, last_applied, staleness = _GO, 0, 0
+        while True:
+            if self.servers > 1 and not self._receive(header, client, expect=(_PULL,)):
+                return
+            if self._send_header(client, status, last_applied, staleness, weights=True) in (_STOP, _ABORT):
+                return
+            if not self._receive(header, client, expect=(_PUSH,)):
+                return
+            self._exchange(dist.recv, grad[lo:hi], client, "receive of a gradient from")
+            status, staleness = self._apply(client, grad, header)
+            if status == _GO:
+                last_applied = int(header[1].item())
+            if self.servers > 1 and self._send_header(client, status, last_applied, staleness) in (_STOP, _ABORT):
+                return
+
+    def _serve_shard(self, client: int) -> None:
+        """The thread of a server s >= 1 for ``client``: step 1, then apply what the client COMMITs."""
+        header = torch.zeros(_CLIENT_HEADER, dtype=torch.float64)
+        grad = torch.zeros(self.engine.store.numel)
+        lo, hi = self.span
+        while True:
+            if self._send_header(client, _GO, 0, 0, weights=True) == _ABORT:
+                return
+            if not self._receive(header, client, expect=(_COMMIT, _DROP)):
+                return
+            if header[0].item() == _COMMIT:
+                self._exchange(dist.recv, grad[lo:hi], client, "receive of a gradient from")
+                self._apply(client, grad, header, staleness=int(header[7].item()))
+
+    def _apply(self, client: int, grad: torch.Tensor, header: torch.Tensor, staleness: int | None = None
+               ) -> tuple[float, int]:
+        """Applies a push to this server's shard under the mutex (rank 0 decides; the others are given the
+        ``staleness`` rank 0 applied it with); returns the status for the client and the push's staleness. An
+        exception (a callback, ``nonfinite="raise"``) stops the run: the client is told ABORT next."""
+        try:
+            return self._apply_push(client, grad, header, staleness)
+        except Exception as exc:  # noqa: BLE001 - re-raised by run()
+            self._fail(self.rank, f"applying a push of rank {client} raised {type(exc).__name__}: {exc}", exc)
+            return _ABORT, 0
+
+    def _apply_push(self, client, grad, header, staleness) -> tuple[float, int]:
         engine = self.engine
-        push_id, pulled, samples, loss = (int(header[1].item()), int(header[2].item()), int(header[3].item()),
-                                          header[4].item())
+        push_id, pulled, samples, loss, norm, nonfinite = header[1:7].tolist()
         with engine.mutex, engine.phase("push", client):
             if self.stop.is_set():
-                return _STOP
+                return _STOP, 0
             start = time.perf_counter()
-            pushed = engine.apply_push(pulled, [], grads=[grad])
+            pushed = engine.apply_push(int(pulled), [], grads=[grad], staleness=staleness, span=self.span,
+                                       norm=(torch.tensor(norm, dtype=torch.float32), nonfinite != 0.0))
             if pushed is None:
-                return _REFRESH
+                return _REFRESH, 0
             applied, staleness = pushed
             update = time.perf_counter() - start
-            metrics = step_metrics(engine, loss=loss, samples=samples, wall=update, compute=0.0, update=update,
+            metrics = step_metrics(engine, loss=loss, samples=int(samples), wall=update, compute=0.0, update=update,
                                    transfer_wait=0.0, copy_back=0.0, applied=applied, worker=client, rank=client,
-                                   push_id=push_id, version_at_pull=pulled,
-                                   version_at_apply=engine.version - int(applied), staleness=staleness)
+                                   push_id=int(push_id), version_at_pull=int(pulled),
+                                   version_at_apply=engine.version - int(applied), staleness=staleness,
+                                   server=self.rank)
             engine.history.append(metrics)
             for callback in self.callbacks:
                 callback(engine, metrics)
-            if self.steps is not None and engine.stats()["pushes"] >= self.steps:
+            if self.rank == 0 and (engine.stop_requested or
+                                   self.last_push is not None and engine.stats()["pushes"] >= self.last_push):
                 self.stop.set()
-        return _GO
+        return _GO, staleness
 
-    def _send(self, tensor, peer, client):
-        with _collective(f"send to rank {client}", 0):
-            dist.send(tensor, dst=peer, group=self.group, tag=client)
+    def _send_header(self, client: int, status: float, last_applied: int, staleness: int,
+                     weights: bool = False) -> float:
+        """Sends ``client`` a header (ABORT naming the failed rank once this server failed) and with ``weights``
+        a snapshot of this server's shard taken under the mutex, then STOP once rank 0 stopped (a decision is sent
+        as it was taken: the push that reached ``steps`` is still committed); returns the status sent."""
+        lo, hi = self.span
+        with self.engine.mutex:
+            version = self.engine.version
+            snapshot = self.engine.store.param[lo:hi].clone() if weights else None
+        failed = -1.0
+        if self.failure is not None:
+            status, failed = _ABORT, float(self.failure[0])
+        elif weights and self.stop.is_set() and self.rank == 0:
+            status = _STOP
+        header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness)],
+                              dtype=torch.float64)
+        self._exchange(dist.send, header, client, "send to")
+        if snapshot is not None:
+            self._exchange(dist.send, snapshot, client, "send of the weights to")
+        return status
 
-    def _recv(self, tensor, peer, client):
-        with _collective(f"receive from rank {client}", 0):
-            dist.recv(tensor, src=peer, group=self.group, tag=client)
+    def _receive(self, header: torch.Tensor, client: int, expect: tuple) -> bool:
+        """Receives a client header: True for a kind in ``expect``; False when the client is DONE or reports a
+        failed rank (recorded)."""
+        self._exchange(dist.recv, header, client, "receive from")
+        kind = header[0].item()
+        if kind == _FAILED:
+            self._fail(int(header[7].item()), f"reported by rank {client}")
+            return False
+        if kind == _DONE:
+            return False
+        if kind not in expect:
+            raise RuntimeError(f"async protocol: message kind {kind} from rank {client}; expected one of {expect}")
+        return True
+
+    def _exchange(self, op, tensor: torch.Tensor, client: int, what: str) -> None:
+        try:
+            op(tensor, dist.get_global_rank(self.group, client), group=self.group, tag=client)
+        except RuntimeError as exc:  # gloo's errors, DistBackendError included
+            raise _ExchangeFailed(f"{what} rank {client} failed ({type(exc).__name__}: {exc})") from exc
 
 
-def _run_client(engine, group, batches, epochs) -> None:
-    """A client rank: pull, compute with the local workers (node-local hybrid), push; until STOP or no data."""
-    from .asynchronous import _BatchSource
+class _ExchangeFailed(RuntimeError):
+    """A point-to-point exchange of the async protocol failed: the peer died, raised or timed out."""
 
-    rank = dist.get_rank(group)
-    server = dist.get_global_rank(group, 0)
-    source = _BatchSource(batches, epochs)
-    header = torch.zeros(3, dtype=torch.float64)
-    store = engine.store
-    reduced = torch.zeros(store.numel)
-    slots = [store.grad_slot(w.index) for w in engine.workers]
-    minibatches, push_id, sent_at = None, 0, 0
 
-    def exchange(op, tensor, what):
-        with _collective(f"{what} (async client of rank 0)", rank):
-            op(tensor, server, group=group, tag=rank)
+class _ClientAbort(Exception):
+    """Inside a client: the run must stop because rank ``failed`` failed (``what`` says how this rank learnt it)."""
 
-    while True:
-        exchange(dist.recv, header, "receive of the server's status")
-        exchange(dist.recv, store.param, "receive of the weights")
-        status, pulled, applied = header[0].item(), int(header[1].item()), int(header[2].item())
-        if applied and (not engine.history or engine.history[-1]["push_id"] != applied):
-            engine.history.append(dict(push_id=applied, rank=rank, applied=True, version_at_pull=sent_at))
+    def __init__(self, failed: int, what: str):
+        super().__init__(what)
+        self.failed, self.what = failed, what
+
+
+class _AsyncClient:
+    """A client rank of a multi-node async run: pull every shard, compute with the local workers (node-local
+    hybrid), push each server its shard of the gradient; until STOP or no data (Note [Multi-node async exchange]).
+    """
+
+    def __init__(self, engine, group, servers: int):
+        self.engine, self.group, self.servers = engine, group, servers
+        self.rank = dist.get_rank(group)
+        self.spans = shard_spans(engine.store.numel, servers)
+        self.reduced = torch.zeros(engine.store.numel)
+        self.waiting: set[int] = set()  # the servers waiting for a header from this rank
+        self.sent_at = 0  # version at pull of the last push sent
+
+    def run(self, batches, epochs) -> None:
+        try:
+            self._loop(batches, epochs)
+        except _ClientAbort as abort:
+            self._tell_waiting(_FAILED, failed=abort.failed)
+            raise DistributedError(f"rank {self.rank}: the async run stopped because rank {abort.failed} failed: "
+                                   f"{abort.what}") from abort.__cause__
+        except BaseException:
+            self._tell_waiting(_FAILED, failed=self.rank)  # this rank fails: the servers learn it at once
+            raise
+
+    def _loop(self, batches, epochs) -> None:
+        from .asynchronous import _BatchSource
+
+        engine = self.engine
+        source = _BatchSource(batches, epochs)
+        slots = [engine.store.grad_slot(w.index) for w in engine.workers]
+        minibatches, push_id, decision = None, 0, _GO
+        while True:
+            status, pulled = self._pull()
+            decision = status if self.servers == 1 else decision
+            if status == _STOP:
+                self._tell_waiting(_DONE)
+                return
+            if decision == _GO:  # the previous push (if any) was applied or skipped: next mini-batches
+                k = engine.batch_schedule(pulled) if engine.batch_schedule else engine.accumulate
+                minibatches = source.take(int(k))
+            else:
+                engine.count("refreshes")
+            if not minibatches:
+                self._tell_waiting(_DONE)
+                return
+            for worker in engine.workers:
+                worker.pull(wait=True)
+            loss, samples = _client_gradient(engine, minibatches, slots, self.reduced)
+            norm, nonfinite = ops.mean_grad_norm([self.reduced])
+            push_id += 1 if decision == _GO else 0
+            self.sent_at = pulled
+            engine.count("pushes")
+            header = [_PUSH, push_id, pulled, samples, loss, norm.item(), nonfinite.item(), 0.0]
+            self._send(0, header, gradient=True)
+            if self.servers > 1:
+                decision = self._decide(header)
+                if decision == _STOP:
+                    return
+
+    def _pull(self) -> tuple[float, int]:
+        """Steps 1 and 2: every shard of the weights into the store; returns rank 0's status and the version at
+        pull (the smallest of the servers' versions)."""
+        versions, failure = [], None
+        for s in range(1, self.servers):
+            try:
+                versions.append(self._receive_state(s)[1])
+            except _ClientAbort as abort:  # go on receiving what the other servers are sending
+                failure = failure or abort
+        if failure is not None:
+            raise failure
+        if self.servers > 1:
+            self._send(0, [_PULL])
+        status, version = self._receive_state(0)
+        return status, min([version] + versions)
+
+    def _decide(self, header: list) -> float:
+        """Step 4 with K > 1: rank 0's decision, then COMMIT (with its staleness) or DROP to every other server."""
+        status, _, _, failed, staleness = self._receive_header(0)
         if status == _ABORT:
-            raise DistributedError(f"rank {rank}: the async server (rank 0) stopped the run because another rank "
-                                   "failed")
+            raise _ClientAbort(failed, "reported by rank 0")
         if status == _STOP:
-            return
-        if status == _GO:  # the previous push (if any) was applied: next mini-batches
-            k = engine.batch_schedule(pulled) if engine.batch_schedule else engine.accumulate
-            minibatches = source.take(int(k))
-        else:
-            engine.count("refreshes")
-        if not minibatches:
-            exchange(dist.send, torch.tensor([_DONE, 0, 0, 0, 0], dtype=torch.float64), "send of DONE")
-            return
-        for worker in engine.workers:
-            worker.pull(wait=True)
-        loss, samples = _client_gradient(engine, minibatches, slots, reduced)
-        push_id += 1 if status == _GO else 0
-        sent_at = pulled
-        engine.count("pushes")
-        exchange(dist.send, torch.tensor([_PUSH, push_id, pulled, samples, loss], dtype=torch.float64),
-                 "send of a push header")
-        exchange(dist.send, reduced, "send of a gradient")
+            self._tell_waiting(_DONE)
+            return status
+        message = [_COMMIT] + header[1:7] + [staleness] if status == _GO else [_DROP]
+        sent, failure = [], None
+        for s in range(1, self.servers):
+            try:
+                self._send(s, message, gradient=status == _GO)
+                sent.append(s)
+            except _ClientAbort as abort:
+                failure = failure or abort
+        if failure is not None:  # receive the states the others are sending, then stop
+            for s in sent:
+                with contextlib.suppress(_ClientAbort):
+                    self._receive_state(s)
+            raise failure
+        return status
+
+    def _receive_header(self, server: int) -> tuple[float, int, int, int, int]:
+        """A server's header: (status, version, last applied push id, failed rank, staleness); records rank 0's
+        acknowledgement."""
+        header = torch.zeros(_SERVER_HEADER, dtype=torch.float64)
+        self._exchange(dist.recv, header, server, "receive from")
+        status, version, applied, failed, staleness = header.tolist()
+        if status not in (_STOP, _ABORT):
+            self.waiting.add(server)
+        history = self.engine.history
+        if server == 0 and applied and (not history or history[-1]["push_id"] != applied):
+            history.append(dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at))
+        return status, int(version), int(applied), int(failed), int(staleness)
+
+    def _receive_state(self, server: int) -> tuple[float, int]:
+        """A server's header and its shard of the weights (into the store): (status, version); raises
+        :class:`_ClientAbort` on ABORT."""
+        status, version, _, failed, _ = self._receive_header(server)
+        lo, hi = self.spans[server]
+        self._exchange(dist.recv, self.engine.store.param[lo:hi], server, "receive of the weights from")
+        if status == _ABORT:
+            raise _ClientAbort(failed, f"reported by rank {server}")
+        return status, version
+
+    def _send(self, server: int, header: list, gradient: bool = False) -> None:
+        """Sends ``server`` a header (padded) and with ``gradient`` its shard of the pushed gradient."""
+        message = torch.zeros(_CLIENT_HEADER, dtype=torch.float64)
+        message[:len(header)] = torch.tensor(header, dtype=torch.float64)
+        self.waiting.discard(server)
+        self._exchange(dist.send, message, server, "send to")
+        if gradient:
+            lo, hi = self.spans[server]
+            self._exchange(dist.send, self.reduced[lo:hi], server, "send of a gradient to")
+
+    def _tell_waiting(self, kind: float, failed: int = -1) -> None:
+        """DONE (errors raise) or FAILED naming ``failed`` (best effort) to every server waiting for this rank."""
+        for s in sorted(self.waiting):
+            try:
+                self._send(s, [kind] + [0.0] * 6 + [float(failed)])
+            except _ClientAbort:
+                if kind != _FAILED:
+                    raise
+
+    def _exchange(self, op, tensor: torch.Tensor, server: int, what: str) -> None:
+        try:
+            op(tensor, dist.get_global_rank(self.group, server), group=self.group, tag=self.rank)
+        except RuntimeError as exc:  # gloo's errors, DistBackendError included
+            self.waiting.discard(server)
+            raise _ClientAbort(server, f"{what} rank {server} failed ({type(exc).__name__}: {exc})") from exc
 
 
 def _client_gradient(engine, minibatches, slots, out) -> tuple[float, int]:
@@ -544,10 +811,18 @@ def _client_gradient(engine, minibatches, slots, out) -> tuple[float, int]:
     return loss, sum(batch_size(b) for b in minibatches)
 
 
-def run_async(engine, group, batches, *, steps, epochs, callbacks) -> None:
-    """Multi-node async (see :class:`AsyncServer`): rank 0 serves until ``steps`` pushes are applied or every client
-    ran out of data; the other ranks compute on their ``batches`` and push."""
-    if dist.get_rank(group) == 0:
-        AsyncServer(engine, group, steps, callbacks).run()
+def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callbacks) -> None:
+    """Multi-node async (Note [Multi-node async exchange]): ranks ``0..servers-1`` serve their shards of the store
+    until ``steps`` pushes are applied (counted from this call), :meth:`Engine.stop` or every client ran out of data;
+    the other ranks compute on their ``batches`` and push.
+
+    Collectives at both ends: rank 0's store (weights, Adam state, version) goes to every rank first, and at the end
+    every server's shard goes to every rank, so after a complete run every rank's store holds the result. After a
+    failure every rank raises :class:`DistributedError` and the servers' shards may differ by the pushes in flight."""
+    numel = engine.store.numel
+    _share_store(engine, group, [(0, 0, numel)])
+    if dist.get_rank(group) < servers:
+        AsyncServer(engine, group, servers, steps, callbacks).run()
     else:
-        _run_client(engine, group, batches, epochs)
+        _AsyncClient(engine, group, servers).run(batches, epochs)
+    _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])

@@ -78,11 +78,13 @@ class Engine:
         balance: pipeline: ``"params"``, ``"time"`` or a list of S layer counts.
         process_group: ``"auto"`` (the default torch.distributed group when it is initialized with more than one
             rank, e.g. under torchrun), None (this process alone) or a ``ProcessGroup``. With a group, hybrid steps
-            combine every rank's gradients (one step on the concatenated batch) and async runs rank 0 as the server
-            of the other ranks' pushes; see :mod:`pyengine.distributed`.
+            combine every rank's gradients (one step on the concatenated batch) and async runs ranks
+            ``0..servers-1`` as the servers of the other ranks' pushes; see :mod:`pyengine.distributed`.
         shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
             Adam state, all-gather (ZeRO-1 style); each rank's host store holds only its 1/P of the Adam state, so
             :meth:`state_dict` and :meth:`optimizer_state_dict` gather it: collectives every rank must call.
+        servers: async with a process group: ranks ``0..servers-1`` are parameter servers, each holding and updating
+            a contiguous shard of the store; the other ranks compute and push (see :mod:`pyengine.distributed`).
 
     Buffers (BatchNorm running statistics and the like) are not averaged. As DDP with ``broadcast_buffers=True``,
     one replica is their source: hybrid copies worker 0's buffers to the other replicas at the start of every step;
@@ -96,7 +98,7 @@ class Engine:
                  first_bucket_mb: float = 1.0, unused: str = "zero", autocast: torch.dtype | None = None,
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
-                 shard_update: bool = False, stages: int | None = None, microbatches: int = 1,
+                 shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
                  schedule: str = "1f1b", balance="params"):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn)
         check_mode_options(mode, stages, microbatches, schedule, balance, autocast)
@@ -149,6 +151,7 @@ class Engine:
             self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance, unused=unused)
         self._closed = False
         self.process_group = group
+        self.servers = distributed.check_servers(servers, group, mode, self.store.numel)
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
 
@@ -187,7 +190,7 @@ class Engine:
             raise ValueError(f"epochs must be >= 1; got {epochs}")
         start = len(self.history)
         if self.mode == "async" and self.process_group is not None:
-            distributed.run_async(self, self.process_group, batches, steps=steps,
+            distributed.run_async(self, self.process_group, batches, servers=self.servers, steps=steps,
                                   epochs=epochs if epochs is not None or steps is not None else 1, callbacks=callbacks)
         elif self.mode == "async":
             run_async(self, batches, steps=steps, epochs=epochs if epochs is not None or steps is not None else 1,
@@ -445,18 +448,30 @@ class Engine:
             max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
             param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
-    def apply_push(self, pulled: int, workers: list[int], grads: list[torch.Tensor] | None = None
-                   ) -> tuple[bool, int] | None:
+    def apply_push(self, pulled: int, workers: list[int], grads: list[torch.Tensor] | None = None, *,
+                   staleness: int | None = None, span: tuple[int, int] | None = None,
+                   norm: tuple[torch.Tensor, bool] | None = None) -> tuple[bool, int] | None:
         """One async push computed at version ``pulled``, under the mutex (Note [Async pushes and staleness]): None
         when it is too stale and must refresh (counted); else it is counted, applied from the slots of ``workers``
-        (or ``grads``) with the staleness policy's lr, and ``(applied, staleness)`` is returned."""
-        staleness = self.version - pulled
-        if self.max_staleness is not None and staleness > self.max_staleness:
+        (or ``grads``) with the staleness policy's lr, and ``(applied, staleness)`` is returned.
+
+        Multi-node async servers (:mod:`pyengine.distributed`) pass ``span=(begin, end)``, their shard of the store,
+        with ``norm=(norm, nonfinite)`` of the whole pushed gradient, so that every shard clips and skips alike;
+        ``staleness``, when given, is the coordinating server's admission decision (no refresh check here).
+        """
+        decided = staleness is not None
+        staleness = staleness if decided else self.version - pulled
+        if not decided and self.max_staleness is not None and staleness > self.max_staleness:
             self._counters["refreshes"] += 1
             return None
         lr = self.optimizer.lr / (1 + staleness) if self.staleness_lr == "inverse" else None
         self._counters["pushes"] += 1
-        applied = self.apply_update(workers, None, lr, grads=grads)
+        if span is None:
+            applied = self.apply_update(workers, None, lr, grads=grads)
+        else:
+            applied = self.admit_update(norm[1], workers)
+            if applied:
+                self.update_range(span[0], span[1], grads, None, norm[0], lr)
         self._staleness[staleness] += 1
         return applied, staleness
 

@@ -175,6 +175,72 @@ def async_failure(seed, rank, world):
     return {}
 
 
+SHARDED = dict(servers=2, pushes=14, free_pushes=10, per_client=30, clip=0.05, poison=2)
+
+
+def poisoned_batch(seed, rank, index):
+    """Client ``rank``'s mini-batch ``index`` with a third entry: 0 per sample, or inf per sample for the poisoned
+    index SHARDED["poison"], whose gradient is then inf in the last layer's bias only (the last server's shard)."""
+    x, y = client_batch(seed, rank, index)
+    flag = float("inf") if index == SHARDED["poison"] else 0.0
+    return x, y, torch.full((len(y),), flag)
+
+
+def poisoned_loss(model, batch):
+    x, y, flag = batch
+    return loss_fn(model, (x, y)) + flag.max() * model[2].bias.sum()
+
+
+def _push_record(engine):
+    return [{k: m[k] for k in ("rank", "push_id", "applied", "version_at_pull", "staleness", "server")}
+            for m in engine.history if "server" in m]
+
+
+def async_sharded(seed, rank, world):
+    """SHARDED["servers"] server ranks, the others clients. First max_staleness=0 with clipping and one poisoned
+    push (a sequential reference exists); then unbounded staleness with inverse lr and accumulate=2 (only the
+    bookkeeping is checked). Also records the errors for a bad number of servers."""
+    servers = SHARDED["servers"]
+    out = {"errors": []}
+    for bad in (world, world + 3):
+        try:
+            pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", pin=False, servers=bad)
+        except ValueError as exc:
+            out["errors"].append(str(exc))
+    batches = [poisoned_batch(seed, rank, i) for i in range(SHARDED["per_client"])] if rank >= servers else []
+    runs = (("sequential", dict(max_staleness=0), SHARDED["pushes"], batches),
+            ("free", dict(staleness_lr="inverse", accumulate=2), SHARDED["free_pushes"], [b[:2] for b in batches]))
+    for name, options, pushes, data in runs:
+        opt = pyengine.AdamW(**OPT, max_grad_norm=SHARDED["clip"] if name == "sequential" else None)
+        with pyengine.Engine(make_model(), poisoned_loss if name == "sequential" else loss_fn, devices=["cpu"],
+                             mode="async", optimizer=opt, pin=False, servers=servers, **options) as engine:
+            engine.fit(data, steps=pushes)
+            out[name] = dict(history=_push_record(engine) if rank < servers else engine.history,
+                             stats=engine.stats(), master=engine.master_state_dict(),
+                             optimizer=engine.optimizer_state_dict())
+    return out
+
+
+def async_client_failure(seed, rank, world, servers, how):
+    """``servers`` server ranks; the last rank (a client) exits or raises mid-computation after a few pushes: every
+    other rank must raise DistributedError naming it."""
+    batches = [client_batch(seed, rank, i) for i in range(200)] if rank >= servers else []
+    calls = []
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if rank == world - 1 and len(calls) == 4:
+            if how == "exit":
+                os._exit(17)
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), failing_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=servers) as engine:
+        engine.fit(batches, steps=1000)
+    return {}
+
+
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
@@ -183,6 +249,9 @@ def main():
     scenarios = {"hybrid": hybrid, "async": asynchronous, "async-failure": async_failure,
                  "shard-state": lambda s, r, w: shard_state(s, r, w, False, out_dir),
                  "shard-state-amsgrad": lambda s, r, w: shard_state(s, r, w, True, out_dir),
+                 "async-sharded": async_sharded,
+                 **{f"async-client-{how}-{k}": lambda s, r, w, k=k, how=how: async_client_failure(s, r, w, k, how)
+                    for how in ("exit", "raise") for k in (1, 2)},
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
     result = scenarios[scenario](seed, rank, world)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

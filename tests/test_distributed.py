@@ -277,3 +277,82 @@ def test_option_errors():
             distributed.init_process_group()
         finally:
             os.environ.update(env)
+
+
+def applied_ids(history, rank):
+    return [m["push_id"] for m in history if m["rank"] == rank]
+
+
+@pytest.mark.timeout(150)
+def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequential_adamw(tmp_path, seed):
+    world, servers = 4, dist_job.SHARDED["servers"]
+    codes, logs, _ = launch("async-sharded", world, tmp_path, seed, timeout=120.0)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    for r, rank in enumerate(ranks):
+        assert rank["errors"][0].startswith(f"servers={world} leaves no client rank in a process group of {world}")
+        assert rank["errors"][1].startswith(f"servers={world + 3} leaves no client rank"), rank["errors"]
+    for name, pushes in (("sequential", dist_job.SHARDED["pushes"]), ("free", dist_job.SHARDED["free_pushes"])):
+        runs = [rank[name] for rank in ranks]
+        first = runs[0]["history"]
+        keys = [(m["rank"], m["push_id"]) for m in first]
+        assert len(keys) == len(set(keys)) == pushes, f"{name}: {keys}"
+        for s in range(servers):  # exactly once on every server: the same pushes, with the same decisions
+            history, stats = runs[s]["history"], runs[s]["stats"]
+            assert {m["server"] for m in history} == {s}
+            assert len(history) == stats["pushes"] == pushes, f"{name}: server {s}"
+            assert sorted((m["rank"], m["push_id"], m["applied"], m["staleness"]) for m in history) == \
+                sorted((m["rank"], m["push_id"], m["applied"], m["staleness"]) for m in first), f"{name}: server {s}"
+            assert stats["staleness_histogram"] == runs[0]["stats"]["staleness_histogram"]
+            assert stats["version"] == runs[0]["stats"]["version"] == stats["applied_updates"]
+        for c in range(servers, world):
+            ids = applied_ids(first, c)
+            assert ids == list(range(1, len(ids) + 1)), f"{name}, rank {c}: pushes lost or reordered: {ids}"
+            assert [m["push_id"] for m in runs[c]["history"]] == ids, f"{name}, rank {c}: acknowledgements differ"
+        for r in range(1, world):  # the end of a run gives every rank the whole store
+            assert_identical(runs[0]["master"], runs[r]["master"], f"{name}, rank {r}")
+    sequential = [rank["sequential"] for rank in ranks]
+    history = sequential[0]["history"]
+    assert [(m["rank"], m["push_id"]) for m in sequential[1]["history"]] == [(m["rank"], m["push_id"])
+                                                                            for m in history]
+    assert all(m["staleness"] == 0 for m in history)
+    poisoned = [m for m in history if m["push_id"] == dist_job.SHARDED["poison"] + 1]
+    assert poisoned, "no client reached its poisoned mini-batch"
+    assert [m for m in history if not m["applied"]] == poisoned
+    for s in range(servers):  # the poisoned gradient is inf in the last shard only: skipped by every server
+        assert sequential[s]["stats"]["skipped_steps"] == len(poisoned)
+    # max_staleness=0: every applied push saw every earlier one on every shard: sequential AdamW in rank 0's order,
+    # clipped by the norm of the whole gradient
+    reference = Reference()
+    for m in history:
+        if m["applied"]:
+            reference.step(dist_job.client_batch(seed, m["rank"], m["push_id"] - 1), clip=dist_job.SHARDED["clip"])
+    reference.assert_matches(sequential[0]["master"])
+    ref_state = reference.opt.state_dict()["state"]
+    for i, state in sequential[0]["optimizer"]["state"].items():
+        torch.testing.assert_close(state["exp_avg_sq"].double(), ref_state[i]["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+        assert state["step"] == ref_state[i]["step"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("servers,world,how", [(1, 3, "exit"), (2, 4, "exit"), (2, 4, "raise")])
+def test_a_failing_async_client_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, servers, world, how):
+    failed = world - 1
+    codes, logs, seconds = launch(f"async-client-{how}-{servers}", world, tmp_path, seed, timeout=60.0)
+    for r in range(world - 1):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        assert f"DistributedError: rank {r}: the async run stopped because rank {failed} failed" in logs[r], logs[r]
+    if how == "exit":
+        assert codes[failed] == 17, logs[failed]
+    else:
+        assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
+    assert seconds < 30, f"the run took {seconds:.1f} s to fail"
+
+
+def test_servers_option_errors():
+    model = dist_job.make_model()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="servers must be an integer >= 1"):
+            pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], mode="async", pin=False, servers=bad)
+    with pytest.raises(ValueError, match="servers=2 shards the store .* needs mode='async' and a process group"):
+        pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], mode="async", pin=False, servers=2)
