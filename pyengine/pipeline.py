@@ -156,9 +156,9 @@ def split_layers(layers, sizes: list[int], allow_tied: bool = False) -> list[tor
         shared = _shared_across(modules, kind)
         if shared and not allowed:
             name, stages = next(iter(shared.items()))
-            what = "buffer" if kind == "named_buffers" else "parameter"
+            what = "buffer" if kind == "named_buffers" else "trainable parameter"
             raise ValueError(f"{what} {name!r} is shared between stages {stages}; these pipeline stages need every "
-                             f"{'buffer' if what == 'buffer' else 'trainable parameter'} in one stage")
+                             f"{what} in one stage")
     return modules
 
 
