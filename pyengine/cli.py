@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async: a push more than this many versions old recomputes on fresh weights [unbounded]")
     g.add_argument("--staleness-lr", choices=("none", "inverse"), default=S,
                    help="async: scale lr by 1/(1+staleness) [none]")
-    g = p.add_argument_group("pipeline (--mode pipeline)")
+    g = p.add_argument_group("pipeline (--mode pipeline, and its run in --mode all)")
     g.add_argument("--stages", type=_positive_int, default=S,
                    help="pipeline stages S; the workers must be S x R (stage s, replica r on worker s*R+r) "
                         "[one stage per worker]")
