@@ -4,7 +4,8 @@ With no arguments: scikit-learn's handwritten digits (embedded in the package, n
 the hybrid schedule on every available device (2 CPU workers when there is no GPU), evaluation on a held-out split.
 A run directory (``--out``, default ``runs/<timestamp>-<mode>``) gets ``summary.json``, ``metrics.jsonl`` (one line
 per step), ``checkpoints/`` (atomic, the last ``--keep``) and ``loss.png``; ``--mode all`` trains every schedule on
-the same data and seed into ``<out>/<mode>/`` and draws ``<out>/compare.png``.
+the same data and seed into ``<out>/<mode>/`` and draws ``<out>/compare.png``. ``--mode pipeline`` splits the model's
+layers (:func:`pyengine.models.as_layers`) into ``--stages`` stages fed by ``--microbatches`` micro-batches.
 
 Exit codes: 0 done, 2 bad input (argparse errors and impossible combinations, reported before any work; an unusable
 checkpoint), 1 a failure while training, 130 interrupted (Ctrl-C: a checkpoint is saved and the message says how to
@@ -28,7 +29,8 @@ from pathlib import Path
 __all__ = ["main", "build_parser", "UsageError"]
 
 PROG = "pyengine train"
-MODES = ("hybrid", "sync", "async")
+MODES = ("hybrid", "sync", "async", "pipeline")  # --mode all runs each of them
+PIPELINE_DEFAULTS = dict(microbatches=4, schedule="1f1b", balance="params")  # stages: one per device
 
 # Per-dataset defaults (a flag given on the command line always wins).
 DATA_DEFAULTS = {
@@ -81,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("what to train")
     g.add_argument("--mode", choices=MODES + ("all",), default=S,
                    help="schedule: hybrid (all workers, mean gradient), sync (one worker at a time), async "
-                        "(push when done), all (each on the same data and seed, plus compare.png) [hybrid]")
+                        "(push when done), pipeline (the layers split into stages, one per worker, fed by "
+                        "micro-batches), all (each of the four on the same data and seed, plus compare.png) "
+                        "[hybrid]")
     g.add_argument("--data", choices=("digits", "tokens"), default=S,
                    help="digits: sklearn handwritten digits (real, embedded); tokens: synthetic token sequences "
                         "for a transformer throughput workload [digits]")
@@ -103,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="passes over the training split [100 digits / 2 tokens]")
     g.add_argument("--batch-size", type=_positive_int, default=S,
                    help="samples per update (hybrid: split across the workers; sync: one worker; async: each "
-                        "worker's mini-batch) [64 digits / 32 tokens]")
+                        "worker's mini-batch; pipeline: split across the replicas, then into micro-batches) "
+                        "[64 digits / 32 tokens]")
     g.add_argument("--lr", type=_positive_float, default=S, help="AdamW learning rate [2e-3 digits / 1e-3 tokens]")
     g.add_argument("--weight-decay", type=_nonnegative_float, default=S, help="AdamW weight decay [0.01]")
     g.add_argument("--max-grad-norm", type=_positive_float, default=S, help="clip the mean gradient [off]")
@@ -115,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async: a push more than this many versions old recomputes on fresh weights [unbounded]")
     g.add_argument("--staleness-lr", choices=("none", "inverse"), default=S,
                    help="async: scale lr by 1/(1+staleness) [none]")
+    g = p.add_argument_group("pipeline (--mode pipeline, and its run in --mode all)")
+    g.add_argument("--stages", type=_positive_int, default=S,
+                   help="pipeline stages S; the workers must be S x R (stage s, replica r on worker s*R+r) "
+                        "[one stage per worker]")
+    g.add_argument("--microbatches", type=_positive_int, default=S,
+                   help=f"micro-batches per replica and step [{PIPELINE_DEFAULTS['microbatches']}]")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe"), default=S,
+                   help="1f1b (one forward, one backward: at most S micro-batches stored per stage) or gpipe "
+                        "(all forwards, then all backwards) [1f1b]")
+    g.add_argument("--balance", choices=("params", "time"), default=S,
+                   help="cut the layers into stages by parameter count or by forward+backward time measured on "
+                        "the first micro-batch [params]")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=S, help="run directory [runs/<timestamp>-<mode>]")
     g.add_argument("--resume", metavar="DIR", default=S,
@@ -200,8 +217,11 @@ def _resolve(given: dict) -> dict:
             cfg[key] = value
     if "steps" in given:
         cfg["epochs"] = None
+    if cfg["mode"] in ("pipeline", "all"):  # elsewhere a pipeline flag stays set only when given (an error)
+        for key, value in PIPELINE_DEFAULTS.items():
+            cfg.setdefault(key, value)
     for key in ("steps", "hidden", "devices", "workers", "max_staleness", "max_grad_norm", "out", "trace",
-                "checkpoint_every", "log_every"):
+                "checkpoint_every", "log_every", "stages", *PIPELINE_DEFAULTS):
         cfg.setdefault(key, None)
     cfg.pop("resume", None)
     cfg.pop("command", None)
@@ -271,6 +291,35 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
     if mode in ("hybrid", "all") and cfg["batch_size"] < workers:
         raise UsageError(f"hybrid splits each batch across the workers: --batch-size {cfg['batch_size']} cannot "
                          f"feed {workers} workers (use --batch-size >= {workers} or fewer --workers)")
+    _check_pipeline_config(cfg, workers)
+
+
+def _check_pipeline_config(cfg: dict, workers: int) -> None:
+    given = [key for key in ("stages", *PIPELINE_DEFAULTS) if cfg.get(key) is not None]
+    if cfg["mode"] not in ("pipeline", "all"):
+        if given:
+            flags = ", ".join("--" + key for key in given)
+            raise UsageError(f"{flags}: pipeline option{'s' if len(given) > 1 else ''}; --mode {cfg['mode']} has no "
+                             "stages (use --mode pipeline)")
+        return
+    stages = cfg["stages"] or workers
+    if workers % stages:
+        raise UsageError(f"--stages {stages} does not divide the {workers} workers: a pipeline needs stages x "
+                         f"replicas workers (use --workers {stages * max(1, workers // stages)} or --stages that "
+                         f"divides {workers})")
+    replicas = workers // stages
+    if cfg["batch_size"] // replicas < cfg["microbatches"]:
+        raise UsageError(f"--batch-size {cfg['batch_size']} over {replicas} pipeline replica(s) cannot feed "
+                         f"--microbatches {cfg['microbatches']} (use --batch-size >= "
+                         f"{cfg['microbatches'] * replicas})")
+
+
+def check_pipeline_layers(cfg: dict, layers: int) -> None:
+    """The model must have at least one layer per stage (:func:`pyengine.models.as_layers` counts them)."""
+    stages = cfg["stages"] or len(cfg["devices"])
+    if cfg["mode"] in ("pipeline", "all") and stages > layers:
+        raise UsageError(f"--stages {stages} is more than the {layers} layers of --model {cfg['model']} (each stage "
+                         f"needs at least one; use --stages <= {layers})")
 
 
 def _check_writable(directory: Path, what: str) -> None:
@@ -295,7 +344,7 @@ def _default_out(mode: str) -> Path:
 
 def _holds_run(directory: Path) -> bool:
     return directory.is_dir() and any((directory / name).exists() for name in
-                                      ("summary.json", "metrics.jsonl", "checkpoints", "hybrid", "sync", "async"))
+                                      ("summary.json", "metrics.jsonl", "checkpoints", *MODES))
 
 
 def _trace_path(trace: str | None, mode: str, all_modes: bool) -> Path | None:
@@ -344,11 +393,13 @@ class Progress:
             fields = {"loss": f"{rec['loss']:.4f}", "samples/s": f"{self.rate():,.0f}"}
             if "staleness" in rec:
                 fields["staleness"] = rec["staleness"]
+            if "bubble_fraction" in rec:
+                fields["bubble"] = f"{rec['bubble_fraction']:.2f}"
             if self.bar is not None:
                 self.bar.update(1)
                 self.bar.set_postfix(fields, refresh=False)
             elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
-                extra = f"  staleness {rec['staleness']}" if "staleness" in rec else ""
+                extra = "".join(f"  {k} {v}" for k, v in fields.items() if k in ("staleness", "bubble"))
                 print(f"[{self.mode}] step {rec['step']}/{self.total}  loss {rec['loss']:.4f}  "
                       f"samples/s {self.rate():,.0f}{extra}  ({rec['elapsed_s']:.1f} s)", flush=True)
 
@@ -452,10 +503,14 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg["autocast"]]
     optimizer = AdamW(lr=cfg["lr"], weight_decay=cfg["weight_decay"], max_grad_norm=cfg["max_grad_norm"])
     pin = False if all(d == "cpu" for d in devices) else "auto"
-    engine = Engine(model, models.loss_fn, devices=devices, mode=mode, optimizer=optimizer, seed=seed,
-                    autocast=autocast, accumulate=cfg["accumulate"] if mode == "async" else 1,
+    pipeline = mode == "pipeline"
+    options = dict(stages=cfg.get("stages") or len(devices), microbatches=cfg["microbatches"],
+                   schedule=cfg["schedule"], balance=cfg["balance"]) if pipeline else {}
+    engine = Engine(models.as_layers(model) if pipeline else model, models.loss_fn, devices=devices, mode=mode,
+                    optimizer=optimizer, seed=seed, autocast=autocast,
+                    accumulate=cfg["accumulate"] if mode == "async" else 1,
                     max_staleness=cfg["max_staleness"] if mode == "async" else None,
-                    staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin)
+                    staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin, **options)
     metrics_path = out / "metrics.jsonl"
     try:
         start_step, batches_done, elapsed_offset = 0, 0, 0.0
@@ -532,7 +587,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             engine.trace(trace)
 
         final_model = models.build(cfg["model"], dataset, seed, cfg["hidden"])
-        engine.copy_to(final_model)
+        engine.copy_to(models.as_layers(final_model) if pipeline else final_model)
         evaluation = models.evaluate(final_model, dataset.x_test, dataset.y_test)
         stats = engine.stats()
     finally:
@@ -556,6 +611,10 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         interrupted=interrupted, trace=str(trace) if trace is not None else None,
         phases_mean_s={k: mean(k) for k in ("wall_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s")},
         overlap_efficiency_mean=mean("overlap_efficiency"), engine_stats=stats)
+    if pipeline:
+        summary.update(options, stage_sizes=records[-1]["stage_sizes"] if records else None,
+                       bubble_fraction_mean=mean("bubble_fraction"),
+                       bubble_ideal=records[-1]["bubble_ideal"] if records else None)
     _write_json(out / "summary.json", summary)
     if records:
         plots.plot_loss(records, out / "loss.png", f"pyengine {mode}: {cfg['model']} on {cfg['data']}, "
@@ -654,6 +713,11 @@ def _train(given: dict) -> int:
 
     dataset = data_mod.load(cfg["data"], seed=cfg["seed"])
     check_config(cfg, dataset.train_size)
+    if cfg["mode"] in ("pipeline", "all"):
+        from . import models
+
+        check_pipeline_layers(cfg, len(models.as_layers(models.build(cfg["model"], dataset, cfg["seed"],
+                                                                      cfg["hidden"]))))
     if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
     if resume_payload is None:

@@ -101,7 +101,7 @@ class Engine:
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
                  schedule: str = "1f1b", balance="params"):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn)
-        check_mode_options(mode, stages, microbatches, schedule, balance, autocast)
+        check_mode_options(mode, stages, microbatches, schedule, balance)
         if mode == "pipeline":
             model = as_sequential(model)
         if not any(p.requires_grad for p in model.parameters()):
@@ -148,7 +148,8 @@ class Engine:
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._stop = threading.Event()
         self.pipeline = None if mode != "pipeline" else Pipeline(
-            self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance, unused=unused)
+            self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance, unused=unused,
+            autocast=autocast)
         self._closed = False
         self.process_group = group
         self.servers = distributed.check_servers(servers, group, mode, self.store.numel)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["MODELS", "MLP", "TinyTransformer", "build", "loss_fn", "evaluate"]
+__all__ = ["MODELS", "MLP", "TinyTransformer", "as_layers", "build", "loss_fn", "evaluate"]
 
 MODELS = ("mlp", "transformer")
 TASK_OF_MODEL = {"mlp": "classify", "transformer": "lm"}
@@ -52,12 +52,54 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(d, vocab)
 
     def forward(self, tokens):
-        t = tokens.shape[1]
-        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(1)  # True: not allowed to attend
-        x = self.tok(tokens) + self.pos[:t]
+        x = embed(self.tok, self.pos, tokens)
+        mask = causal_mask(tokens.shape[1], tokens.device)
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.ln(x))
+
+
+def embed(tok: nn.Embedding, pos: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Token embeddings plus learned position embeddings of the first ``tokens.shape[1]`` positions."""
+    return tok(tokens) + pos[:tokens.shape[1]]
+
+
+def causal_mask(t: int, device) -> torch.Tensor:
+    """(t, t) attention mask, True above the diagonal: a position may not attend to later ones."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+
+
+class _Embedding(nn.Module):
+    """The transformer's token + position embeddings as one layer (its parameters, not copies)."""
+
+    def __init__(self, model: TinyTransformer):
+        super().__init__()
+        self.tok, self.pos = model.tok, model.pos
+
+    def forward(self, tokens):
+        return embed(self.tok, self.pos, tokens)
+
+
+class _CausalBlock(nn.Module):
+    """A transformer block as a layer of one input: it builds its causal mask itself."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x, causal_mask(x.shape[1], x.device))
+
+
+def as_layers(model: nn.Module) -> nn.Sequential:
+    """``model`` as an ``nn.Sequential`` of its layers, for the pipeline schedule: the MLP's ``net``; the
+    transformer as embeddings, one layer per block, final LayerNorm, output head. The layers share the model's
+    parameters, so training them trains the model (and ``Engine.copy_to(as_layers(model))`` writes into it)."""
+    if isinstance(model, MLP):
+        return model.net
+    if isinstance(model, TinyTransformer):
+        return nn.Sequential(_Embedding(model), *(_CausalBlock(b) for b in model.blocks), model.ln, model.head)
+    raise TypeError(f"as_layers: no layer sequence known for {type(model).__name__}; expected MLP or TinyTransformer")
 
 
 def build(name: str, dataset, seed: int, hidden: int | None = None) -> nn.Module:

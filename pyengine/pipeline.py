@@ -18,6 +18,9 @@ micro-batches under a GPipe (fill-drain) or 1F1B (one-forward-one-backward) sche
   ``loss_fn(last_stage, (activations, targets_m))``, so a loss_fn of the form ``criterion(model(x), y)`` works
   unchanged. Micro-batch losses are scaled by ``n_m / n`` (n_m samples of n in the replica's shard), so the summed
   gradient is the shard's mean gradient; replicas are then weighted by shard size (as in hybrid).
+- Autocast (``Engine(autocast=torch.bfloat16)``): each stage's forward, the loss included, runs under
+  ``torch.autocast`` on the stage's device, as hybrid workers do; backward runs outside it. Activations and their
+  gradients cross stages in the autocast dtype; the store's gradient slots are in it; master weights stay fp32.
 - Stages in separate processes: :mod:`pyengine.pipeline_distributed` (on ``torch.distributed.pipelining``).
 
 Note [Pipeline update path]
@@ -29,6 +32,16 @@ is checked when the stages are built). After every stage finished its micro-batc
 code path as hybrid and sync; with R replicas the fused kernel averages the R slots (weighted by shard sizes). The
 price: the update does not overlap the last stages' backward. Each stage copies its weights back from the store at
 the start of the next step.
+
+Note [Parameters tied across stages]
+A trainable parameter held by several stages (an input embedding tied to the output layer) is one entry of the store,
+under its first name in the model, inside the range of the first stage that holds it. Every stage holding it keeps
+its own copy (``copy.deepcopy`` per stage) and pulls the master value into it at the start of each step, so all of
+them compute with the last update. No stage writes a tied parameter's range of the gradient slot: a stage's thread
+returns its copy's gradient (fp32), and after every stage's thread has finished, :meth:`Pipeline.step` writes the sum
+of the contributions, in stage order, into slot r for each replica r. The update then sees the tied parameter's
+full gradient, exactly as autograd accumulates it on one device. Summing on the step's thread after the join is what
+makes it safe: two stage threads never write the same range of a slot.
 
 Note [Stopping a failed pipeline]
 Stages block only on their input channels, and a channel ``get`` polls a stop event shared by the step every 50 ms.
@@ -126,20 +139,40 @@ def partition(costs, stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def split_layers(layers, sizes: list[int]) -> list[torch.nn.Sequential]:
+def split_layers(layers, sizes: list[int], allow_tied: bool = False) -> list[torch.nn.Sequential]:
     """``layers`` (``(name, module)`` pairs) cut into ``sizes`` groups, each an ``nn.Sequential`` whose children keep
     their names, so its parameters are named as in the whole model (the store's names). The modules are shared with
-    ``layers``, not copied. A trainable parameter in two stages is a ValueError."""
-    modules, owner, begin = [], {}, 0
-    for s, size in enumerate(sizes):
-        module = torch.nn.Sequential(collections.OrderedDict(layers[begin:begin + size]))
-        for name, p in module.named_parameters():
-            if p.requires_grad and owner.setdefault(id(p), s) != s:
-                raise ValueError(f"parameter {name!r} is shared between stages {owner[id(p)]} and {s}; a pipeline "
-                                 "needs every trainable parameter in one stage")
-        modules.append(module)
+    ``layers``, not copied.
+
+    A trainable parameter in two stages (tied weights) is a ValueError naming it and the stages, unless
+    ``allow_tied`` (see Note [Parameters tied across stages]). A buffer in two stages is always a ValueError: each
+    stage would update its own copy of it.
+    """
+    modules, begin = [], 0
+    for size in sizes:
+        modules.append(torch.nn.Sequential(collections.OrderedDict(layers[begin:begin + size])))
         begin += size
+    for kind, allowed in (("named_buffers", False), ("named_parameters", allow_tied)):
+        shared = _shared_across(modules, kind)
+        if shared and not allowed:
+            name, stages = next(iter(shared.items()))
+            what = "buffer" if kind == "named_buffers" else "trainable parameter"
+            raise ValueError(f"{what} {name!r} is shared between stages {stages}; these pipeline stages need every "
+                             f"{what} in one stage")
     return modules
+
+
+def _shared_across(modules, kind: str) -> dict[str, list[int]]:
+    """Tensors (trainable parameters or buffers) that more than one of ``modules`` holds: the name of each in the
+    first module that holds it -> the indices of the modules holding it."""
+    first, stages = {}, collections.defaultdict(list)
+    for s, module in enumerate(modules):
+        for name, t in getattr(module, kind)():
+            if kind == "named_parameters" and not t.requires_grad:
+                continue
+            first.setdefault(id(t), name)
+            stages[id(t)].append(s)
+    return {first[key]: held for key, held in stages.items() if len(held) > 1}
 
 
 def _param_costs(layers) -> list[int]:
@@ -228,12 +261,18 @@ class _Channel:
 
 
 class _Stage:
-    """One (stage, replica): a deep copy of its layers on its device, the store names of its parameters."""
+    """One (stage, replica): a deep copy of its layers on its device, the store names of its parameters.
 
-    def __init__(self, index: int, replica: int, device: torch.device, module: torch.nn.Sequential, store):
+    ``names`` are the store names of ``module``'s trainable parameters in ``module.parameters()`` order (a tied
+    parameter's store name is its first name in the whole model, not necessarily its name in this stage); ``tied``
+    are those also held by another stage (Note [Parameters tied across stages])."""
+
+    def __init__(self, index: int, replica: int, device: torch.device, module: torch.nn.Sequential, store,
+                 names: list[str], tied: set[str]):
         self.index, self.replica, self.device = index, replica, device
-        self.module = copy.deepcopy(module).to(device)
-        self.params = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        self.module = copy.deepcopy(module).to(device)  # deepcopy keeps ties inside the stage
+        self.params = list(zip(names, (p for p in self.module.parameters() if p.requires_grad), strict=True))
+        self.tied = tied
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.param_ptrs = {p.data_ptr() for p in self.module.parameters()}
         self._master = store.views(store.param)
@@ -250,20 +289,27 @@ class _Stage:
                 p.copy_(self._master[name], non_blocking=True)
 
     @torch.no_grad()
-    def push_grads(self, unused: str) -> None:
-        """This stage's accumulated gradients -> its range of the replica's gradient slot (zeros if none)."""
-        missing = [name for name, p in self.params if p.grad is None]
+    def push_grads(self, unused: str) -> dict[str, torch.Tensor | None]:
+        """This stage's accumulated gradients -> its range of the replica's gradient slot (zeros if none).
+
+        Tied parameters are not written: their gradients are returned (fp32, on the CPU; None where this stage's copy
+        got none) for :meth:`Pipeline.step` to sum across the stages."""
+        missing = [name for name, p in self.params if p.grad is None and name not in self.tied]
         if missing and unused == "error":
             raise RuntimeError(f"{len(missing)} parameter(s) of this stage received no gradient: {missing[:10]}; "
                                "pass unused='zero' or freeze them")
+        tied = {}
         with self.context():
             for name, p in self.params:
-                if p.grad is None:
+                if name in self.tied:
+                    tied[name] = None if p.grad is None else p.grad.to("cpu", torch.float32, copy=True)
+                elif p.grad is None:
                     self._slot[name].zero_()
                 else:
                     self._slot[name].copy_(p.grad, non_blocking=True)
         if self.stream is not None:
             self.stream.synchronize()
+        return tied
 
 
 class _BusyClock:
@@ -344,10 +390,14 @@ class Pipeline:
         schedule: ``"1f1b"`` or ``"gpipe"``.
         balance: ``"params"``, ``"time"`` (measured on the first step's first micro-batch) or a list of S sizes.
         unused: ``"zero"`` or ``"error"`` for parameters that got no gradient in a step.
+        autocast: None, ``torch.bfloat16`` or ``torch.float16``: every stage's forward (and the loss) runs under
+            ``torch.autocast`` on its device, as hybrid workers do; activations and their gradients travel between
+            stages in that dtype, gradients go to the store in it (the store's ``grad_dtype``), master weights stay
+            fp32.
     """
 
     def __init__(self, engine, model: torch.nn.Sequential, *, stages: int, microbatches: int, schedule: str,
-                 balance, unused: str = "zero"):
+                 balance, unused: str = "zero", autocast: torch.dtype | None = None):
         devices = engine.devices
         self.layers = list(model._modules.items())  # named_children() would list a repeated module once
         check_options(len(self.layers), len(devices), stages, microbatches, schedule, balance)
@@ -357,8 +407,12 @@ class Pipeline:
         self.devices = devices
         self.unused = unused
         self.balance = balance
+        self.autocast = autocast
         self.sizes: list[int] | None = None
         self.stages: list[list[_Stage]] = []  # [stage][replica]
+        self.tied: dict[str, list[int]] = {}  # store name -> the stages holding it
+        # store names by tensor: a tied parameter is in the store once, under its first name in the model
+        self._store_names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
         if balance == "params":
             self._build(partition(_param_costs([layer for _, layer in self.layers]), stages))
         elif balance != "time":
@@ -371,13 +425,21 @@ class Pipeline:
 
     def _build(self, sizes: list[int]) -> None:
         self.sizes = _check_sizes(sizes, len(self.layers), self.num_stages)
-        for s, module in enumerate(split_layers(self.layers, self.sizes)):
-            self._check_range(s, [name for name, p in module.named_parameters() if p.requires_grad])
-            self.stages.append([_Stage(s, r, self.devices[s * self.replicas + r], module, self.store)
-                                for r in range(self.replicas)])
+        modules = split_layers(self.layers, self.sizes, allow_tied=True)
+        names = [[self._store_names[id(p)] for p in module.parameters() if p.requires_grad] for module in modules]
+        for s, stage_names in enumerate(names):
+            for name in stage_names:
+                self.tied.setdefault(name, []).append(s)
+        self.tied = {name: held for name, held in self.tied.items() if len(held) > 1}
+        for s, module in enumerate(modules):
+            owned = [n for n in names[s] if n not in self.tied or self.tied[n][0] == s]
+            self._check_range(s, owned)
+            self.stages.append([_Stage(s, r, self.devices[s * self.replicas + r], module, self.store, names[s],
+                                       set(self.tied)) for r in range(self.replicas)])
 
     def _check_range(self, stage: int, names: list[str]) -> None:
-        """A stage's parameters must be one contiguous range of the flat store (Note [Pipeline update path])."""
+        """A stage's parameters (tied ones: in their first stage only) must be one contiguous range of the flat store
+        (Note [Pipeline update path])."""
         if not names:
             return
         entries = [self.store.entry(n) for n in names]
@@ -396,8 +458,9 @@ class Pipeline:
         start = time.perf_counter()
         inputs, targets, shard_sizes = self._split(batch)
         if self.sizes is None:
-            self._build(partition(measure_layer_times([layer for _, layer in self.layers], inputs[0][0]),
-                                  self.num_stages))
+            with self._autocast(inputs[0][0].device):
+                times = measure_layer_times([layer for _, layer in self.layers], inputs[0][0])
+            self._build(partition(times, self.num_stages))
         for stage in (st for row in self.stages for st in row):
             stage.pull()
         pulled = time.perf_counter()
@@ -414,6 +477,7 @@ class Pipeline:
             (s, r), exc = failures[0]
             raise StageError(s, r, self.stages[s][r].device, exc) from exc
         results = {key: f.result() for key, f in futures.items()}
+        self._sum_tied_grads(results)
         schedule_end = max(res["end"] for res in results.values())
         engine.count("steps")
         total = sum(shard_sizes)
@@ -423,6 +487,24 @@ class Pipeline:
             applied = engine.apply_update(list(range(self.replicas)), weights)
         end = time.perf_counter()
         return self._metrics(results, shard_sizes, start, pulled, schedule_end, updated, end, applied)
+
+    def _sum_tied_grads(self, results) -> None:
+        """Each tied parameter's gradient in replica r's slot: the sum of its stages' contributions, in stage order
+        (Note [Parameters tied across stages])."""
+        for r in range(self.replicas):
+            slot = self.store.views(self.store.grad_slot(r))
+            for name, held in self.tied.items():
+                parts = [g for g in (results[(s, r)]["tied_grads"][name] for s in held) if g is not None]
+                if not parts and self.unused == "error":
+                    raise RuntimeError(f"tied parameter {name!r} (stages {held}) received no gradient; pass "
+                                       "unused='zero' or freeze it")
+                total = parts[0] if parts else torch.zeros_like(slot[name], dtype=torch.float32)
+                for g in parts[1:]:
+                    total = total + g
+                slot[name].copy_(total)
+
+    def _autocast(self, device: torch.device):
+        return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
     def _split(self, batch):
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -492,11 +574,15 @@ class Pipeline:
                 memory.released(nbytes)
         end = time.perf_counter()
         busy = clock.total()
-        stage.push_grads(self.unused)
+        tied_grads = stage.push_grads(self.unused)
         return dict(busy=busy, end=end, pushed=time.perf_counter() - end, loss_sum=loss_sum,
-                    peak_count=memory.peak_count, peak_bytes=memory.peak_bytes)
+                    peak_count=memory.peak_count, peak_bytes=memory.peak_bytes, tied_grads=tied_grads)
 
     def _forward(self, stage: _Stage, x, targets):
+        with self._autocast(stage.device):
+            return self._forward_checked(stage, x, targets)
+
+    def _forward_checked(self, stage: _Stage, x, targets):
         if targets is None:
             out = stage.module(x)
             if not isinstance(out, torch.Tensor) or not out.is_floating_point():
@@ -548,13 +634,11 @@ def check_options(layers: int, devices: int, stages, microbatches, schedule, bal
         _check_sizes(balance, layers, stages)
 
 
-def check_mode_options(mode: str, stages, microbatches, schedule, balance, autocast) -> None:
-    """Pipeline options belong to ``mode="pipeline"``; autocast is not supported there yet."""
+def check_mode_options(mode: str, stages, microbatches, schedule, balance) -> None:
+    """Pipeline options belong to ``mode="pipeline"``."""
     if mode != "pipeline":
         given = [name for name, value, default in (("stages", stages, None), ("microbatches", microbatches, 1),
                                                    ("schedule", schedule, "1f1b"), ("balance", balance, "params"))
                  if value != default]
         if given:
             raise ValueError(f"{', '.join(given)}: pipeline options, for mode='pipeline'; mode={mode!r}")
-    elif autocast is not None:
-        raise ValueError("autocast is not supported with mode='pipeline'; pass autocast=None")

@@ -34,6 +34,9 @@ def check_run_dir(run: Path, mode: str, steps: int):
     assert all({"loss", "samples", "samples_per_s", "wall_s", "elapsed_s"} <= set(r) for r in lines)
     if mode == "async":
         assert all("staleness" in r and "worker" in r for r in lines)
+    if mode == "pipeline":
+        assert all(0.0 <= r["bubble_fraction"] <= 1.0 and "bubble_ideal" in r for r in lines)
+        assert 0.0 <= summary["bubble_fraction_mean"] <= 1.0
     png = (run / "loss.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 1000
     assert ckpt.latest(run / "checkpoints") is not None
@@ -45,15 +48,16 @@ def test_mode_all_writes_every_run_and_compare_png(tmp_path, capsys):
     assert train("--mode", "all", "--steps", "12", "--out", str(out), "--trace", str(tmp_path / "t.json"),
                  *SHORT) == 0
     printed = capsys.readouterr().out
-    for mode in ("hybrid", "sync", "async"):
+    for mode in ("hybrid", "sync", "async", "pipeline"):
         summary = check_run_dir(out / mode, mode, 12)
         assert f"[{mode}] 12 steps" in printed and "test accuracy" in printed
         trace = json.loads((tmp_path / f"t-{mode}.json").read_text())
         names = {e["name"] for e in trace["traceEvents"]}
-        assert "forward_backward+transfer" in names and "update" in names or "push" in names
+        compute = {"pipeline": "F0", "async": "push"}.get(mode, "forward_backward+transfer")
+        assert compute in names and ("update" in names or mode == "async"), (mode, names)
         assert summary["trace"].endswith(f"t-{mode}.json")
     top = json.loads((out / "summary.json").read_text())
-    assert top["mode"] == "all" and set(top["runs"]) == {"hybrid", "sync", "async"}
+    assert top["mode"] == "all" and set(top["runs"]) == {"hybrid", "sync", "async", "pipeline"}
     assert (out / "compare.png").read_bytes().startswith(PNG)
 
 
@@ -88,7 +92,7 @@ def test_async_resume_runs_the_remaining_pushes(tmp_path):
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 12
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline"])
 def test_resume_is_bit_identical(tmp_path, mode):
     common = ["--mode", mode, "--quiet", "--checkpoint-every", "5", *SHORT]
     assert train("--steps", "20", "--out", str(tmp_path / "full"), *common) == 0
@@ -107,6 +111,33 @@ def test_resume_is_bit_identical(tmp_path, mode):
             assert torch.equal(entry[key], b["optimizer"]["state"][index][key]), (index, key)
     steps = [json.loads(line)["step"] for line in (part / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 21))  # steps 16..20 were redone, not duplicated
+
+
+def test_pipeline_run_learns_with_its_options(tmp_path):
+    """--mode pipeline with every pipeline flag and bf16 autocast: the loss falls and the run directory holds the
+    stages' metrics."""
+    out = tmp_path / "pipe"
+    assert train("--mode", "pipeline", "--steps", "30", "--stages", "2", "--microbatches", "3", "--schedule",
+                 "gpipe", "--balance", "time", "--autocast", "bf16", "--lr", "1e-2", "--out", str(out), "--quiet",
+                 *SHORT) == 0
+    summary = check_run_dir(out, "pipeline", 30)
+    assert (summary["stages"], summary["microbatches"], summary["schedule"], summary["balance"]) == (
+        2, 3, "gpipe", "time")
+    assert len(summary["stage_sizes"]) == 2 and sum(summary["stage_sizes"]) == 5  # the MLP's 5 layers
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["replicas"] == 1 and r["bubble_ideal"] == pytest.approx(1 / 4) for r in lines)
+    first, last = lines[0]["loss"], sum(r["loss"] for r in lines[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert summary["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
+
+
+def test_pipeline_transformer_as_layers(tmp_path):
+    out = tmp_path / "tok"
+    assert train("--data", "tokens", "--mode", "pipeline", "--steps", "3", "--hidden", "32", "--batch-size", "8",
+                 "--devices", "cpu", "--workers", "2", "--microbatches", "2", "--out", str(out), "--quiet") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "transformer" and summary["steps"] == 3 and sum(summary["stage_sizes"]) == 5
+    assert summary["final_loss"] is not None and summary["final_loss"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +175,15 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
     (["--model", "transformer"], "--model transformer does not fit --data digits"),
     (["--out", "{file}/sub"], "cannot write to --out"),
     (["--resume", "{missing}"], "no such file or directory"),
+    (["--mode", "hybrid", "--stages", "2"], "--stages: pipeline option; --mode hybrid has no stages"),
+    (["--microbatches", "2", "--schedule", "gpipe"], "--microbatches, --schedule: pipeline options"),
+    (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--stages", "3"], "--stages 3 does not divide"),
+    (["--mode", "pipeline", "--devices", "cpu", "--workers", "4", "--stages", "2", "--batch-size", "7",
+      "--microbatches", "4"], "over 2 pipeline replica(s) cannot feed --microbatches 4"),
+    (["--mode", "pipeline", "--devices", "cpu", "--workers", "6"], "--stages 6 is more than the 5 layers"),
 ], ids=["sync+accumulate", "no-such-gpu", "bad-device", "workers>samples", "batch<workers", "model/data",
-        "unwritable-out", "resume-missing"])
+        "unwritable-out", "resume-missing", "stages-in-hybrid", "pipeline-flags-default-mode", "stages!|workers",
+        "batch<microbatches", "stages>layers"])
 def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("x")
     argv = [a.format(file=tmp_path / "file", missing=tmp_path / "nope") for a in argv]
@@ -158,7 +196,8 @@ def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, messa
     assert not out.exists()  # no work was done
 
 
-@pytest.mark.parametrize("argv", [["--bogus"], ["--mode", "fast"], ["--steps", "0"], ["--steps", "3", "--epochs", "1"]])
+@pytest.mark.parametrize("argv", [["--bogus"], ["--mode", "fast"], ["--steps", "0"], ["--steps", "3", "--epochs", "1"],
+                                  ["--schedule", "zb"], ["--balance", "flops"], ["--microbatches", "0"]])
 def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         train(*argv)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pyengine import AdamW, Engine, StageError
-from pyengine.pipeline import partition, schedule_actions
+from pyengine.pipeline import partition, schedule_actions, split_layers
 
 from conftest import loss_fn, make_batches
 
@@ -123,6 +123,111 @@ def test_trace_has_one_row_per_stage(rng, tmp_path):
     for s in range(3):
         assert {(f"stage{s}.r0", f"{k}{m}") for k in "FB" for m in range(2)} <= spans
     assert ("host", "update") in spans
+
+
+# ---- autocast ----
+
+def test_autocast_bf16_matches_single_device_autocast(rng):
+    """Each stage's forward runs under CPU autocast (the activations reaching the loss are bf16), gradients travel in
+    bf16 and land in the fp32 master weights; the weights follow one device running the same autocast.
+
+    Tolerance: bf16 keeps 8 significant bits (rounding error 2^-9 ~ 0.2 %). The two runs round different things:
+    micro-batches make every weight gradient a sum of per-micro-batch bf16 matmul outputs instead of one, and the
+    gradient slot rounds to bf16 once more. eps=1 keeps AdamW's step nearly linear in the gradient (|g| << eps), so
+    those errors reach the weights in proportion; with a small eps, Adam's normalisation amplifies them wherever a
+    gradient element is near zero (eps=1e-3: up to 4.5 % of a tensor's update in 20 draws). Measured with eps=1 over
+    30 fresh draws: 0.5-1.7 % of each tensor's largest update, hence 4 %; the loss within 1 % (bf16 logits).
+    """
+    opt = dict(OPT, eps=1.0)
+    model, batches = make_model(), make_batches(rng, 5, 29)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **opt)
+    dtypes = set()
+
+    def recording_loss(last_stage, batch):
+        x, y = batch
+        logits = last_stage(x)
+        dtypes.update({x.dtype, logits.dtype})
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    with Engine(model, recording_loss, devices=["cpu"] * 3, mode="pipeline", stages=3, microbatches=4,
+                optimizer=AdamW(**opt), autocast=torch.bfloat16) as engine:
+        assert engine.store.grad_dtype == torch.bfloat16 and engine.store.param.dtype == torch.float32
+        for b in batches:
+            metrics = engine.step(b)
+            ref_opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ref_loss = loss_fn(reference, b)
+            ref_loss.backward()
+            ref_opt.step()
+            assert metrics["applied"] and metrics["loss"] == pytest.approx(ref_loss.item(), rel=1e-2)
+        master = engine.master_state_dict()
+    assert dtypes == {torch.bfloat16}, "the stages' forwards ran under autocast"
+    initial = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert master[name].dtype == torch.float32
+        update, ref_update = master[name] - initial[name].detach(), (p - initial[name]).detach()
+        assert ref_update.abs().max() > 0
+        torch.testing.assert_close(update, ref_update, rtol=0, atol=0.04 * ref_update.abs().max().item(), msg=name)
+
+
+# ---- parameters tied across stages ----
+
+def lm_loss(model, batch):
+    tokens, targets = batch
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tied_lm(vocab=11, d=7):
+    """Input embedding in the first stage, its weight reused by the output layer in the last."""
+    torch.manual_seed(0)
+    embedding, head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab, bias=False)
+    head.weight = embedding.weight
+    return torch.nn.Sequential(embedding, torch.nn.Tanh(), torch.nn.Linear(d, d), torch.nn.Tanh(), head)
+
+
+def tied_module():
+    """One Linear used twice: in stage 0 and stage 1."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(5, 5)
+    return torch.nn.Sequential(shared, torch.nn.Tanh(), torch.nn.Linear(5, 5), torch.nn.Tanh(), shared)
+
+
+@pytest.mark.parametrize("case,stages,replicas,balance", [
+    ("embedding", 3, 1, [1, 3, 1]), ("embedding", 2, 2, [2, 3]), ("module", 2, 1, [3, 2])])
+def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, replicas, balance):
+    model = tied_lm() if case == "embedding" else tied_module()
+    tied = ["0.weight"] if case == "embedding" else ["0.weight", "0.bias"]
+    if case == "embedding":
+        batches = [(torch.randint(0, 11, (19, 3), generator=rng), torch.randint(0, 11, (19, 3), generator=rng))
+                   for _ in range(5)]
+        loss = lm_loss
+    else:
+        batches = [(torch.randn(19, 5, generator=rng), torch.randint(0, 5, (19,), generator=rng)) for _ in range(5)]
+        loss = loss_fn
+    reference = copy.deepcopy(model).double()
+    ref_opt = torch.optim.AdamW(reference.parameters(), foreach=False, **OPT)
+    with Engine(model, loss, devices=["cpu"] * (stages * replicas), mode="pipeline", stages=stages, microbatches=3,
+                optimizer=AdamW(**OPT), balance=balance) as engine:
+        assert engine.pipeline.tied == {name: [0, stages - 1] for name in tied}
+        for x, y in batches:
+            before = engine.master_state_dict()
+            metrics = engine.step((x, y))
+            for stage in engine.pipeline.stages[0] + engine.pipeline.stages[-1]:
+                for name in tied:
+                    held = dict(stage.params)[name]
+                    assert torch.equal(held.detach(), before[name]), "every stage computed with the last update"
+            ref_opt.zero_grad()
+            ref_loss = loss(reference, (x.double() if x.is_floating_point() else x, y))
+            ref_loss.backward()
+            ref_opt.step()
+            assert metrics["loss"] == pytest.approx(ref_loss.item(), rel=1e-5)
+        master = engine.master_state_dict()
+    assert sorted(master) == sorted(name for name, _ in reference.named_parameters())
+    for name, p in reference.named_parameters():
+        scale = p.detach().abs().max().item()
+        torch.testing.assert_close(master[name].double(), p.detach(), rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
 # ---- schedules ----
@@ -329,12 +434,20 @@ def test_bad_models_and_modes():
         Engine(torch.nn.Linear(3, 3), loss_fn, devices=["cpu"], mode="pipeline")
     with pytest.raises(ValueError, match="pipeline options"):
         Engine(make_model(), loss_fn, devices=["cpu"], mode="hybrid", microbatches=4)
-    with pytest.raises(ValueError, match="autocast"):
-        Engine(make_model(), loss_fn, devices=["cpu"], mode="pipeline", autocast=torch.bfloat16)
-    shared = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="shared between stages 0 and 1"):
-        Engine(torch.nn.Sequential(shared, torch.nn.Tanh(), shared), loss_fn, devices=["cpu"] * 2,
+    norm = torch.nn.BatchNorm1d(4)
+    with pytest.raises(ValueError, match=r"buffer '0.running_mean' is shared between stages \[0, 1\]"):
+        Engine(torch.nn.Sequential(norm, torch.nn.Linear(4, 4), norm), loss_fn, devices=["cpu"] * 2,
                mode="pipeline", balance=[2, 1])
+
+
+def test_tied_parameter_rejected_where_stages_cannot_share_it():
+    """Stages in separate processes keep one store each: a tied parameter there is an error naming it and the
+    stages (split_layers is where both kinds of pipeline cut the model)."""
+    shared = torch.nn.Linear(4, 4)
+    layers = list(torch.nn.Sequential(torch.nn.Linear(4, 4), shared, torch.nn.Tanh(), shared)._modules.items())
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is shared between stages \[0, 2\]"):
+        split_layers(layers, [2, 1, 1])
+    assert len(split_layers(layers, [2, 1, 1], allow_tied=True)) == 3
 
 
 # ---- stages in separate processes (torch.distributed.pipelining) ----
