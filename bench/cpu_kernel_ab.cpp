@@ -9,7 +9,9 @@
 // Before timing, every version updates the same initial state once and must give the same bits as the first version
 // (param, exp_avg, exp_avg_sq): a faster loop that changes the result is not a candidate.
 //
-//   cpu_kernel_ab N G DTYPE ROUNDS CHUNK     DTYPE: fp32 | bf16; CHUNK: elements per update() call (as kChunk)
+//   cpu_kernel_ab N G DTYPE ROUNDS CHUNK [huge]   DTYPE: fp32 | bf16; CHUNK: elements per update() call (as kChunk);
+//                                                huge: every version also runs on a second set of buffers
+//                                                      madvise(MADV_HUGEPAGE)d (transparent huge pages), label /2M
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,6 +19,7 @@
 #include <cstring>
 #include <cmath>
 #include <random>
+#include <sys/mman.h>
 #include <string>
 #include <vector>
 
@@ -49,6 +52,29 @@ std::vector<Variant> variants() {
   return v;
 }
 
+// std::allocator that asks for transparent huge pages (2 MiB) once g_huge is set, to measure what 4 KiB pages cost.
+bool g_huge = false;
+
+template <class T>
+struct PageAllocator {
+  using value_type = T;
+  PageAllocator() = default;
+  template <class U>
+  PageAllocator(const PageAllocator<U>&) {}
+  T* allocate(size_t k) {
+    constexpr size_t kAlign = 2 << 20;
+    const size_t bytes = (k * sizeof(T) + kAlign - 1) / kAlign * kAlign;
+    void* p = std::aligned_alloc(kAlign, bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    if (g_huge) madvise(p, bytes, MADV_HUGEPAGE);
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  bool operator==(const PageAllocator&) const { return true; }
+};
+template <class T>
+using Buffer = std::vector<T, PageAllocator<T>>;
+
 uint16_t to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
@@ -60,9 +86,9 @@ struct Case {
   int64_t n;
   int G;
   Dtype dtype;
-  std::vector<float> param, m, v, param0, m0, v0;
-  std::vector<std::vector<float>> grads32;
-  std::vector<std::vector<uint16_t>> grads16;
+  Buffer<float> param, m, v, param0, m0, v0;
+  std::vector<Buffer<float>> grads32;
+  std::vector<Buffer<uint16_t>> grads16;
   std::vector<GradSource> sources;
   UpdateScalars s{};
 
@@ -70,7 +96,7 @@ struct Case {
     std::mt19937 gen(std::random_device{}());
     std::normal_distribution<float> normal;
     auto randn = [&](int64_t k) {
-      std::vector<float> x(k);
+      Buffer<float> x(k);
       for (float& e : x) e = normal(gen);
       return x;
     };
@@ -79,11 +105,11 @@ struct Case {
     v0 = randn(n);
     for (float& e : v0) e = e * e;
     for (int k = 0; k < G; ++k) {
-      std::vector<float> g = randn(n);
+      Buffer<float> g = randn(n);
       if (dtype == Dtype::kFloat32) {
         grads32.push_back(std::move(g));
       } else {
-        std::vector<uint16_t> h(n);
+        Buffer<uint16_t> h(n);
         for (int64_t j = 0; j < n; ++j) h[j] = to_bf16(g[j]);
         grads16.push_back(std::move(h));
       }
@@ -143,7 +169,7 @@ double median(std::vector<double> x) {
 // Every version must reproduce the first version's bits from the same initial state.
 bool check_identical(Case& c, const std::vector<Variant>& vs, int64_t chunk) {
   c.update(*vs[0].table, chunk);
-  const std::vector<float> p = c.param, m = c.m, v = c.v;
+  const Buffer<float> p = c.param, m = c.m, v = c.v;
   bool ok = true;
   for (size_t i = 1; i < vs.size(); ++i) {
     c.reset();
@@ -161,8 +187,8 @@ bool check_identical(Case& c, const std::vector<Variant>& vs, int64_t chunk) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: %s N G fp32|bf16 ROUNDS CHUNK\n", argv[0]);
+  if (argc != 6 && !(argc == 7 && std::string(argv[6]) == "huge")) {
+    std::fprintf(stderr, "usage: %s N G fp32|bf16 ROUNDS CHUNK [huge]\n", argv[0]);
     return 2;
   }
   const int64_t n = std::atoll(argv[1]);
@@ -174,19 +200,30 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bad arguments: N, G, ROUNDS, CHUNK must be > 0 and DTYPE fp32 or bf16\n");
     return 2;
   }
-  Case c(n, G, dt == "fp32" ? Dtype::kFloat32 : Dtype::kBFloat16);
+  // One set of buffers on 4 KiB pages; with "huge", a second set on transparent huge pages, and every version runs
+  // on both (labels ending in /2M), so the cost of 4 KiB pages is measured in the same rounds.
+  const Dtype dtype = dt == "fp32" ? Dtype::kFloat32 : Dtype::kBFloat16;
+  std::vector<Case> cases;
+  cases.reserve(2);
+  cases.emplace_back(n, G, dtype);
+  if (argc == 7) {
+    g_huge = true;
+    cases.emplace_back(n, G, dtype);
+  }
   const std::vector<Variant> vs = variants();
-  if (!check_identical(c, vs, chunk)) return 1;
+  for (Case& c : cases) {
+    if (!check_identical(c, vs, chunk)) return 1;
+  }
 
-  std::vector<float> copy_src(c.param0), copy_dst(n);
-  const size_t k = vs.size();
+  Buffer<float> copy_src(cases[0].param0), copy_dst(n);
+  const size_t k = vs.size() * cases.size();  // slot i: version i % vs.size() on cases[i / vs.size()]
   std::vector<std::vector<double>> times(k + 1);  // the last slot: the copy
   for (int r = -1; r < rounds; ++r) {              // round -1 warms up
     for (size_t i = 0; i <= k; ++i) {
       const size_t j = (i + static_cast<size_t>(r + 1)) % (k + 1);
       const auto t0 = std::chrono::steady_clock::now();
       if (j < k) {
-        c.update(*vs[j].table, chunk);
+        cases[j / vs.size()].update(*vs[j % vs.size()].table, chunk);
       } else {
         std::memcpy(copy_dst.data(), copy_src.data(), n * sizeof(float));
       }
@@ -203,8 +240,10 @@ int main(int argc, char** argv) {
     const double lo = *std::min_element(times[i].begin(), times[i].end());
     std::vector<double> paired(times[i].size());  // same-round ratios: robust to the bandwidth drifting
     for (size_t r = 0; r < paired.size(); ++r) paired[r] = times[0][r] / times[i][r];
+    const std::string label = std::string(vs[i % vs.size()].label) + (i >= vs.size() ? "/2M" : "");
     std::printf("  %-14s median %8.2f ms  min %8.2f ms  %6.1f GB/s  speed vs %s: %5.3fx (medians) %5.3fx (paired)\n",
-                vs[i].label, t * 1e3, lo * 1e3, c.bytes() / t / 1e9, vs[0].label, base / t, median(paired));
+                label.c_str(), t * 1e3, lo * 1e3, cases[0].bytes() / t / 1e9, vs[0].label, base / t,
+                median(paired));
   }
   return 0;
 }

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--chunk", type=int, default=16 * 1024, help="elements per update() call (kChunk)")
     ap.add_argument("--isa", default="avx512")
+    ap.add_argument("--huge-pages", action="store_true", help="also run every version on buffers madvise(MADV_HUGEPAGE)d")
     args = ap.parse_args(argv)
     pairs = [v.split("=", 1) for v in args.versions]
     if any(len(p) != 2 or not p[0].isidentifier() for p in pairs) or len({p[0] for p in pairs}) != len(pairs):
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
         exe = build(versions, args.isa, workdir)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for g in args.g:
-            rc = subprocess.run([exe, str(args.n), str(g), args.dtype, str(args.rounds), str(args.chunk)],
+            rc = subprocess.run([exe, str(args.n), str(g), args.dtype, str(args.rounds), str(args.chunk)]
+                                + (["huge"] if args.huge_pages else []),
                                 env=env).returncode
             if rc != 0:
                 return rc
