@@ -10,8 +10,8 @@
 //   1. acc[j]  = w_0 * g_0[j];  acc[j] += w_k * g_k[j] for k = 1..G-1   (fixed order: bit-reproducible)
 //      Consecutive fp32 gradients are added in groups of up to 4 in one loop (acc[j] = (((acc[j] + x_k) + x_k+1)
 //      + ...), the same operations in the same order, so the same bits): acc is loaded and stored once per group,
-//      not once per gradient, and a few gradient streams are read side by side. Measured 1.05-1.10x at G=4 and
-//      1.13-1.25x at G=8 on one thread (bench/cpu_kernel_ab.py, bench/RESULTS.md). Fusing the gradients into the
+//      not once per gradient, and a few gradient streams are read side by side. Measured 1.05-1.09x at G=4 and
+//      1.10-1.25x at G=8 on one thread (bench/cpu_kernel_ab.py, bench/RESULTS.md). Fusing the gradients into the
 //      Adam loop as well (7-10 streams in one loop) measured 0.7x: the Adam loop is best left with its 3+3 streams.
 //   2. Adam loop over the tile, reading acc from L1 and param/m/v from memory, writing param/m/v (+ param_out).
 // So the G gradients and the state are each read once from memory: 4N(G+6) bytes with fp32 gradients.
@@ -141,6 +141,8 @@ void accumulate_fp32(const GradSource* g, int64_t begin, int64_t n, float* __res
   }
 }
 
+// Adds the next group of gradients into acc: up to 4 consecutive fp32 ones in one pass, else one gradient of any
+// dtype. Returns how many gradients it consumed.
 template <bool kFirst>
 int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc, float* scratch) {
   int r = 0;
