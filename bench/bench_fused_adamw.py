@@ -16,7 +16,7 @@ GB/s are quoted against a copy bandwidth measured in the same process (``dst.cop
 Two ways to run:
 
     pytest bench/bench_fused_adamw.py --benchmark-only           # pytest-benchmark, one test per path and case
-    python bench/bench_fused_adamw.py --quick|--full [--cuda]    # interleaved medians, markdown table (RESULTS.md)
+    python bench/bench_fused_adamw.py --quick|--full [--cuda] [--dtypes fp32]   # interleaved medians, markdown table
 
 These VMs are noisy: the script mode alternates the paths round by round in one process and reports medians.
 """
@@ -264,6 +264,8 @@ def main(argv=None):
     mode.add_argument("--full", action="store_true", help="N in {32M,4M}, G in {1,2,4,8}, 1 and 2 threads")
     ap.add_argument("--cuda", action="store_true", help="run on the GPU (CUDA events; copy = 1 GiB device copy)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
+                    help="gradient dtypes to run (default: all)")
     ap.add_argument("--out", help="also write the markdown table to this file")
     args = ap.parse_args(argv)
 
@@ -284,7 +286,7 @@ def main(argv=None):
              f"median of {args.rounds} interleaved rounds")
     print(title)
     print(header(paths), flush=True)
-    rows = run_table(sizes, gs, ["fp32", "bf16"], threads, args.rounds, device, paths)
+    rows = run_table(sizes, gs, args.dtypes, threads, args.rounds, device, paths)
     if args.out:
         with open(args.out, "w") as f:
             f.write(title + "\n\n" + header(paths) + "\n" + "\n".join(format_row(r, paths) for r in rows) + "\n")

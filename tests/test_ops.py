@@ -419,6 +419,39 @@ def test_bit_reproducible_and_thread_count_independent(device):
         assert torch.equal(a, b)
 
 
+F32, B16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("dtypes", [(F32,) * 4, (F32,) * 5, (F32,) * 8, (F32,) * 9,
+                                    (F32, F32, B16, F32, F32, F32, F32, F16, F32, F32)],
+                         ids=["fp32x4", "fp32x5", "fp32x8", "fp32x9", "mixed10"])
+def test_gradients_summed_in_list_order(rng, device, dtypes):
+    """The documented summation order, bit for bit: acc = w_0 g_0, then acc = acc + w_k g_k for k = 1..G-1 in fp32.
+
+    With beta1 = 0, m = 0 and explicit weights, exp_avg after one step is exactly that sum (0 * m + 1 * g, times
+    grad_mult 1). Full-precision random gradients make any other association order differ in some element; the test
+    checks that a pairwise order would indeed be caught before it compares.
+    """
+    n, G = 100_003, len(dtypes)
+    weights = (torch.rand(G, generator=rng, dtype=torch.float64) + 0.5)
+    weights = (weights / weights.sum()).tolist()
+    grads = [torch.randn(n, generator=rng).to(dt) for dt in dtypes]
+    terms = [torch.tensor(w, dtype=torch.float32) * g.float() for w, g in zip(weights, grads)]
+    expected = terms[0].clone()
+    for x in terms[1:]:
+        expected += x
+    pairwise = terms[0] + terms[1]
+    for k in range(2, G - 1, 2):
+        pairwise += terms[k] + terms[k + 1]
+    if G % 2:
+        pairwise += terms[-1]
+    assert not torch.equal(pairwise, expected), "the data must tell summation orders apart"
+
+    p, m, v = torch.randn(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    ops.mean_grad_adamw_(p, m, v, [g.to(device) for g in grads], lr=1e-3, beta1=0.0, step=1, weights=weights)
+    assert torch.equal(m.cpu(), expected)
+
+
 ISA_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[2])
