@@ -15,7 +15,7 @@ import torch
 
 from . import ops
 from .metrics import step_metrics
-from .workers import batch_size, split_batch
+from .workers import batch_size, host_threads, split_batch
 
 
 def hybrid_step(engine, batch) -> dict:
@@ -37,17 +37,18 @@ def hybrid_step(engine, batch) -> dict:
     engine.share_buffers(workers)  # DDP's broadcast_buffers: worker 0's buffers go to every replica
     futures = engine.submit_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
     squares, nonfinite = 0.0, False
-    for b in buckets:
-        if not engine.wait_bucket(b.index, futures):
-            break  # a worker failed: gather_workers raises
-        with engine.phase("norm"):
-            norm, flag = ops.mean_grad_norm([slot[b.begin:b.end] for slot in slots], weights)
-        squares += float(norm) ** 2
-        nonfinite |= bool(flag)
+    with host_threads(engine.devices):  # Note [Host threads beside CPU workers] in workers.py
+        for b in buckets:
+            if not engine.wait_bucket(b.index, futures):
+                break  # a worker failed: gather_workers raises
+            with engine.phase("norm"):
+                norm, flag = ops.mean_grad_norm([slot[b.begin:b.end] for slot in slots], weights)
+            squares += float(norm) ** 2
+            nonfinite |= bool(flag)
     results = engine.gather_workers(futures)
     engine.count("steps")
     updated = time.perf_counter()
-    with engine.phase("update"):
+    with engine.phase("update"), host_threads(engine.devices, engine.store.numel):
         applied = engine.admit_update(nonfinite or not math.isfinite(squares), workers)
         norm = torch.tensor([math.sqrt(squares)], dtype=torch.float32)
         for b in buckets:

@@ -6,6 +6,7 @@ import copy
 import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -348,6 +349,25 @@ def test_transfer_checks_its_arguments():
     with pytest.raises(RuntimeError, match="closed"):
         transfer.launch(0, 0, [None], [dst])
 
+
+
+def test_copy_thread_never_drops_the_last_reference_to_a_python_tensor():
+    """A finished copy's tensors are released on the thread that launches the next copy (or closes), never on the
+    C++ copy thread: that thread would take the GIL, and at interpreter exit CPython ends such a thread with a forced
+    unwind (std::terminate). The source's Python object is dropped right after launch, so the job holds its last
+    reference; its finalizer records the thread that freed it."""
+    transfer = pyengine._C.BucketTransfer(2, "cpu", "test")
+    freed_on = []
+    for bucket in range(2):
+        src = torch.randn(1 << 16)
+        weakref.finalize(src, lambda: freed_on.append(threading.get_ident()))
+        transfer.launch(0, bucket, [src], [torch.empty(1 << 16)])
+        del src
+        assert transfer.wait(0, bucket, True, 10.0)
+    time.sleep(0.05)  # the copy thread has retired both jobs
+    transfer.launch(0, 0, [None], [torch.empty(4)])  # frees the retired jobs here
+    transfer.close()
+    assert freed_on == [threading.get_ident()] * 2
 
 def rss_bytes():
     with open("/proc/self/statm") as f:

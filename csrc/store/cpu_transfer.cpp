@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <thread>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -91,6 +92,7 @@ class CpuTransfer final : public BucketTransfer {
     work_.notify_all();
     changed_.notify_all();
     if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+    release_retired();
   }
 
  protected:
@@ -100,6 +102,7 @@ class CpuTransfer final : public BucketTransfer {
                         "GradientStreamer: a CPU worker copies between CPU tensors only; pair ", i, " is ",
                         job.srcs[i].defined() ? job.srcs[i].device().str() : "zero", " -> ", job.dsts[i].device());
     }
+    release_retired();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(Task{channel, bucket, std::move(job)});
@@ -134,8 +137,8 @@ class CpuTransfer final : public BucketTransfer {
       } catch (const std::exception& e) {
         error = e.what();
       }
-      task.job = CopyJob{};  // drop the tensor references outside the lock
       lock.lock();
+      retired_.push_back(std::move(task.job));  // Note [Tensor references leave on the launching thread]
       Counters& c = counters(task.channel, task.bucket);
       c.completed += 1;
       if (!error.empty()) c.error = error;
@@ -144,7 +147,21 @@ class CpuTransfer final : public BucketTransfer {
     }
   }
 
+  // Note [Tensor references leave on the launching thread]
+  // A finished job's tensors may hold the last reference to a Python tensor (the worker already set .grad to None).
+  // Dropping it here would take the GIL on this C++ thread: a stall for the copy queue, and at interpreter exit a
+  // thread that may not take the GIL any more (CPython ends it with a forced unwind: std::terminate). So the copy
+  // thread only retires finished jobs; the thread that launches the next job (or closes) drops them.
+  void release_retired() {
+    std::vector<CopyJob> retired;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      retired.swap(retired_);
+    }
+  }  // the references go here, on the calling thread, outside the lock
+
   std::deque<Task> queue_;
+  std::vector<CopyJob> retired_;  // guarded by mutex_
   std::condition_variable work_;
   std::thread thread_;  // last member: started once the others exist
 };
