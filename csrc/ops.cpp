@@ -40,5 +40,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_isa", &pyengine::cpu::selected_isa,
         "Name of the CPU kernel variant in use (avx512, avx2 or default), chosen from at::get_cpu_capability(), "
         "which honours ATEN_CPU_CAPABILITY.");
+  m.def("_set_serial_on_this_thread", &pyengine::cpu::set_serial_on_this_thread, pybind11::arg("serial"),
+        "Run pyengine's CPU ops on the calling thread only (True) or with at::parallel_for (False), for this thread; "
+        "returns the previous setting.");
   pyengine::store::init_store_bindings(m);
 }

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import _C
 from .streamer import GradientStreamer
 
 __all__ = ["Worker", "WorkerError", "parse_devices", "split_batch", "batch_size", "to_device"]
@@ -111,28 +112,29 @@ HOST_PARALLEL_MIN_NUMEL = 1 << 23
 
 @contextlib.contextmanager
 def host_threads(devices: list[torch.device], numel: int | None = None):
-    """Intra-op threads of the calling (host) thread within: with CPU workers among ``devices``, one thread while
-    they compute (``numel`` None) or for host-only work over fewer than ``HOST_PARALLEL_MIN_NUMEL`` elements, else
-    unchanged. Without CPU workers, unchanged.
+    """Within: with CPU workers among ``devices``, pyengine's CPU ops on the calling (host) thread run on that thread
+    alone while the workers compute (``numel`` None) or for host-only work over fewer than
+    ``HOST_PARALLEL_MIN_NUMEL`` elements; otherwise, and without CPU workers, they use every intra-op thread.
 
     Note [Host threads beside CPU workers]
     CPU workers already hold every core (:func:`set_worker_threads`). Host work overlapped with their backward (the
     per-bucket norm) on the host thread's own OpenMP team takes cores from them, and, worse, libgomp's team threads
     spin-wait after each parallel region (OMP_WAIT_POLICY unset: milliseconds), burning the workers' cores while they
-    compute. So while workers run the host uses its own thread only, and the update (workers idle) uses every core
-    only when it is large enough to repay the spin that follows it into the next step's forward. Measured on 2 vCPUs
-    (bench/RESULTS.md): hybrid G=2 step 13.1 -> 9.2 ms (1.3M-parameter MLP), 90.9 -> 79.4 ms (small transformer);
-    unchanged within noise at 8.7M parameters, where one and two update threads cross over.
+    compute. So while workers run the host's ops stay on its own thread, and the update (workers idle) uses every
+    core only when it is large enough to repay the spin that follows it into the next step's forward.
+    This is a per-thread switch inside pyengine's ops (``_C._set_serial_on_this_thread``), not
+    ``torch.set_num_threads``: that one is not a thread-local knob (it also resets process-wide state such as
+    oneDNN's primitive cache), and toggling it on the host thread every step made a G=1 worker's backward 1.6x
+    slower. Measured on 2 vCPUs in bench/RESULTS.md.
     """
     if not any(d.type == "cpu" for d in devices) or (numel is not None and numel >= HOST_PARALLEL_MIN_NUMEL):
         yield
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous = _C._set_serial_on_this_thread(True)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        _C._set_serial_on_this_thread(previous)
 
 
 class Worker:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -418,6 +419,28 @@ def test_bit_reproducible_and_thread_count_independent(device):
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
+
+
+def test_serial_on_this_thread_gives_the_same_bits_and_is_per_thread():
+    """``_C._set_serial_on_this_thread`` (the engine's host thread beside CPU workers) runs the CPU ops without an
+    OpenMP region: the same bits as the parallel run (fixed chunks), it returns the previous setting, and another
+    thread keeps its own (default) setting."""
+    from pyengine import _C
+
+    inputs = update_inputs(n=1_000_003)  # many chunks, so the parallel run does split the work
+    parallel = one_update("cpu", inputs)
+    assert _C._set_serial_on_this_thread(True) is False
+    try:
+        serial = one_update("cpu", inputs)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(_C._set_serial_on_this_thread(False)))
+        thread.start()
+        thread.join()
+        assert seen == [False]  # the other thread's setting was the default, not this thread's
+    finally:
+        assert _C._set_serial_on_this_thread(False) is True
+    for a, b in zip(parallel, serial):
+        assert torch.equal(a, b)
 
 F32, B16, F16 = torch.float32, torch.bfloat16, torch.float16
 

@@ -11,4 +11,9 @@ struct KernelTable;
 const KernelTable& selected_kernels();
 std::string selected_isa();
 
+// Whether the CPU ops run on the calling thread only (no OpenMP region) on this thread; returns the previous value.
+// Per thread, with no effect on torch's thread settings: see Note [Host threads beside CPU workers] in
+// pyengine/workers.py for why the engine's host thread wants this while CPU workers compute.
+bool set_serial_on_this_thread(bool serial);
+
 }  // namespace pyengine::cpu

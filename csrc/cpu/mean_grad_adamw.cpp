@@ -21,6 +21,18 @@ namespace {
 // Elements per unit of parallel work: 16 tiles = 64 KiB per stream, so the G + 6 streams of a chunk fit in L2.
 constexpr int64_t kChunk = 16 * kTile;
 
+thread_local bool serial_on_this_thread = false;
+
+// at::parallel_for over [0, n), or a plain loop on this thread when set_serial_on_this_thread(true) is in force.
+template <typename F>
+void for_chunks(int64_t n, const F& body) {
+  if (serial_on_this_thread) {
+    body(0, n);
+  } else {
+    at::parallel_for(0, n, 1, body);
+  }
+}
+
 struct Chunk {
   int64_t tensor;
   int64_t begin;
@@ -88,7 +100,7 @@ void update_cpu(const UpdateArgs& a) {
   }
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   const KernelTable& kernels = selected_kernels();
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+  for_chunks(static_cast<int64_t>(chunks.size()), [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       kernels.update(buffers[chunks[c].tensor], s, chunks[c].begin, chunks[c].end);
     }
@@ -105,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor> norm_cpu(at::TensorList grads, int64_t num_te
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   std::vector<float> partial(chunks.size());
   const KernelTable& kernels = selected_kernels();
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+  for_chunks(static_cast<int64_t>(chunks.size()), [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       const Chunk& ch = chunks[c];
       partial[c] = kernels.sum_squares(sources.data() + ch.tensor * G, static_cast<int>(G), mult, ch.begin, ch.end);
@@ -121,6 +133,12 @@ std::tuple<at::Tensor, at::Tensor> norm_cpu(at::TensorList grads, int64_t num_te
 }
 
 }  // namespace
+
+bool set_serial_on_this_thread(bool serial) {
+  const bool previous = serial_on_this_thread;
+  serial_on_this_thread = serial;
+  return previous;
+}
 
 const KernelTable& selected_kernels() {
 #ifdef PYENGINE_CPU_ISA_VARIANTS
