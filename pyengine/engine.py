@@ -141,6 +141,7 @@ class Engine:
         self.history: list[dict] = []
         self._counters = collections.Counter()
         self._staleness = collections.Counter()
+        self._inline_worker = len(self.devices) == 1 and self.devices[0].type == "cpu"  # see submit_workers
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
@@ -375,8 +376,30 @@ class Engine:
 
     def submit_workers(self, tasks: dict) -> dict:
         """Starts ``{worker_index: fn}`` on the worker threads; returns ``{index: future}`` for
-        :meth:`gather_workers`."""
-        return {i: self._pool.submit(fn) for i, fn in tasks.items()}
+        :meth:`gather_workers`.
+
+        Note [One CPU worker runs on the calling thread]
+        With a single CPU worker the task runs here, on the calling thread, and the returned future is already
+        done. A worker thread would bring its own OpenMP team beside the one the calling thread already has (any
+        torch op it ran made one); libgomp then counts more threads than cores and switches every team to short
+        spins and futex sleeps at its barriers, which made a small transformer's forward+backward ~13 % slower on
+        2 vCPUs (bench/RESULTS.md). Nothing overlaps with a lone CPU worker anyway: the gradient copies still run on
+        the streamer's copy thread, and the host's per-bucket work simply finds every bucket ready.
+        """
+        if not self._inline_worker:
+            return {i: self._pool.submit(fn) for i, fn in tasks.items()}
+        futures = {}
+        for i, fn in tasks.items():
+            future = concurrent.futures.Future()
+            try:
+                future.set_result(fn())
+            except Exception as error:  # handed to gather_workers, as from the pool
+                future.set_exception(error)
+            except BaseException:  # KeyboardInterrupt: leave nothing of the step behind, then stop
+                self.workers[i].streamer.reset()
+                raise
+            futures[i] = future
+        return futures
 
     def gather_workers(self, futures: dict) -> dict:
         """Waits for every future of :meth:`submit_workers`; returns ``{index: result}`` or raises

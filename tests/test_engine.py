@@ -223,7 +223,8 @@ def test_nonfinite_gradient_skip_and_raise(rng):
             engine.step(batches[2])
 
 
-def test_failing_worker_is_named_and_weights_keep_last_update(rng):
+@pytest.mark.parametrize("workers", [3, 1])  # 1: the lone CPU worker runs on the calling thread
+def test_failing_worker_is_named_and_weights_keep_last_update(rng, workers):
     batches = make_batches(rng, 3, 12)
     calls = {"n": 0}
     lock = threading.Lock()
@@ -232,26 +233,58 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng):
         with lock:
             calls["n"] += 1
             n = calls["n"]
-        if n == 5:  # step 2 (calls 4..6), one of the workers
+        if n == workers + min(2, workers):  # step 2 (calls workers+1 .. 2*workers), one of the workers
             raise RuntimeError("boom in loss")
         return loss_fn(model, batch)
 
     model = make_model()
     reference = TorchReference(model, **OPT)
     # Clipping: the host's per-bucket norm is taken while backward runs, so a stale bucket would change the step.
-    with Engine(model, flaky, devices=["cpu"] * 3, optimizer=AdamW(**OPT, max_grad_norm=0.05),
+    with Engine(model, flaky, devices=["cpu"] * workers, optimizer=AdamW(**OPT, max_grad_norm=0.05),
                 **TINY_BUCKETS) as engine:
         engine.step(batches[0])
         before = engine.master_state_dict()
         with pytest.raises(WorkerError, match=r"worker \d \(cpu\) failed: RuntimeError: boom in loss") as info:
             engine.step(batches[1])
-        assert isinstance(info.value.__cause__, RuntimeError) and info.value.worker in range(3)
+        assert isinstance(info.value.__cause__, RuntimeError) and info.value.worker in range(workers)
         after = engine.master_state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         # Nothing of the failed step leaks into the next: training goes on as if batches[1] had never been seen.
         engine.step(batches[2])
         for b in (batches[0], batches[2]):
             reference.step([b], clip=0.05)
+        assert_matches(engine, reference)
+
+
+def test_interrupt_of_a_lone_cpu_worker_leaves_nothing_behind(rng):
+    """A KeyboardInterrupt during the backward of the lone CPU worker (run on the calling thread) reaches the caller
+    as itself; the weights are those of the last update and the next step equals the reference."""
+    batches = make_batches(rng, 3, 12)
+    calls = {"n": 0}
+
+    def interrupt_in_step_2(grad):
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return grad
+
+    def interrupted(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 1:  # a hook on the first parameter: it fires during backward
+            next(iter(model.parameters())).register_hook(interrupt_in_step_2)
+        return loss_fn(model, batch)
+
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    with Engine(model, interrupted, devices=["cpu"], optimizer=AdamW(**OPT), **TINY_BUCKETS) as engine:
+        engine.step(batches[0])
+        before = engine.master_state_dict()
+        with pytest.raises(KeyboardInterrupt):
+            engine.step(batches[1])
+        after = engine.master_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        engine.step(batches[2])
+        for b in (batches[0], batches[2]):
+            reference.step([b])
         assert_matches(engine, reference)
 
 
