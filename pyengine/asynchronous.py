@@ -77,8 +77,9 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
             worker.pull(wait=True)
             return engine.version
 
-    def loop(worker):
-        set_worker_threads(engine.devices)
+    def loop(worker, own_thread=True):
+        if own_thread:
+            set_worker_threads(engine.devices)
         try:
             while not stop.is_set():
                 k = engine.batch_schedule(engine.version) if engine.batch_schedule else engine.accumulate
@@ -101,14 +102,19 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
             errors.append((worker.index, exc))
             stop.set()
 
-    threads = [threading.Thread(target=loop, args=(w,), name=f"pyengine-async-{w.index}", daemon=True)
-               for w in engine.workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if engine.inline_worker:  # Note [One CPU worker runs on the calling thread] in engine.py
+        loop(engine.workers[0], own_thread=False)
+    else:
+        threads = [threading.Thread(target=loop, args=(w,), name=f"pyengine-async-{w.index}", daemon=True)
+                   for w in engine.workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         for worker in engine.workers:
             worker.streamer.reset()
         index, exc = errors[0]
+        if not isinstance(exc, Exception):  # KeyboardInterrupt on the calling thread: as itself
+            raise exc
         raise WorkerError(index, engine.devices[index], exc) from exc

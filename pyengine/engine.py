@@ -141,7 +141,8 @@ class Engine:
         self.history: list[dict] = []
         self._counters = collections.Counter()
         self._staleness = collections.Counter()
-        self._inline_worker = len(self.devices) == 1 and self.devices[0].type == "cpu"  # see submit_workers
+        # Note [One CPU worker runs on the calling thread] (submit_workers); async follows it too
+        self.inline_worker = len(self.devices) == 1 and self.devices[0].type == "cpu"
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
@@ -386,7 +387,7 @@ class Engine:
         2 vCPUs (bench/RESULTS.md). Nothing overlaps with a lone CPU worker anyway: the gradient copies still run on
         the streamer's copy thread, and the host's per-bucket work simply finds every bucket ready.
         """
-        if not self._inline_worker:
+        if not self.inline_worker:
             return {i: self._pool.submit(fn) for i, fn in tasks.items()}
         futures = {}
         for i, fn in tasks.items():

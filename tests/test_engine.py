@@ -308,6 +308,33 @@ def test_failing_async_worker_stops_everyone(rng):
     assert not [t for t in threading.enumerate() if t.name.startswith("pyengine-async")], "orphan worker thread"
 
 
+def test_failing_lone_async_worker_on_the_calling_thread(rng):
+    """One CPU worker in async runs on the calling thread: its error is a WorkerError, its interrupt arrives as
+    itself, and the pushes applied before either are kept (the same weights as sequential AdamW on them)."""
+    batches = make_batches(rng, 12, 4)
+    calls = {"n": 0, "threads": set()}
+
+    def fail_on_call(n, exc):
+        def loss(model, batch):
+            calls["n"] += 1
+            calls["threads"].add(threading.get_ident())
+            if calls["n"] == n:
+                raise exc
+            return loss_fn(model, batch)
+        return loss
+
+    for exc, expected in ((ValueError("bad sample"), WorkerError), (KeyboardInterrupt(), KeyboardInterrupt)):
+        calls["n"] = 0
+        model = make_model()
+        reference = TorchReference(model, **OPT)
+        with Engine(model, fail_on_call(4, exc), devices=["cpu"], mode="async", optimizer=AdamW(**OPT)) as engine:
+            with pytest.raises(expected):
+                engine.fit(batches, epochs=1)
+            assert engine.stats()["pushes"] == 3 and calls["threads"] == {threading.get_ident()}
+            for b in batches[:3]:
+                reference.step([b])
+            assert_matches(engine, reference)
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(devices=["cuda:7"]), r"(asks for CUDA|does not exist)"),
     (dict(devices=["tpu"]), r"is not a device|neither 'cpu' nor"),
