@@ -529,3 +529,94 @@ def test_distributed_stage_bad_inputs(rng, tmp_path):
         assert stage.step(inputs=x, targets=y)["applied"]
     finally:
         dist.destroy_process_group()
+
+
+# ---- Engine(mode="pipeline") over a process group: rank s runs stage s ----
+
+ENGINE_RUNS = (("1f1b", 0.05, 3), ("gpipe", None, 4))  # schedule, max_grad_norm, microbatches
+
+
+def _engine_worker(rank, world, init_file, seed, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init_file}",
+                            timeout=datetime.timedelta(seconds=30))
+    torch.set_num_threads(1)
+    try:
+        batches = make_batches(torch.Generator().manual_seed(seed), 4, 12)
+        for schedule, clip, microbatches in ENGINE_RUNS:
+            with Engine(make_model(blocks=2), loss_fn, devices=["cpu"], mode="pipeline", microbatches=microbatches,
+                        schedule=schedule, optimizer=AdamW(**OPT, max_grad_norm=clip), pin=False) as engine:
+                metrics = engine.fit(batches)
+                uneven = None
+                try:
+                    engine.step(make_batches(torch.Generator().manual_seed(seed), 1, 13)[0])
+                except ValueError as error:
+                    uneven = str(error)
+                torch.save({"master": engine.master_state_dict(), "state": engine.state_dict(),
+                            "losses": [m["loss"] for m in metrics], "stats": engine.stats(),
+                            "sizes": engine.pipeline.sizes, "uneven": uneven}, f"{out_dir}/engine-{schedule}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_engine_over_process_group_equals_single_device(rng, tmp_path):
+    """Engine(mode="pipeline") on 2 gloo ranks (the default group): one stage each, every rank's master weights,
+    Adam state (state_dict gathers the other stage) and losses equal float64 torch AdamW on one device; a batch that
+    does not split into M equal micro-batches is a clear error on every rank."""
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    mp.spawn(_engine_worker, args=(2, str(tmp_path / "init"), seed, str(tmp_path)), nprocs=2)
+    batches = make_batches(torch.Generator().manual_seed(seed), 4, 12)
+    for schedule, clip, _ in ENGINE_RUNS:
+        reference, ref_losses = TorchReference(make_model(blocks=2)), []
+        for x, y in batches:
+            reference.opt.zero_grad()
+            loss = loss_fn(reference.model, (x.double(), y))
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.model.parameters(), clip)
+            reference.opt.step()
+            ref_losses.append(loss.item())
+        ref_state = reference.opt.state_dict()["state"]
+        for rank in range(2):
+            got = torch.load(tmp_path / f"engine-{schedule}-{rank}.pt", weights_only=False)
+            assert got["sizes"] == [1, 4]  # balance="params": the 10x16 input layer, then the rest
+            assert got["stats"]["applied_updates"] == got["stats"]["version"] == len(batches)
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
+            names = [n for n, _ in reference.model.named_parameters()]
+            for i, (name, p) in enumerate(reference.model.named_parameters()):
+                scale = p.detach().abs().max().item()
+                for master in (got["master"], got["state"]["master"]):
+                    torch.testing.assert_close(master[name].double(), p.detach(), rtol=1e-5, atol=1e-5 * scale,
+                                               msg=name)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    want = ref_state[i][key]
+                    have = got["state"]["optimizer"]["state"][names.index(name)][key]
+                    torch.testing.assert_close(have.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item(),
+                                               msg=f"{name} {key}")
+            assert "a batch of 13 samples" in got["uneven"] and "microbatches=" in got["uneven"]
+
+
+def test_engine_over_process_group_bad_options(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'init'}")
+    try:
+        group = dist.group.WORLD
+        for options, match in ((dict(stages=2), "stages must be None or 1"),
+                               (dict(devices=["cpu"] * 2), "one stage on one device"),
+                               (dict(balance="time"), "balance='time' is not supported across processes"),
+                               (dict(microbatches=0), "microbatches must be an int")):
+            options = dict(dict(devices=["cpu"]), **options)
+            with pytest.raises(ValueError, match=match):
+                Engine(make_model(), loss_fn, mode="pipeline", process_group=group, pin=False, **options)
+        bn = torch.nn.Sequential(torch.nn.Linear(10, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+        with pytest.raises(ValueError, match="buffers .* are not supported by pipeline stages across processes"):
+            Engine(bn, loss_fn, devices=["cpu"], mode="pipeline", process_group=group, pin=False)
+    finally:
+        dist.destroy_process_group()
