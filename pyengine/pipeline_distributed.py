@@ -5,6 +5,10 @@
     stage = DistributedPipelineStage(model, criterion, microbatches=4, schedule="1f1b", optimizer=pyengine.AdamW())
     metrics = stage.step(inputs=x if stage.is_first else None, targets=y if stage.is_last else None)
 
+``Engine(model, loss_fn, devices=[device], mode="pipeline", microbatches=M, process_group=group)`` (or the default
+group under torchrun) runs the same split through :class:`DistributedPipeline`: the Engine's API, loss contract and
+update path, each rank updating its stage's range of the Engine's store (Note [Distributed pipeline store]).
+
 Every rank builds the same split of ``model`` (``balance="params"`` or a list of sizes) and keeps only its stage:
 rank s runs stage s. ``criterion(output, targets_m)`` is the mean loss of a micro-batch on the last stage; the
 schedule scales the gradients by 1/M (``scale_grads``), so the step is one step of AdamW on the whole batch's mean
