@@ -65,6 +65,17 @@ def _number(convert, ok, expected: str):
 
 
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+
+
+def _balance(text: str):
+    """``--balance``: ``params``, ``time`` or layers per stage as ``2,3`` (values checked with the model's layers)."""
+    if text in ("params", "time"):
+        return text
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected params, time or layers per stage as comma-separated integers "
+                                         f"(e.g. 2,3); got {text!r}") from None
 _nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 _nonnegative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
@@ -129,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default=S,
                    help="1f1b (one forward, one backward: at most S micro-batches stored per stage) or gpipe "
                         "(all forwards, then all backwards) [1f1b]")
-    g.add_argument("--balance", choices=("params", "time"), default=S,
-                   help="cut the layers into stages by parameter count or by forward+backward time measured on "
-                        "the first micro-batch [params]")
+    g.add_argument("--balance", type=_balance, default=S, metavar="{params,time,N1,N2,...}",
+                   help="cut the layers into stages by parameter count, by forward+backward time measured on "
+                        "the first micro-batch, or by explicit layers per stage (e.g. 2,3: one count per stage, "
+                        "summing to the model's layers) [params]")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=S, help="run directory [runs/<timestamp>-<mode>]")
     g.add_argument("--resume", metavar="DIR", default=S,
@@ -320,6 +332,12 @@ def check_pipeline_layers(cfg: dict, layers: int) -> None:
     if cfg["mode"] in ("pipeline", "all") and stages > layers:
         raise UsageError(f"--stages {stages} is more than the {layers} layers of --model {cfg['model']} (each stage "
                          f"needs at least one; use --stages <= {layers})")
+    sizes = cfg["balance"]
+    if cfg["mode"] in ("pipeline", "all") and isinstance(sizes, list):
+        given = ",".join(map(str, sizes))
+        if len(sizes) != stages or min(sizes) < 1 or sum(sizes) != layers:
+            raise UsageError(f"--balance {given}: expected {stages} layer counts (one per stage), each >= 1, summing "
+                             f"to the {layers} layers of --model {cfg['model']}")
 
 
 def _check_writable(directory: Path, what: str) -> None:

@@ -33,6 +33,7 @@ from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .optim import AdamW
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
+from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
 from .profiling import PhaseRecorder
 from .store import HostStore
 from .sync import sync_step
@@ -79,7 +80,9 @@ class Engine:
         process_group: ``"auto"`` (the default torch.distributed group when it is initialized with more than one
             rank, e.g. under torchrun), None (this process alone) or a ``ProcessGroup``. With a group, hybrid steps
             combine every rank's gradients (one step on the concatenated batch) and async runs ranks
-            ``0..servers-1`` as the servers of the other ranks' pushes; see :mod:`pyengine.distributed`.
+            ``0..servers-1`` as the servers of the other ranks' pushes; see :mod:`pyengine.distributed`. Pipeline
+            with a group of S ranks: rank s runs stage s on its one device
+            (:class:`pyengine.pipeline_distributed.DistributedPipeline`).
         shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
             Adam state, all-gather (ZeRO-1 style); each rank's host store holds only its 1/P of the Adam state, so
             :meth:`state_dict` and :meth:`optimizer_state_dict` gather it: collectives every rank must call.
@@ -108,7 +111,11 @@ class Engine:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.devices = parse_devices(devices)
         slots = len(self.devices)
-        if mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
+        group = distributed.resolve_group(process_group, shard_update, mode)
+        if mode == "pipeline" and group is not None:  # rank s runs stage s (pyengine.pipeline_distributed)
+            stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
+                                                        balance, group), 1
+        elif mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
             stages = len(self.devices) if stages is None else stages
             check_pipeline(len(model), len(self.devices), stages, microbatches, schedule, balance)
             slots = len(self.devices) // stages
@@ -127,7 +134,6 @@ class Engine:
         self.seed = seed
         torch.manual_seed(seed)
         grad_dtype = autocast if autocast is not None else torch.float32
-        group = distributed.resolve_group(process_group, shard_update, mode)
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
                                                                            first_bucket_mb, group)
@@ -149,9 +155,13 @@ class Engine:
         self.buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._stop = threading.Event()
-        self.pipeline = None if mode != "pipeline" else Pipeline(
-            self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance, unused=unused,
-            autocast=autocast)
+        if mode == "pipeline" and group is not None:
+            self.pipeline = DistributedPipeline(self, model, stages=stages, microbatches=microbatches,
+                                                schedule=schedule, balance=balance, autocast=autocast, group=group)
+        else:
+            self.pipeline = None if mode != "pipeline" else Pipeline(
+                self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance,
+                unused=unused, autocast=autocast)
         self._closed = False
         self.process_group = group
         self.servers = distributed.check_servers(servers, group, mode, self.store.numel)
@@ -216,7 +226,9 @@ class Engine:
         return self._stop.is_set()
 
     def master_state_dict(self) -> dict:
-        """The fp32 master weights, keys as ``model.state_dict()`` (trainable parameters only)."""
+        """The fp32 master weights, keys as ``model.state_dict()`` (trainable parameters only). Pipeline stages
+        across processes: a collective (Note [Distributed pipeline store])."""
+        self._gather_stages()
         return {name: view.detach().clone() for name, view in self.store.views(self.store.param).items()}
 
     def copy_to(self, model: torch.nn.Module) -> None:
@@ -261,7 +273,9 @@ class Engine:
 
     def optimizer_state_dict(self) -> dict:
         """The Adam state in ``torch.optim.AdamW.state_dict()`` form. With ``shard_update=True`` a collective that
-        every rank must call (:func:`pyengine.distributed.gather_optimizer_state`); the full state on every rank."""
+        every rank must call (:func:`pyengine.distributed.gather_optimizer_state`); the full state on every rank.
+        Pipeline stages across processes: a collective too (Note [Distributed pipeline store])."""
+        self._gather_stages()
         return self.optimizer.torch_state_dict(self.store, self.version, self.param_names,
                                                distributed.gather_optimizer_state(self))
 
@@ -508,6 +522,10 @@ class Engine:
     def _record(self, metrics: dict) -> dict:
         self.history.append(metrics)
         return metrics
+
+    def _gather_stages(self) -> None:
+        if isinstance(self.pipeline, DistributedPipeline):
+            self.pipeline.gather()
 
     def _check_open(self) -> None:
         if self._closed:

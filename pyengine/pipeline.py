@@ -76,7 +76,7 @@ from .metrics import step_metrics
 from .workers import WorkerError, batch_size, set_worker_threads, split_batch, to_device
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
-           "schedule_actions", "split_layers"]
+           "schedule_actions", "split_layers", "stage_range"]
 
 SCHEDULES = ("1f1b", "gpipe")
 _POLL_S = 0.05
@@ -185,6 +185,21 @@ def _check_sizes(sizes, layers: int, stages: int) -> list[int]:
         raise ValueError(f"balance must be 'params', 'time' or a list of {stages} positive ints (layers per stage) "
                          f"summing to {layers}; got {sizes!r}")
     return list(sizes)
+
+
+def stage_range(store, stage: int, names: list[str]) -> tuple[int, int]:
+    """The flat range ``[begin, end)`` of ``store`` that a stage's parameters ``names`` fill; a ValueError when they
+    are not one contiguous range of it (Note [Pipeline update path]). ``(0, 0)`` for a stage without parameters."""
+    if not names:
+        return 0, 0
+    entries = [store.entry(n) for n in names]
+    begin = min(e.offset for e in entries)
+    end = max(e.offset + e.numel for e in entries)
+    inside = {e.name for e in store.layout if begin <= e.offset < end}
+    if inside != set(names):
+        raise ValueError(f"stage {stage}: its parameters are not one contiguous range of the host store "
+                         f"(also holds {sorted(inside - set(names))[:5]})")
+    return begin, end
 
 
 def measure_layer_times(layers, inputs, repeats: int = 3) -> list[float]:
@@ -433,22 +448,9 @@ class Pipeline:
         self.tied = {name: held for name, held in self.tied.items() if len(held) > 1}
         for s, module in enumerate(modules):
             owned = [n for n in names[s] if n not in self.tied or self.tied[n][0] == s]
-            self._check_range(s, owned)
+            stage_range(self.store, s, owned)
             self.stages.append([_Stage(s, r, self.devices[s * self.replicas + r], module, self.store, names[s],
                                        set(self.tied)) for r in range(self.replicas)])
-
-    def _check_range(self, stage: int, names: list[str]) -> None:
-        """A stage's parameters (tied ones: in their first stage only) must be one contiguous range of the flat store
-        (Note [Pipeline update path])."""
-        if not names:
-            return
-        entries = [self.store.entry(n) for n in names]
-        begin = min(e.offset for e in entries)
-        end = max(e.offset + e.numel for e in entries)
-        inside = {e.name for e in self.store.layout if begin <= e.offset < end}
-        if inside != set(names):
-            raise ValueError(f"stage {stage}: its parameters are not one contiguous range of the host store "
-                             f"(also holds {sorted(inside - set(names))[:5]})")
 
     # ---- one step ----
 

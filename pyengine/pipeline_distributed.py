@@ -5,6 +5,10 @@
     stage = DistributedPipelineStage(model, criterion, microbatches=4, schedule="1f1b", optimizer=pyengine.AdamW())
     metrics = stage.step(inputs=x if stage.is_first else None, targets=y if stage.is_last else None)
 
+``Engine(model, loss_fn, devices=[device], mode="pipeline", microbatches=M, process_group=group)`` (or the default
+group under torchrun) runs the same split through :class:`DistributedPipeline`: the Engine's API, loss contract and
+update path, each rank updating its stage's range of the Engine's store (Note [Distributed pipeline store]).
+
 Every rank builds the same split of ``model`` (``balance="params"`` or a list of sizes) and keeps only its stage:
 rank s runs stage s. ``criterion(output, targets_m)`` is the mean loss of a micro-batch on the last stage; the
 schedule scales the gradients by 1/M (``scale_grads``), so the step is one step of AdamW on the whole batch's mean
@@ -19,6 +23,7 @@ raises on) the same steps: the stages stay one consistent model. The step counte
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -27,11 +32,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from . import ops
 from .optim import AdamW
-from .pipeline import SCHEDULES, _check_sizes, _param_costs, as_sequential, partition, split_layers
+from .metrics import step_metrics
+from .pipeline import (SCHEDULES, _check_sizes, _param_costs, as_sequential, check_options, partition,
+                       split_layers, stage_range)
 from .store import HostStore
 from .workers import batch_size
 
-__all__ = ["DistributedPipelineStage"]
+__all__ = ["DistributedPipeline", "DistributedPipelineStage", "check_engine_options"]
 
 _SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -66,15 +73,7 @@ class DistributedPipelineStage:
         self.group = group
         self.rank, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
         layers = list(as_sequential(model)._modules.items())
-        if self.num_stages > len(layers):
-            raise ValueError(f"{self.num_stages} ranks (stages) but the model has {len(layers)} layers")
-        if balance == "params":
-            sizes = partition(_param_costs([layer for _, layer in layers]), self.num_stages)
-        elif balance == "time":
-            raise ValueError("balance='time' is not supported across processes; use 'params' or a list of sizes")
-        else:
-            sizes = _check_sizes(balance, len(layers), self.num_stages)
-        self.sizes = sizes
+        self.sizes = sizes = _stage_sizes(layers, self.num_stages, balance)
         self.device = torch.device(device)
         self.module = split_layers(layers, sizes)[self.rank].to(self.device)
         self.params = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
@@ -138,11 +137,7 @@ class DistributedPipelineStage:
                              f"(got targets={targets is not None})")
 
     def _split(self, tensor, what: str) -> list:
-        n = batch_size(tensor)
-        if n % self.microbatches:
-            raise ValueError(f"{what}: a batch of {n} samples does not split into microbatches={self.microbatches} "
-                             "equal micro-batches (torch.distributed.pipelining needs equal sizes)")
-        return list(torch.tensor_split(tensor, self.microbatches))
+        return _split_equal(tensor, self.microbatches, what)
 
     @torch.no_grad()
     def _update(self) -> bool:
@@ -171,3 +166,191 @@ class DistributedPipelineStage:
             weights=None, param_out=self.store.shadow, grad_norm=global_norm if clip else None,
             max_grad_norm=float(clip))
         return True
+
+
+def _stage_sizes(layers, stages: int, balance) -> list[int]:
+    """Layers per stage for ``stages`` processes: ``balance="params"`` or a list of sizes (``"time"`` would need every
+    rank to time every layer: not supported)."""
+    if stages > len(layers):
+        raise ValueError(f"{stages} ranks (stages) but the model has {len(layers)} layers")
+    if balance == "params":
+        return partition(_param_costs([layer for _, layer in layers]), stages)
+    if balance == "time":
+        raise ValueError("balance='time' is not supported across processes; use 'params' or a list of sizes")
+    return _check_sizes(balance, len(layers), stages)
+
+
+def _split_equal(tensor, microbatches: int, what: str) -> list:
+    """``tensor`` split into ``microbatches`` equal micro-batches along dim 0, or a ValueError naming the sizes."""
+    n = batch_size(tensor)
+    if n % microbatches:
+        raise ValueError(f"{what}: a batch of {n} samples does not split into microbatches={microbatches} equal "
+                         f"micro-batches (torch.distributed.pipelining needs equal sizes); use a batch size that is "
+                         f"a multiple of {microbatches}")
+    return list(torch.tensor_split(tensor, microbatches))
+
+
+# ---- Engine(mode="pipeline") with a process group: rank s runs stage s ------------------------------------------
+
+class _PipelinedLayers(torch.nn.Module):
+    """A stage's layers as ``torch.distributed.pipelining`` runs them: the forward under autocast (when the Engine
+    has one). On the last stage the forward passes its input through and the Engine's loss runs the layers
+    (Note [Engine loss on the last process])."""
+
+    def __init__(self, layers: torch.nn.Sequential, autocast: torch.dtype | None, last: bool):
+        super().__init__()
+        self.layers, self.autocast, self.last = layers, autocast, last
+
+    def context(self, device: torch.device):
+        return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
+
+    def forward(self, x):
+        if self.last:
+            return x
+        with self.context(x.device):
+            return self.layers(x)
+
+
+class DistributedPipeline:
+    """``Engine(mode="pipeline")`` over a process group of S ranks: rank s builds the same split of the model as every
+    other rank, keeps stage s on its one device and runs it under ``torch.distributed.pipelining``'s GPipe / 1F1B
+    schedule; built by :class:`~pyengine.Engine` when it has a process group.
+
+    Every rank calls ``engine.step((inputs, targets))`` with the same batch: rank 0 feeds the inputs, the last rank
+    the targets. The batch must split into M equal micro-batches (the library sizes its buffers from the first).
+
+    Note [Engine loss on the last process]
+    The Engine's contract is ``loss_fn(last_stage, (activations, targets))``. The schedule calls its loss function as
+    ``loss(output, target)`` on the last stage's output, so the last stage's module passes its input activations
+    through unchanged and the loss runs the last stage's layers on them: autograd then reaches those layers'
+    parameters and the received activations exactly as in the in-process pipeline. The layers stay submodules of the
+    module the library holds, so its ``scale_grads`` (1/M) and ``zero_grad`` cover them.
+
+    Note [Distributed pipeline store]
+    Each rank's host store (the Engine's, one gradient slot) covers the whole model, and stage s's parameters are one
+    contiguous range of it (checked for every stage). A step updates only the rank's own range, with
+    :meth:`Engine.admit_update` and :meth:`Engine.update_range` after the squared gradient norm, the non-finite flag
+    and the loss are all-reduced: every rank clips by the whole model's norm, skips (or raises on) the same steps and
+    keeps the same ``version``. The other ranges of a rank's store are stale until :meth:`gather`, a collective that
+    broadcasts each stage's range of the weights and Adam state from its rank; :meth:`Engine.master_state_dict` and
+    :meth:`Engine.optimizer_state_dict` (so :meth:`Engine.state_dict`) call it, so on such an engine they are
+    collectives every rank must call in the same order.
+    """
+
+    def __init__(self, engine, model: torch.nn.Sequential, *, stages, microbatches: int, schedule: str, balance,
+                 autocast: torch.dtype | None, group):
+        self.engine, self.store, self.group = engine, engine.store, group
+        self.rank, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
+        self.microbatches, self.schedule, self.autocast = microbatches, schedule, autocast
+        self.replicas = 1
+        self.stages: list = []  # no in-process stages: Engine._replica_buffers reads the layers below
+        self.layers = list(model._modules.items())
+        self.sizes = _stage_sizes(self.layers, self.num_stages, balance)
+        modules = split_layers(self.layers, self.sizes)
+        names = [[n for n, p in m.named_parameters() if p.requires_grad] for m in modules]
+        self.ranges = [stage_range(self.store, s, stage_names) for s, stage_names in enumerate(names)]
+        if not names[self.rank]:
+            raise ValueError(f"stage {self.rank} has no trainable parameters; choose another balance")
+        self.device = engine.devices[0]
+        self.module = copy.deepcopy(modules[self.rank]).to(self.device)
+        self.params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))
+        self._gathered = engine.version
+        self._ranks = dist.get_process_group_ranks(group)  # stage s runs on global rank _ranks[s]
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.num_stages - 1
+        self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last)
+        stage = PipelineStage(self._wrapped, self.rank, self.num_stages, self.device, group=group)
+        self._schedule = _SCHEDULE_CLASSES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=True)
+
+    def _loss(self, x, targets):
+        with self._wrapped.context(x.device):
+            loss = self.engine.loss_fn(self.module, (x, targets))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
+                             f"loss over the micro-batch); got {shape}")
+        return loss
+
+    def step(self, batch) -> dict:
+        """One step of this rank's stage on ``(inputs, targets)`` (the same batch on every rank), then the update of
+        its range of the store (Note [Distributed pipeline store]). A collective: every rank must call it."""
+        engine, m = self.engine, self.microbatches
+        start = time.perf_counter()
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError("mode='pipeline' needs each batch as (inputs, targets); got "
+                             f"{type(batch).__name__}")
+        inputs, targets = batch
+        samples = batch_size(inputs)
+        with torch.no_grad():
+            for name, p in self.params:
+                p.copy_(self._master[name])
+        self.module.zero_grad(set_to_none=True)
+        pulled = time.perf_counter()
+        kwargs, losses = dict(arg_mbs=[()] * m, kwarg_mbs=[{}] * m), []
+        if self.is_first:
+            kwargs["arg_mbs"] = [(x.to(self.device),) for x in _split_equal(inputs, m, "inputs")]
+        if self.is_last:
+            kwargs.update(target_mbs=[y.to(self.device) for y in _split_equal(targets, m, "targets")],
+                          losses=losses)
+        self._schedule.step(**kwargs)
+        scheduled = time.perf_counter()
+        engine.count("steps")
+        loss_sum = sum(float(l.detach()) for l in losses)
+        with engine.phase("update"):
+            applied, loss_sum = self._update(loss_sum)
+        end = time.perf_counter()
+        return step_metrics(engine, loss=loss_sum / m, samples=samples, wall=end - start,
+                            compute=scheduled - pulled, update=end - scheduled, transfer_wait=0.0,
+                            copy_back=pulled - start, applied=applied, stages=self.num_stages, replicas=1,
+                            microbatches=m, schedule=self.schedule, stage_sizes=list(self.sizes),
+                            schedule_s=scheduled - pulled, stage=self.rank)
+
+    @torch.no_grad()
+    def _update(self, loss_sum: float) -> tuple[bool, float]:
+        """Gradients -> slot 0, all-reduced norm, non-finite flag and loss, then the fused update of this rank's range
+        (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches)."""
+        for name, p in self.params:
+            if p.grad is None:
+                self._slot[name].zero_()
+            else:
+                self._slot[name].copy_(p.grad)
+        slot = self.store.grad_slot(0)
+        begin, end = self.ranges[self.rank]
+        norm, nonfinite = ops.mean_grad_norm([slot[begin:end]])
+        reduced = torch.stack([norm.double().square(), nonfinite.double(), torch.tensor(loss_sum, dtype=torch.float64)])
+        dist.all_reduce(reduced, group=self.group)
+        if not self.engine.admit_update(reduced[1].item() != 0.0, []):
+            return False, float(reduced[2])
+        self.engine.update_range(begin, end, [slot], None, reduced[0].sqrt().float().reshape(()))
+        return True, float(reduced[2])
+
+    def gather(self) -> None:
+        """Brings every stage's range of the weights and Adam state into this rank's store (a collective; a no-op
+        when no update happened since the last one, which every rank agrees on: ``version`` is the same on all)."""
+        if self._gathered == self.engine.version:
+            return
+        flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
+        for flat in (f for f in flats if f is not None):
+            for s, (begin, end) in enumerate(self.ranges):
+                dist.broadcast(flat[begin:end], src=self._ranks[s], group=self.group)
+        self._gathered = self.engine.version
+
+    def close(self) -> None:
+        """Nothing to stop: the schedule runs on the calling thread."""
+
+
+def check_engine_options(model: torch.nn.Sequential, devices, stages, microbatches, schedule, balance, group) -> int:
+    """ValueErrors for ``Engine(mode="pipeline")`` with a process group; returns S (the group's size)."""
+    world = dist.get_world_size(group)
+    check_options(len(model), world, world, microbatches, schedule, balance if balance != "time" else "params")
+    if stages is not None and stages != world:
+        raise ValueError(f"with a process group, pipeline stages are its ranks: stages must be None or {world} "
+                         f"(the group's size); got stages={stages!r}")
+    if len(devices) != 1:
+        raise ValueError(f"with a process group each rank runs one stage on one device: pass one device per rank; "
+                         f"got {len(devices)} devices")
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers:
+        raise ValueError(f"buffers ({buffers[:3]}) are not supported by pipeline stages across processes: each rank "
+                         "would train only its own stage's copy")
+    return world

@@ -131,6 +131,14 @@ def test_pipeline_run_learns_with_its_options(tmp_path):
     assert summary["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
 
 
+def test_pipeline_explicit_balance(tmp_path):
+    """--balance 3,2: the MLP's 5 layers cut as given (balance="params" would give [1, 4])."""
+    out = tmp_path / "pipe"
+    assert train("--mode", "pipeline", "--steps", "2", "--balance", "3,2", "--out", str(out), "--quiet", *SHORT) == 0
+    summary = check_run_dir(out, "pipeline", 2)
+    assert summary["balance"] == [3, 2] and summary["stage_sizes"] == [3, 2]
+
+
 def test_pipeline_transformer_as_layers(tmp_path):
     out = tmp_path / "tok"
     assert train("--data", "tokens", "--mode", "pipeline", "--steps", "3", "--hidden", "32", "--batch-size", "8",
@@ -181,9 +189,15 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
     (["--mode", "pipeline", "--devices", "cpu", "--workers", "4", "--stages", "2", "--batch-size", "7",
       "--microbatches", "4"], "over 2 pipeline replica(s) cannot feed --microbatches 4"),
     (["--mode", "pipeline", "--devices", "cpu", "--workers", "6"], "--stages 6 is more than the 5 layers"),
+    (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--balance", "2,2"],
+     "--balance 2,2: expected 2 layer counts (one per stage), each >= 1, summing to the 5 layers"),
+    (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--balance", "5,0"], "--balance 5,0: expected 2"),
+    (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--balance", "1,2,2"],
+     "--balance 1,2,2: expected 2 layer counts"),
+    (["--mode", "hybrid", "--balance", "2,3"], "--balance: pipeline option"),
 ], ids=["sync+accumulate", "no-such-gpu", "bad-device", "workers>samples", "batch<workers", "model/data",
         "unwritable-out", "resume-missing", "stages-in-hybrid", "pipeline-flags-default-mode", "stages!|workers",
-        "batch<microbatches", "stages>layers"])
+        "batch<microbatches", "stages>layers", "balance-sum", "balance-zero", "balance-count", "balance-in-hybrid"])
 def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("x")
     argv = [a.format(file=tmp_path / "file", missing=tmp_path / "nope") for a in argv]
@@ -197,7 +211,8 @@ def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, messa
 
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--mode", "fast"], ["--steps", "0"], ["--steps", "3", "--epochs", "1"],
-                                  ["--schedule", "zb"], ["--balance", "flops"], ["--microbatches", "0"]])
+                                  ["--schedule", "zb"], ["--balance", "flops"], ["--balance", "2,x"],
+                                  ["--balance", "2,,3"], ["--microbatches", "0"]])
 def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         train(*argv)
