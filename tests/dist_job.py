@@ -241,6 +241,24 @@ def async_client_failure(seed, rank, world, servers, how):
     return {}
 
 
+def async_server_failure(seed, rank, world, servers, how):
+    """``servers`` server ranks; server ``servers - 1`` (rank 0, the coordinator, when it is the only one) exits or
+    raises in a callback after applying its fourth push: every other rank must raise DistributedError naming it."""
+    failing = servers - 1
+    batches = [client_batch(seed, rank, i) for i in range(200)] if rank >= servers else []
+
+    def failing_callback(engine, metrics):
+        if rank == failing and len(engine.history) == 4:
+            if how == "exit":
+                os._exit(17)
+            raise RuntimeError(f"rank {rank} fails on purpose")
+
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=servers) as engine:
+        engine.fit(batches, steps=1000, callbacks=[failing_callback])
+    return {}
+
+
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
@@ -251,6 +269,8 @@ def main():
                  "shard-state-amsgrad": lambda s, r, w: shard_state(s, r, w, True, out_dir),
                  "async-sharded": async_sharded,
                  **{f"async-client-{how}-{k}": lambda s, r, w, k=k, how=how: async_client_failure(s, r, w, k, how)
+                    for how in ("exit", "raise") for k in (1, 2)},
+                 **{f"async-server-{how}-{k}": lambda s, r, w, k=k, how=how: async_server_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
     result = scenarios[scenario](seed, rank, world)

@@ -356,3 +356,21 @@ def test_servers_option_errors():
             pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], mode="async", pin=False, servers=bad)
     with pytest.raises(ValueError, match="servers=2 shards the store .* needs mode='async' and a process group"):
         pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], mode="async", pin=False, servers=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("servers,world,how", [(1, 3, "exit"), (1, 3, "raise"), (2, 4, "exit"), (2, 4, "raise")])
+def test_a_failing_async_server_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, servers, world, how):
+    failed = servers - 1  # rank 0 (the coordinator) when it is the only server, else rank 1
+    start = time.monotonic()
+    codes, logs, _ = launch(f"async-server-{how}-{servers}", world, tmp_path, seed, timeout=25.0, grace=5.0)
+    assert time.monotonic() - start < 20, "the run took too long to fail"
+    for r in range(world):
+        if r == failed:
+            continue
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        assert f"DistributedError: rank {r}: the async run stopped because rank {failed} failed" in logs[r], logs[r]
+    if how == "exit":
+        assert codes[failed] == 17, logs[failed]
+    else:
+        assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
