@@ -405,6 +405,27 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
 _PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
 _SERVER_HEADER, _CLIENT_HEADER = 5, 8
+_TEXT_BYTES = 240  # ABORT and FAILED headers are followed by this many bytes: what failed, UTF-8, zero-padded
+
+
+def _short_error(exc: BaseException) -> str:
+    """``"Type: first line of the message"``: what a failed rank tells the others about its exception."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _encode_text(text: str) -> torch.Tensor:
+    """``text`` as a uint8 tensor of ``_TEXT_BYTES`` (truncated, zero-padded) for a point-to-point message."""
+    data = text.encode("utf-8")[:_TEXT_BYTES]
+    out = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    if data:
+        out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def _decode_text(tensor: torch.Tensor) -> str:
+    """Inverse of :func:`_encode_text` (a character cut by the truncation is dropped)."""
+    return bytes(tensor.tolist()).rstrip(b"\0").decode("utf-8", errors="ignore")
 
 
 def check_servers(servers, group, mode: str, numel: int) -> int:
@@ -495,8 +516,10 @@ class AsyncServer:
         self.span = shard_spans(engine.store.numel, servers)[self.rank]
         self.last_push = None if steps is None else engine.stats()["pushes"] + steps  # ``steps`` counts this run's
         self.stop = threading.Event()
-        self.failure: tuple[int, str, BaseException | None] | None = None  # (failed rank, what, cause): first wins
+        # (failed rank, what failed: the text passed on in ABORT, the rank that reported it or None, cause): first wins
+        self.failure: tuple[int, str, int | None, BaseException | None] | None = None
         self._failure_lock = threading.Lock()
+        self.finished: set[int] = set()  # the clients that ended normally (DONE, or sent STOP): told the outcome
 
     def run(self) -> None:
         serve = self._coordinate if self.rank == 0 else self._serve_shard
@@ -506,24 +529,35 @@ class AsyncServer:
             t.start()
         for t in threads:
             t.join()
+        self._tell_outcome()
         if self.failure is not None:
-            failed, what, cause = self.failure
+            failed, what, reporter, cause = self.failure
             raise DistributedError(f"rank {self.rank}: the async run stopped because rank {failed} failed: "
-                                   f"{what}") from cause
+                                   f"{_reported(what, reporter)}") from cause
 
-    def _fail(self, failed: int, what: str, cause: BaseException | None = None) -> None:
+    def _tell_outcome(self) -> None:
+        """Sends every client that ended normally STOP, or ABORT naming the failed rank when a rank failed after it
+        ended, so that it raises instead of waiting in the end-of-run broadcast for a rank that is gone."""
+        for client in sorted(self.finished):
+            try:
+                self._send_header(client, _STOP, 0, 0)
+            except _ExchangeFailed as exc:
+                self._fail(client, str(exc), cause=exc.__cause__)
+
+    def _fail(self, failed: int, what: str, reporter: int | None = None, cause: BaseException | None = None
+              ) -> None:
         with self._failure_lock:
             if self.failure is None:
-                self.failure = (failed, what, cause)
+                self.failure = (failed, what, reporter, cause)
         self.stop.set()
 
     def _guarded(self, serve, client: int) -> None:
         try:
             serve(client)
         except _ExchangeFailed as exc:
-            self._fail(client, str(exc), exc.__cause__)
+            self._fail(client, str(exc), cause=exc.__cause__)
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
-            self._fail(self.rank, f"serving rank {client} raised {type(exc).__name__}: {exc}", exc)
+            self._fail(self.rank, f"serving rank {client} raised {_short_error(exc)}", cause=exc)
 
     def _coordinate(self, client: int) -> None:
         """Rank 0's thread for ``client``: steps 2-4 of Note [Multi-node async exchange]."""
@@ -534,7 +568,7 @@ class AsyncServer:
         while True:
             if self.servers > 1 and not self._receive(header, client, expect=(_PULL,)):
                 return
-            if self._send_header(client, status, last_applied, staleness, weights=True) in (_STOP, _ABORT):
+            if self._ends(client, self._send_header(client, status, last_applied, staleness, weights=True)):
                 return
             if not self._receive(header, client, expect=(_PUSH,)):
                 return
@@ -542,8 +576,14 @@ class AsyncServer:
             status, staleness = self._apply(client, grad, header)
             if status == _GO:
                 last_applied = int(header[1].item())
-            if self.servers > 1 and self._send_header(client, status, last_applied, staleness) in (_STOP, _ABORT):
+            if self.servers > 1 and self._ends(client, self._send_header(client, status, last_applied, staleness)):
                 return
+
+    def _ends(self, client: int, status: float) -> bool:
+        """Whether the header just sent to ``client`` ends its thread (STOP: the client ended normally)."""
+        if status == _STOP:
+            self.finished.add(client)
+        return status in (_STOP, _ABORT)
 
     def _serve_shard(self, client: int) -> None:
         """The thread of a server s >= 1 for ``client``: step 1, then apply what the client COMMITs."""
@@ -567,7 +607,7 @@ class AsyncServer:
         try:
             return self._apply_push(client, grad, header, staleness)
         except Exception as exc:  # noqa: BLE001 - re-raised by run()
-            self._fail(self.rank, f"applying a push of rank {client} raised {type(exc).__name__}: {exc}", exc)
+            self._fail(self.rank, f"applying a push of rank {client} raised {_short_error(exc)}", cause=exc)
             return _ABORT, 0
 
     def _apply_push(self, client, grad, header, staleness) -> tuple[float, int]:
@@ -605,27 +645,32 @@ class AsyncServer:
         with self.engine.mutex:
             version = self.engine.version
             snapshot = self.engine.store.param[lo:hi].clone() if weights else None
-        failed = -1.0
-        if self.failure is not None:
-            status, failed = _ABORT, float(self.failure[0])
+        failed, failure = -1.0, self.failure
+        if failure is not None:
+            status, failed = _ABORT, float(failure[0])
         elif weights and self.stop.is_set() and self.rank == 0:
             status = _STOP
         header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness)],
                               dtype=torch.float64)
         self._exchange(dist.send, header, client, "send to")
+        if status == _ABORT:
+            self._exchange(dist.send, _encode_text(failure[1]), client, "send to")
         if snapshot is not None:
             self._exchange(dist.send, snapshot, client, "send of the weights to")
         return status
 
     def _receive(self, header: torch.Tensor, client: int, expect: tuple) -> bool:
-        """Receives a client header: True for a kind in ``expect``; False when the client is DONE or reports a
-        failed rank (recorded)."""
+        """Receives a client header: True for a kind in ``expect``; False when the client is DONE (recorded in
+        :attr:`finished`) or reports a failed rank (recorded, with the text that follows)."""
         self._exchange(dist.recv, header, client, "receive from")
         kind = header[0].item()
         if kind == _FAILED:
-            self._fail(int(header[7].item()), f"reported by rank {client}")
+            text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+            self._exchange(dist.recv, text, client, "receive from")
+            self._fail(int(header[7].item()), _decode_text(text), reporter=client)
             return False
         if kind == _DONE:
+            self.finished.add(client)
             return False
         if kind not in expect:
             raise RuntimeError(f"async protocol: message kind {kind} from rank {client}; expected one of {expect}")
@@ -642,12 +687,17 @@ class _ExchangeFailed(RuntimeError):
     """A point-to-point exchange of the async protocol failed: the peer died, raised or timed out."""
 
 
-class _ClientAbort(Exception):
-    """Inside a client: the run must stop because rank ``failed`` failed (``what`` says how this rank learnt it)."""
+def _reported(what: str, reporter: int | None) -> str:
+    return what if reporter is None else f"{what} (reported by rank {reporter})"
 
-    def __init__(self, failed: int, what: str):
-        super().__init__(what)
-        self.failed, self.what = failed, what
+
+class _ClientAbort(Exception):
+    """Inside a client: the run must stop because rank ``failed`` failed; ``what`` failed (the text passed on to the
+    servers), as ``reporter`` said (None: this rank saw it)."""
+
+    def __init__(self, failed: int, what: str, reporter: int | None = None):
+        super().__init__(_reported(what, reporter))
+        self.failed, self.what, self.reporter = failed, what, reporter
 
 
 class _AsyncClient:
@@ -666,13 +716,28 @@ class _AsyncClient:
     def run(self, batches, epochs) -> None:
         try:
             self._loop(batches, epochs)
+            self._receive_outcome()
         except _ClientAbort as abort:
-            self._tell_waiting(_FAILED, failed=abort.failed)
+            self._tell_waiting(_FAILED, failed=abort.failed, text=abort.what)
             raise DistributedError(f"rank {self.rank}: the async run stopped because rank {abort.failed} failed: "
-                                   f"{abort.what}") from abort.__cause__
-        except BaseException:
-            self._tell_waiting(_FAILED, failed=self.rank)  # this rank fails: the servers learn it at once
+                                   f"{abort}") from abort.__cause__
+        except BaseException as exc:  # this rank fails: the servers learn it at once, and what it raised
+            self._tell_waiting(_FAILED, failed=self.rank, text=_short_error(exc))
             raise
+
+    def _receive_outcome(self) -> None:
+        """After this rank ended normally: every server's STOP, or ABORT naming a rank that failed later (raised as
+        :class:`_ClientAbort` once every server's message is in)."""
+        failure = None
+        for s in range(self.servers):
+            try:
+                status, _, _, failed, _, text = self._receive_header(s)
+                if status == _ABORT:
+                    failure = failure or _ClientAbort(failed, text, reporter=s)
+            except _ClientAbort as abort:
+                failure = failure or abort
+        if failure is not None:
+            raise failure
 
     def _loop(self, batches, epochs) -> None:
         from .asynchronous import _BatchSource
@@ -727,9 +792,9 @@ class _AsyncClient:
 
     def _decide(self, header: list) -> float:
         """Step 4 with K > 1: rank 0's decision, then COMMIT (with its staleness) or DROP to every other server."""
-        status, _, _, failed, staleness = self._receive_header(0)
+        status, _, _, failed, staleness, text = self._receive_header(0)
         if status == _ABORT:
-            raise _ClientAbort(failed, "reported by rank 0")
+            raise _ClientAbort(failed, text, reporter=0)
         if status == _STOP:
             self._tell_waiting(_DONE)
             return status
@@ -748,27 +813,30 @@ class _AsyncClient:
             raise failure
         return status
 
-    def _receive_header(self, server: int) -> tuple[float, int, int, int, int]:
-        """A server's header: (status, version, last applied push id, failed rank, staleness); records rank 0's
-        acknowledgement."""
+    def _receive_header(self, server: int) -> tuple[float, int, int, int, int, str]:
+        """A server's header: (status, version, last applied push id, failed rank, staleness, what failed: the text
+        that follows ABORT, else ""); records rank 0's acknowledgement."""
         header = torch.zeros(_SERVER_HEADER, dtype=torch.float64)
         self._exchange(dist.recv, header, server, "receive from")
         status, version, applied, failed, staleness = header.tolist()
+        text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+        if status == _ABORT:
+            self._exchange(dist.recv, text, server, "receive from")
         if status not in (_STOP, _ABORT):
             self.waiting.add(server)
         history = self.engine.history
         if server == 0 and applied and (not history or history[-1]["push_id"] != applied):
             history.append(dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at))
-        return status, int(version), int(applied), int(failed), int(staleness)
+        return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text)
 
     def _receive_state(self, server: int) -> tuple[float, int]:
         """A server's header and its shard of the weights (into the store): (status, version); raises
         :class:`_ClientAbort` on ABORT."""
-        status, version, _, failed, _ = self._receive_header(server)
+        status, version, _, failed, _, text = self._receive_header(server)
         lo, hi = self.spans[server]
         self._exchange(dist.recv, self.engine.store.param[lo:hi], server, "receive of the weights from")
         if status == _ABORT:
-            raise _ClientAbort(failed, f"reported by rank {server}")
+            raise _ClientAbort(failed, text, reporter=server)
         return status, version
 
     def _send(self, server: int, header: list, gradient: bool = False) -> None:
@@ -781,11 +849,14 @@ class _AsyncClient:
             lo, hi = self.spans[server]
             self._exchange(dist.send, self.reduced[lo:hi], server, "send of a gradient to")
 
-    def _tell_waiting(self, kind: float, failed: int = -1) -> None:
-        """DONE (errors raise) or FAILED naming ``failed`` (best effort) to every server waiting for this rank."""
+    def _tell_waiting(self, kind: float, failed: int = -1, text: str = "") -> None:
+        """DONE (errors raise) or FAILED naming ``failed``, followed by ``text`` (what failed; best effort), to every
+        server waiting for this rank."""
         for s in sorted(self.waiting):
             try:
                 self._send(s, [kind] + [0.0] * 6 + [float(failed)])
+                if kind == _FAILED:
+                    self._exchange(dist.send, _encode_text(text), s, "send to")
             except _ClientAbort:
                 if kind != _FAILED:
                     raise

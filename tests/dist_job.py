@@ -259,6 +259,28 @@ def async_server_failure(seed, rank, world, servers, how):
     return {}
 
 
+def async_finished_client(seed, rank, world, servers, how):
+    """``servers`` server ranks; the first client runs out of data after two pushes and ends normally, then the last
+    rank (a client) exits or raises: the finished client must raise DistributedError naming it too."""
+    count = 2 if rank == servers else 200
+    batches = [client_batch(seed, rank, i) for i in range(count)] if rank >= servers else []
+    calls = []
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if rank == world - 1 and len(calls) == 6:
+            time.sleep(1.0)  # the first client has long ended
+            if how == "exit":
+                os._exit(17)
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), failing_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=servers) as engine:
+        engine.fit(batches, steps=1000)
+    return {}
+
+
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
@@ -269,6 +291,8 @@ def main():
                  "shard-state-amsgrad": lambda s, r, w: shard_state(s, r, w, True, out_dir),
                  "async-sharded": async_sharded,
                  **{f"async-client-{how}-{k}": lambda s, r, w, k=k, how=how: async_client_failure(s, r, w, k, how)
+                    for how in ("exit", "raise") for k in (1, 2)},
+                 **{f"async-finished-{how}-{k}": lambda s, r, w, k=k, how=how: async_finished_client(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
                  **{f"async-server-{how}-{k}": lambda s, r, w, k=k, how=how: async_server_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},

@@ -346,6 +346,9 @@ def test_a_failing_async_client_ends_every_other_rank_with_an_error_naming_it(tm
         assert codes[failed] == 17, logs[failed]
     else:
         assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
+        for r in range(world - 1):  # the failed rank's own error, passed on: in every other rank's error
+            assert f"failed: WorkerError: worker 0 (cpu) failed: RuntimeError: rank {failed} fails on purpose" in \
+                distributed_error(logs[r]), logs[r]
     assert seconds < 30, f"the run took {seconds:.1f} s to fail"
 
 
@@ -374,3 +377,26 @@ def test_a_failing_async_server_ends_every_other_rank_with_an_error_naming_it(tm
         assert codes[failed] == 17, logs[failed]
     else:
         assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
+
+
+def distributed_error(log: str) -> str:
+    """The last line of a rank's log that reports a DistributedError ("" if none)."""
+    lines = [line for line in log.splitlines() if "DistributedError: " in line]
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("servers,world,how", [(1, 3, "raise"), (2, 4, "exit")])
+def test_a_client_that_ended_normally_learns_which_rank_failed_after_it(tmp_path, seed, servers, world, how):
+    finished, failed = servers, world - 1
+    start = time.monotonic()
+    codes, logs, _ = launch(f"async-finished-{how}-{servers}", world, tmp_path, seed, timeout=25.0, grace=5.0)
+    assert time.monotonic() - start < 20, "the run took too long to fail"
+    for r in range(world - 1):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        assert f"rank {r}: the async run stopped because rank {failed} failed" in distributed_error(logs[r]), logs[r]
+    # the finished client learns it from the servers' end-of-run message, with what the failed rank said
+    error = distributed_error(logs[finished])
+    assert any(error.endswith(f"(reported by rank {s})") for s in range(servers)), error
+    if how == "raise":
+        assert f"RuntimeError: rank {failed} fails on purpose" in error, error
