@@ -133,20 +133,60 @@ def owned_state_ranges(model, grad_dtype: torch.dtype, bucket_mb: float, first_b
     return shard_ranges(buckets, dist.get_rank(group), dist.get_world_size(group))
 
 
+_TEXT_BYTES = 240  # what a failed rank tells the others (async: the bytes after ABORT and FAILED headers)
+
+
+def _short_error(exc: BaseException) -> str:
+    """``"Type: first line of the message"``: what a failed rank tells the others about its exception."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+_FAILURE_KEY = "pyengine/hybrid/failed"
+
+
+def _failure_store():
+    """The default group's rendezvous store (torchrun's TCPStore), where a hybrid rank that raises records why, so
+    that its peers' errors can name it; None when there is none (torch has no public accessor for it)."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _record_failure(store, rank: int, exc: BaseException) -> None:
+    """Records in ``store`` that ``rank`` failed with ``exc`` (its own error; not a failed exchange with a peer),
+    best effort: the peers are blocked in a collective, which fails once this process exits or after the timeout."""
+    if store is None or isinstance(exc, DistributedError):
+        return
+    with contextlib.suppress(RuntimeError):
+        store.set(_FAILURE_KEY, f"rank {rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
+
+
+def _recorded_failure(store) -> str | None:
+    """What :func:`_record_failure` recorded, or None (nothing recorded, or the store's host, rank 0, is gone)."""
+    try:
+        return store.get(_FAILURE_KEY).decode("utf-8", "ignore") if store and store.check([_FAILURE_KEY]) else None
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
-def _collective(what: str, rank: int):
-    """Re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation."""
+def _collective(what: str, rank: int, store=None):
+    """Re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation, and the failed
+    rank when it recorded itself in ``store`` (:func:`_record_failure`)."""
     try:
         yield
     except (DistributedError, WorkerError):
         raise
     except RuntimeError as exc:  # gloo's errors, DistBackendError included
-        raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); a peer rank died, raised "
-                               "or timed out") from exc
+        cause = _recorded_failure(store) or "a peer rank died, raised or timed out"
+        raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); {cause}") from exc
 
 
-def _wait(work, what: str, rank: int) -> None:
-    with _collective(what, rank):
+def _wait(work, what: str, rank: int, store=None) -> None:
+    with _collective(what, rank, store):
         work.wait()
 
 
@@ -172,6 +212,16 @@ class DistributedHybrid:
     ``reduce_scatter_tensor``: gloo (the backend for host tensors) implements that as a clone of the input, an
     allreduce of the clone and a copy of one chunk, so it moves the same bytes and costs one more bucket-sized
     buffer per bucket in flight (measured: ~30 MiB more peak RSS per rank with 8 MiB buckets).
+
+    Note [Naming the rank that failed]
+    A collective cannot carry a message: when rank f raises inside a step (a worker's loss, the update), its peers
+    are blocked in a bucket's allreduce, which fails only when f's process exits (or after the group's timeout), and
+    gloo's error names an address, not a rank. So before the step re-raises, f writes "rank f failed: <error type>:
+    <first line>" into the default group's rendezvous store; a peer whose collective fails reads it and names f in
+    its :class:`DistributedError`. The write happens before f's exception leaves the step, hence before f's process
+    can exit and close its connections, so a peer that sees the closed connection finds the record. A rank that dies
+    (``os._exit``, a signal) or raises outside a step records nothing: its peers say "a peer rank died, raised or
+    timed out". The store is hosted by rank 0; if rank 0 is the one gone, the lookup fails and is skipped.
     """
 
     def __init__(self, engine, group, shard_update: bool):
@@ -181,6 +231,7 @@ class DistributedHybrid:
         self.shard_update = shard_update
         self.buckets = engine.workers[0].streamer.buckets
         self.broken = False
+        self.store = _failure_store()  # Note [Naming the rank that failed]
         store = engine.store
         if shard_update:
             self.part = [_part(b, self.world) for b in self.buckets]
@@ -195,7 +246,7 @@ class DistributedHybrid:
             self._mine = [torch.zeros(max(self.part)) for _ in range(2)]
         else:
             self.reduced = torch.zeros(store.numel)
-        with _collective("broadcast of the initial weights from rank 0", self.rank):
+        with _collective("broadcast of the initial weights from rank 0", self.rank, self.store):
             dist.broadcast(store.param, src=dist.get_global_rank(group, 0), group=group)
         for worker in engine.workers:
             worker.pull(wait=True)
@@ -209,7 +260,7 @@ class DistributedHybrid:
         shards = split_batch(batch, engine.num_workers)
         sizes = [batch_size(s) for s in shards]
         counts = torch.tensor([float(sum(sizes))], dtype=torch.float64)
-        with _collective("allreduce of the batch sizes", self.rank):
+        with _collective("allreduce of the batch sizes", self.rank, self.store):
             dist.all_reduce(counts, group=self.group)
         total = counts.item()
         weights = [n / total for n in sizes]
@@ -227,8 +278,9 @@ class DistributedHybrid:
 
         try:
             results = engine.run_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
-        except BaseException:
+        except BaseException as exc:
             self.broken = True  # Note [Collective order across threads]
+            _record_failure(self.store, self.rank, exc)
             raise
         reducer.join()
         engine.count("steps")
@@ -243,16 +295,17 @@ class DistributedHybrid:
                     if self.shard_update:
                         self._finish_reduce(works, k)
                     else:
-                        _wait(work, "gradient bucket reduction", self.rank)
+                        _wait(work, "gradient bucket reduction", self.rank, self.store)
             loss = torch.tensor([sum(results[i][0] * n for i, n in enumerate(sizes))], dtype=torch.float64)
-            with _collective("allreduce of the loss", self.rank):
+            with _collective("allreduce of the loss", self.rank, self.store):
                 dist.all_reduce(loss, group=self.group)
             reduced = time.perf_counter()
             with engine.phase("update"):
                 applied = self._update_sharded(engine) if self.shard_update else engine.apply_update(
                     [], None, grads=[self.reduced])
-        except BaseException:
+        except BaseException as exc:
             self.broken = True
+            _record_failure(self.store, self.rank, exc)
             raise
         updated = time.perf_counter()
         with engine.phase("copy_back"):
@@ -269,7 +322,7 @@ class DistributedHybrid:
         if not engine.buffer_names:
             return
         named = dict(engine.workers[0].replica.named_buffers())
-        with _collective("broadcast of the buffers from rank 0", self.rank):
+        with _collective("broadcast of the buffers from rank 0", self.rank, self.store):
             for name in engine.buffer_names:
                 dist.broadcast(named[name], src=dist.get_global_rank(self.group, 0), group=self.group)
         engine.share_buffers(range(engine.num_workers))
@@ -290,19 +343,19 @@ class DistributedHybrid:
                     region = self._ring[k % 2][:self.world * self.part[k]]
                     self._local_sum(region[:e - b], [s[b:e] for s in slots], weights)
                     region[e - b:].zero_()
-                    with _collective("reduction of a gradient bucket", self.rank):
+                    with _collective("reduction of a gradient bucket", self.rank, self.store):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
                 else:
                     region = self.reduced[b:e]
                     self._local_sum(region, [s[b:e] for s in slots], weights)
-                    with _collective("allreduce of a gradient bucket", self.rank):
+                    with _collective("allreduce of a gradient bucket", self.rank, self.store):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
         except BaseException as exc:  # noqa: BLE001 - re-raised by the step's thread
             errors.append(exc)
 
     def _finish_reduce(self, works: list, k: int) -> None:
         """Waits for bucket k's reduction and keeps this rank's part of it in ``shard_grad``."""
-        _wait(works[k], "reduction of a gradient bucket", self.rank)
+        _wait(works[k], "reduction of a gradient bucket", self.rank, self.store)
         works[k] = None
         part = self.part[k]
         self.shard_grad[self.shard_offset[k]:self.shard_offset[k] + part] = \
@@ -326,7 +379,7 @@ class DistributedHybrid:
                 norm, nonfinite = ops.mean_grad_norm([grad])
                 sq, bad = sq + norm.double().item() ** 2, max(bad, nonfinite.item())
         summary = torch.tensor([sq, bad], dtype=torch.float64)
-        with _collective("allreduce of the shard norms", self.rank):
+        with _collective("allreduce of the shard norms", self.rank, self.store):
             dist.all_reduce(summary, group=self.group)
         if not engine.admit_update(summary[1].item() != 0.0 or not math.isfinite(summary[0].item()), []):
             return False
@@ -357,13 +410,13 @@ class DistributedHybrid:
             mine[:part.numel()] = part
             mine[part.numel():].zero_()
             region = self._ring[k % 2][:self.world * self.part[k]]
-            with _collective(f"all-gather of {what}", self.rank):
+            with _collective(f"all-gather of {what}", self.rank, self.store):
                 pending.append((k, dist.all_gather_into_tensor(region, mine, group=self.group, async_op=True)))
         while pending:
             self._unpack_gathered(*pending.popleft(), out, what)
 
     def _unpack_gathered(self, k: int, work, out: torch.Tensor, what: str) -> None:
-        _wait(work, f"all-gather of {what}", self.rank)
+        _wait(work, f"all-gather of {what}", self.rank, self.store)
         bucket = self.buckets[k]
         out[bucket.begin:bucket.end] = self._ring[k % 2][:bucket.end - bucket.begin]
 
@@ -405,13 +458,6 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
 _PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
 _SERVER_HEADER, _CLIENT_HEADER = 5, 8
-_TEXT_BYTES = 240  # ABORT and FAILED headers are followed by this many bytes: what failed, UTF-8, zero-padded
-
-
-def _short_error(exc: BaseException) -> str:
-    """``"Type: first line of the message"``: what a failed rank tells the others about its exception."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _encode_text(text: str) -> torch.Tensor:

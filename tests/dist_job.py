@@ -158,6 +158,25 @@ def failure(seed, rank, world, how):
     return {}
 
 
+def failure_in_loss(seed, rank, world):
+    """Rank 1's loss raises in one of its two local workers at its fourth hybrid step, while the reducer thread
+    waits for that worker's buckets; the others are then in that step's collectives and must raise naming rank 1."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 50, 16)]
+    calls = []
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if rank == 1 and len(calls) == 7:  # two workers, one call each per step: worker 0 or 1 of step 4
+            raise RuntimeError("rank 1 fails on purpose")
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), failing_loss, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        for b in batches:
+            engine.step(b)
+    return {}
+
+
 def async_failure(seed, rank, world):
     """The last rank (a client) dies after a few pushes: the server must raise."""
     batches = [client_batch(seed, rank, i) for i in range(200)] if rank else []
@@ -296,6 +315,7 @@ def main():
                     for how in ("exit", "raise") for k in (1, 2)},
                  **{f"async-server-{how}-{k}": lambda s, r, w, k=k, how=how: async_server_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
+                 "failure-loss": failure_in_loss,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
     result = scenarios[scenario](seed, rank, world)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

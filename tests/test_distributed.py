@@ -4,6 +4,7 @@ torchrun-like environment, bounds their time, and checks what they wrote against
 import copy
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -400,3 +401,19 @@ def test_a_client_that_ended_normally_learns_which_rank_failed_after_it(tmp_path
     assert any(error.endswith(f"(reported by rank {s})") for s in range(servers)), error
     if how == "raise":
         assert f"RuntimeError: rank {failed} fails on purpose" in error, error
+
+
+@pytest.mark.timeout(60)
+def test_a_hybrid_rank_whose_loss_raises_mid_step_ends_the_others_with_an_error_naming_it(tmp_path, seed):
+    world = 3
+    start = time.monotonic()
+    codes, logs, _ = launch("failure-loss", world, tmp_path, seed, timeout=25.0, grace=5.0)
+    assert time.monotonic() - start < 20, "the run took too long to fail"
+    assert codes[1] not in (0, None) and "rank 1 fails on purpose" in logs[1], logs[1]
+    for r in (0, 2):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        error = distributed_error(logs[r])
+        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+        # named through the rendezvous store (Note [Naming the rank that failed]), with rank 1's own error
+        assert re.search(r"; rank 1 failed: WorkerError: worker [01] \(cpu\) failed: RuntimeError: rank 1 fails on "
+                         r"purpose$", error), error
