@@ -38,10 +38,16 @@ torch.distributed process group (``torchrun`` sets the environment; :func:`init_
 
 Failures: collectives and point-to-point calls on a dead or failing peer raise (gloo reports the closed connection;
 the process group's timeout bounds a silent peer); the engine re-raises them as :class:`DistributedError` naming this
-rank and what it was doing, so no rank hangs. In multi-node async, a rank that dies or raises makes every other rank
-raise ``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f: the
-servers see the broken exchange (or a client's report) and tell their other clients ABORT; a client that stops
-tells the servers waiting for it which rank failed.
+rank and what it was doing, so no rank hangs. In multi-node hybrid, a rank that raises inside a step records
+"rank f failed: <type>: <first line>" in the rendezvous store and its peers' errors end with it (Note [Naming the
+rank that failed]). In multi-node async, a rank that dies or raises makes every other rank raise
+``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f and, when f
+raised, its error's type and first line: the servers see the broken exchange (or a client's report) and tell their
+other clients ABORT; a client that stops tells the servers waiting for it which rank failed and why; a client that
+ended normally waits for every server's STOP or ABORT before the end-of-run broadcast. Tested
+(tests/test_distributed.py): a client, the coordinating server and a non-coordinating server that exit or raise,
+with 1 and 2 servers; a client that ended before another failed; a hybrid rank whose loss raises mid-step, one that
+exits, raises between steps or hangs.
 """
 from __future__ import annotations
 
@@ -553,7 +559,14 @@ class AsyncServer:
     server sees stops it, and each of its threads sends its client ABORT naming the failed rank at the next step 1
     or 2 (or 4). A client that learns of a failure (ABORT, a failed exchange, its own exception) first receives what
     the servers are sending it, then sends FAILED to every server waiting for it, then raises; so a surviving
-    client's exit is not taken for the failure, and every rank raises :class:`DistributedError` naming it.
+    client's exit is not taken for the failure, and every rank raises :class:`DistributedError` naming it. ABORT and
+    FAILED headers are followed by ``_TEXT_BYTES`` of UTF-8 text, what failed (for a rank that raised: its
+    exception's type and first line), which every rank's error repeats.
+    End of a run: a client that ended normally (it sent DONE, or received STOP) then waits for one more header from
+    every server; once all of its threads have ended, each server sends every such client STOP, or ABORT if any rank
+    failed meanwhile. Without it a client that ran out of data early would learn of a later failure only from the
+    end-of-run broadcast, which cannot say which rank failed. That wait, like the broadcast after it, is bounded by
+    the process group's timeout: a client that runs out of data longer than that before the run ends raises.
     """
 
     def __init__(self, engine, group, servers: int, steps, callbacks):
