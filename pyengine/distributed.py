@@ -38,10 +38,16 @@ torch.distributed process group (``torchrun`` sets the environment; :func:`init_
 
 Failures: collectives and point-to-point calls on a dead or failing peer raise (gloo reports the closed connection;
 the process group's timeout bounds a silent peer); the engine re-raises them as :class:`DistributedError` naming this
-rank and what it was doing, so no rank hangs. In multi-node async, a rank that dies or raises makes every other rank
-raise ``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f: the
-servers see the broken exchange (or a client's report) and tell their other clients ABORT; a client that stops
-tells the servers waiting for it which rank failed.
+rank and what it was doing, so no rank hangs. In multi-node hybrid, a rank that raises inside a step records
+"rank f failed: <type>: <first line>" in the rendezvous store and its peers' errors end with it (Note [Naming the
+rank that failed]). In multi-node async, a rank that dies or raises makes every other rank raise
+``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f and, when f
+raised, its error's type and first line: the servers see the broken exchange (or a client's report) and tell their
+other clients ABORT; a client that stops tells the servers waiting for it which rank failed and why; a client that
+ended normally waits for every server's STOP or ABORT before the end-of-run broadcast. Tested
+(tests/test_distributed.py): a client, the coordinating server and a non-coordinating server that exit or raise,
+with 1 and 2 servers; a client that ended before another failed; a hybrid rank whose loss raises mid-step, one that
+exits, raises between steps or hangs.
 """
 from __future__ import annotations
 
@@ -133,20 +139,60 @@ def owned_state_ranges(model, grad_dtype: torch.dtype, bucket_mb: float, first_b
     return shard_ranges(buckets, dist.get_rank(group), dist.get_world_size(group))
 
 
+_TEXT_BYTES = 240  # what a failed rank tells the others (async: the bytes after ABORT and FAILED headers)
+
+
+def _short_error(exc: BaseException) -> str:
+    """``"Type: first line of the message"``: what a failed rank tells the others about its exception."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+_FAILURE_KEY = "pyengine/hybrid/failed"
+
+
+def _failure_store():
+    """The default group's rendezvous store (torchrun's TCPStore), where a hybrid rank that raises records why, so
+    that its peers' errors can name it; None when there is none (torch has no public accessor for it)."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _record_failure(store, rank: int, exc: BaseException) -> None:
+    """Records in ``store`` that ``rank`` failed with ``exc`` (its own error; not a failed exchange with a peer),
+    best effort: the peers are blocked in a collective, which fails once this process exits or after the timeout."""
+    if store is None or isinstance(exc, DistributedError):
+        return
+    with contextlib.suppress(RuntimeError):
+        store.set(_FAILURE_KEY, f"rank {rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
+
+
+def _recorded_failure(store) -> str | None:
+    """What :func:`_record_failure` recorded, or None (nothing recorded, or the store's host, rank 0, is gone)."""
+    try:
+        return store.get(_FAILURE_KEY).decode("utf-8", "ignore") if store and store.check([_FAILURE_KEY]) else None
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
-def _collective(what: str, rank: int):
-    """Re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation."""
+def _collective(what: str, rank: int, store=None):
+    """Re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation, and the failed
+    rank when it recorded itself in ``store`` (:func:`_record_failure`)."""
     try:
         yield
     except (DistributedError, WorkerError):
         raise
     except RuntimeError as exc:  # gloo's errors, DistBackendError included
-        raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); a peer rank died, raised "
-                               "or timed out") from exc
+        cause = _recorded_failure(store) or "a peer rank died, raised or timed out"
+        raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); {cause}") from exc
 
 
-def _wait(work, what: str, rank: int) -> None:
-    with _collective(what, rank):
+def _wait(work, what: str, rank: int, store=None) -> None:
+    with _collective(what, rank, store):
         work.wait()
 
 
@@ -172,6 +218,16 @@ class DistributedHybrid:
     ``reduce_scatter_tensor``: gloo (the backend for host tensors) implements that as a clone of the input, an
     allreduce of the clone and a copy of one chunk, so it moves the same bytes and costs one more bucket-sized
     buffer per bucket in flight (measured: ~30 MiB more peak RSS per rank with 8 MiB buckets).
+
+    Note [Naming the rank that failed]
+    A collective cannot carry a message: when rank f raises inside a step (a worker's loss, the update), its peers
+    are blocked in a bucket's allreduce, which fails only when f's process exits (or after the group's timeout), and
+    gloo's error names an address, not a rank. So before the step re-raises, f writes "rank f failed: <error type>:
+    <first line>" into the default group's rendezvous store; a peer whose collective fails reads it and names f in
+    its :class:`DistributedError`. The write happens before f's exception leaves the step, hence before f's process
+    can exit and close its connections, so a peer that sees the closed connection finds the record. A rank that dies
+    (``os._exit``, a signal) or raises outside a step records nothing: its peers say "a peer rank died, raised or
+    timed out". The store is hosted by rank 0; if rank 0 is the one gone, the lookup fails and is skipped.
     """
 
     def __init__(self, engine, group, shard_update: bool):
@@ -181,6 +237,7 @@ class DistributedHybrid:
         self.shard_update = shard_update
         self.buckets = engine.workers[0].streamer.buckets
         self.broken = False
+        self.store = _failure_store()  # Note [Naming the rank that failed]
         store = engine.store
         if shard_update:
             self.part = [_part(b, self.world) for b in self.buckets]
@@ -195,7 +252,7 @@ class DistributedHybrid:
             self._mine = [torch.zeros(max(self.part)) for _ in range(2)]
         else:
             self.reduced = torch.zeros(store.numel)
-        with _collective("broadcast of the initial weights from rank 0", self.rank):
+        with _collective("broadcast of the initial weights from rank 0", self.rank, self.store):
             dist.broadcast(store.param, src=dist.get_global_rank(group, 0), group=group)
         for worker in engine.workers:
             worker.pull(wait=True)
@@ -209,7 +266,7 @@ class DistributedHybrid:
         shards = split_batch(batch, engine.num_workers)
         sizes = [batch_size(s) for s in shards]
         counts = torch.tensor([float(sum(sizes))], dtype=torch.float64)
-        with _collective("allreduce of the batch sizes", self.rank):
+        with _collective("allreduce of the batch sizes", self.rank, self.store):
             dist.all_reduce(counts, group=self.group)
         total = counts.item()
         weights = [n / total for n in sizes]
@@ -227,8 +284,9 @@ class DistributedHybrid:
 
         try:
             results = engine.run_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
-        except BaseException:
+        except BaseException as exc:
             self.broken = True  # Note [Collective order across threads]
+            _record_failure(self.store, self.rank, exc)
             raise
         reducer.join()
         engine.count("steps")
@@ -243,16 +301,17 @@ class DistributedHybrid:
                     if self.shard_update:
                         self._finish_reduce(works, k)
                     else:
-                        _wait(work, "gradient bucket reduction", self.rank)
+                        _wait(work, "gradient bucket reduction", self.rank, self.store)
             loss = torch.tensor([sum(results[i][0] * n for i, n in enumerate(sizes))], dtype=torch.float64)
-            with _collective("allreduce of the loss", self.rank):
+            with _collective("allreduce of the loss", self.rank, self.store):
                 dist.all_reduce(loss, group=self.group)
             reduced = time.perf_counter()
             with engine.phase("update"):
                 applied = self._update_sharded(engine) if self.shard_update else engine.apply_update(
                     [], None, grads=[self.reduced])
-        except BaseException:
+        except BaseException as exc:
             self.broken = True
+            _record_failure(self.store, self.rank, exc)
             raise
         updated = time.perf_counter()
         with engine.phase("copy_back"):
@@ -269,7 +328,7 @@ class DistributedHybrid:
         if not engine.buffer_names:
             return
         named = dict(engine.workers[0].replica.named_buffers())
-        with _collective("broadcast of the buffers from rank 0", self.rank):
+        with _collective("broadcast of the buffers from rank 0", self.rank, self.store):
             for name in engine.buffer_names:
                 dist.broadcast(named[name], src=dist.get_global_rank(self.group, 0), group=self.group)
         engine.share_buffers(range(engine.num_workers))
@@ -290,19 +349,19 @@ class DistributedHybrid:
                     region = self._ring[k % 2][:self.world * self.part[k]]
                     self._local_sum(region[:e - b], [s[b:e] for s in slots], weights)
                     region[e - b:].zero_()
-                    with _collective("reduction of a gradient bucket", self.rank):
+                    with _collective("reduction of a gradient bucket", self.rank, self.store):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
                 else:
                     region = self.reduced[b:e]
                     self._local_sum(region, [s[b:e] for s in slots], weights)
-                    with _collective("allreduce of a gradient bucket", self.rank):
+                    with _collective("allreduce of a gradient bucket", self.rank, self.store):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
         except BaseException as exc:  # noqa: BLE001 - re-raised by the step's thread
             errors.append(exc)
 
     def _finish_reduce(self, works: list, k: int) -> None:
         """Waits for bucket k's reduction and keeps this rank's part of it in ``shard_grad``."""
-        _wait(works[k], "reduction of a gradient bucket", self.rank)
+        _wait(works[k], "reduction of a gradient bucket", self.rank, self.store)
         works[k] = None
         part = self.part[k]
         self.shard_grad[self.shard_offset[k]:self.shard_offset[k] + part] = \
@@ -326,7 +385,7 @@ class DistributedHybrid:
                 norm, nonfinite = ops.mean_grad_norm([grad])
                 sq, bad = sq + norm.double().item() ** 2, max(bad, nonfinite.item())
         summary = torch.tensor([sq, bad], dtype=torch.float64)
-        with _collective("allreduce of the shard norms", self.rank):
+        with _collective("allreduce of the shard norms", self.rank, self.store):
             dist.all_reduce(summary, group=self.group)
         if not engine.admit_update(summary[1].item() != 0.0 or not math.isfinite(summary[0].item()), []):
             return False
@@ -357,13 +416,13 @@ class DistributedHybrid:
             mine[:part.numel()] = part
             mine[part.numel():].zero_()
             region = self._ring[k % 2][:self.world * self.part[k]]
-            with _collective(f"all-gather of {what}", self.rank):
+            with _collective(f"all-gather of {what}", self.rank, self.store):
                 pending.append((k, dist.all_gather_into_tensor(region, mine, group=self.group, async_op=True)))
         while pending:
             self._unpack_gathered(*pending.popleft(), out, what)
 
     def _unpack_gathered(self, k: int, work, out: torch.Tensor, what: str) -> None:
-        _wait(work, f"all-gather of {what}", self.rank)
+        _wait(work, f"all-gather of {what}", self.rank, self.store)
         bucket = self.buckets[k]
         out[bucket.begin:bucket.end] = self._ring[k % 2][:bucket.end - bucket.begin]
 
@@ -405,6 +464,20 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
 _PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
 _SERVER_HEADER, _CLIENT_HEADER = 5, 8
+
+
+def _encode_text(text: str) -> torch.Tensor:
+    """``text`` as a uint8 tensor of ``_TEXT_BYTES`` (truncated, zero-padded) for a point-to-point message."""
+    data = text.encode("utf-8")[:_TEXT_BYTES]
+    out = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    if data:
+        out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def _decode_text(tensor: torch.Tensor) -> str:
+    """Inverse of :func:`_encode_text` (a character cut by the truncation is dropped)."""
+    return bytes(tensor.tolist()).rstrip(b"\0").decode("utf-8", errors="ignore")
 
 
 def check_servers(servers, group, mode: str, numel: int) -> int:
@@ -486,7 +559,14 @@ class AsyncServer:
     server sees stops it, and each of its threads sends its client ABORT naming the failed rank at the next step 1
     or 2 (or 4). A client that learns of a failure (ABORT, a failed exchange, its own exception) first receives what
     the servers are sending it, then sends FAILED to every server waiting for it, then raises; so a surviving
-    client's exit is not taken for the failure, and every rank raises :class:`DistributedError` naming it.
+    client's exit is not taken for the failure, and every rank raises :class:`DistributedError` naming it. ABORT and
+    FAILED headers are followed by ``_TEXT_BYTES`` of UTF-8 text, what failed (for a rank that raised: its
+    exception's type and first line), which every rank's error repeats.
+    End of a run: a client that ended normally (it sent DONE, or received STOP) then waits for one more header from
+    every server; once all of its threads have ended, each server sends every such client STOP, or ABORT if any rank
+    failed meanwhile. Without it a client that ran out of data early would learn of a later failure only from the
+    end-of-run broadcast, which cannot say which rank failed. That wait, like the broadcast after it, is bounded by
+    the process group's timeout: a client that runs out of data longer than that before the run ends raises.
     """
 
     def __init__(self, engine, group, servers: int, steps, callbacks):
@@ -495,8 +575,10 @@ class AsyncServer:
         self.span = shard_spans(engine.store.numel, servers)[self.rank]
         self.last_push = None if steps is None else engine.stats()["pushes"] + steps  # ``steps`` counts this run's
         self.stop = threading.Event()
-        self.failure: tuple[int, str, BaseException | None] | None = None  # (failed rank, what, cause): first wins
+        # (failed rank, what failed: the text passed on in ABORT, the rank that reported it or None, cause): first wins
+        self.failure: tuple[int, str, int | None, BaseException | None] | None = None
         self._failure_lock = threading.Lock()
+        self.finished: set[int] = set()  # the clients that ended normally (DONE, or sent STOP): told the outcome
 
     def run(self) -> None:
         serve = self._coordinate if self.rank == 0 else self._serve_shard
@@ -506,24 +588,35 @@ class AsyncServer:
             t.start()
         for t in threads:
             t.join()
+        self._tell_outcome()
         if self.failure is not None:
-            failed, what, cause = self.failure
+            failed, what, reporter, cause = self.failure
             raise DistributedError(f"rank {self.rank}: the async run stopped because rank {failed} failed: "
-                                   f"{what}") from cause
+                                   f"{_reported(what, reporter)}") from cause
 
-    def _fail(self, failed: int, what: str, cause: BaseException | None = None) -> None:
+    def _tell_outcome(self) -> None:
+        """Sends every client that ended normally STOP, or ABORT naming the failed rank when a rank failed after it
+        ended, so that it raises instead of waiting in the end-of-run broadcast for a rank that is gone."""
+        for client in sorted(self.finished):
+            try:
+                self._send_header(client, _STOP, 0, 0)
+            except _ExchangeFailed as exc:
+                self._fail(client, str(exc), cause=exc.__cause__)
+
+    def _fail(self, failed: int, what: str, reporter: int | None = None, cause: BaseException | None = None
+              ) -> None:
         with self._failure_lock:
             if self.failure is None:
-                self.failure = (failed, what, cause)
+                self.failure = (failed, what, reporter, cause)
         self.stop.set()
 
     def _guarded(self, serve, client: int) -> None:
         try:
             serve(client)
         except _ExchangeFailed as exc:
-            self._fail(client, str(exc), exc.__cause__)
+            self._fail(client, str(exc), cause=exc.__cause__)
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
-            self._fail(self.rank, f"serving rank {client} raised {type(exc).__name__}: {exc}", exc)
+            self._fail(self.rank, f"serving rank {client} raised {_short_error(exc)}", cause=exc)
 
     def _coordinate(self, client: int) -> None:
         """Rank 0's thread for ``client``: steps 2-4 of Note [Multi-node async exchange]."""
@@ -534,7 +627,7 @@ class AsyncServer:
         while True:
             if self.servers > 1 and not self._receive(header, client, expect=(_PULL,)):
                 return
-            if self._send_header(client, status, last_applied, staleness, weights=True) in (_STOP, _ABORT):
+            if self._ends(client, self._send_header(client, status, last_applied, staleness, weights=True)):
                 return
             if not self._receive(header, client, expect=(_PUSH,)):
                 return
@@ -542,8 +635,14 @@ class AsyncServer:
             status, staleness = self._apply(client, grad, header)
             if status == _GO:
                 last_applied = int(header[1].item())
-            if self.servers > 1 and self._send_header(client, status, last_applied, staleness) in (_STOP, _ABORT):
+            if self.servers > 1 and self._ends(client, self._send_header(client, status, last_applied, staleness)):
                 return
+
+    def _ends(self, client: int, status: float) -> bool:
+        """Whether the header just sent to ``client`` ends its thread (STOP: the client ended normally)."""
+        if status == _STOP:
+            self.finished.add(client)
+        return status in (_STOP, _ABORT)
 
     def _serve_shard(self, client: int) -> None:
         """The thread of a server s >= 1 for ``client``: step 1, then apply what the client COMMITs."""
@@ -567,7 +666,7 @@ class AsyncServer:
         try:
             return self._apply_push(client, grad, header, staleness)
         except Exception as exc:  # noqa: BLE001 - re-raised by run()
-            self._fail(self.rank, f"applying a push of rank {client} raised {type(exc).__name__}: {exc}", exc)
+            self._fail(self.rank, f"applying a push of rank {client} raised {_short_error(exc)}", cause=exc)
             return _ABORT, 0
 
     def _apply_push(self, client, grad, header, staleness) -> tuple[float, int]:
@@ -605,27 +704,32 @@ class AsyncServer:
         with self.engine.mutex:
             version = self.engine.version
             snapshot = self.engine.store.param[lo:hi].clone() if weights else None
-        failed = -1.0
-        if self.failure is not None:
-            status, failed = _ABORT, float(self.failure[0])
+        failed, failure = -1.0, self.failure
+        if failure is not None:
+            status, failed = _ABORT, float(failure[0])
         elif weights and self.stop.is_set() and self.rank == 0:
             status = _STOP
         header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness)],
                               dtype=torch.float64)
         self._exchange(dist.send, header, client, "send to")
+        if status == _ABORT:
+            self._exchange(dist.send, _encode_text(failure[1]), client, "send to")
         if snapshot is not None:
             self._exchange(dist.send, snapshot, client, "send of the weights to")
         return status
 
     def _receive(self, header: torch.Tensor, client: int, expect: tuple) -> bool:
-        """Receives a client header: True for a kind in ``expect``; False when the client is DONE or reports a
-        failed rank (recorded)."""
+        """Receives a client header: True for a kind in ``expect``; False when the client is DONE (recorded in
+        :attr:`finished`) or reports a failed rank (recorded, with the text that follows)."""
         self._exchange(dist.recv, header, client, "receive from")
         kind = header[0].item()
         if kind == _FAILED:
-            self._fail(int(header[7].item()), f"reported by rank {client}")
+            text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+            self._exchange(dist.recv, text, client, "receive from")
+            self._fail(int(header[7].item()), _decode_text(text), reporter=client)
             return False
         if kind == _DONE:
+            self.finished.add(client)
             return False
         if kind not in expect:
             raise RuntimeError(f"async protocol: message kind {kind} from rank {client}; expected one of {expect}")
@@ -642,12 +746,17 @@ class _ExchangeFailed(RuntimeError):
     """A point-to-point exchange of the async protocol failed: the peer died, raised or timed out."""
 
 
-class _ClientAbort(Exception):
-    """Inside a client: the run must stop because rank ``failed`` failed (``what`` says how this rank learnt it)."""
+def _reported(what: str, reporter: int | None) -> str:
+    return what if reporter is None else f"{what} (reported by rank {reporter})"
 
-    def __init__(self, failed: int, what: str):
-        super().__init__(what)
-        self.failed, self.what = failed, what
+
+class _ClientAbort(Exception):
+    """Inside a client: the run must stop because rank ``failed`` failed; ``what`` failed (the text passed on to the
+    servers), as ``reporter`` said (None: this rank saw it)."""
+
+    def __init__(self, failed: int, what: str, reporter: int | None = None):
+        super().__init__(_reported(what, reporter))
+        self.failed, self.what, self.reporter = failed, what, reporter
 
 
 class _AsyncClient:
@@ -666,13 +775,28 @@ class _AsyncClient:
     def run(self, batches, epochs) -> None:
         try:
             self._loop(batches, epochs)
+            self._receive_outcome()
         except _ClientAbort as abort:
-            self._tell_waiting(_FAILED, failed=abort.failed)
+            self._tell_waiting(_FAILED, failed=abort.failed, text=abort.what)
             raise DistributedError(f"rank {self.rank}: the async run stopped because rank {abort.failed} failed: "
-                                   f"{abort.what}") from abort.__cause__
-        except BaseException:
-            self._tell_waiting(_FAILED, failed=self.rank)  # this rank fails: the servers learn it at once
+                                   f"{abort}") from abort.__cause__
+        except BaseException as exc:  # this rank fails: the servers learn it at once, and what it raised
+            self._tell_waiting(_FAILED, failed=self.rank, text=_short_error(exc))
             raise
+
+    def _receive_outcome(self) -> None:
+        """After this rank ended normally: every server's STOP, or ABORT naming a rank that failed later (raised as
+        :class:`_ClientAbort` once every server's message is in)."""
+        failure = None
+        for s in range(self.servers):
+            try:
+                status, _, _, failed, _, text = self._receive_header(s)
+                if status == _ABORT:
+                    failure = failure or _ClientAbort(failed, text, reporter=s)
+            except _ClientAbort as abort:
+                failure = failure or abort
+        if failure is not None:
+            raise failure
 
     def _loop(self, batches, epochs) -> None:
         from .asynchronous import _BatchSource
@@ -727,9 +851,9 @@ class _AsyncClient:
 
     def _decide(self, header: list) -> float:
         """Step 4 with K > 1: rank 0's decision, then COMMIT (with its staleness) or DROP to every other server."""
-        status, _, _, failed, staleness = self._receive_header(0)
+        status, _, _, failed, staleness, text = self._receive_header(0)
         if status == _ABORT:
-            raise _ClientAbort(failed, "reported by rank 0")
+            raise _ClientAbort(failed, text, reporter=0)
         if status == _STOP:
             self._tell_waiting(_DONE)
             return status
@@ -748,27 +872,30 @@ class _AsyncClient:
             raise failure
         return status
 
-    def _receive_header(self, server: int) -> tuple[float, int, int, int, int]:
-        """A server's header: (status, version, last applied push id, failed rank, staleness); records rank 0's
-        acknowledgement."""
+    def _receive_header(self, server: int) -> tuple[float, int, int, int, int, str]:
+        """A server's header: (status, version, last applied push id, failed rank, staleness, what failed: the text
+        that follows ABORT, else ""); records rank 0's acknowledgement."""
         header = torch.zeros(_SERVER_HEADER, dtype=torch.float64)
         self._exchange(dist.recv, header, server, "receive from")
         status, version, applied, failed, staleness = header.tolist()
+        text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+        if status == _ABORT:
+            self._exchange(dist.recv, text, server, "receive from")
         if status not in (_STOP, _ABORT):
             self.waiting.add(server)
         history = self.engine.history
         if server == 0 and applied and (not history or history[-1]["push_id"] != applied):
             history.append(dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at))
-        return status, int(version), int(applied), int(failed), int(staleness)
+        return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text)
 
     def _receive_state(self, server: int) -> tuple[float, int]:
         """A server's header and its shard of the weights (into the store): (status, version); raises
         :class:`_ClientAbort` on ABORT."""
-        status, version, _, failed, _ = self._receive_header(server)
+        status, version, _, failed, _, text = self._receive_header(server)
         lo, hi = self.spans[server]
         self._exchange(dist.recv, self.engine.store.param[lo:hi], server, "receive of the weights from")
         if status == _ABORT:
-            raise _ClientAbort(failed, f"reported by rank {server}")
+            raise _ClientAbort(failed, text, reporter=server)
         return status, version
 
     def _send(self, server: int, header: list, gradient: bool = False) -> None:
@@ -781,11 +908,14 @@ class _AsyncClient:
             lo, hi = self.spans[server]
             self._exchange(dist.send, self.reduced[lo:hi], server, "send of a gradient to")
 
-    def _tell_waiting(self, kind: float, failed: int = -1) -> None:
-        """DONE (errors raise) or FAILED naming ``failed`` (best effort) to every server waiting for this rank."""
+    def _tell_waiting(self, kind: float, failed: int = -1, text: str = "") -> None:
+        """DONE (errors raise) or FAILED naming ``failed``, followed by ``text`` (what failed; best effort), to every
+        server waiting for this rank."""
         for s in sorted(self.waiting):
             try:
                 self._send(s, [kind] + [0.0] * 6 + [float(failed)])
+                if kind == _FAILED:
+                    self._exchange(dist.send, _encode_text(text), s, "send to")
             except _ClientAbort:
                 if kind != _FAILED:
                     raise

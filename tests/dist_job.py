@@ -158,6 +158,25 @@ def failure(seed, rank, world, how):
     return {}
 
 
+def failure_in_loss(seed, rank, world):
+    """Rank 1's loss raises in one of its two local workers at its fourth hybrid step, while the reducer thread
+    waits for that worker's buckets; the others are then in that step's collectives and must raise naming rank 1."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 50, 16)]
+    calls = []
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if rank == 1 and len(calls) == 7:  # two workers, one call each per step: worker 0 or 1 of step 4
+            raise RuntimeError("rank 1 fails on purpose")
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), failing_loss, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        for b in batches:
+            engine.step(b)
+    return {}
+
+
 def async_failure(seed, rank, world):
     """The last rank (a client) dies after a few pushes: the server must raise."""
     batches = [client_batch(seed, rank, i) for i in range(200)] if rank else []
@@ -241,6 +260,46 @@ def async_client_failure(seed, rank, world, servers, how):
     return {}
 
 
+def async_server_failure(seed, rank, world, servers, how):
+    """``servers`` server ranks; server ``servers - 1`` (rank 0, the coordinator, when it is the only one) exits or
+    raises in a callback after applying its fourth push: every other rank must raise DistributedError naming it."""
+    failing = servers - 1
+    batches = [client_batch(seed, rank, i) for i in range(200)] if rank >= servers else []
+
+    def failing_callback(engine, metrics):
+        if rank == failing and len(engine.history) == 4:
+            if how == "exit":
+                os._exit(17)
+            raise RuntimeError(f"rank {rank} fails on purpose")
+
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=servers) as engine:
+        engine.fit(batches, steps=1000, callbacks=[failing_callback])
+    return {}
+
+
+def async_finished_client(seed, rank, world, servers, how):
+    """``servers`` server ranks; the first client runs out of data after two pushes and ends normally, then the last
+    rank (a client) exits or raises: the finished client must raise DistributedError naming it too."""
+    count = 2 if rank == servers else 200
+    batches = [client_batch(seed, rank, i) for i in range(count)] if rank >= servers else []
+    calls = []
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if rank == world - 1 and len(calls) == 6:
+            time.sleep(1.0)  # the first client has long ended
+            if how == "exit":
+                os._exit(17)
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), failing_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=servers) as engine:
+        engine.fit(batches, steps=1000, epochs=1)  # one pass: the first client runs out of data
+    return {}
+
+
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
@@ -252,6 +311,11 @@ def main():
                  "async-sharded": async_sharded,
                  **{f"async-client-{how}-{k}": lambda s, r, w, k=k, how=how: async_client_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
+                 **{f"async-finished-{how}-{k}": lambda s, r, w, k=k, how=how: async_finished_client(s, r, w, k, how)
+                    for how in ("exit", "raise") for k in (1, 2)},
+                 **{f"async-server-{how}-{k}": lambda s, r, w, k=k, how=how: async_server_failure(s, r, w, k, how)
+                    for how in ("exit", "raise") for k in (1, 2)},
+                 "failure-loss": failure_in_loss,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
     result = scenarios[scenario](seed, rank, world)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -4,6 +4,7 @@ torchrun-like environment, bounds their time, and checks what they wrote against
 import copy
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -346,6 +347,9 @@ def test_a_failing_async_client_ends_every_other_rank_with_an_error_naming_it(tm
         assert codes[failed] == 17, logs[failed]
     else:
         assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
+        for r in range(world - 1):  # the failed rank's own error, passed on: in every other rank's error
+            assert f"failed: WorkerError: worker 0 (cpu) failed: RuntimeError: rank {failed} fails on purpose" in \
+                distributed_error(logs[r]), logs[r]
     assert seconds < 30, f"the run took {seconds:.1f} s to fail"
 
 
@@ -356,3 +360,60 @@ def test_servers_option_errors():
             pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], mode="async", pin=False, servers=bad)
     with pytest.raises(ValueError, match="servers=2 shards the store .* needs mode='async' and a process group"):
         pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], mode="async", pin=False, servers=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("servers,world,how", [(1, 3, "exit"), (1, 3, "raise"), (2, 4, "exit"), (2, 4, "raise")])
+def test_a_failing_async_server_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, servers, world, how):
+    failed = servers - 1  # rank 0 (the coordinator) when it is the only server, else rank 1
+    start = time.monotonic()
+    codes, logs, _ = launch(f"async-server-{how}-{servers}", world, tmp_path, seed, timeout=25.0, grace=5.0)
+    assert time.monotonic() - start < 20, "the run took too long to fail"
+    for r in range(world):
+        if r == failed:
+            continue
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        assert f"DistributedError: rank {r}: the async run stopped because rank {failed} failed" in logs[r], logs[r]
+    if how == "exit":
+        assert codes[failed] == 17, logs[failed]
+    else:
+        assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
+
+
+def distributed_error(log: str) -> str:
+    """The last line of a rank's log that reports a DistributedError ("" if none)."""
+    lines = [line for line in log.splitlines() if "DistributedError: " in line]
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("servers,world,how", [(1, 3, "raise"), (2, 4, "exit")])
+def test_a_client_that_ended_normally_learns_which_rank_failed_after_it(tmp_path, seed, servers, world, how):
+    finished, failed = servers, world - 1
+    start = time.monotonic()
+    codes, logs, _ = launch(f"async-finished-{how}-{servers}", world, tmp_path, seed, timeout=25.0, grace=5.0)
+    assert time.monotonic() - start < 20, "the run took too long to fail"
+    for r in range(world - 1):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        assert f"rank {r}: the async run stopped because rank {failed} failed" in distributed_error(logs[r]), logs[r]
+    # the finished client learns it from the servers' end-of-run message, with what the failed rank said
+    error = distributed_error(logs[finished])
+    assert any(error.endswith(f"(reported by rank {s})") for s in range(servers)), error
+    if how == "raise":
+        assert f"RuntimeError: rank {failed} fails on purpose" in error, error
+
+
+@pytest.mark.timeout(60)
+def test_a_hybrid_rank_whose_loss_raises_mid_step_ends_the_others_with_an_error_naming_it(tmp_path, seed):
+    world = 3
+    start = time.monotonic()
+    codes, logs, _ = launch("failure-loss", world, tmp_path, seed, timeout=25.0, grace=5.0)
+    assert time.monotonic() - start < 20, "the run took too long to fail"
+    assert codes[1] not in (0, None) and "rank 1 fails on purpose" in logs[1], logs[1]
+    for r in (0, 2):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        error = distributed_error(logs[r])
+        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+        # named through the rendezvous store (Note [Naming the rank that failed]), with rank 1's own error
+        assert re.search(r"; rank 1 failed: WorkerError: worker [01] \(cpu\) failed: RuntimeError: rank 1 fails on "
+                         r"purpose$", error), error
