@@ -272,6 +272,7 @@ class DistributedHybrid:
         weights = [n / total for n in sizes]
         self._share_buffers(engine)
         works, errors = [], []
+        self.launched_at = []  # perf_counter of each bucket's allreduce launch (the reducer appends)
         reducer = threading.Thread(target=self._reduce_buckets, args=(engine, weights, works, errors),
                                    name="pyengine-reducer", daemon=True)
         reducer.start()
@@ -284,6 +285,7 @@ class DistributedHybrid:
 
         try:
             results = engine.run_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
+            workers_done = time.perf_counter()
         except BaseException as exc:
             self.broken = True  # Note [Collective order across threads]
             _record_failure(self.store, self.rank, exc)
@@ -321,7 +323,8 @@ class DistributedHybrid:
                             compute=max(r[1] for r in results.values()), update=updated - reduced,
                             transfer_wait=max(r[2] for r in results.values()) + reduced - computed,
                             copy_back=end - updated, applied=applied, rank=self.rank, world_size=self.world,
-                            local_samples=sum(sizes))
+                            local_samples=sum(sizes),
+                            overlapped_buckets=sum(t < workers_done for t in self.launched_at))
 
     def _share_buffers(self, engine) -> None:
         """DDP's broadcast_buffers across ranks: rank 0's worker 0 buffers go to every replica of every rank."""
@@ -351,11 +354,13 @@ class DistributedHybrid:
                     region[e - b:].zero_()
                     with _collective("reduction of a gradient bucket", self.rank, self.store):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
+                    self.launched_at.append(time.perf_counter())
                 else:
                     region = self.reduced[b:e]
                     self._local_sum(region, [s[b:e] for s in slots], weights)
                     with _collective("allreduce of a gradient bucket", self.rank, self.store):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
+                    self.launched_at.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - re-raised by the step's thread
             errors.append(exc)
 

@@ -300,6 +300,29 @@ def async_finished_client(seed, rank, world, servers, how):
     return {}
 
 
+def overlap(seed, rank, world):
+    """Hybrid (replicated and sharded), 2 local workers, several buckets; the first layer's weight gradient (the last
+    bucket) is held back 0.3 s in backward, so the earlier buckets' allreduce can only be launched before the workers
+    finish if it overlaps backward. Returns each step's overlapped_buckets and the bucket count."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 24)]
+    hooked = set()
+
+    def slow_first_layer_loss(model, batch):
+        if id(model) not in hooked:  # once per replica
+            hooked.add(id(model))
+            model[0].weight.register_hook(lambda grad: (time.sleep(0.3), grad)[1])
+        return loss_fn(model, batch)
+
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        with pyengine.Engine(make_model(), slow_first_layer_loss, devices=["cpu"] * 2, pin=False,
+                             optimizer=pyengine.AdamW(**OPT), bucket_mb=0.0003, first_bucket_mb=0.0002,
+                             shard_update=shard) as engine:
+            out[name] = dict(overlapped=[engine.step(b)["overlapped_buckets"] for b in batches],
+                             buckets=len(engine.workers[0].streamer.buckets))
+    return out
+
+
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
@@ -315,7 +338,7 @@ def main():
                     for how in ("exit", "raise") for k in (1, 2)},
                  **{f"async-server-{how}-{k}": lambda s, r, w, k=k, how=how: async_server_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
-                 "failure-loss": failure_in_loss,
+                 "failure-loss": failure_in_loss, "overlap": overlap,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
     result = scenarios[scenario](seed, rank, world)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -417,3 +417,19 @@ def test_a_hybrid_rank_whose_loss_raises_mid_step_ends_the_others_with_an_error_
         # named through the rendezvous store (Note [Naming the rank that failed]), with rank 1's own error
         assert re.search(r"; rank 1 failed: WorkerError: worker [01] \(cpu\) failed: RuntimeError: rank 1 fails on "
                          r"purpose$", error), error
+
+
+@pytest.mark.timeout(90)
+def test_hybrid_allreduce_of_early_buckets_overlaps_backward(tmp_path, seed):
+    """Each bucket's allreduce is launched as soon as every local worker delivered it, while backward goes on: with
+    the last bucket's gradient held back 0.3 s in backward, every bucket before it was launched before the workers
+    finished (replicated and sharded, 2 ranks x 2 local workers; metric ``overlapped_buckets``). A step that reduced
+    only after backward would report 0."""
+    codes, logs, _ = launch("overlap", 2, tmp_path, seed, timeout=75)
+    assert codes == [0, 0], "\n".join(logs)
+    for out in results(tmp_path, 2):
+        for name in ("replicated", "sharded"):
+            buckets = out[name]["buckets"]
+            assert buckets >= 2, buckets
+            # the last bucket's launch may also beat the workers' return; every earlier one must
+            assert all(buckets - 1 <= n <= buckets for n in out[name]["overlapped"]), (name, out[name])
