@@ -142,11 +142,7 @@ class DistributedPipelineStage:
     @torch.no_grad()
     def _update(self) -> bool:
         """Gradients -> slot, all-reduced norm and non-finite flag, fused AdamW (Note [Distributed pipeline update])."""
-        for name, p in self.params:
-            if p.grad is None:
-                self._slot[name].zero_()
-            else:
-                self._slot[name].copy_(p.grad)
+        _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         norm, nonfinite = ops.mean_grad_norm([slot])
         both = torch.stack([norm.double().square(), nonfinite.double()]).to(self.device)
@@ -166,6 +162,15 @@ class DistributedPipelineStage:
             weights=None, param_out=self.store.shadow, grad_norm=global_norm if clip else None,
             max_grad_norm=float(clip))
         return True
+
+
+def _grads_to_slot(params, slot_views: dict) -> None:
+    """Each parameter's ``.grad`` into its view of the gradient slot (zeros for a parameter without one)."""
+    for name, p in params:
+        if p.grad is None:
+            slot_views[name].zero_()
+        else:
+            slot_views[name].copy_(p.grad)
 
 
 def _stage_sizes(layers, stages: int, balance) -> list[int]:
@@ -309,11 +314,7 @@ class DistributedPipeline:
     def _update(self, loss_sum: float) -> tuple[bool, float]:
         """Gradients -> slot 0, all-reduced norm, non-finite flag and loss, then the fused update of this rank's range
         (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches)."""
-        for name, p in self.params:
-            if p.grad is None:
-                self._slot[name].zero_()
-            else:
-                self._slot[name].copy_(p.grad)
+        _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.rank]
         norm, nonfinite = ops.mean_grad_norm([slot[begin:end]])
