@@ -138,11 +138,12 @@ def shard_state(seed, rank, world, amsgrad, out_dir):
     return out
 
 
-def _fail(how):
+def _fail(how, rank=1):
+    """This rank fails: ``"exit"`` (status 17), ``"raise"`` or ``"hang"``."""
     if how == "exit":
         os._exit(17)
     if how == "raise":
-        raise RuntimeError("rank 1 fails on purpose")
+        raise RuntimeError(f"rank {rank} fails on purpose")
     time.sleep(600)  # "hang": alive but silent; the group's timeout must end the others' wait
 
 
@@ -249,9 +250,7 @@ def async_client_failure(seed, rank, world, servers, how):
     def failing_loss(model, batch):
         calls.append(1)
         if rank == world - 1 and len(calls) == 4:
-            if how == "exit":
-                os._exit(17)
-            raise RuntimeError(f"rank {rank} fails on purpose")
+            _fail(how, rank)
         return loss_fn(model, batch)
 
     with pyengine.Engine(make_model(), failing_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
@@ -268,9 +267,7 @@ def async_server_failure(seed, rank, world, servers, how):
 
     def failing_callback(engine, metrics):
         if rank == failing and len(engine.history) == 4:
-            if how == "exit":
-                os._exit(17)
-            raise RuntimeError(f"rank {rank} fails on purpose")
+            _fail(how, rank)
 
     with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
                          pin=False, servers=servers) as engine:
@@ -289,9 +286,7 @@ def async_finished_client(seed, rank, world, servers, how):
         calls.append(1)
         if rank == world - 1 and len(calls) == 6:
             time.sleep(1.0)  # the first client has long ended
-            if how == "exit":
-                os._exit(17)
-            raise RuntimeError(f"rank {rank} fails on purpose")
+            _fail(how, rank)
         return loss_fn(model, batch)
 
     with pyengine.Engine(make_model(), failing_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),

@@ -335,18 +335,27 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
         assert state["step"] == ref_state[i]["step"]
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("servers,world,how", [(1, 3, "exit"), (2, 4, "exit"), (2, 4, "raise")])
-def test_a_failing_async_client_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, servers, world, how):
-    failed = world - 1
-    codes, logs, seconds = launch(f"async-client-{how}-{servers}", world, tmp_path, seed, timeout=60.0)
-    for r in range(world - 1):
+def assert_every_other_rank_names(failed, codes, logs, how):
+    """Every rank but ``failed`` ended with a DistributedError saying the async run stopped because ``failed`` failed;
+    ``failed`` itself exited with 17 (``how="exit"``) or raised its own error."""
+    for r in range(len(codes)):
+        if r == failed:
+            continue
         assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
         assert f"DistributedError: rank {r}: the async run stopped because rank {failed} failed" in logs[r], logs[r]
     if how == "exit":
         assert codes[failed] == 17, logs[failed]
     else:
         assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("servers,world,how", [(1, 3, "exit"), (2, 4, "exit"), (2, 4, "raise")])
+def test_a_failing_async_client_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, servers, world, how):
+    failed = world - 1
+    codes, logs, seconds = launch(f"async-client-{how}-{servers}", world, tmp_path, seed, timeout=60.0)
+    assert_every_other_rank_names(failed, codes, logs, how)
+    if how == "raise":
         for r in range(world - 1):  # the failed rank's own error, passed on: in every other rank's error
             assert f"failed: WorkerError: worker 0 (cpu) failed: RuntimeError: rank {failed} fails on purpose" in \
                 distributed_error(logs[r]), logs[r]
@@ -369,15 +378,7 @@ def test_a_failing_async_server_ends_every_other_rank_with_an_error_naming_it(tm
     start = time.monotonic()
     codes, logs, _ = launch(f"async-server-{how}-{servers}", world, tmp_path, seed, timeout=25.0, grace=5.0)
     assert time.monotonic() - start < 20, "the run took too long to fail"
-    for r in range(world):
-        if r == failed:
-            continue
-        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
-        assert f"DistributedError: rank {r}: the async run stopped because rank {failed} failed" in logs[r], logs[r]
-    if how == "exit":
-        assert codes[failed] == 17, logs[failed]
-    else:
-        assert codes[failed] not in (0, None) and f"rank {failed} fails on purpose" in logs[failed], logs[failed]
+    assert_every_other_rank_names(failed, codes, logs, how)
 
 
 def distributed_error(log: str) -> str:

@@ -471,16 +471,22 @@ def test_tied_parameter_rejected_where_stages_cannot_share_it():
 
 # ---- stages in separate processes (torch.distributed.pipelining) ----
 
-def _distributed_worker(rank, world, init_file, seed, out_dir):
+def _join_gloo_group(rank, world, init_file):
+    """A spawned rank joins the test's gloo group (30 s timeout, one intra-op thread); returns torch.distributed."""
     import datetime
 
     import torch.distributed as dist
 
-    from pyengine.pipeline_distributed import DistributedPipelineStage
-
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init_file}",
                             timeout=datetime.timedelta(seconds=30))
     torch.set_num_threads(1)
+    return dist
+
+
+def _distributed_worker(rank, world, init_file, seed, out_dir):
+    from pyengine.pipeline_distributed import DistributedPipelineStage
+
+    dist = _join_gloo_group(rank, world, init_file)
     try:
         batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
         for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
@@ -556,13 +562,7 @@ ENGINE_RUNS = (("1f1b", 0.05, 3), ("gpipe", None, 4))  # schedule, max_grad_norm
 
 
 def _engine_worker(rank, world, init_file, seed, out_dir):
-    import datetime
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init_file}",
-                            timeout=datetime.timedelta(seconds=30))
-    torch.set_num_threads(1)
+    dist = _join_gloo_group(rank, world, init_file)
     try:
         batches = make_batches(torch.Generator().manual_seed(seed), 4, 12)
         for schedule, clip, microbatches in ENGINE_RUNS:
