@@ -35,11 +35,13 @@ class TorchReference:
         self.model = copy.deepcopy(model).double()
         self.opt = torch.optim.AdamW(self.model.parameters(), foreach=False, **OPT)
 
-    def step(self, batch):
+    def step(self, batch, clip=None):
         x, y = batch
         self.opt.zero_grad()
         loss = loss_fn(self.model, (x.double(), y))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.opt.step()
         return loss.item()
 
@@ -510,15 +512,7 @@ def test_distributed_stages_equal_single_device(rng, tmp_path):
     batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
     for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
         reference = TorchReference(make_model(blocks=2))
-        ref_losses = []
-        for x, y in batches:
-            reference.opt.zero_grad()
-            loss = loss_fn(reference.model, (x.double(), y))
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(reference.model.parameters(), clip)
-            reference.opt.step()
-            ref_losses.append(loss.item())
+        ref_losses = [reference.step(b, clip) for b in batches]
         ranks = [torch.load(tmp_path / f"{schedule}-{r}.pt") for r in range(2)]
         master = {**ranks[0]["master"], **ranks[1]["master"]}
         assert sorted(master) == sorted(n for n, _ in reference.model.named_parameters())
@@ -592,15 +586,8 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
     mp.spawn(_engine_worker, args=(2, str(tmp_path / "init"), seed, str(tmp_path)), nprocs=2)
     batches = make_batches(torch.Generator().manual_seed(seed), 4, 12)
     for schedule, clip, _ in ENGINE_RUNS:
-        reference, ref_losses = TorchReference(make_model(blocks=2)), []
-        for x, y in batches:
-            reference.opt.zero_grad()
-            loss = loss_fn(reference.model, (x.double(), y))
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(reference.model.parameters(), clip)
-            reference.opt.step()
-            ref_losses.append(loss.item())
+        reference = TorchReference(make_model(blocks=2))
+        ref_losses = [reference.step(b, clip) for b in batches]
         ref_state = reference.opt.state_dict()["state"]
         for rank in range(2):
             got = torch.load(tmp_path / f"engine-{schedule}-{rank}.pt", weights_only=False)
