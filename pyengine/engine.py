@@ -396,9 +396,9 @@ class Engine:
         Note [One CPU worker runs on the calling thread]
         With a single CPU worker the task runs here, on the calling thread, and the returned future is already
         done. A worker thread would bring its own OpenMP team beside the one the calling thread already has (any
-        torch op it ran made one); libgomp then counts more threads than cores and switches every team to short
-        spins and futex sleeps at its barriers, which made a small transformer's forward+backward ~13 % slower on
-        2 vCPUs (bench/RESULTS.md). Nothing overlaps with a lone CPU worker anyway: the gradient copies still run on
+        torch op it ran made one). Measured on 2 vCPUs: once another thread has run a 2-thread parallel region, a
+        small transformer's forward+backward is ~13 % slower (bench/RESULTS.md); the likely cause, not confirmed,
+        is libgomp's shorter waiting at barriers when it manages more threads than there are cores. Nothing overlaps with a lone CPU worker anyway: the gradient copies still run on
         the streamer's copy thread, and the host's per-bucket work simply finds every bucket ready.
         """
         if not self.inline_worker:

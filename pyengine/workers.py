@@ -123,9 +123,9 @@ def host_threads(devices: list[torch.device], numel: int | None = None):
     compute. So while workers run the host's ops stay on its own thread, and the update (workers idle) uses every
     core only when it is large enough to repay the spin that follows it into the next step's forward.
     This is a per-thread switch inside pyengine's ops (``_C._set_serial_on_this_thread``), not
-    ``torch.set_num_threads``: that one is not a thread-local knob (it also resets process-wide state such as
-    oneDNN's primitive cache), and toggling it on the host thread every step made a G=1 worker's backward 1.6x
-    slower. Measured on 2 vCPUs in bench/RESULTS.md.
+    ``torch.set_num_threads``: toggling that on the host thread every step made a G=1 worker's backward up to
+    1.6x slower (it is not a purely thread-local knob; which process-wide state it disturbs was not pinned down).
+    Measured on 2 vCPUs in bench/RESULTS.md.
     """
     if not any(d.type == "cpu" for d in devices) or (numel is not None and numel >= HOST_PARALLEL_MIN_NUMEL):
         yield
