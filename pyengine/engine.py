@@ -398,8 +398,9 @@ class Engine:
         done. A worker thread would bring its own OpenMP team beside the one the calling thread already has (any
         torch op it ran made one). Measured on 2 vCPUs: once another thread has run a 2-thread parallel region, a
         small transformer's forward+backward is ~13 % slower (bench/RESULTS.md); the likely cause, not confirmed,
-        is libgomp's shorter waiting at barriers when it manages more threads than there are cores. Nothing overlaps with a lone CPU worker anyway: the gradient copies still run on
-        the streamer's copy thread, and the host's per-bucket work simply finds every bucket ready.
+        is libgomp's shorter waiting at barriers when it manages more threads than there are cores. Nothing
+        overlaps with a lone CPU worker anyway: the gradient copies still run on the streamer's copy thread, and
+        the host's per-bucket work simply finds every bucket ready.
         """
         if not self.inline_worker:
             return {i: self._pool.submit(fn) for i, fn in tasks.items()}
