@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU suite: one command for a machine with a CUDA GPU (an H100 here), run from a clean checkout.
 #
-#   bench/gpu_check.sh            logs and summary.md under $OUT (or bench/out/ when OUT is unset)
+#   bench/gpu_check.sh [STAGE...]   summary.md, logs.tgz (every log) and the built extension under $OUT
+#                                   (or bench/out/ when OUT is unset); no STAGE: all of them, in this order
 #
+# A lease may be shorter than the whole suite: name the stages a call should run (e.g. `env build import tests`,
+# then `sanitizer bench transfer`); a stage that needs the extension builds it first unless it imports with CUDA.
 # Stages, each logged, timed and recorded in summary.md; a failing stage does not stop the next:
 #   env        nvidia-smi, the machine's own torch and nvcc
 #   build      pip install -e . --no-build-isolation --no-deps with that torch (fallback: setup.py build_ext --inplace)
@@ -12,16 +15,25 @@
 #   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
 #   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap, hybrid with 4
 #              workers on the GPU vs single-replica training
-# Needs no network. PYTHON picks the interpreter (default python3: the one holding that machine's torch).
+# DEADLINE_S=N makes every stage end in time for the summary within N seconds of the start. Needs no network. PYTHON picks the interpreter (default python3: the one holding that machine's torch).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+ALL_STAGES=(env build import tests ctest sanitizer bench transfer)
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=("${ALL_STAGES[@]}")
+for s in "${STAGES[@]}"; do
+  [[ " ${ALL_STAGES[*]} " == *" $s "* ]] || { echo "unknown stage '$s' (stages: ${ALL_STAGES[*]})" >&2; exit 2; }
+done
+wants() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.md"
 SCRATCH=$(mktemp -d)
+LOGS="$SCRATCH/logs"
+mkdir -p "$LOGS"
 trap 'rm -rf "$SCRATCH"' EXIT
 declare -a ROWS=()
 
@@ -29,6 +41,11 @@ declare -a ROWS=()
 stage() {
   local name=$1 log=$2 limit=$3
   shift 3
+  if [[ -n ${DEADLINE_S:-} ]]; then  # keep the whole call inside a lease: stop each stage 30 s before the deadline
+    local left=$((DEADLINE_S - SECONDS - 30))
+    (( left < limit )) && limit=$left
+    (( limit < 1 )) && { ROWS+=("| $name | SKIPPED (no time left) | 0 | |"); return; }
+  fi
   echo "== $name: $*" | tee -a "$log"
   local start=$SECONDS rc
   timeout "$limit" "$@" >>"$log" 2>&1
@@ -93,17 +110,25 @@ sanitize() {
   return $rc
 }
 
-stage env "$OUT/env.log" 120 bash -c "nvidia-smi; nvcc --version || /usr/local/cuda/bin/nvcc --version; \
+if ! wants build && { wants tests || wants sanitizer || wants bench || wants transfer; } \
+   && ! check_build >/dev/null 2>&1; then
+  STAGES+=(build)  # a later stage needs the extension and none that imports with CUDA is here
+fi
+wants env && stage env "$LOGS/env.log" 120 bash -c "nvidia-smi; nvcc --version || /usr/local/cuda/bin/nvcc --version; \
   $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
   $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools) '"
-stage build "$OUT/build.log" 1200 build
-stage import "$OUT/build.log" 120 check_build
-stage tests "$OUT/tests.log" 1200 "$PYTHON" -m pytest tests -q -k cuda -p no:cacheprovider
-stage ctest "$OUT/ctest.log" 1200 env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
+wants build && stage build "$LOGS/build.log" 600 build
+wants import || wants build && stage import "$LOGS/build.log" 120 check_build
+wants tests && stage tests "$LOGS/tests.log" 900 "$PYTHON" -m pytest tests -q -rfE -k cuda -p no:cacheprovider
+wants ctest && stage ctest "$LOGS/ctest.log" 900 env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
   tests/cpp/run_ctest.sh -DPYENGINE_WITH_CUDA=ON
-stage sanitizer "$OUT/sanitizer.log" 1200 sanitize
-stage bench "$OUT/bench.log" 1800 "$PYTHON" bench/bench_fused_adamw.py --full --cuda --out "$OUT/bench_cuda.md"
-stage transfer "$OUT/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 --out "$OUT/transfer.md"
+wants sanitizer && stage sanitizer "$LOGS/sanitizer.log" 900 sanitize
+wants bench && stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_adamw.py --full --cuda \
+  --out "$LOGS/bench_cuda.md"
+wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
+  --out "$LOGS/transfer.md"
+# The built extension comes back too, so that a later lease can carry it instead of building again.
+wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
 
 {
   echo "# pyengine GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -116,17 +141,20 @@ stage transfer "$OUT/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --devic
   echo "|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
   echo
-  if [[ -s "$OUT/bench_cuda.md" ]]; then
+  echo "stages run: ${STAGES[*]}"
+  echo
+  if [[ -s "$LOGS/bench_cuda.md" ]]; then
     echo "## CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
     echo
-    cat "$OUT/bench_cuda.md"
+    cat "$LOGS/bench_cuda.md"
   fi
-  if [[ -s "$OUT/transfer.md" ]]; then
+  if [[ -s "$LOGS/transfer.md" ]]; then
     echo
     echo "## Gradient transfer and engine on the GPU"
     echo
-    cat "$OUT/transfer.md"
+    cat "$LOGS/transfer.md"
   fi
 } >"$SUMMARY"
+tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 cat "$SUMMARY"
 ! grep -q FAILED "$SUMMARY"
