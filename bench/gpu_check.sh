@@ -48,7 +48,7 @@ stage() {
   fi
   echo "== $name: $*" | tee -a "$log"
   local start=$SECONDS rc
-  timeout "$limit" "$@" >>"$log" 2>&1
+  timeout "$limit" bash -c '"$@"' stage "$@" >>"$log" 2>&1  # bash -c: the exported shell functions run too
   rc=$?
   local status=ok
   [[ $rc -ne 0 ]] && status="FAILED (rc=$rc$([[ $rc -eq 124 ]] && echo ", timed out after ${limit}s"))"
@@ -110,6 +110,8 @@ sanitize() {
   return $rc
 }
 
+export -f build check_build sanitize
+export PYTHON SCRATCH
 if ! wants build && { wants tests || wants sanitizer || wants bench || wants transfer; } \
    && ! check_build >/dev/null 2>&1; then
   STAGES+=(build)  # a later stage needs the extension and none that imports with CUDA is here
