@@ -6,10 +6,22 @@ No environment variables are needed by hand. Toggles: PYENGINE_CPU_ONLY=1 (skip 
 import glob
 import os
 import platform
+import shutil
 import sysconfig
 
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"  # set before cpp_extension reads it; /usr/local/bin/nvcc is a wrapper
+
+# Compile and link with the C++ toolchain on PATH (CC/CXX when set), as torch's own JIT builds do. setuptools would take
+# the interpreter's build compiler from sysconfig instead, and one such toolchain (seen: /opt/gcc) links libstdc++
+# statically into _C: a second, uninitialised libstdc++ in the process then crashes on the first formatted error.
+for var, tool, linker in (("CC", "cc", "LDSHARED"), ("CXX", "c++", "LDCXXSHARED")):
+    old, new = sysconfig.get_config_var(var) or "", os.environ.get(var) or shutil.which(tool)
+    link = sysconfig.get_config_var(linker) or ""
+    if new and var not in os.environ:
+        os.environ[var] = new
+    if new and old and linker not in os.environ and link.startswith(old):
+        os.environ[linker] = new + link[len(old):]
 
 import torch  # noqa: E402
 from setuptools import setup  # noqa: E402

@@ -4,6 +4,7 @@ Reference for every update: torch.optim.AdamW / Adam (foreach=False) on a float6
 float64 mean of the same (already rounded) gradients the kernel sees.
 """
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -117,6 +118,19 @@ def check_state(ref, ours):
     assert_fp32_close(ours.v, ref.state("exp_avg_sq"), "exp_avg_sq", floor=1 - beta2)
     if ours.vmax is not None:
         assert_fp32_close(ours.vmax, ref.state("max_exp_avg_sq"), "max_exp_avg_sq")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not shutil.which("readelf"), reason="needs Linux and readelf")
+def test_extension_uses_the_shared_libstdcxx():
+    """_C must load the process's libstdc++.so, not carry a static copy: a second libstdc++ in the process has
+    uninitialised locale facets, and the first error message that formats a number crashes (seen with a toolchain
+    that links it statically; setup.py builds with the compiler on PATH for this)."""
+    dynamic = subprocess.run(["readelf", "-d", pyengine._C.__file__], capture_output=True, text=True, check=True)
+    assert "libstdc++.so" in dynamic.stdout, "pyengine._C does not link libstdc++.so dynamically"
+    symbols = subprocess.run(["readelf", "--dyn-syms", "-W", pyengine._C.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    defined = [line for line in symbols.splitlines() if "_ZNSo9_M_insertIlEERSoT_" in line and " UND " not in line]
+    assert not defined, "pyengine._C defines std::ostream itself (a static libstdc++)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
