@@ -7,21 +7,11 @@ import glob
 import os
 import platform
 import shutil
+import subprocess
 import sysconfig
 
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"  # set before cpp_extension reads it; /usr/local/bin/nvcc is a wrapper
-
-# Compile and link with the C++ toolchain on PATH (CC/CXX when set), as torch's own JIT builds do. setuptools would take
-# the interpreter's build compiler from sysconfig instead, and one such toolchain (seen: /opt/gcc) links libstdc++
-# statically into _C: a second, uninitialised libstdc++ in the process then crashes on the first formatted error.
-for var, tool, linker in (("CC", "cc", "LDSHARED"), ("CXX", "c++", "LDCXXSHARED")):
-    old, new = sysconfig.get_config_var(var) or "", os.environ.get(var) or shutil.which(tool)
-    link = sysconfig.get_config_var(linker) or ""
-    if new and var not in os.environ:
-        os.environ[var] = new
-    if new and old and linker not in os.environ and link.startswith(old):
-        os.environ[linker] = new + link[len(old):]
 
 import torch  # noqa: E402
 from setuptools import setup  # noqa: E402
@@ -42,6 +32,46 @@ if platform.machine() not in ("x86_64", "AMD64"):
 KERNEL_SOURCE = "csrc/cpu/kernel_isa.cpp"
 
 
+def links_shared_libstdcxx(cxx):
+    """Whether this C++ compiler finds libstdc++.so, i.e. links the process's shared libstdc++ into _C."""
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return os.path.isabs(found.stdout.strip())
+
+
+def toolchain():
+    """(CC, CXX) to build with: CXX, else the interpreter's build compiler, as setuptools would, unless that one links
+    libstdc++ statically (seen: a /opt/gcc toolchain without libstdc++.so). A second, uninitialised libstdc++ inside
+    _C crashes on the first error message that formats a number; the compiler on PATH is taken instead."""
+    cxx = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
+    if links_shared_libstdcxx(cxx):
+        return None
+    for cc_name, cxx_name in (("cc", "c++"), ("gcc", "g++")):
+        cc, other = shutil.which(cc_name), shutil.which(cxx_name)
+        if cc and other and links_shared_libstdcxx(other):
+            print(f"pyengine: {cxx} would link libstdc++ statically into _C; building with {other} instead")
+            return cc, other
+    raise SystemExit(f"pyengine: {cxx} links libstdc++ statically and no compiler on PATH links libstdc++.so; "
+                     "set CXX (and CC) to one that does")
+
+
+TOOLCHAIN = toolchain()
+if TOOLCHAIN:
+    os.environ["CC"], os.environ["CXX"] = TOOLCHAIN  # read by cpp_extension's ninja rules and nvcc's -ccbin
+
+
+def check_linked(path):
+    """Fails the build, rather than the first error at run time, when _C carries its own libstdc++."""
+    if not shutil.which("readelf"):
+        return
+    dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True).stdout
+    if "libstdc++.so" not in dynamic:
+        raise SystemExit(f"pyengine: {path} does not link libstdc++.so (a static libstdc++ crashes at the first "
+                         "error message); set CXX to a compiler that links it dynamically")
+
+
 def cuda_wanted():
     if os.environ.get("PYENGINE_CPU_ONLY") == "1" or torch.version.cuda is None:
         return False
@@ -53,6 +83,12 @@ class BuildExt(cpp_extension.BuildExtension):
     """Compiles KERNEL_SOURCE once per ISA with its own flags (cpp_extension has no per-file flags)."""
 
     def build_extensions(self):
+        if TOOLCHAIN:  # every source is C++: compile and link with the chosen CXX, whatever sysconfig says
+            for attr in ("compiler", "compiler_so", "compiler_cxx", "compiler_so_cxx", "linker_so", "linker_so_cxx",
+                         "linker_exe", "linker_exe_cxx"):
+                command = getattr(self.compiler, attr, None)
+                if command:
+                    setattr(self.compiler, attr, [TOOLCHAIN[1]] + list(command[1:]))
         for ext in self.extensions:
             for isa, flags in ISA_FLAGS.items():
                 ext.extra_objects += self.compiler.compile(
@@ -61,6 +97,8 @@ class BuildExt(cpp_extension.BuildExtension):
                     extra_postargs=CXX_FLAGS + ["-fPIC", "-ffp-contract=off", "-fno-trapping-math",
                                                    "-Wno-maybe-uninitialized"] + flags)
         super().build_extensions()
+        for ext in self.extensions:
+            check_linked(self.get_ext_fullpath(ext.name))
 
 
 def extension():
