@@ -91,7 +91,8 @@ class CudaTransfer final : public BucketTransfer {
       }
       return;
     }
-    dst.copy_(src, /*non_blocking=*/true);
+    // Equal element counts, any shapes (a [7, 7] gradient into its flat slot): view the contiguous src as dst.
+    dst.copy_(src.view(dst.sizes()), /*non_blocking=*/true);
     // The caching allocator must not reuse a device block before this stream is done with it.
     if (src.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), copy_stream_);
     if (dst.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(dst.storage().data_ptr(), copy_stream_);
