@@ -129,6 +129,7 @@ def engine_vs_single(device, rounds, workers=4) -> dict:
         assert eng.step(batch)["loss"] < first, "the engine does not train: not timed"
         single_step()
         t_single, t_engine, overlap = [], [], []
+        phases = {k: [] for k in ("compute_s", "transfer_wait_s", "update_s", "copy_back_s")}
         for _ in range(rounds):
             t_single.append(timed(single_step, device))
             start = time.perf_counter()
@@ -136,11 +137,14 @@ def engine_vs_single(device, rounds, workers=4) -> dict:
             sync(device)
             t_engine.append(time.perf_counter() - start)
             overlap.append(metrics["overlap_efficiency"])
+            for k, v in phases.items():
+                v.append(metrics[k])
     n = batch[0].shape[0]
     return {"workers": workers, "single_samples_per_s": n / statistics.median(t_single),
             "hybrid_samples_per_s": n / statistics.median(t_engine),
             "hybrid_over_single": statistics.median(t_single) / statistics.median(t_engine),
-            "overlap_efficiency": statistics.median(overlap)}
+            "overlap_efficiency": statistics.median(overlap), "step_ms": 1e3 * statistics.median(t_engine),
+            **{k.replace("_s", "_ms"): 1e3 * statistics.median(v) for k, v in phases.items()}}
 
 
 def table(title, row) -> str:

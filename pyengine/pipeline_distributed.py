@@ -111,13 +111,9 @@ class DistributedPipelineStage:
                 p.copy_(self._master[name])
         self.module.zero_grad(set_to_none=True)
         m = self.microbatches
-        kwargs = dict(arg_mbs=[()] * m, kwarg_mbs=[{}] * m)
         losses = []
-        if self.is_first:
-            kwargs["arg_mbs"] = [(x.to(self.device),) for x in self._split(inputs, "inputs")]
-        if self.is_last:
-            kwargs.update(target_mbs=[y.to(self.device) for y in self._split(targets, "targets")], losses=losses)
-        self._schedule.step(**kwargs)
+        _run_schedule(self._schedule, self.device, m, inputs if self.is_first else None,
+                      targets if self.is_last else None, losses)
         scheduled = time.perf_counter()
         applied = self._update()
         end = time.perf_counter()
@@ -135,9 +131,6 @@ class DistributedPipelineStage:
         if (targets is not None) != self.is_last:
             raise ValueError(f"rank {self.rank}: targets go to the last rank ({self.num_stages - 1}) only "
                              f"(got targets={targets is not None})")
-
-    def _split(self, tensor, what: str) -> list:
-        return _split_equal(tensor, self.microbatches, what)
 
     @torch.no_grad()
     def _update(self) -> bool:
@@ -185,14 +178,30 @@ def _stage_sizes(layers, stages: int, balance) -> list[int]:
     return _check_sizes(balance, len(layers), stages)
 
 
-def _split_equal(tensor, microbatches: int, what: str) -> list:
-    """``tensor`` split into ``microbatches`` equal micro-batches along dim 0, or a ValueError naming the sizes."""
+def _run_schedule(schedule, device, microbatches: int, inputs, targets, losses: list) -> None:
+    """One pass of a torch.distributed.pipelining schedule: ``inputs`` on the first rank, ``targets`` on the last
+    (None elsewhere), one loss per micro-batch appended to ``losses`` on the last rank.
+
+    The whole batch goes through the public ``step(*args, target=, losses=)``, which every torch with pipelining
+    takes (pre-split ``arg_mbs=`` is newer); the schedule splits with ``tensor_split`` along dim 0, the same
+    micro-batches as ``_check_equal_split``, which runs first to name an uneven batch clearly."""
+    args, kwargs = (), {}
+    if inputs is not None:
+        _check_equal_split(inputs, microbatches, "inputs")
+        args = (inputs.to(device),)
+    if targets is not None:
+        _check_equal_split(targets, microbatches, "targets")
+        kwargs.update(target=targets.to(device), losses=losses)
+    schedule.step(*args, **kwargs)
+
+
+def _check_equal_split(tensor, microbatches: int, what: str) -> None:
+    """A ValueError naming the sizes unless ``tensor`` splits into ``microbatches`` equal micro-batches along dim 0."""
     n = batch_size(tensor)
     if n % microbatches:
         raise ValueError(f"{what}: a batch of {n} samples does not split into microbatches={microbatches} equal "
                          f"micro-batches (torch.distributed.pipelining needs equal sizes); use a batch size that is "
                          f"a multiple of {microbatches}")
-    return list(torch.tensor_split(tensor, microbatches))
 
 
 # ---- Engine(mode="pipeline") with a process group: rank s runs stage s ------------------------------------------
@@ -211,7 +220,10 @@ class _PipelinedLayers(torch.nn.Module):
 
     def forward(self, x):
         if self.last:
-            return x
+            # A view, so the output has its own autograd node rather than being the received buffer itself. With
+            # torch 2.11, returning x unchanged left the input without a gradient ("has gradients None ... expecting
+            # to send gradients to stage 0"); that the view cures it there is not yet verified.
+            return x.view_as(x)
         with self.context(x.device):
             return self.layers(x)
 
@@ -291,13 +303,9 @@ class DistributedPipeline:
                 p.copy_(self._master[name])
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
-        kwargs, losses = dict(arg_mbs=[()] * m, kwarg_mbs=[{}] * m), []
-        if self.is_first:
-            kwargs["arg_mbs"] = [(x.to(self.device),) for x in _split_equal(inputs, m, "inputs")]
-        if self.is_last:
-            kwargs.update(target_mbs=[y.to(self.device) for y in _split_equal(targets, m, "targets")],
-                          losses=losses)
-        self._schedule.step(**kwargs)
+        losses = []
+        _run_schedule(self._schedule, self.device, m, inputs if self.is_first else None,
+                      targets if self.is_last else None, losses)
         scheduled = time.perf_counter()
         engine.count("steps")
         loss_sum = sum(float(l.detach()) for l in losses)
