@@ -14,6 +14,13 @@ def device(request):
     return torch.device(request.param)
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda:0", marks=CUDA, id="cuda")])
+def worker_device(request):
+    """The device of an engine test's workers: CPU workers, and the CUDA twin (several workers on one GPU, each with
+    its own streams), which skips without a GPU."""
+    return request.param
+
+
 @pytest.fixture
 def rng():
     """A CPU generator with a fresh seed each run; the seed is printed (pytest shows it when a test fails)."""

@@ -55,10 +55,10 @@ TINY_BUCKETS = dict(bucket_mb=1e-6, first_bucket_mb=1e-6)
 
 @pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])
 @pytest.mark.parametrize("workers,batch", [(1, 32), (2, 32), (4, 67)], ids=["G1", "G2", "G4-uneven"])
-def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets):
+def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets, worker_device):
     model = make_model()
     reference = TorchReference(model, **OPT)
-    with Engine(model, loss_fn, devices=["cpu"] * workers, optimizer=AdamW(**OPT), **buckets) as engine:
+    with Engine(model, loss_fn, devices=[worker_device] * workers, optimizer=AdamW(**OPT), **buckets) as engine:
         assert len(engine.workers[0].streamer.buckets) == (4 if buckets else 1)
         for b in make_batches(rng, 12, batch):
             engine.step(b)
@@ -68,11 +68,11 @@ def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets):
 
 
 @pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])
-def test_hybrid_with_clipping(rng, buckets):
+def test_hybrid_with_clipping(rng, buckets, worker_device):
     opt = OPT
     model = make_model()
     reference = TorchReference(model, **opt)
-    with Engine(model, loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**opt, max_grad_norm=0.05),
+    with Engine(model, loss_fn, devices=[worker_device] * 3, optimizer=AdamW(**opt, max_grad_norm=0.05),
                 **buckets) as engine:
         for b in make_batches(rng, 10, 30):
             engine.step(b)
@@ -80,7 +80,7 @@ def test_hybrid_with_clipping(rng, buckets):
         assert_matches(engine, reference)
 
 
-def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng):
+def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng, worker_device):
     """Backward delivers the first layer's weight last: its infinite gradient arrives after the other buckets, and
     none of them may have been updated (no half-applied step)."""
     batches = make_batches(rng, 3, 12)
@@ -90,7 +90,7 @@ def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng):
         loss = loss_fn(model, batch)
         return loss + float("inf") * model[0].weight.sum() if poison["on"] else loss
 
-    with Engine(make_model(), poisoned_loss, devices=["cpu"] * 2, optimizer=AdamW(**OPT), **TINY_BUCKETS) as engine:
+    with Engine(make_model(), poisoned_loss, devices=[worker_device] * 2, optimizer=AdamW(**OPT), **TINY_BUCKETS) as engine:
         assert engine.workers[0].streamer.buckets[-1].names == ("0.weight",)
         engine.step(batches[0])
         before = engine.master_state_dict()
@@ -114,10 +114,10 @@ def test_hybrid_is_bit_reproducible(rng):
         assert torch.equal(results[0][name], results[1][name]), name
 
 
-def test_sync_equals_sequential_training(rng):
+def test_sync_equals_sequential_training(rng, worker_device):
     model = make_model()
     reference = TorchReference(model, **OPT)
-    with Engine(model, loss_fn, devices=["cpu"] * 3, mode="sync", optimizer=AdamW(**OPT)) as engine:
+    with Engine(model, loss_fn, devices=[worker_device] * 3, mode="sync", optimizer=AdamW(**OPT)) as engine:
         for i, b in enumerate(make_batches(rng, 10, 16)):
             metrics = engine.step(b)
             assert metrics["worker"] == i % 3, "sync is round-robin"
@@ -125,12 +125,12 @@ def test_sync_equals_sequential_training(rng):
         assert_matches(engine, reference)
 
 
-def test_async_with_one_worker_equals_sync_exactly(rng):
+def test_async_with_one_worker_equals_sync_exactly(rng, worker_device):
     batches = make_batches(rng, 9, 16)
-    with Engine(make_model(), loss_fn, devices=["cpu"], mode="sync", optimizer=AdamW(**OPT)) as sync:
+    with Engine(make_model(), loss_fn, devices=[worker_device], mode="sync", optimizer=AdamW(**OPT)) as sync:
         sync.fit(batches)
         expected = sync.master_state_dict()
-    with Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=AdamW(**OPT)) as engine:
+    with Engine(make_model(), loss_fn, devices=[worker_device], mode="async", optimizer=AdamW(**OPT)) as engine:
         engine.fit(batches)
         got = engine.master_state_dict()
         assert engine.stats()["pushes"] == 9 and engine.stats()["staleness_max"] == 0
@@ -138,11 +138,11 @@ def test_async_with_one_worker_equals_sync_exactly(rng):
         assert torch.equal(expected[name], got[name]), name
 
 
-def test_async_accumulate_sums_minibatch_gradients(rng):
+def test_async_accumulate_sums_minibatch_gradients(rng, worker_device):
     model = make_model()
     reference = TorchReference(model, **OPT)
     batches = make_batches(rng, 8, 16)
-    with Engine(model, loss_fn, devices=["cpu"], mode="async", optimizer=AdamW(**OPT), accumulate=2) as engine:
+    with Engine(model, loss_fn, devices=[worker_device], mode="async", optimizer=AdamW(**OPT), accumulate=2) as engine:
         engine.fit(batches)
         assert engine.stats()["pushes"] == 4
     for i in range(0, 8, 2):
@@ -158,9 +158,9 @@ def test_async_batch_schedule_grows_the_minibatch(rng):
     assert [m["samples"] for m in history] == [8, 8, 8, 16, 16]
 
 
-def test_async_stress_every_push_applied_exactly_once(rng):
+def test_async_stress_every_push_applied_exactly_once(rng, worker_device):
     batches = make_batches(rng, 50, 4)
-    with Engine(make_model(hidden=8), loss_fn, devices=["cpu"] * 8, mode="async", optimizer=AdamW(**OPT)) as engine:
+    with Engine(make_model(hidden=8), loss_fn, devices=[worker_device] * 8, mode="async", optimizer=AdamW(**OPT)) as engine:
         engine.fit(batches, epochs=40)
         stats = engine.stats()
         history = engine.history
@@ -204,12 +204,12 @@ def test_async_inverse_staleness_damps_lr(rng, monkeypatch):
         assert lr == pytest.approx(OPT["lr"] / (1 + m["staleness"]))
 
 
-def test_nonfinite_gradient_skip_and_raise(rng):
+def test_nonfinite_gradient_skip_and_raise(rng, worker_device):
     batches = make_batches(rng, 4, 8)
     poisoned = (batches[2][0].clone(), batches[2][1])
     poisoned[0][0, 0] = float("inf")
     batches[2] = poisoned
-    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+    with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT)) as engine:
         engine.step(batches[0])
         engine.step(batches[1])
         before = engine.master_state_dict()
@@ -218,13 +218,13 @@ def test_nonfinite_gradient_skip_and_raise(rng):
         after = engine.master_state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert all(torch.isfinite(v).all() for v in after.values())
-    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), nonfinite="raise") as engine:
+    with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT), nonfinite="raise") as engine:
         with pytest.raises(FloatingPointError, match="non-finite gradient"):
             engine.step(batches[2])
 
 
 @pytest.mark.parametrize("workers", [3, 1])  # 1: the lone CPU worker runs on the calling thread
-def test_failing_worker_is_named_and_weights_keep_last_update(rng, workers):
+def test_failing_worker_is_named_and_weights_keep_last_update(rng, workers, worker_device):
     batches = make_batches(rng, 3, 12)
     calls = {"n": 0}
     lock = threading.Lock()
@@ -240,7 +240,7 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng, workers):
     model = make_model()
     reference = TorchReference(model, **OPT)
     # Clipping: the host's per-bucket norm is taken while backward runs, so a stale bucket would change the step.
-    with Engine(model, flaky, devices=["cpu"] * workers, optimizer=AdamW(**OPT, max_grad_norm=0.05),
+    with Engine(model, flaky, devices=[worker_device] * workers, optimizer=AdamW(**OPT, max_grad_norm=0.05),
                 **TINY_BUCKETS) as engine:
         engine.step(batches[0])
         before = engine.master_state_dict()
@@ -288,7 +288,7 @@ def test_interrupt_of_a_lone_cpu_worker_leaves_nothing_behind(rng):
         assert_matches(engine, reference)
 
 
-def test_failing_async_worker_stops_everyone(rng):
+def test_failing_async_worker_stops_everyone(rng, worker_device):
     batches = make_batches(rng, 400, 4)
     calls = threading.local()
 
@@ -300,7 +300,7 @@ def test_failing_async_worker_stops_everyone(rng):
         return loss_fn(model, batch)
 
     start = time.monotonic()
-    with Engine(make_model(), fail_on_fifth_call_of_worker_2, devices=["cpu"] * 4, mode="async") as engine:
+    with Engine(make_model(), fail_on_fifth_call_of_worker_2, devices=[worker_device] * 4, mode="async") as engine:
         with pytest.raises(WorkerError, match=r"worker 2 \(cpu\) failed: ValueError: bad sample"):
             engine.fit(batches, epochs=50)
         assert engine.stats()["pushes"] < 400, "the others must stop soon after the failure"
@@ -368,17 +368,17 @@ def test_batch_smaller_than_workers_and_non_scalar_loss(rng):
             engine.step(make_batches(rng, 1, 8)[0])
 
 
-def test_state_dict_resume_is_bit_identical(rng):
+def test_state_dict_resume_is_bit_identical(rng, worker_device):
     batches = make_batches(rng, 10, 24)
-    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
         for b in batches:
             engine.step(b)
         straight = engine.master_state_dict()
-    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
         for b in batches[:4]:
             engine.step(b)
         saved = copy.deepcopy(engine.state_dict())
-    with Engine(make_model(seed=1), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    with Engine(make_model(seed=1), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
         engine.load_state_dict(saved)
         for b in batches[4:]:
             engine.step(b)
@@ -398,10 +398,10 @@ def test_load_state_dict_rejects_foreign_state():
         other.close()
 
 
-def test_optimizer_state_dict_matches_torch(rng):
+def test_optimizer_state_dict_matches_torch(rng, worker_device):
     model = make_model()
     reference = TorchReference(model, **OPT)
-    with Engine(model, loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+    with Engine(model, loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT)) as engine:
         for b in make_batches(rng, 5, 20):
             engine.step(b)
             reference.step([b])
@@ -422,9 +422,9 @@ def test_optimizer_state_dict_matches_torch(rng):
     fresh.load_state_dict(ours)
 
 
-def test_bf16_autocast_trains_with_fp32_master(rng):
+def test_bf16_autocast_trains_with_fp32_master(rng, worker_device):
     batches = make_batches(rng, 30, 32)
-    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(lr=3e-2), autocast=torch.bfloat16) as e:
+    with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(lr=3e-2), autocast=torch.bfloat16) as e:
         assert e.store.grad_slot(0).dtype == torch.bfloat16 and e.store.param.dtype == torch.float32
         history = e.fit(batches[:1] * 30)
     assert history[-1]["loss"] < 0.5 * history[0]["loss"], "overfitting one batch must reduce its loss"
@@ -478,10 +478,10 @@ def assert_buffers_match(buffers, reference_model, rtol=1e-5):
             torch.testing.assert_close(value.double(), expected[name].detach(), rtol=rtol, atol=rtol, msg=name)
 
 
-def test_sync_buffers_follow_the_batches_like_sequential_training(rng):
+def test_sync_buffers_follow_the_batches_like_sequential_training(rng, worker_device):
     model = make_bn_model()
     reference = TorchReference(model, **OPT)
-    with Engine(model, loss_fn, devices=["cpu"] * 3, mode="sync", optimizer=AdamW(**OPT)) as engine:
+    with Engine(model, loss_fn, devices=[worker_device] * 3, mode="sync", optimizer=AdamW(**OPT)) as engine:
         for b in make_batches(rng, 7, 16):
             engine.step(b)
             reference.step([b])
@@ -493,13 +493,13 @@ def test_sync_buffers_follow_the_batches_like_sequential_training(rng):
         assert_buffers_match(dict(copied.named_buffers()), reference.model)
 
 
-def test_hybrid_buffers_come_from_worker_0_and_resume(rng):
+def test_hybrid_buffers_come_from_worker_0_and_resume(rng, worker_device):
     """As DDP's broadcast_buffers: every step starts from worker 0's running statistics, which it updates on its own
     shard. Reference: a float64 copy that sees shard 0 with the master weights of the step."""
     model = make_bn_model()
     stats = copy.deepcopy(model).double()
     batches = make_batches(rng, 6, 20)
-    with Engine(model, loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+    with Engine(model, loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT)) as engine:
         for b in batches:
             with torch.no_grad():
                 for name, p in stats.named_parameters():
@@ -511,7 +511,7 @@ def test_hybrid_buffers_come_from_worker_0_and_resume(rng):
             assert_buffers_match(dict(engine.workers[1].replica.named_buffers()), worker1)
         assert_buffers_match(engine.buffers_state_dict(), stats)
         saved = copy.deepcopy(engine.state_dict())
-    with Engine(make_bn_model(seed=3), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+    with Engine(make_bn_model(seed=3), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT)) as engine:
         engine.load_state_dict(saved)
         for worker in engine.workers:
             assert_buffers_match({k: v for k, v in worker.replica.named_buffers()}, stats)
@@ -540,19 +540,19 @@ def test_async_fit_steps_counts_this_calls_pushes(rng):
         assert engine.stats()["pushes"] == 9 == engine.stats()["applied_updates"]
 
 
-def test_pipeline_buffers_match_single_device_and_resume(rng):
+def test_pipeline_buffers_match_single_device_and_resume(rng, worker_device):
     """Two stages, one micro-batch: the BatchNorm layer sees the whole batch, as in single-device training."""
     model = make_bn_model()
     reference = TorchReference(model, **OPT)
     batches = make_batches(rng, 5, 16)
-    with Engine(model, loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2, optimizer=AdamW(**OPT)) as engine:
+    with Engine(model, loss_fn, devices=[worker_device] * 2, mode="pipeline", stages=2, optimizer=AdamW(**OPT)) as engine:
         for b in batches:
             engine.step(b)
             reference.step([b])
         assert_matches(engine, reference)
         assert_buffers_match(engine.buffers_state_dict(), reference.model)
         saved = copy.deepcopy(engine.state_dict())
-    with Engine(make_bn_model(seed=4), loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2,
+    with Engine(make_bn_model(seed=4), loss_fn, devices=[worker_device] * 2, mode="pipeline", stages=2,
                 optimizer=AdamW(**OPT)) as engine:
         engine.load_state_dict(saved)  # before the first step: the stages are built from the loaded layers
         assert_buffers_match(engine.buffers_state_dict(), reference.model)

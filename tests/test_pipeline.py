@@ -61,10 +61,10 @@ def pipeline(model, devices, **options):
 
 @pytest.mark.parametrize("stages,microbatches,batch,schedule", [
     (2, 3, 37, "1f1b"), (3, 4, 29, "gpipe"), (4, 7, 23, "1f1b"), (3, 1, 9, "1f1b"), (1, 5, 17, "gpipe")])
-def test_pipeline_equals_single_device(rng, stages, microbatches, batch, schedule):
+def test_pipeline_equals_single_device(rng, stages, microbatches, batch, schedule, worker_device):
     model = make_model()
     reference = TorchReference(model)
-    with pipeline(model, ["cpu"] * stages, stages=stages, microbatches=microbatches, schedule=schedule) as engine:
+    with pipeline(model, [worker_device] * stages, stages=stages, microbatches=microbatches, schedule=schedule) as engine:
         for b in make_batches(rng, 6, batch):
             metrics = engine.step(b)
             ref_loss = reference.step(b)
@@ -74,11 +74,11 @@ def test_pipeline_equals_single_device(rng, stages, microbatches, batch, schedul
         assert len(metrics["stage_sizes"]) == stages and sum(metrics["stage_sizes"]) == len(model)
 
 
-def test_1f1b_and_gpipe_give_identical_weights(rng):
+def test_1f1b_and_gpipe_give_identical_weights(rng, worker_device):
     batches = make_batches(rng, 5, 31)
     results = []
     for schedule in ("1f1b", "gpipe"):
-        with pipeline(make_model(), ["cpu"] * 3, stages=3, microbatches=5, schedule=schedule) as engine:
+        with pipeline(make_model(), [worker_device] * 3, stages=3, microbatches=5, schedule=schedule) as engine:
             for b in batches:
                 engine.step(b)
             results.append(engine.master_state_dict())
@@ -86,11 +86,11 @@ def test_1f1b_and_gpipe_give_identical_weights(rng):
         assert torch.equal(results[0][name], results[1][name]), name
 
 
-def test_pipeline_times_hybrid_equals_single_device(rng):
+def test_pipeline_times_hybrid_equals_single_device(rng, worker_device):
     model = make_model()
     reference = TorchReference(model)
     # stage s, replica r on devices[s * 2 + r]; 41 samples: shards of 21 and 20 (weighted), micro-batches of 7 or so
-    with pipeline(model, ["cpu"] * 4, stages=2, microbatches=3) as engine:
+    with pipeline(model, [worker_device] * 4, stages=2, microbatches=3) as engine:
         assert engine.store.workers == 2, "one gradient slot per data-parallel replica"
         for b in make_batches(rng, 6, 41):
             metrics = engine.step(b)
@@ -99,16 +99,16 @@ def test_pipeline_times_hybrid_equals_single_device(rng):
         assert_matches(engine, reference)
 
 
-def test_list_of_layers_and_resume(rng):
+def test_list_of_layers_and_resume(rng, worker_device):
     batches = make_batches(rng, 6, 20)
     layers = list(make_model())
-    with pipeline(layers, ["cpu"] * 2, microbatches=2) as engine:
+    with pipeline(layers, [worker_device] * 2, microbatches=2) as engine:
         engine.fit(batches)
         expected = engine.master_state_dict()
-    with pipeline(list(make_model()), ["cpu"] * 2, microbatches=2) as first:
+    with pipeline(list(make_model()), [worker_device] * 2, microbatches=2) as first:
         first.fit(batches[:3])
         state = first.state_dict()
-    with pipeline(list(make_model(seed=5)), ["cpu"] * 2, microbatches=2) as second:
+    with pipeline(list(make_model(seed=5)), [worker_device] * 2, microbatches=2) as second:
         second.load_state_dict(state)
         second.fit(batches[3:])
         got = second.master_state_dict()
@@ -217,7 +217,7 @@ def tied_module():
 
 @pytest.mark.parametrize("case,stages,replicas,balance", [
     ("embedding", 3, 1, [1, 3, 1]), ("embedding", 2, 2, [2, 3]), ("module", 2, 1, [3, 2])])
-def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, replicas, balance):
+def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, replicas, balance, worker_device):
     model = tied_lm() if case == "embedding" else tied_module()
     tied = ["0.weight"] if case == "embedding" else ["0.weight", "0.bias"]
     if case == "embedding":
@@ -229,7 +229,7 @@ def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, re
         loss = loss_fn
     reference = copy.deepcopy(model).double()
     ref_opt = torch.optim.AdamW(reference.parameters(), foreach=False, **OPT)
-    with Engine(model, loss, devices=["cpu"] * (stages * replicas), mode="pipeline", stages=stages, microbatches=3,
+    with Engine(model, loss, devices=[worker_device] * (stages * replicas), mode="pipeline", stages=stages, microbatches=3,
                 optimizer=AdamW(**OPT), balance=balance) as engine:
         assert engine.pipeline.tied == {name: [0, stages - 1] for name in tied}
         for x, y in batches:
@@ -410,11 +410,11 @@ class Failing(torch.nn.Module):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_raising_stage_stops_the_pipeline_and_is_named(rng, schedule):
+def test_raising_stage_stops_the_pipeline_and_is_named(rng, schedule, worker_device):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 8), Failing(), torch.nn.Linear(8, 3))
     batches = make_batches(rng, 2, 12)
-    with pipeline(model, ["cpu"] * 3, stages=3, microbatches=4, schedule=schedule, balance=[1, 1, 1]) as engine:
+    with pipeline(model, [worker_device] * 3, stages=3, microbatches=4, schedule=schedule, balance=[1, 1, 1]) as engine:
         engine.step(batches[0])
         before = engine.master_state_dict()
         engine.pipeline.stages[1][0].module[0].armed = True
