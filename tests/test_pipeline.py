@@ -485,71 +485,6 @@ def _join_gloo_group(rank, world, init_file):
     return dist
 
 
-def _distributed_worker(rank, world, init_file, seed, out_dir):
-    from pyengine.pipeline_distributed import DistributedPipelineStage
-
-    dist = _join_gloo_group(rank, world, init_file)
-    try:
-        batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
-        for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
-            stage = DistributedPipelineStage(make_model(blocks=2), torch.nn.functional.cross_entropy,
-                                             microbatches=3, schedule=schedule,
-                                             optimizer=AdamW(**OPT, max_grad_norm=clip), pin=False)
-            losses = [stage.step(inputs=x if stage.is_first else None, targets=y if stage.is_last else None)["loss"]
-                      for x, y in batches]
-            torch.save({"master": stage.master_state_dict(), "losses": losses, "sizes": stage.sizes},
-                       f"{out_dir}/{schedule}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.timeout(120)
-def test_distributed_stages_equal_single_device(rng, tmp_path):
-    import torch.multiprocessing as mp
-
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    mp.spawn(_distributed_worker, args=(2, str(tmp_path / "init"), seed, str(tmp_path)), nprocs=2)
-    batches = make_batches(torch.Generator().manual_seed(seed), 5, 12)
-    for schedule, clip in (("1f1b", 0.05), ("gpipe", None)):
-        reference = TorchReference(make_model(blocks=2))
-        ref_losses = [reference.step(b, clip) for b in batches]
-        ranks = [torch.load(tmp_path / f"{schedule}-{r}.pt") for r in range(2)]
-        master = {**ranks[0]["master"], **ranks[1]["master"]}
-        assert sorted(master) == sorted(n for n, _ in reference.model.named_parameters())
-        assert not set(ranks[0]["master"]) & set(ranks[1]["master"]), "each rank holds its own stage"
-        for name, p in reference.model.named_parameters():
-            scale = p.detach().abs().max().item()
-            torch.testing.assert_close(master[name].double(), p.detach(), rtol=1e-5, atol=1e-5 * scale, msg=name)
-        assert ranks[1]["losses"] == pytest.approx(ref_losses, rel=1e-5)
-        assert ranks[0]["losses"] == [None] * 5
-
-
-def test_distributed_stage_bad_inputs(rng, tmp_path):
-    import torch.distributed as dist
-
-    from pyengine.pipeline_distributed import DistributedPipelineStage
-
-    criterion = torch.nn.functional.cross_entropy
-    with pytest.raises(RuntimeError, match="initialised process group"):
-        DistributedPipelineStage(make_model(), criterion, microbatches=2)
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'init'}")
-    try:
-        with pytest.raises(ValueError, match="balance='time' is not supported across processes"):
-            DistributedPipelineStage(make_model(), criterion, microbatches=2, balance="time")
-        with pytest.raises(ValueError, match="schedule must be one of"):
-            DistributedPipelineStage(make_model(), criterion, microbatches=2, schedule="zb")
-        stage = DistributedPipelineStage(make_model(), criterion, microbatches=4, pin=False)
-        x, y = make_batches(rng, 1, 6)[0]
-        with pytest.raises(ValueError, match="equal micro-batches"):
-            stage.step(inputs=x, targets=y)
-        with pytest.raises(ValueError, match="targets go to the last rank"):
-            stage.step(inputs=x)
-        x, y = make_batches(rng, 1, 8)[0]
-        assert stage.step(inputs=x, targets=y)["applied"]
-    finally:
-        dist.destroy_process_group()
-
-
 # ---- Engine(mode="pipeline") over a process group: rank s runs stage s ----
 
 ENGINE_RUNS = (("1f1b", 0.05, 3), ("gpipe", None, 4))  # schedule, max_grad_norm, microbatches
@@ -568,7 +503,8 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                     engine.step(make_batches(torch.Generator().manual_seed(seed), 1, 13)[0])
                 except ValueError as error:
                     uneven = str(error)
-                torch.save({"master": engine.master_state_dict(), "state": engine.state_dict(),
+                own = sorted(name for name, _ in engine.pipeline.params)
+                torch.save({"own": own, "master": engine.master_state_dict(), "state": engine.state_dict(),
                             "losses": [m["loss"] for m in metrics], "stats": engine.stats(),
                             "sizes": engine.pipeline.sizes, "uneven": uneven}, f"{out_dir}/engine-{schedule}-{rank}.pt")
     finally:
@@ -589,6 +525,9 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
         reference = TorchReference(make_model(blocks=2))
         ref_losses = [reference.step(b, clip) for b in batches]
         ref_state = reference.opt.state_dict()["state"]
+        own = [torch.load(tmp_path / f"engine-{schedule}-{r}.pt", weights_only=False)["own"] for r in range(2)]
+        assert not set(own[0]) & set(own[1]), "each rank runs its own stage's parameters only"
+        assert sorted(own[0] + own[1]) == sorted(n for n, _ in reference.model.named_parameters())
         for rank in range(2):
             got = torch.load(tmp_path / f"engine-{schedule}-{rank}.pt", weights_only=False)
             assert got["sizes"] == [1, 4]  # balance="params": the 10x16 input layer, then the rest
@@ -617,6 +556,7 @@ def test_engine_over_process_group_bad_options(tmp_path):
         for options, match in ((dict(stages=2), "stages must be None or 1"),
                                (dict(devices=["cpu"] * 2), "one stage on one device"),
                                (dict(balance="time"), "balance='time' is not supported across processes"),
+                               (dict(schedule="zb"), "schedule must be one of"),
                                (dict(microbatches=0), "microbatches must be an int")):
             options = dict(dict(devices=["cpu"]), **options)
             with pytest.raises(ValueError, match=match):
