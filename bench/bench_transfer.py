@@ -1,6 +1,6 @@
 """Gradient transfer and the engine on one device: the GPU half of the streamer and engine benchmarks.
 
-    python bench/bench_transfer.py [--device cuda:0] [--params-m 50] [--rounds 10] [--out table.md]
+    python bench/bench_transfer.py [--device cuda:0] [--params-m 50] [--rounds 10] [--out table.md] [--trace-dir D]
 
 Three measurements, interleaved per round, medians reported (``--device cpu`` runs the same code on CPU workers,
 which is how the script itself is checked on machines without a GPU):
@@ -11,7 +11,13 @@ which is how the script itself is checked on machines without a GPU):
 2. Overlap: backward alone, the bucket copies alone, and backward with the streamer's hooks launching the copies.
    Target: streamed step <= 1.1 x max(backward, copy).
 3. Engine: hybrid with 4 workers on the one device vs plain single-replica training (torch.optim.AdamW, fused when
-   the device is CUDA) on the same global batch: samples/s and the engine's overlap efficiency.
+   the device is CUDA) on the same global batch: samples/s, the engine's overlap efficiency and its phases.
+
+With ``--trace-dir D``, one streamed step and one hybrid step more run under ``torch.profiler`` (CUDA activity:
+kernels and memcpys on every stream, as an Nsight timeline shows them): Chrome traces ``D/streamed_trace.json``,
+``D/hybrid_trace.json`` and the engine's own phase trace ``D/hybrid_phases.json``, and a table of the streamed
+step's copy timeline: when the first gradient copy starts after backward's first kernel, how long the copy engine
+sits idle while backward still runs, and how long copies go on after backward's last kernel.
 """
 from __future__ import annotations
 
@@ -49,7 +55,52 @@ def mlp(params_m: float) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
 
 
-def transfer_and_overlap(device, params_m, rounds) -> dict:
+def _union(spans):
+    """Total length of the union of (start, end) spans."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def copy_timeline(kernels, copies) -> dict:
+    """The copy timeline of one streamed step from its device activity: ``kernels`` and ``copies`` (D2H memcpys) as
+    (start, end) spans in microseconds on one clock."""
+    if not kernels or not copies:
+        return {"kernels": len(kernels), "copies": len(copies)}
+    k0, k1 = min(s for s, _ in kernels), max(e for _, e in kernels)
+    c0, c1 = min(s for s, _ in copies), max(e for _, e in copies)
+    window = [(max(s, c0), min(e, k1)) for s, e in copies if min(e, k1) > max(s, c0)]
+    return {"kernels": len(kernels), "copies": len(copies), "backward_ms": (k1 - k0) / 1e3,
+            "copy_busy_ms": _union(copies) / 1e3, "first_copy_after_ms": (c0 - k0) / 1e3,
+            "copy_idle_in_backward_ms": (max(0.0, k1 - c0) - _union(window)) / 1e3,
+            "copies_after_backward_ms": max(0.0, c1 - k1) / 1e3, "step_ms": (max(k1, c1) - k0) / 1e3}
+
+
+def profiled(fn, path):
+    """Runs ``fn`` once under torch.profiler (CPU and, when available, CUDA activity), writes the Chrome trace to
+    ``path`` and returns the (start, end) spans of the device kernels and of the D2H memcpys (empty without CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+    prof.export_chrome_trace(path)
+    kernels, copies = [], []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (event.time_range.start, event.time_range.end)
+        if "Memcpy DtoH" in event.name:
+            copies.append(span)
+        elif "Memcpy" not in event.name and "Memset" not in event.name:
+            kernels.append(span)
+    return kernels, copies
+
+
+def transfer_and_overlap(device, params_m, rounds, trace_dir=None) -> tuple[dict, dict | None]:
     model = mlp(params_m).to(device)
     x = torch.randn(64, WIDTH, device=device)
     store = pyengine.HostStore(model, workers=1, pin="auto")
@@ -92,6 +143,13 @@ def transfer_and_overlap(device, params_m, rounds) -> dict:
         times["backward"].append(timed(backward, device))
         with pyengine.GradientStreamer(model, store, worker=0) as streamer:
             times["streamed"].append(timed(lambda: streamed(streamer), device))
+        timeline = None
+        if trace_dir:
+            with pyengine.GradientStreamer(model, store, worker=0) as streamer:
+                streamed(streamer)  # warm: the traced step below is like the timed ones
+                spans = profiled(lambda: timed(lambda: streamed(streamer), device),
+                                 os.path.join(trace_dir, "streamed_trace.json"))
+            timeline = copy_timeline(*spans)
     transfer.close()
     for name, view in store.views(slot).items():  # the last streamed step's slot holds exactly the gradients
         assert torch.equal(view, named[name].grad.cpu()), name
@@ -101,10 +159,10 @@ def transfer_and_overlap(device, params_m, rounds) -> dict:
             "raw_GBps": nbytes / med["raw"] / 1e9, "streamer_GBps": nbytes / med["copy"] / 1e9,
             "bandwidth_ratio": med["raw"] / med["copy"], "backward_ms": 1e3 * med["backward"],
             "copy_ms": 1e3 * med["copy"], "streamed_ms": 1e3 * med["streamed"],
-            "step_over_max": med["streamed"] / best}
+            "step_over_max": med["streamed"] / best}, timeline
 
 
-def engine_vs_single(device, rounds, workers=4) -> dict:
+def engine_vs_single(device, rounds, workers=4, trace_dir=None) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
                                 torch.nn.ReLU(), torch.nn.Linear(2048, 10))
@@ -139,6 +197,9 @@ def engine_vs_single(device, rounds, workers=4) -> dict:
             overlap.append(metrics["overlap_efficiency"])
             for k, v in phases.items():
                 v.append(metrics[k])
+        if trace_dir:
+            profiled(lambda: (eng.step(batch), sync(device)), os.path.join(trace_dir, "hybrid_trace.json"))
+            eng.trace(os.path.join(trace_dir, "hybrid_phases.json"))
     n = batch[0].shape[0]
     return {"workers": workers, "single_samples_per_s": n / statistics.median(t_single),
             "hybrid_samples_per_s": n / statistics.median(t_engine),
@@ -159,14 +220,20 @@ def main(argv=None) -> int:
     parser.add_argument("--params-m", type=float, default=50.0)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", default=None, help="also write the markdown tables here")
+    parser.add_argument("--trace-dir", default=None, help="write profiler traces of one streamed and one hybrid step "
+                        "here, and the streamed step's copy timeline to the tables")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     text = f"device: {name}, torch {torch.__version__}\n\n"
-    text += table("D2H bandwidth and backward overlap (target: ratio >= 0.9, step_over_max <= 1.1)",
-                  transfer_and_overlap(device, args.params_m, args.rounds)) + "\n"
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    overlap, timeline = transfer_and_overlap(device, args.params_m, args.rounds, args.trace_dir)
+    text += table("D2H bandwidth and backward overlap (target: ratio >= 0.9, step_over_max <= 1.1)", overlap) + "\n"
+    if timeline is not None:
+        text += table("copy timeline of one streamed step (device activity, torch.profiler)", timeline) + "\n"
     text += table("hybrid, 4 workers on one device, vs single-replica torch.optim.AdamW",
-                  engine_vs_single(device, args.rounds))
+                  engine_vs_single(device, args.rounds, trace_dir=args.trace_dir))
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -13,7 +13,8 @@
 #   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
 #   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
 #   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
-#   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap, hybrid with 4
+#   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap (with a profiler
+#              copy timeline and Chrome traces in logs.tgz), hybrid with 4
 #              workers on the GPU vs single-replica training
 # DEADLINE_S=N makes every stage end in time for the summary within N seconds of the start. Needs no network. PYTHON picks the interpreter (default python3: the one holding that machine's torch).
 set -u
@@ -138,7 +139,7 @@ wants sanitizer && stage sanitizer "$LOGS/sanitizer.log" 900 sanitize
 wants bench && stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_adamw.py --full --cuda \
   --out "$LOGS/bench_cuda.md"
 wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
-  --out "$LOGS/transfer.md"
+  --out "$LOGS/transfer.md" --trace-dir "$LOGS"
 # The built extension comes back too, so that a later lease can carry it instead of building again.
 wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
 
