@@ -1,0 +1,30 @@
+"""The benchmark scripts run (on CPU here; the GPU suite runs them on CUDA), and the arithmetic of their summaries."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import bench_transfer  # noqa: E402
+
+
+def test_copy_timeline_arithmetic():
+    # backward's kernels span 0-300 us; copies 80-150, 200-250 (inside it) and 320-400 (after it)
+    timeline = bench_transfer.copy_timeline([(0, 100), (50, 300)], [(80, 150), (200, 250), (320, 400)])
+    assert timeline == pytest.approx({"kernels": 2, "copies": 3, "backward_ms": 0.3, "copy_busy_ms": 0.2,
+                                      "first_copy_after_ms": 0.08, "copy_idle_in_backward_ms": 0.1,
+                                      "copies_after_backward_ms": 0.1, "step_ms": 0.4})
+    assert bench_transfer._union([(0, 10), (5, 20), (30, 40), (32, 35)]) == 30
+    assert bench_transfer.copy_timeline([], [(0, 1)]) == {"kernels": 0, "copies": 1}
+
+
+@pytest.mark.timeout(300)
+def test_bench_transfer_runs_on_cpu(tmp_path):
+    out = tmp_path / "transfer.md"
+    assert bench_transfer.main(["--device", "cpu", "--params-m", "1", "--rounds", "1", "--out", str(out),
+                                "--trace-dir", str(tmp_path)]) == 0
+    text = out.read_text()
+    assert "bandwidth_ratio" in text and "hybrid_over_single" in text and "update_ms" in text
+    for name in ("streamed_trace.json", "hybrid_trace.json", "hybrid_phases.json"):
+        assert json.loads((tmp_path / name).read_text())["traceEvents"], name
