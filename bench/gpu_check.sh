@@ -13,6 +13,9 @@
 #   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
 #   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
 #   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
+#   nvtx       the NVTX ranges of a short `python -m pyengine train` on the GPU: nsys's NVTX summary where nsys works,
+#              else ncu's NVTX filter (ncu profiles only kernels launched inside the named range: kernels profiled
+#              inside pyengine/worker0/forward_backward+transfer, none inside a range that does not exist)
 #   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap (with a profiler
 #              copy timeline and Chrome traces in logs.tgz), hybrid with 4
 #              workers on the GPU vs single-replica training
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-ALL_STAGES=(env build import tests ctest sanitizer bench transfer)
+ALL_STAGES=(env build import tests ctest sanitizer bench nvtx transfer)
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=("${ALL_STAGES[@]}")
 for s in "${STAGES[@]}"; do
@@ -120,10 +123,27 @@ sanitize() {
   return $rc
 }
 
-export -f build check_build sanitize
+nvtx_check() {
+  local train=(-m pyengine train --devices cuda:0 --workers 2 --steps 3)
+  if command -v nsys >/dev/null; then
+    nsys profile -t nvtx,cuda -o "$SCRATCH/pyengine" --force-overwrite true "$PYTHON" "${train[@]}" \
+      --out "$SCRATCH/nsys-run" && nsys stats -r nvtx_sum "$SCRATCH/pyengine.nsys-rep" && return 0
+    echo "nsys gave no report; checking the ranges with ncu's NVTX filter instead"
+  fi
+  command -v ncu >/dev/null || { echo "neither nsys nor ncu on PATH"; return 127; }
+  local inside absent
+  inside=$(ncu --nvtx --nvtx-include "regex:pyengine/worker0/forward_backward" --launch-count 3 --section LaunchStats \
+    "$PYTHON" "${train[@]}" --out "$SCRATCH/ncu-run1" 2>&1 | tee /dev/stderr | grep -c "==PROF== Profiling")
+  absent=$(ncu --nvtx --nvtx-include "regex:pyengine/no-such-range" --launch-count 3 --section LaunchStats \
+    "$PYTHON" "${train[@]}" --out "$SCRATCH/ncu-run2" 2>&1 | grep -c "==PROF== Profiling")
+  echo "kernels profiled inside pyengine/worker0/forward_backward+transfer: $inside; inside a missing range: $absent"
+  [[ $inside -gt 0 && $absent -eq 0 ]]
+}
+
+export -f build check_build sanitize nvtx_check
 export PYTHON SCRATCH
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the extension built in place, whatever the install did
-if ! wants build && { wants tests || wants sanitizer || wants bench || wants transfer; } \
+if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvtx || wants transfer; } \
    && ! check_build >/dev/null 2>&1; then
   STAGES+=(build)  # a later stage needs the extension and none that imports with CUDA is here
 fi
@@ -138,6 +158,7 @@ wants ctest && stage ctest "$LOGS/ctest.log" 900 env PYTHON="$PYTHON" BUILD_DIR=
 wants sanitizer && stage sanitizer "$LOGS/sanitizer.log" 900 sanitize
 wants bench && stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_adamw.py --full --cuda \
   --out "$LOGS/bench_cuda.md"
+wants nvtx && stage nvtx "$LOGS/nvtx.log" 300 nvtx_check
 wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
   --out "$LOGS/transfer.md" --trace-dir "$LOGS"
 # The built extension comes back too, so that a later lease can carry it instead of building again.
