@@ -40,14 +40,18 @@ Failures: collectives and point-to-point calls on a dead or failing peer raise (
 the process group's timeout bounds a silent peer); the engine re-raises them as :class:`DistributedError` naming this
 rank and what it was doing, so no rank hangs. In multi-node hybrid, a rank that raises inside a step records
 "rank f failed: <type>: <first line>" in the rendezvous store and its peers' errors end with it (Note [Naming the
-rank that failed]). In multi-node async, a rank that dies or raises makes every other rank raise
-``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f and, when f
-raised, its error's type and first line: the servers see the broken exchange (or a client's report) and tell their
-other clients ABORT; a client that stops tells the servers waiting for it which rank failed and why; a client that
-ended normally waits for every server's STOP or ABORT before the end-of-run broadcast. Tested
-(tests/test_distributed.py): a client, the coordinating server and a non-coordinating server that exit or raise,
-with 1 and 2 servers; a client that ended before another failed; a hybrid rank whose loss raises mid-step, one that
-exits, raises between steps or hangs.
+rank that failed]); a rank that dies, raises or hangs between steps is named from the phases each rank checked in for
+("rank f never reached step n (ranks ... did ...)"; Note [Naming a rank that died between steps]); a rank that dies
+inside a step is reported as such ("every rank ... reached step n, so a peer died ... inside it"); when rank 0, the
+store's host, is the one gone, the errors say so. In multi-node async, a rank that dies or raises makes every other
+rank raise ``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f
+and, when f raised, its error's type and first line: the servers see the broken exchange (or a client's report) and
+tell their other clients ABORT; a client that stops tells the servers waiting for it which rank failed and why; a
+client that ended normally waits for every server's STOP or ABORT before the end-of-run broadcast. A rank that hangs
+is named as "rank f did not answer within the process group's timeout (T s)" within about 2 T (Note [A timeout names
+the rank that hangs]). Tested (tests/test_distributed.py): a client, the coordinating server and a non-coordinating
+server that exit, raise or hang, with 1 and 2 servers; a client that ended before another failed; a hybrid rank whose
+loss raises or that exits mid-step, one that exits (replicated, sharded, rank 0), raises or hangs between steps.
 """
 from __future__ import annotations
 
@@ -148,12 +152,12 @@ def _short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-_FAILURE_KEY = "pyengine/hybrid/failed"
+PRESENCE_WAIT_S = 5.0  # Note [Naming a rank that died between steps]: how long a failed collective waits for peers
 
 
 def _failure_store():
-    """The default group's rendezvous store (torchrun's TCPStore), where a hybrid rank that raises records why, so
-    that its peers' errors can name it; None when there is none (torch has no public accessor for it)."""
+    """The default group's rendezvous store (torchrun's TCPStore), through which ranks tell each other what a
+    collective cannot carry; None when there is none (torch has no public accessor for it)."""
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
     try:
         return get() if get is not None else None
@@ -161,38 +165,89 @@ def _failure_store():
         return None
 
 
-def _record_failure(store, rank: int, exc: BaseException) -> None:
-    """Records in ``store`` that ``rank`` failed with ``exc`` (its own error; not a failed exchange with a peer),
-    best effort: the peers are blocked in a collective, which fails once this process exits or after the timeout."""
-    if store is None or isinstance(exc, DistributedError):
-        return
-    with contextlib.suppress(RuntimeError):
-        store.set(_FAILURE_KEY, f"rank {rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
-
-
-def _recorded_failure(store) -> str | None:
-    """What :func:`_record_failure` recorded, or None (nothing recorded, or the store's host, rank 0, is gone)."""
+def _group_timeout(group) -> float | None:
+    """The process group's timeout in seconds (what bounds each wait of a collective or point-to-point exchange), or
+    None when torch does not say."""
     try:
-        return store.get(_FAILURE_KEY).decode("utf-8", "ignore") if store and store.check([_FAILURE_KEY]) else None
-    except RuntimeError:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
         return None
 
 
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether gloo's error ``exc`` comes from a timeout of this process: its own wait ("Timed out waiting ...") or
+    the closing of every connection that gloo does right after one ("Application timeout caused pair closure")."""
+    return exc is not None and ("Timed out" in str(exc) or "Application timeout" in str(exc))
+
+
+def _rank_list(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+class _Rendezvous:
+    """The keys of one hybrid engine or one async run in the default group's rendezvous store, best effort: what a
+    rank that failed says (Note [Naming the rank that failed], Note [A timeout names the rank that hangs]) and which
+    ranks reached the current phase (Note [Naming a rank that died between steps]).
+
+    Keys: ``pyengine/<elastic restart>/<group name>/<kind><n>/...``. Every rank builds these objects in the same
+    order (building a hybrid engine, starting an async run: collectives), so the n-th one built for a group in this
+    process is the n-th on every rank; TORCHELASTIC_RESTART_COUNT separates the attempts of an elastic job, whose
+    store outlives its workers."""
+
+    _built: collections.Counter = collections.Counter()
+
+    def __init__(self, group, kind: str):
+        name = f"pyengine/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{getattr(group, 'group_name', '')}/{kind}"
+        _Rendezvous._built[name] += 1
+        self.prefix = f"{name}{_Rendezvous._built[name]}/"
+        self.store = _failure_store()
+
+    def record(self, key: str, text: str) -> str | None:
+        """Sets ``key`` to ``text`` unless a record is there already (the first writer wins); returns the record that
+        holds, or None when the store is missing or unreachable."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.compare_set(self.prefix + key, "", text).decode("utf-8", "ignore")
+        except RuntimeError:
+            return None
+
+    def recorded(self, key: str) -> str | None:
+        """What :meth:`record` recorded, or None (nothing, or the store is missing or unreachable)."""
+        try:
+            if self.store is not None and self.store.check([self.prefix + key]):
+                return self.store.get(self.prefix + key).decode("utf-8", "ignore")
+        except RuntimeError:
+            pass
+        return None
+
+    def check_in(self, rank: int) -> None:
+        """Counts one more phase reached by ``rank`` (best effort: an unreachable store fails the next collective)."""
+        if self.store is not None:
+            with contextlib.suppress(RuntimeError):
+                self.store.add(f"{self.prefix}present/{rank}", 1)
+
+    def phases(self, world: int) -> list[int]:
+        """How many phases each rank of ``world`` reached; raises RuntimeError when the store is unreachable."""
+        return [self.store.add(f"{self.prefix}present/{r}", 0) for r in range(world)]
+
+
 @contextlib.contextmanager
-def _collective(what: str, rank: int, store=None):
-    """Re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation, and the failed
-    rank when it recorded itself in ``store`` (:func:`_record_failure`)."""
+def _collective(what: str, rank: int, explain=None):
+    """Re-raises a failed exchange as :class:`DistributedError` naming the rank and the operation, and what
+    ``explain()`` finds out about the cause (which rank failed or is missing: :meth:`DistributedHybrid._explain`)."""
     try:
         yield
     except (DistributedError, WorkerError):
         raise
     except RuntimeError as exc:  # gloo's errors, DistBackendError included
-        cause = _recorded_failure(store) or "a peer rank died, raised or timed out"
+        cause = (explain() if explain is not None else None) or "a peer rank died, raised or timed out"
         raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); {cause}") from exc
 
 
-def _wait(work, what: str, rank: int, store=None) -> None:
-    with _collective(what, rank, store):
+def _wait(work, what: str, rank: int, explain=None) -> None:
+    with _collective(what, rank, explain):
         work.wait()
 
 
@@ -226,8 +281,24 @@ class DistributedHybrid:
     <first line>" into the default group's rendezvous store; a peer whose collective fails reads it and names f in
     its :class:`DistributedError`. The write happens before f's exception leaves the step, hence before f's process
     can exit and close its connections, so a peer that sees the closed connection finds the record. A rank that dies
-    (``os._exit``, a signal) or raises outside a step records nothing: its peers say "a peer rank died, raised or
-    timed out". The store is hosted by rank 0; if rank 0 is the one gone, the lookup fails and is skipped.
+    (``os._exit``, a signal) or raises outside a step records nothing: see the next Note.
+
+    Note [Naming a rank that died between steps]
+    A rank that dies (``os._exit``, a signal, the OOM killer) or raises or hangs outside a step leaves no record, and
+    gloo's "Connection closed by peer [address]" does not say which rank is gone. So every rank counts the phases it
+    reaches in the rendezvous store: :meth:`_enter` adds 1 to ``present/<rank>`` before the phase's first collective
+    (the construction, each step, each gather of the optimizer state; one store round trip per step, no thread).
+    When a collective of this rank's phase n fails and no rank recorded a failure, :meth:`_explain` reads every
+    rank's count and names the ranks below n: they never reached the phase that this rank is in, so they died,
+    exited, raised or hang before it. Ranks that are alive but slower between steps (loading data, a checkpoint)
+    check in shortly after, so the check waits until ``PRESENCE_WAIT_S`` (module attribute, 5 s) after this rank's
+    check-in for the missing ones (polling the store; no wait when the collective failed later than that, e.g. on
+    the group's timeout), and the error says how long it waited. When every rank reached the phase, a rank died or
+    hangs inside it: the error says so, and that gloo does not tell which (with 2 ranks: the other one). Reports
+    from the ranks whose collective failed would not tell more: a live rank can stay blocked on a peer that is busy
+    reporting, and look dead. If the store itself is unreachable, its host is gone: rank 0, unless torchrun's agent
+    hosts the store (TORCHELASTIC_USE_AGENT_STORE); the error says that instead. Nothing is deleted at a clean exit:
+    every rank makes the same calls, so the counts stay equal until one rank goes missing.
     """
 
     def __init__(self, engine, group, shard_update: bool):
@@ -237,7 +308,9 @@ class DistributedHybrid:
         self.shard_update = shard_update
         self.buckets = engine.workers[0].streamer.buckets
         self.broken = False
-        self.store = _failure_store()  # Note [Naming the rank that failed]
+        self.rendezvous = _Rendezvous(group, "hybrid")  # Note [Naming the rank that failed]
+        self.steps, self.phase = 0, 0  # steps begun, phases entered (_enter)
+        self._enter("the construction of the engine")  # Note [Naming a rank that died between steps]
         store = engine.store
         if shard_update:
             self.part = [_part(b, self.world) for b in self.buckets]
@@ -252,21 +325,72 @@ class DistributedHybrid:
             self._mine = [torch.zeros(max(self.part)) for _ in range(2)]
         else:
             self.reduced = torch.zeros(store.numel)
-        with _collective("broadcast of the initial weights from rank 0", self.rank, self.store):
+        with _collective("broadcast of the initial weights from rank 0", self.rank, self._explain):
             dist.broadcast(store.param, src=dist.get_global_rank(group, 0), group=group)
         for worker in engine.workers:
             worker.pull(wait=True)
+
+    # ---- failures (Note [Naming the rank that failed], Note [Naming a rank that died between steps]) -----------
+
+    def _enter(self, phase: str) -> None:
+        """Checks this rank in for ``phase`` before the phase's first collective."""
+        self.phase, self.phase_name, self.phase_start = self.phase + 1, phase, time.monotonic()
+        self.rendezvous.check_in(self.rank)
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """Records that this rank failed with ``exc`` (its own error; not a failed exchange with a peer), best
+        effort: the peers are blocked in a collective, which fails once this process exits or after the timeout."""
+        if not isinstance(exc, DistributedError):
+            self.rendezvous.record("failed", f"rank {self.rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
+
+    def _explain(self) -> str | None:
+        """Why a collective of the current phase failed, as far as the rendezvous store tells: the record of the rank
+        that raised, else the ranks that never reached this phase (waiting up to ``PRESENCE_WAIT_S`` after this
+        rank's check-in for ranks that are only slower), else that every rank reached it."""
+        rendezvous = self.rendezvous
+        recorded = rendezvous.recorded("failed")
+        if recorded is not None or rendezvous.store is None:
+            return recorded
+        try:
+            while True:
+                phases = rendezvous.phases(self.world)
+                missing = [r for r, n in enumerate(phases) if n < self.phase]
+                waited = time.monotonic() - self.phase_start
+                if not missing or waited >= PRESENCE_WAIT_S:
+                    break
+                time.sleep(0.05)
+        except RuntimeError as exc:
+            host = "torchrun's agent on the first node" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+                else "rank 0"
+            return (f"the rendezvous store is unreachable too ({_short_error(exc)}), so its host, {host}, is gone "
+                    f"(died or exited); see its log")
+        recorded = rendezvous.recorded("failed")  # a rank that raised meanwhile
+        if recorded is not None:
+            return recorded
+        present = [r for r in range(self.world) if r not in missing]
+        if missing:
+            one = len(missing) == 1
+            return (f"{_rank_list(missing)} never reached {self.phase_name} ({_rank_list(present)} did; this rank "
+                    f"waited {waited:.1f} s after reaching it): {'it' if one else 'they'} died, exited, raised or "
+                    f"{'hangs' if one else 'hang'} before it; see {'its' if one else 'their'} log")
+        if self.world == 2:
+            return (f"rank {1 - self.rank}, the only peer, reached {self.phase_name} too and died, exited, raised or "
+                    f"hangs inside it; see its log")
+        return (f"every rank ({_rank_list(present)}) reached {self.phase_name}, so a peer died, exited, raised or "
+                f"hangs inside it (gloo's error names its address, not its rank); see the other ranks' logs")
 
     # ---- the step ---------------------------------------------------------------------------------------------
 
     def step(self, engine, batch) -> dict:
         if self.broken:
             raise DistributedError(f"rank {self.rank}: an earlier step failed; the group is no longer usable")
+        self.steps += 1
+        self._enter(f"step {self.steps}")
         start = time.perf_counter()
         shards = split_batch(batch, engine.num_workers)
         sizes = [batch_size(s) for s in shards]
         counts = torch.tensor([float(sum(sizes))], dtype=torch.float64)
-        with _collective("allreduce of the batch sizes", self.rank, self.store):
+        with _collective("allreduce of the batch sizes", self.rank, self._explain):
             dist.all_reduce(counts, group=self.group)
         total = counts.item()
         weights = [n / total for n in sizes]
@@ -288,7 +412,7 @@ class DistributedHybrid:
             workers_done = time.perf_counter()
         except BaseException as exc:
             self.broken = True  # Note [Collective order across threads]
-            _record_failure(self.store, self.rank, exc)
+            self._record_failure(exc)
             raise
         reducer.join()
         engine.count("steps")
@@ -303,9 +427,9 @@ class DistributedHybrid:
                     if self.shard_update:
                         self._finish_reduce(works, k)
                     else:
-                        _wait(work, "gradient bucket reduction", self.rank, self.store)
+                        _wait(work, "gradient bucket reduction", self.rank, self._explain)
             loss = torch.tensor([sum(results[i][0] * n for i, n in enumerate(sizes))], dtype=torch.float64)
-            with _collective("allreduce of the loss", self.rank, self.store):
+            with _collective("allreduce of the loss", self.rank, self._explain):
                 dist.all_reduce(loss, group=self.group)
             reduced = time.perf_counter()
             with engine.phase("update"):
@@ -313,7 +437,7 @@ class DistributedHybrid:
                     [], None, grads=[self.reduced])
         except BaseException as exc:
             self.broken = True
-            _record_failure(self.store, self.rank, exc)
+            self._record_failure(exc)
             raise
         updated = time.perf_counter()
         with engine.phase("copy_back"):
@@ -331,7 +455,7 @@ class DistributedHybrid:
         if not engine.buffer_names:
             return
         named = dict(engine.workers[0].replica.named_buffers())
-        with _collective("broadcast of the buffers from rank 0", self.rank, self.store):
+        with _collective("broadcast of the buffers from rank 0", self.rank, self._explain):
             for name in engine.buffer_names:
                 dist.broadcast(named[name], src=dist.get_global_rank(self.group, 0), group=self.group)
         engine.share_buffers(range(engine.num_workers))
@@ -352,13 +476,13 @@ class DistributedHybrid:
                     region = self._ring[k % 2][:self.world * self.part[k]]
                     self._local_sum(region[:e - b], [s[b:e] for s in slots], weights)
                     region[e - b:].zero_()
-                    with _collective("reduction of a gradient bucket", self.rank, self.store):
+                    with _collective("reduction of a gradient bucket", self.rank, self._explain):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
                     self.launched_at.append(time.perf_counter())
                 else:
                     region = self.reduced[b:e]
                     self._local_sum(region, [s[b:e] for s in slots], weights)
-                    with _collective("allreduce of a gradient bucket", self.rank, self.store):
+                    with _collective("allreduce of a gradient bucket", self.rank, self._explain):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
                     self.launched_at.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - re-raised by the step's thread
@@ -366,7 +490,7 @@ class DistributedHybrid:
 
     def _finish_reduce(self, works: list, k: int) -> None:
         """Waits for bucket k's reduction and keeps this rank's part of it in ``shard_grad``."""
-        _wait(works[k], "reduction of a gradient bucket", self.rank, self.store)
+        _wait(works[k], "reduction of a gradient bucket", self.rank, self._explain)
         works[k] = None
         part = self.part[k]
         self.shard_grad[self.shard_offset[k]:self.shard_offset[k] + part] = \
@@ -390,7 +514,7 @@ class DistributedHybrid:
                 norm, nonfinite = ops.mean_grad_norm([grad])
                 sq, bad = sq + norm.double().item() ** 2, max(bad, nonfinite.item())
         summary = torch.tensor([sq, bad], dtype=torch.float64)
-        with _collective("allreduce of the shard norms", self.rank, self.store):
+        with _collective("allreduce of the shard norms", self.rank, self._explain):
             dist.all_reduce(summary, group=self.group)
         if not engine.admit_update(summary[1].item() != 0.0 or not math.isfinite(summary[0].item()), []):
             return False
@@ -421,13 +545,13 @@ class DistributedHybrid:
             mine[:part.numel()] = part
             mine[part.numel():].zero_()
             region = self._ring[k % 2][:self.world * self.part[k]]
-            with _collective(f"all-gather of {what}", self.rank, self.store):
+            with _collective(f"all-gather of {what}", self.rank, self._explain):
                 pending.append((k, dist.all_gather_into_tensor(region, mine, group=self.group, async_op=True)))
         while pending:
             self._unpack_gathered(*pending.popleft(), out, what)
 
     def _unpack_gathered(self, k: int, work, out: torch.Tensor, what: str) -> None:
-        _wait(work, f"all-gather of {what}", self.rank, self.store)
+        _wait(work, f"all-gather of {what}", self.rank, self._explain)
         bucket = self.buckets[k]
         out[bucket.begin:bucket.end] = self._ring[k % 2][:bucket.end - bucket.begin]
 
@@ -435,6 +559,7 @@ class DistributedHybrid:
         """The full Adam state, assembled from every rank's packed parts: see :func:`gather_optimizer_state`."""
         if self.broken:
             raise DistributedError(f"rank {self.rank}: an earlier step failed; the group is no longer usable")
+        self._enter(f"the gather of the optimizer state after step {self.steps}")
         store, full = engine.store, {}
         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             packed = getattr(store, name)
@@ -572,16 +697,41 @@ class AsyncServer:
     failed meanwhile. Without it a client that ran out of data early would learn of a later failure only from the
     end-of-run broadcast, which cannot say which rank failed. That wait, like the broadcast after it, is bounded by
     the process group's timeout: a client that runs out of data longer than that before the run ends raises.
+
+    Note [A timeout names the rank that hangs]
+    A rank that hangs (a push whose update never ends, a stuck client) sends nothing, so its peers' waits end only at
+    the process group's timeout T, and after its first timeout gloo closes every connection of that process
+    ("Application timeout caused pair closure"): no FAILED or ABORT can follow. And the first rank to time out may
+    not be the one next to the hung rank: with K > 1, while client c waits for a hung server s, rank 0 waits for c's
+    next PULL, since a moment before c began waiting, so rank 0 times out first and would blame c. So timeouts are
+    told through the rendezvous store (key ``hung``, the first record wins):
+    - a client whose wait for server s times out records "s hangs, reported by c": a server thread for c waits for
+      nothing but c, and takes the mutex only to update or copy its shard, so a silent server thread means s hangs;
+    - a server whose wait for client c times out first waits up to T for such a record (c began its own wait about
+      when this server began waiting for c, so its timeout comes within about T of this one) and names the rank it
+      reports; only without one does it record and name c ("did not answer within T s: it hangs, or waits for a rank
+      that hangs");
+    - a server thread whose exchange failed because another thread of this process timed out (the closed
+      connections) names nothing itself (it is used only if no other failure is);
+    - a server that timed out says so at once (key ``timedout/<s>``), before its wait; a client whose exchange with
+      server s fails otherwise (s closed its connections, or exited) waits up to ``_ANNOUNCE_WAIT_S`` (1 s: gloo
+      closes the connections a moment before the server's Python code runs) for that, then looks for the ``hung``
+      record, waiting up to T + 1 s for it when s timed out; so neither a server that timed out nor a rank that
+      exited because of a hang is taken for the failure. The cost: a client that sees a server die learns it 1 s
+      later (once: later failed exchanges of that client do not wait).
+    So every rank but the hung one raises within about 2 T naming it; the hung rank goes on hanging.
     """
 
-    def __init__(self, engine, group, servers: int, steps, callbacks):
+    def __init__(self, engine, group, servers: int, steps, callbacks, rendezvous: _Rendezvous):
         self.engine, self.group, self.servers, self.callbacks = engine, group, servers, callbacks
+        self.rendezvous, self.timeout_s = rendezvous, _group_timeout(group)
         self.rank = dist.get_rank(group)
         self.span = shard_spans(engine.store.numel, servers)[self.rank]
         self.last_push = None if steps is None else engine.stats()["pushes"] + steps  # ``steps`` counts this run's
         self.stop = threading.Event()
         # (failed rank, what failed: the text passed on in ABORT, the rank that reported it or None, cause): first wins
         self.failure: tuple[int, str, int | None, BaseException | None] | None = None
+        self.consequence: tuple | None = None  # a failure caused by this process's own timeout (Note [A timeout ...])
         self._failure_lock = threading.Lock()
         self.finished: set[int] = set()  # the clients that ended normally (DONE, or sent STOP): told the outcome
 
@@ -593,6 +743,7 @@ class AsyncServer:
             t.start()
         for t in threads:
             t.join()
+        self.failure = self.failure or self.consequence
         self._tell_outcome()
         if self.failure is not None:
             failed, what, reporter, cause = self.failure
@@ -606,20 +757,39 @@ class AsyncServer:
             try:
                 self._send_header(client, _STOP, 0, 0)
             except _ExchangeFailed as exc:
-                self._fail(client, str(exc), cause=exc.__cause__)
+                self._exchange_failed(client, exc)
 
-    def _fail(self, failed: int, what: str, reporter: int | None = None, cause: BaseException | None = None
-              ) -> None:
+    def _fail(self, failed: int, what: str, reporter: int | None = None, cause: BaseException | None = None,
+              consequence: bool = False) -> None:
         with self._failure_lock:
-            if self.failure is None:
+            if consequence:
+                self.consequence = self.consequence or (failed, what, reporter, cause)
+            elif self.failure is None:
                 self.failure = (failed, what, reporter, cause)
         self.stop.set()
+
+    def _exchange_failed(self, client: int, exc: "_ExchangeFailed") -> None:
+        """Records the failure of an exchange with ``client``: the rank that a timed-out rank reported hung, else
+        ``client`` (Note [A timeout names the rank that hangs])."""
+        cause = exc.__cause__
+        own_timeout = "Timed out" in str(cause)
+        if own_timeout:
+            self.rendezvous.record(f"timedout/{self.rank}", "1")
+        report = _hang_report(self.rendezvous, (self.timeout_s or 0.0) if own_timeout else 0.0)
+        if report is not None:
+            self._fail(*report, cause=cause)
+        elif own_timeout:
+            what = _silent(client, self.timeout_s, "or waits for a rank that hangs", exc)
+            self.rendezvous.record("hung", f"{client}\n{self.rank}\n{what}")
+            self._fail(client, what, cause=cause)
+        else:
+            self._fail(client, str(exc), cause=cause, consequence=_timed_out(cause))
 
     def _guarded(self, serve, client: int) -> None:
         try:
             serve(client)
         except _ExchangeFailed as exc:
-            self._fail(client, str(exc), cause=exc.__cause__)
+            self._exchange_failed(client, exc)
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
             self._fail(self.rank, f"serving rank {client} raised {_short_error(exc)}", cause=exc)
 
@@ -751,6 +921,36 @@ class _ExchangeFailed(RuntimeError):
     """A point-to-point exchange of the async protocol failed: the peer died, raised or timed out."""
 
 
+def _silent(peer: int, timeout_s: float | None, also: str, exc: BaseException) -> str:
+    """What a rank whose wait for ``peer`` timed out says about it."""
+    within = f"the process group's timeout ({timeout_s:g} s)" if timeout_s else "the process group's timeout"
+    return (f"rank {peer} did not answer within {within}: it hangs, is stuck {also}; see its log (if it is only "
+            f"slow, raise init_process_group(timeout_s=...)) [{exc}]")
+
+
+_ANNOUNCE_WAIT_S = 1.0  # Note [A timeout names the rank that hangs]: from a closed connection to the record after it
+
+
+def _wait_record(rendezvous: _Rendezvous, key: str, wait_s: float) -> str | None:
+    """The record ``key`` of ``rendezvous``, waiting up to ``wait_s`` for one (polling the store); None if none."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        record = rendezvous.recorded(key)
+        if record is not None or time.monotonic() >= deadline:
+            return record
+        time.sleep(0.05)
+
+
+def _hang_report(rendezvous: _Rendezvous, wait_s: float = 0.0) -> tuple[int, str, int] | None:
+    """(hung rank, what, reporting rank) from the ``hung`` record of the run, waiting up to ``wait_s`` for one; None
+    if there is none (Note [A timeout names the rank that hangs])."""
+    record = _wait_record(rendezvous, "hung", wait_s)
+    if record is None:
+        return None
+    failed, reporter, what = record.split("\n", 2)
+    return int(failed), what, int(reporter)
+
+
 def _reported(what: str, reporter: int | None) -> str:
     return what if reporter is None else f"{what} (reported by rank {reporter})"
 
@@ -769,12 +969,14 @@ class _AsyncClient:
     hybrid), push each server its shard of the gradient; until STOP or no data (Note [Multi-node async exchange]).
     """
 
-    def __init__(self, engine, group, servers: int):
+    def __init__(self, engine, group, servers: int, rendezvous: _Rendezvous):
         self.engine, self.group, self.servers = engine, group, servers
+        self.rendezvous, self.timeout_s = rendezvous, _group_timeout(group)
         self.rank = dist.get_rank(group)
         self.spans = shard_spans(engine.store.numel, servers)
         self.reduced = torch.zeros(engine.store.numel)
         self.waiting: set[int] = set()  # the servers waiting for a header from this rank
+        self.announced_wait = _ANNOUNCE_WAIT_S  # spent on the first failed exchange (Note [A timeout names the ...])
         self.sent_at = 0  # version at pull of the last push sent
 
     def run(self, batches, epochs) -> None:
@@ -929,8 +1131,17 @@ class _AsyncClient:
         try:
             op(tensor, dist.get_global_rank(self.group, server), group=self.group, tag=self.rank)
         except RuntimeError as exc:  # gloo's errors, DistBackendError included
-            self.waiting.discard(server)
-            raise _ClientAbort(server, f"{what} rank {server} failed ({type(exc).__name__}: {exc})") from exc
+            self.waiting.discard(server)  # Note [A timeout names the rank that hangs]
+            what = f"{what} rank {server} failed ({type(exc).__name__}: {exc})"
+            if "Timed out" in str(exc):
+                what = _silent(server, self.timeout_s, "or is overloaded", what)
+                self.rendezvous.record("hung", f"{server}\n{self.rank}\n{what}")
+                raise _ClientAbort(server, what) from exc
+            # the server may have closed its connections on its own timeout: then it names the rank that hangs soon
+            resolving = _wait_record(self.rendezvous, f"timedout/{server}", self.announced_wait) is not None
+            self.announced_wait = 0.0
+            report = _hang_report(self.rendezvous, (self.timeout_s or 0.0) + 1.0 if resolving else 0.0)
+            raise (_ClientAbort(*report) if report is not None else _ClientAbort(server, what)) from exc
 
 
 def _client_gradient(engine, minibatches, slots, out) -> tuple[float, int]:
@@ -956,8 +1167,9 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
     failure every rank raises :class:`DistributedError` and the servers' shards may differ by the pushes in flight."""
     numel = engine.store.numel
     _share_store(engine, group, [(0, 0, numel)])
+    rendezvous = _Rendezvous(group, "async")  # Note [A timeout names the rank that hangs]
     if dist.get_rank(group) < servers:
-        AsyncServer(engine, group, servers, steps, callbacks).run()
+        AsyncServer(engine, group, servers, steps, callbacks, rendezvous).run()
     else:
-        _AsyncClient(engine, group, servers).run(batches, epochs)
+        _AsyncClient(engine, group, servers, rendezvous).run(batches, epochs)
     _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])

@@ -159,16 +159,33 @@ def failure(seed, rank, world, how):
     return {}
 
 
-def failure_in_loss(seed, rank, world):
+def death_between_steps(seed, rank, world, shard, dying):
+    """Rank ``dying`` exits (os._exit: no exception, nothing recorded) after its third hybrid step completed, before
+    its fourth; the others (several buckets) must raise DistributedError naming it. With ``shard`` (the sharded
+    update) they first gather the optimizer state (a collective: a checkpoint between steps) and fail in it."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 50, 16)]
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
+                         bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
+        for i, b in enumerate(batches):
+            if i == 3 and rank == dying:
+                os._exit(17)
+            if i == 3 and shard:
+                engine.optimizer_state_dict()
+            engine.step(b)
+    return {}
+
+
+def failure_in_loss(seed, rank, world, how="raise"):
     """Rank 1's loss raises in one of its two local workers at its fourth hybrid step, while the reducer thread
-    waits for that worker's buckets; the others are then in that step's collectives and must raise naming rank 1."""
+    waits for that worker's buckets; the others are then in that step's collectives and must raise naming rank 1.
+    ``how="exit"``: rank 1 exits there instead (os._exit, nothing recorded)."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 50, 16)]
     calls = []
 
     def failing_loss(model, batch):
         calls.append(1)
         if rank == 1 and len(calls) == 7:  # two workers, one call each per step: worker 0 or 1 of step 4
-            raise RuntimeError("rank 1 fails on purpose")
+            _fail(how)
         return loss_fn(model, batch)
 
     with pyengine.Engine(make_model(), failing_loss, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
@@ -242,8 +259,8 @@ def async_sharded(seed, rank, world):
 
 
 def async_client_failure(seed, rank, world, servers, how):
-    """``servers`` server ranks; the last rank (a client) exits or raises mid-computation after a few pushes: every
-    other rank must raise DistributedError naming it."""
+    """``servers`` server ranks; the last rank (a client) exits, raises or hangs mid-computation after a few pushes:
+    every other rank must raise DistributedError naming it."""
     batches = [client_batch(seed, rank, i) for i in range(200)] if rank >= servers else []
     calls = []
 
@@ -260,8 +277,9 @@ def async_client_failure(seed, rank, world, servers, how):
 
 
 def async_server_failure(seed, rank, world, servers, how):
-    """``servers`` server ranks; server ``servers - 1`` (rank 0, the coordinator, when it is the only one) exits or
-    raises in a callback after applying its fourth push: every other rank must raise DistributedError naming it."""
+    """``servers`` server ranks; server ``servers - 1`` (rank 0, the coordinator, when it is the only one) exits,
+    raises or hangs in a callback after applying its fourth push (hang: holding the server's mutex, as an update that
+    never ends): every other rank must raise DistributedError naming it."""
     failing = servers - 1
     batches = [client_batch(seed, rank, i) for i in range(200)] if rank >= servers else []
 
@@ -333,8 +351,15 @@ def main():
                     for how in ("exit", "raise") for k in (1, 2)},
                  **{f"async-server-{how}-{k}": lambda s, r, w, k=k, how=how: async_server_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
-                 "failure-loss": failure_in_loss, "overlap": overlap,
-                 **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how) for how in ("exit", "raise", "hang")}}
+                 **{f"async-{who}-hang-{k}": lambda s, r, w, k=k, run=run: run(s, r, w, k, "hang")
+                    for who, run in (("server", async_server_failure), ("client", async_client_failure))
+                    for k in (1, 2)},
+                 **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
+                    for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
+                 "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
+                 "overlap": overlap,
+                 **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
+                    for how in ("exit", "raise", "hang")}}
     result = scenarios[scenario](seed, rank, world)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()

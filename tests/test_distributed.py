@@ -28,10 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario, world, tmp_path, seed, timeout=45.0, pg_timeout=20.0, grace=15.0):
-    """Runs ``world`` ranks of ``scenario``. Waits up to ``timeout`` s for rank 0, then up to ``grace`` s for the
-    others, and kills whatever still runs. Returns ([returncode, None if killed], [log], seconds until rank 0 ended).
-    """
+def launch(scenario, world, tmp_path, seed, timeout=45.0, pg_timeout=20.0, grace=15.0, main=0, hung=()):
+    """Runs ``world`` ranks of ``scenario``. Waits up to ``timeout`` s for rank ``main``, then up to ``grace`` s more
+    for the others but the ``hung`` ranks (which never end by themselves), and kills whatever still runs. Returns
+    ([returncode, None if killed], [log], seconds until rank ``main`` ended)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYENGINE_TEST_PG_TIMEOUT=str(pg_timeout))
     procs, paths = [], [tmp_path / f"rank{rank}.log" for rank in range(world)]
@@ -40,15 +40,15 @@ def launch(scenario, world, tmp_path, seed, timeout=45.0, pg_timeout=20.0, grace
         with open(path, "w") as log:
             procs.append(subprocess.Popen([sys.executable, str(JOB), scenario, str(tmp_path), str(seed)],
                                           env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT))
-    codes, seconds = [], None
+    codes, seconds = [None] * world, None
     try:
-        for rank, p in enumerate(procs):
-            limit = timeout - (time.monotonic() - start) if rank == 0 else grace
+        for rank in [main] + [r for r in range(world) if r != main and r not in hung] + list(hung):
+            limit = start + timeout if rank == main else 0.0 if rank in hung else start + seconds + grace
             try:
-                codes.append(p.wait(timeout=max(0.1, limit)))
+                codes[rank] = procs[rank].wait(timeout=max(0.1, limit - time.monotonic()))
             except subprocess.TimeoutExpired:
-                codes.append(None)
-            if rank == 0:
+                pass
+            if rank == main:
                 seconds = time.monotonic() - start
     finally:
         for p in procs:
@@ -56,7 +56,7 @@ def launch(scenario, world, tmp_path, seed, timeout=45.0, pg_timeout=20.0, grace
                 p.kill()
                 p.wait(timeout=10)
     logs = [path.read_text() for path in paths]
-    assert codes[0] is not None, f"{scenario}: rank 0 still running after {timeout} s:\n" + "\n".join(logs)
+    assert codes[main] is not None, f"{scenario}: rank {main} still running after {timeout} s:\n" + "\n".join(logs)
     return codes, logs, seconds
 
 
@@ -250,19 +250,25 @@ def test_async_applies_every_push_exactly_once(tmp_path, seed):
     reference.assert_matches(server["master"])
 
 
+# Rank 1 exits, raises or hangs between hybrid steps (after its third): nothing recorded; rank 0 names it from the
+# ranks' check-ins (Note [Naming a rank that died between steps]).
+BETWEEN_STEPS = "rank 1 never reached step 4 (rank 0 did; this rank waited"
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("scenario,world,pg_timeout,culprit", [
-    ("failure-exit", 2, 20.0, "Connection"),  # gloo: "closed by peer" or "reset by peer"
-    ("failure-raise", 2, 20.0, "Connection"),  # gloo: "closed by peer" or "reset by peer"
-    ("failure-hang", 2, 2.0, "Timed out"),
-    ("async-failure", 2, 20.0, "receive from rank 1"),
+@pytest.mark.parametrize("scenario,world,pg_timeout,culprit,named", [
+    ("failure-exit", 2, 20.0, "Connection", BETWEEN_STEPS),  # gloo: "closed by peer" or "reset by peer"
+    ("failure-raise", 2, 20.0, "Connection", BETWEEN_STEPS),  # gloo: "closed by peer" or "reset by peer"
+    ("failure-hang", 2, 2.0, "Timed out", BETWEEN_STEPS),
+    ("async-failure", 2, 20.0, "receive from rank 1", "the async run stopped because rank 1 failed"),
 ])
-def test_a_failing_rank_ends_the_run_with_an_error(tmp_path, seed, scenario, world, pg_timeout, culprit):
+def test_a_failing_rank_ends_the_run_with_an_error(tmp_path, seed, scenario, world, pg_timeout, culprit, named):
     # the hanging rank never ends by itself: killed as soon as rank 0 is done
     codes, logs, seconds = launch(scenario, world, tmp_path, seed, timeout=60.0, pg_timeout=pg_timeout,
                                   grace=0.0 if scenario == "failure-hang" else 15.0)
     assert codes[0] not in (0, None), logs[0]
-    assert "DistributedError: rank 0:" in logs[0] and culprit in logs[0], logs[0]
+    error = distributed_error(logs[0])
+    assert "DistributedError: rank 0:" in error and culprit in error and named in error, logs[0]
     assert seconds < 30, f"the run took {seconds:.1f} s to fail"
 
 
@@ -434,3 +440,80 @@ def test_hybrid_allreduce_of_early_buckets_overlaps_backward(tmp_path, seed):
             assert buckets >= 2, buckets
             # the last bucket's launch may also beat the workers' return; every earlier one must
             assert all(buckets - 1 <= n <= buckets for n in out[name]["overlapped"]), (name, out[name])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, seed, shard):
+    """Rank 1 of 3 exits (os._exit: no exception, nothing recorded) after its third step; ranks 0 and 2 are in the
+    fourth step's first collective (sharded: in a gather of the optimizer state first, as a checkpoint would). They
+    must raise DistributedError naming rank 1 from the ranks' check-ins, and saying which ranks did reach that phase
+    (Note [Naming a rank that died between steps]), on the closed connection, long before the group's timeout."""
+    start = time.monotonic()
+    codes, logs, _ = launch(f"death-{'sharded' if shard else 'replicated'}-1", 3, tmp_path, seed, timeout=40.0,
+                            pg_timeout=60.0, grace=5.0)
+    took = time.monotonic() - start
+    assert codes[1] == 17, logs[1]
+    phase = "the gather of the optimizer state after step 3" if shard else "step 4"
+    for r in (0, 2):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        error = distributed_error(logs[r])
+        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+        assert re.search(rf"; rank 1 never reached {phase} \(ranks 0, 2 did; this rank waited [0-9.]+ s after "
+                         r"reaching it\): it died, exited, raised or hangs before it; see its log$", error), error
+        assert "Timed out" not in error, error
+    assert took < 35, f"the run took {took:.1f} s to fail"
+
+
+@pytest.mark.timeout(60)
+def test_a_hybrid_rank_that_dies_inside_a_step_is_reported_as_such(tmp_path, seed):
+    """Rank 1 of 3 exits inside its fourth step (in a worker's loss): every rank reached that step, so the others
+    cannot name it from the check-ins; their errors must say that every rank reached step 4 and a peer died, exited,
+    raised or hangs inside it (the limit of Note [Naming a rank that died between steps]), without waiting for the
+    group's timeout."""
+    codes, logs, _ = launch("failure-loss-exit", 3, tmp_path, seed, timeout=40.0, pg_timeout=60.0, grace=15.0)
+    assert codes[1] == 17, logs[1]
+    for r in (0, 2):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        error = distributed_error(logs[r])
+        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+        assert error.endswith("; every rank (ranks 0, 1, 2) reached step 4, so a peer died, exited, raised or "
+                              "hangs inside it (gloo's error names its address, not its rank); see the other ranks' "
+                              "logs"), error
+
+
+@pytest.mark.timeout(60)
+def test_a_hybrid_rank_0_that_dies_between_steps_is_named_by_the_others(tmp_path, seed):
+    """Rank 0 hosts the rendezvous store (a launch without torchrun's agent): when it dies between steps, the others
+    cannot read the check-ins, and their errors say that the store's host, rank 0, is gone."""
+    codes, logs, _ = launch("death-replicated-0", 3, tmp_path, seed, timeout=40.0, pg_timeout=60.0, grace=15.0)
+    assert codes[0] == 17, logs[0]
+    for r in (1, 2):
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        error = distributed_error(logs[r])
+        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+        assert re.search(r"; the rendezvous store is unreachable too \(.*\), so its host, rank 0, is gone \(died or "
+                         r"exited\); see its log$", error), error
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("who,servers,world", [("server", 1, 3), ("server", 2, 4), ("client", 1, 3)])
+def test_a_hanging_async_rank_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, who, servers, world):
+    """A server hangs while applying a push, holding its mutex (the coordinator rank 0 when it is the only server,
+    else rank 1), or the last client hangs mid-computation. Every other rank must raise DistributedError naming the
+    hung rank within about twice the group's timeout (3 s here), including a rank whose own wait timed out first on
+    a rank that was itself waiting for the hung one (Note [A timeout names the rank that hangs]); the hung rank is
+    killed by the test."""
+    hung = servers - 1 if who == "server" else world - 1
+    main = world - 1 if hung != world - 1 else 0
+    start = time.monotonic()
+    codes, logs, _ = launch(f"async-{who}-hang-{servers}", world, tmp_path, seed, timeout=35.0, pg_timeout=3.0,
+                            grace=10.0, main=main, hung=[hung])
+    took = time.monotonic() - start
+    assert codes[hung] is None, f"rank {hung} was to hang:\n{logs[hung]}"
+    for r in range(world):
+        if r != hung:
+            assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+            assert f"rank {r}: the async run stopped because rank {hung} failed: rank {hung} did not answer within " \
+                   "the process group's timeout (3 s)" in distributed_error(logs[r]), logs[r]
+    assert took < 40, f"the run took {took:.1f} s to fail"
