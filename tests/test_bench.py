@@ -28,3 +28,30 @@ def test_bench_transfer_runs_on_cpu(tmp_path):
     assert "bandwidth_ratio" in text and "hybrid_over_single" in text and "update_ms" in text
     for name in ("streamed_trace.json", "hybrid_trace.json", "hybrid_phases.json"):
         assert json.loads((tmp_path / name).read_text())["traceEvents"], name
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _run_bench(script, *args):
+    """Runs bench/<script> with a tiny configuration; returns its standard output (a failure shows stderr)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_pipeline_runs_on_cpu():
+    out = _run_bench("bench_pipeline.py", "--layers", "4", "--width", "32", "--batch", "16", "--steps", "1",
+                     "--warmup", "0", "--stages", "2", "--microbatches", "2", "--schedules", "1f1b")
+    assert "| 2 | 2 | 1f1b |" in out
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_runs_on_cpu():
+    out = _run_bench("bench_engine.py", "--quick", "--models", "mlp", "--workers", "1,2", "--modes", "hybrid,async",
+                     "--batch", "16", "--rounds", "1")
+    assert "| mlp | 1 |" in out and "| mlp | 2 |" in out
