@@ -360,6 +360,15 @@ def _default_out(mode: str) -> Path:
     return out
 
 
+def _agreed_out(out: Path, rank: int) -> Path:
+    """Rank 0's run directory on every rank (a default one is named after the time, which may differ by rank)."""
+    import torch.distributed as dist
+
+    agreed = [str(out) if rank == 0 else None]
+    dist.broadcast_object_list(agreed, src=0)
+    return Path(agreed[0])
+
+
 def _holds_run(directory: Path) -> bool:
     return directory.is_dir() and any((directory / name).exists() for name in
                                       ("summary.json", "metrics.jsonl", "checkpoints", *MODES))
@@ -498,8 +507,35 @@ def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
     return records
 
 
+def _launched() -> tuple[int, int]:
+    """(rank, world size) of a torchrun launch (RANK, WORLD_SIZE), else (0, 1)."""
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise UsageError(f"RANK={os.environ.get('RANK')!r} and WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} must "
+                         "be integers (set by torchrun)") from None
+
+
+def _rank_shard(batch, rank: int, world: int):
+    """Rank ``rank``'s contiguous part of a global batch ``(x, y)`` (the sizes of ``torch.tensor_split``): the ranks'
+    engines exchange their sample counts, so the step equals one step on the whole batch (Note [Training under
+    torchrun])."""
+    import torch
+
+    return tuple(torch.tensor_split(t, world)[rank] for t in batch)
+
+
 def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume: dict | None = None) -> dict:
-    """Trains one schedule into ``out``; returns its summary (``interrupted`` set when Ctrl-C stopped it)."""
+    """Trains one schedule into ``out``; returns its summary (``interrupted`` set when Ctrl-C stopped it).
+
+    Note [Training under torchrun]
+    Launched by torchrun with WORLD_SIZE > 1, every rank runs this with the same configuration: ``_train`` has
+    joined the default process group (gloo), so the Engine is a multi-node hybrid engine over it. Each step every
+    rank draws the same global batch of ``--batch-size`` samples and trains on its own contiguous part of it
+    (:func:`_rank_shard`); the engines weight the ranks' gradients by their sample counts, so the run equals a
+    single-process run on the same batches. Rank 0 alone writes the run directory (metrics, checkpoints, summary,
+    plots) and prints; every rank holds the same master weights, so rank 0's checkpoint resumes all of them.
+    """
     import torch
 
     from . import checkpoint as ckpt
@@ -508,7 +544,10 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     from .optim import AdamW
 
     started = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
+    rank, world = _launched()
+    primary = rank == 0  # Note [Training under torchrun]
+    if primary:
+        out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "checkpoints"
     devices = cfg["devices"]
     batch_size, seed = cfg["batch_size"], cfg["seed"]
@@ -540,11 +579,12 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             start_step, batches_done = int(resume["step"]), int(resume["batches_done"])
             elapsed_offset = float(resume["elapsed_s"])
         kept = _read_metrics(metrics_path, upto=start_step) if resume is not None else []
-        with open(metrics_path, "w") as f:  # a resumed run redoes the steps after its checkpoint
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        if primary:
+            with open(metrics_path, "w") as f:  # a resumed run redoes the steps after its checkpoint
+                f.writelines(json.dumps(r) + "\n" for r in kept)
         records = list(kept)
-        metrics_file = open(metrics_path, "a")
-        progress = Progress(mode, target, start_step, cfg["quiet"], cfg["log_every"])
+        metrics_file = open(metrics_path, "a") if primary else open(os.devnull, "w")
+        progress = Progress(mode, target, start_step, cfg["quiet"] or not primary, cfg["log_every"])
         if resume is not None:
             progress.write(f"[{mode}] resuming {out} at step {start_step} of {target}")
         state = dict(step=start_step, batches=batches_done, last_ckpt=None, t0=time.perf_counter())
@@ -553,6 +593,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             return elapsed_offset + time.perf_counter() - state["t0"]
 
         def save_checkpoint() -> Path:
+            if not primary:  # replicated hybrid: rank 0 holds the same state (Note [Training under torchrun])
+                state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])
+                return state["last_ckpt"]
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
                            elapsed_s=elapsed(), mode=mode, config=_json_safe(dict(cfg, mode=mode, out=str(out))),
                            engine=engine.state_dict())
@@ -591,7 +634,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                         interrupted = True
             else:
                 for step in range(start_step, target):
-                    on_step(engine, engine.step(dataset.batch(step, batch_size, seed)))
+                    batch = dataset.batch(step, batch_size, seed)
+                    on_step(engine, engine.step(_rank_shard(batch, rank, world) if world > 1 else batch))
         except Interrupted:
             interrupted = True
         train_s = time.perf_counter() - train_start
@@ -600,7 +644,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         if stop.requested:
             interrupted = True
         path = save_checkpoint()
-        trace = _trace_path(cfg["trace"], mode, cfg["mode"] == "all")
+        trace = _trace_path(cfg["trace"], mode, cfg["mode"] == "all") if primary else None
         if trace is not None:
             engine.trace(trace)
 
@@ -618,7 +662,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     mean = lambda key: (sum(r[key] for r in this_run if r.get(key) is not None) / len(this_run)  # noqa: E731
                         if this_run else None)
     summary = dict(
-        mode=mode, devices=list(devices), workers=len(devices), steps=state["step"], target_steps=target,
+        mode=mode, devices=list(devices), workers=len(devices), processes=world, steps=state["step"],
+        target_steps=target,
         samples=samples, samples_per_s=samples / train_total if train_total > 0 else 0.0,
         final_loss=sum(tail) / len(tail) if tail else None, final_loss_window=len(tail),
         test_accuracy=evaluation["test_accuracy"], test_loss=evaluation["test_loss"],
@@ -633,6 +678,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         summary.update(options, stage_sizes=records[-1]["stage_sizes"] if records else None,
                        bubble_fraction_mean=mean("bubble_fraction"),
                        bubble_ideal=records[-1]["bubble_ideal"] if records else None)
+    if not primary:
+        return summary
     _write_json(out / "summary.json", summary)
     if records:
         plots.plot_loss(records, out / "loss.png", f"pyengine {mode}: {cfg['model']} on {cfg['data']}, "
@@ -668,7 +715,9 @@ def _load_resume(target: str) -> tuple[dict, Path]:
 
 def _summarise(summary: dict) -> str:
     acc, loss = summary["test_accuracy"], summary["final_loss"]
-    return (f"[{summary['mode']}] {summary['steps']} steps on {summary['workers']} workers: "
+    where = f"{summary['workers']} workers" if summary.get("processes", 1) == 1 else \
+        f"{summary['processes']} processes x {summary['workers']} workers"
+    return (f"[{summary['mode']}] {summary['steps']} steps on {where}: "
             f"{summary['samples_per_s']:,.0f} samples/s, final loss "
             f"{'n/a' if loss is None else format(loss, '.4f')}, "
             f"test accuracy {acc:.2%} ({summary['wall_s']:.1f} s)")
@@ -687,6 +736,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        if "torch.distributed" in sys.modules:  # joined under torchrun (Note [Training under torchrun])
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _train(given: dict) -> int:
@@ -727,6 +782,21 @@ def _train(given: dict) -> int:
         cfg["devices"] = resolve_devices(cfg["devices"], cfg["workers"])
         cfg["workers"] = len(cfg["devices"])
     check_config(cfg)
+    rank, world = _launched()
+    if world > 1:  # Note [Training under torchrun]
+        if cfg["mode"] != "hybrid":
+            raise UsageError(f"under torchrun (WORLD_SIZE={world}) the command line trains --mode hybrid across the "
+                             f"processes; got --mode {cfg['mode']} (async and pipeline across processes: the Python "
+                             "API, Engine(..., process_group=...))")
+        if cfg["batch_size"] < world * len(cfg["devices"]):
+            raise UsageError(f"--batch-size {cfg['batch_size']} gives fewer than one sample to each of the {world} "
+                             f"processes x {len(cfg['devices'])} workers")
+        import torch.distributed as dist
+
+        from . import distributed
+
+        if not dist.is_initialized():
+            distributed.init_process_group("gloo")
     from . import data as data_mod
 
     dataset = data_mod.load(cfg["data"], seed=cfg["seed"])
@@ -740,7 +810,9 @@ def _train(given: dict) -> int:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
     if resume_payload is None:
         out = Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"])
-        if _holds_run(out):
+        if world > 1:
+            out = _agreed_out(out, rank)
+        if rank == 0 and _holds_run(out):
             raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
                              "another --out")
         _check_writable(out, "--out")
@@ -753,7 +825,7 @@ def _train(given: dict) -> int:
 
     warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
     modes = MODES if cfg["mode"] == "all" else (cfg["mode"],)
-    quiet = cfg["quiet"]
+    quiet = cfg["quiet"] or rank != 0
     if not quiet:
         what = f"{cfg['model']} on {cfg['data']} ({dataset.train_size} train / {dataset.x_test.shape[0]} test)"
         print(f"pyengine train: {', '.join(modes)} | {what} | workers: {', '.join(cfg['devices'])} | out: {out}",

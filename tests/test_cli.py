@@ -246,3 +246,42 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
     assert ckpt.latest(out / "checkpoints").name == f"step-{stopped['steps']:08d}.pyeckpt"
     assert train("--resume", str(out), "--steps", str(stopped["steps"] + 3), "--quiet") == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == stopped["steps"] + 3
+
+
+# ---- under torchrun (Note [Training under torchrun]) ----
+
+def _torchrun(tmp_path, *argv):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "pyengine", "train", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_hybrid_equals_one_process_on_the_same_batches(tmp_path):
+    """2 processes x 1 CPU worker under torchrun, each rank on its part of every global batch of 33, against one
+    process with 2 workers on the same batches: the same master weights; rank 0 alone writes the run directory."""
+    common = ["--hidden", "32", "--batch-size", "33", "--devices", "cpu", "--steps", "6", "--quiet"]
+    done = _torchrun(tmp_path, *common, "--workers", "1", "--out", str(tmp_path / "launched"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert train(*common, "--workers", "2", "--out", str(tmp_path / "single")) == 0
+    launched, single = (ckpt.load(ckpt.latest(tmp_path / run / "checkpoints"))["engine"]["master"]
+                        for run in ("launched", "single"))
+    for name, want in single.items():
+        torch.testing.assert_close(launched[name], want, rtol=1e-6, atol=1e-7, msg=name)
+    summary = json.loads((tmp_path / "launched" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["workers"] == 1 and summary["steps"] == 6
+    records = [json.loads(line) for line in (tmp_path / "launched" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7)), "one writer: rank 0"
+    assert all(r["samples"] == 33 for r in records), "the samples of the whole batch, every rank's part"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["launched", "single"]
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_with_another_mode_is_one_clear_error(tmp_path):
+    done = _torchrun(tmp_path, "--mode", "sync", "--devices", "cpu", "--steps", "2", "--quiet")
+    assert done.returncode != 0
+    assert "under torchrun (WORLD_SIZE=2) the command line trains --mode hybrid" in done.stderr
+    assert not (tmp_path / "runs").exists(), "nothing written before the error"
