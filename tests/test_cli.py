@@ -261,12 +261,15 @@ def _torchrun(tmp_path, *argv):
 
 @pytest.mark.timeout(300)
 def test_torchrun_hybrid_equals_one_process_on_the_same_batches(tmp_path):
-    """2 processes x 1 CPU worker under torchrun, each rank on its part of every global batch of 33, against one
-    process with 2 workers on the same batches: the same master weights; rank 0 alone writes the run directory."""
-    common = ["--hidden", "32", "--batch-size", "33", "--devices", "cpu", "--steps", "6", "--quiet"]
-    done = _torchrun(tmp_path, *common, "--workers", "1", "--out", str(tmp_path / "launched"))
+    """2 processes x 1 CPU worker under torchrun, each rank on its part of every global batch of 33, 3 steps and a
+    --resume to 6 (under torchrun too), against one process with 2 workers on the same 6 batches: the same master
+    weights; rank 0 alone writes the run directory."""
+    common = ["--hidden", "32", "--batch-size", "33", "--devices", "cpu", "--quiet"]
+    done = _torchrun(tmp_path, *common, "--workers", "1", "--steps", "3", "--out", str(tmp_path / "launched"))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert train(*common, "--workers", "2", "--out", str(tmp_path / "single")) == 0
+    done = _torchrun(tmp_path, "--resume", str(tmp_path / "launched"), "--steps", "6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert train(*common, "--workers", "2", "--steps", "6", "--out", str(tmp_path / "single")) == 0
     launched, single = (ckpt.load(ckpt.latest(tmp_path / run / "checkpoints"))["engine"]["master"]
                         for run in ("launched", "single"))
     for name, want in single.items():
