@@ -393,6 +393,16 @@ def distributed_error(log: str) -> str:
     return lines[-1] if lines else ""
 
 
+def survivor_errors(codes, logs, ranks):
+    """(rank, its DistributedError line) for each of ``ranks``, after checking that each failed with an error that
+    names itself."""
+    for r in ranks:
+        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
+        error = distributed_error(logs[r])
+        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+        yield r, error
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("servers,world,how", [(1, 3, "raise"), (2, 4, "exit")])
 def test_a_client_that_ended_normally_learns_which_rank_failed_after_it(tmp_path, seed, servers, world, how):
@@ -417,10 +427,7 @@ def test_a_hybrid_rank_whose_loss_raises_mid_step_ends_the_others_with_an_error_
     codes, logs, _ = launch("failure-loss", world, tmp_path, seed, timeout=25.0, grace=5.0)
     assert time.monotonic() - start < 20, "the run took too long to fail"
     assert codes[1] not in (0, None) and "rank 1 fails on purpose" in logs[1], logs[1]
-    for r in (0, 2):
-        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
-        error = distributed_error(logs[r])
-        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+    for r, error in survivor_errors(codes, logs, (0, 2)):
         # named through the rendezvous store (Note [Naming the rank that failed]), with rank 1's own error
         assert re.search(r"; rank 1 failed: WorkerError: worker [01] \(cpu\) failed: RuntimeError: rank 1 fails on "
                          r"purpose$", error), error
@@ -455,10 +462,7 @@ def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, 
     took = time.monotonic() - start
     assert codes[1] == 17, logs[1]
     phase = "the gather of the optimizer state after step 3" if shard else "step 4"
-    for r in (0, 2):
-        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
-        error = distributed_error(logs[r])
-        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+    for r, error in survivor_errors(codes, logs, (0, 2)):
         assert re.search(rf"; rank 1 never reached {phase} \(ranks 0, 2 did; this rank waited [0-9.]+ s after "
                          r"reaching it\): it died, exited, raised or hangs before it; see its log$", error), error
         assert "Timed out" not in error, error
@@ -473,10 +477,7 @@ def test_a_hybrid_rank_that_dies_inside_a_step_is_reported_as_such(tmp_path, see
     group's timeout."""
     codes, logs, _ = launch("failure-loss-exit", 3, tmp_path, seed, timeout=40.0, pg_timeout=60.0, grace=15.0)
     assert codes[1] == 17, logs[1]
-    for r in (0, 2):
-        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
-        error = distributed_error(logs[r])
-        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+    for r, error in survivor_errors(codes, logs, (0, 2)):
         assert error.endswith("; every rank (ranks 0, 1, 2) reached step 4, so a peer died, exited, raised or "
                               "hangs inside it (gloo's error names its address, not its rank); see the other ranks' "
                               "logs"), error
@@ -488,10 +489,7 @@ def test_a_hybrid_rank_0_that_dies_between_steps_is_named_by_the_others(tmp_path
     cannot read the check-ins, and their errors say that the store's host, rank 0, is gone."""
     codes, logs, _ = launch("death-replicated-0", 3, tmp_path, seed, timeout=40.0, pg_timeout=60.0, grace=15.0)
     assert codes[0] == 17, logs[0]
-    for r in (1, 2):
-        assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
-        error = distributed_error(logs[r])
-        assert error.startswith(f"[rank{r}]: pyengine.distributed.DistributedError: rank {r}: "), logs[r]
+    for r, error in survivor_errors(codes, logs, (1, 2)):
         assert re.search(r"; the rendezvous store is unreachable too \(.*\), so its host, rank 0, is gone \(died or "
                          r"exited\); see its log$", error), error
 
