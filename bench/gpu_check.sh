@@ -19,7 +19,8 @@
 #   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap (with a profiler
 #              copy timeline and Chrome traces in logs.tgz), hybrid with 4
 #              workers on the GPU vs single-replica training
-# DEADLINE_S=N makes every stage end in time for the summary within N seconds of the start. Needs no network. PYTHON picks the interpreter (default python3: the one holding that machine's torch).
+# DEADLINE_S=N makes every stage end in time for the summary within N seconds of the start. Needs no network.
+# PYTHON picks the interpreter (default python3: the one holding that machine's torch).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -153,7 +154,8 @@ wants env && stage env "$LOGS/env.log" 120 bash -c "nvidia-smi; nvcc --version |
 wants build && stage build "$LOGS/build.log" 600 build
 wants import || wants build && stage import "$LOGS/build.log" 120 check_build
 wants tests && stage tests "$LOGS/tests.log" 900 "$PYTHON" -m pytest tests -q -rfE -p no:cacheprovider
-wants ctest && stage ctest "$LOGS/ctest.log" 900 env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
+wants ctest && stage ctest "$LOGS/ctest.log" 900 \
+  env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
   tests/cpp/run_ctest.sh -DPYENGINE_WITH_CUDA=ON
 wants sanitizer && stage sanitizer "$LOGS/sanitizer.log" 900 sanitize
 wants bench && stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_adamw.py --full --cuda \

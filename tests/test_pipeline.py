@@ -64,7 +64,8 @@ def pipeline(model, devices, **options):
 def test_pipeline_equals_single_device(rng, stages, microbatches, batch, schedule, worker_device):
     model = make_model()
     reference = TorchReference(model)
-    with pipeline(model, [worker_device] * stages, stages=stages, microbatches=microbatches, schedule=schedule) as engine:
+    with pipeline(model, [worker_device] * stages, stages=stages, microbatches=microbatches,
+                  schedule=schedule) as engine:
         for b in make_batches(rng, 6, batch):
             metrics = engine.step(b)
             ref_loss = reference.step(b)
@@ -229,8 +230,8 @@ def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, re
         loss = loss_fn
     reference = copy.deepcopy(model).double()
     ref_opt = torch.optim.AdamW(reference.parameters(), foreach=False, **OPT)
-    with Engine(model, loss, devices=[worker_device] * (stages * replicas), mode="pipeline", stages=stages, microbatches=3,
-                optimizer=AdamW(**OPT), balance=balance) as engine:
+    with Engine(model, loss, devices=[worker_device] * (stages * replicas), mode="pipeline", stages=stages,
+                microbatches=3, optimizer=AdamW(**OPT), balance=balance) as engine:
         assert engine.pipeline.tied == {name: [0, stages - 1] for name in tied}
         for x, y in batches:
             before = engine.master_state_dict()
