@@ -69,6 +69,7 @@ import queue
 import statistics
 import threading
 import time
+import weakref
 
 import torch
 
@@ -416,7 +417,12 @@ class Pipeline:
         devices = engine.devices
         self.layers = list(model._modules.items())  # named_children() would list a repeated module once
         check_options(len(self.layers), len(devices), stages, microbatches, schedule, balance)
-        self.engine, self.store = engine, engine.store
+        # Note [No reference cycle through the engine]
+        # The engine owns its pipeline; the pipeline's way back is a weak proxy. With a strong one the pair is a
+        # cycle: dropping the engine would free neither (nor the host store, possibly GBs of pinned memory) until the
+        # garbage collector runs, and an engine over a process group would keep the group (and its gloo threads)
+        # alive past torch.distributed.destroy_process_group(), to be destroyed during interpreter shutdown.
+        self.engine, self.store = weakref.proxy(engine), engine.store
         self.num_stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self.replicas = len(devices) // stages
         self.devices = devices

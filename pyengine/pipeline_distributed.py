@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -133,7 +134,8 @@ class DistributedPipeline:
 
     def __init__(self, engine, model: torch.nn.Sequential, *, stages, microbatches: int, schedule: str, balance,
                  autocast: torch.dtype | None, group):
-        self.engine, self.store, self.group = engine, engine.store, group
+        # weak: Note [No reference cycle through the engine] (pyengine.pipeline)
+        self.engine, self.store, self.group = weakref.proxy(engine), engine.store, group
         self.rank, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
         self.microbatches, self.schedule, self.autocast = microbatches, schedule, autocast
         self.replicas = 1
@@ -154,7 +156,9 @@ class DistributedPipeline:
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_stages - 1
         self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last)
         stage = PipelineStage(self._wrapped, self.rank, self.num_stages, self.device, group=group)
-        self._schedule = _SCHEDULE_CLASSES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=True)
+        loss = weakref.WeakMethod(self._loss)  # the schedule keeps its loss function: no cycle back to self
+        self._schedule = _SCHEDULE_CLASSES[schedule](stage, microbatches, loss_fn=lambda x, t: loss()(x, t),
+                                                     scale_grads=True)
 
     def _loss(self, x, targets):
         with self._wrapped.context(x.device):

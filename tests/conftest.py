@@ -1,9 +1,14 @@
 """Shared fixtures (the devices every op test runs on: CUDA twins skip without a GPU; a fresh rng) and the
 classification workload of the engine and pipeline tests."""
+import os
 import random
 
 import pytest
 import torch
+
+# Every process a test starts (mp.spawn workers, torchrun-like jobs, CLI runs) inherits this: a crash in native code
+# (SIGSEGV, SIGABRT: "terminate called ...") then prints each Python thread's stack, so a rare one can be placed.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]

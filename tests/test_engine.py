@@ -1,9 +1,11 @@
 """The engine's three schedules, each against a reference it does not share code with: torch.optim on one copy of
 the model (float64), run step by step on the same batches."""
 import copy
+import gc
 import json
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -396,6 +398,22 @@ def test_load_state_dict_rejects_foreign_state():
         with pytest.raises(ValueError, match="expected float32"):
             engine.load_state_dict(other.state_dict())
         other.close()
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
+def test_a_dropped_engine_is_freed_by_reference_counting(rng, mode):
+    """No reference cycle runs through an engine (Note [No reference cycle through the engine]): once closed and
+    dropped, it and its host store are freed at once, not whenever the garbage collector runs."""
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+    gc.disable()
+    try:
+        with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, pin=False, **options) as engine:
+            engine.fit(make_batches(rng, 2, 8))
+        refs = weakref.ref(engine), weakref.ref(engine.store)
+        del engine
+        assert [r() is None for r in refs] == [True, True]
+    finally:
+        gc.enable()
 
 
 def test_optimizer_state_dict_matches_torch(rng, worker_device):

@@ -2,9 +2,11 @@
 (float64) for the weights, a unit-time simulation for the schedules, brute force for the balancer, and layers that
 sleep for fixed times for the bubble fraction (busy times under control on a noisy 2-core machine)."""
 import copy
+import gc
 import itertools
 import json
 import time
+import weakref
 
 import pytest
 import torch
@@ -493,6 +495,8 @@ ENGINE_RUNS = (("1f1b", 0.05, 3), ("gpipe", None, 4))  # schedule, max_grad_norm
 
 def _engine_worker(rank, world, init_file, seed, out_dir):
     dist = _join_gloo_group(rank, world, init_file)
+    gc.disable()  # so that only reference counting can free the engines (checked at the end)
+    group = weakref.ref(dist.group.WORLD)
     try:
         batches = make_batches(torch.Generator().manual_seed(seed), 4, 12)
         for schedule, clip, microbatches in ENGINE_RUNS:
@@ -528,8 +532,14 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
             bf16_master = bf16.master_state_dict()
         torch.save({"resumed": got, "expected": expected, "bf16_losses": bf16_losses, "bf16_master": bf16_master},
                    f"{out_dir}/engine-extra-{rank}.pt")
+        del engine, whole, first, second, bf16
     finally:
         dist.destroy_process_group()
+    # Note [No reference cycle through the engine]: once its engines are dropped, destroy_process_group() really
+    # destroys the group (its gloo threads end here, not during interpreter shutdown)
+    with open(f"{out_dir}/engine-teardown-{rank}.txt", "w") as f:
+        f.write("group alive" if group() is not None else "group freed")
+    gc.enable()
 
 
 @pytest.mark.timeout(120)
@@ -567,6 +577,8 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
                                                msg=f"{name} {key}")
             assert "a batch of 13 samples" in got["uneven"] and "microbatches=" in got["uneven"]
     for rank in range(2):
+        assert (tmp_path / f"engine-teardown-{rank}.txt").read_text() == "group freed", \
+            "a dropped pipeline engine kept the process group alive (a reference cycle)"
         extra = torch.load(tmp_path / f"engine-extra-{rank}.pt", weights_only=False)
         for name, want in extra["expected"].items():
             assert torch.equal(extra["resumed"][name], want), f"rank {rank}: resumed {name} differs"
