@@ -5,9 +5,11 @@
 Each rank writes ``OUT_DIR/rank<r>.pt`` with what the test checks; the data is generated from SEED the same way in
 every rank and in the test, so the test can rebuild the concatenated batches and the reference.
 """
+import gc
 import os
 import sys
 import time
+import weakref
 
 import torch
 
@@ -339,7 +341,9 @@ def overlap(seed, rank, world):
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
+    gc.disable()  # only reference counting may free the engines: checked at the end
     distributed.init_process_group("gloo", timeout_s=float(os.environ.get("PYENGINE_TEST_PG_TIMEOUT", "20")))
+    group = weakref.ref(torch.distributed.group.WORLD)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     scenarios = {"hybrid": hybrid, "async": asynchronous, "async-failure": async_failure,
                  "shard-state": lambda s, r, w: shard_state(s, r, w, False, out_dir),
@@ -360,9 +364,12 @@ def main():
                  "overlap": overlap,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}
-    result = scenarios[scenario](seed, rank, world)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(scenarios[scenario](seed, rank, world), os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
+    # the scenario's engines are gone, so destroy_process_group() freed the group (no reference cycle kept it for
+    # interpreter shutdown: Note [No reference cycle through the engine])
+    with open(os.path.join(out_dir, f"rank{rank}.teardown"), "w") as f:
+        f.write("group alive" if group() is not None else "group freed")
 
 
 if __name__ == "__main__":

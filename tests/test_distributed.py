@@ -61,6 +61,9 @@ def launch(scenario, world, tmp_path, seed, timeout=45.0, pg_timeout=20.0, grace
 
 
 def results(tmp_path, world):
+    """Each rank's result; also checks that its process group was freed at destroy_process_group()."""
+    for r in range(world):
+        assert (tmp_path / f"rank{r}.teardown").read_text() == "group freed", f"rank {r}: the group outlived its engines"
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
