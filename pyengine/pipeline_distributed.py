@@ -17,6 +17,7 @@ error).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import time
 import weakref
@@ -33,6 +34,7 @@ from .workers import batch_size
 __all__ = ["DistributedPipeline", "check_engine_options"]
 
 _SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES_KEPT = 8  # batch shapes whose schedule a DistributedPipeline keeps (Note [One schedule per batch shape])
 
 
 def _grads_to_slot(params, slot_views: dict) -> None:
@@ -62,13 +64,11 @@ def _run_schedule(schedule, device, microbatches: int, inputs, targets, losses: 
 
     The whole batch goes through the public ``step(*args, target=, losses=)``, which every torch with pipelining
     takes (pre-split ``arg_mbs=`` is newer); the schedule splits with ``tensor_split`` along dim 0, the same
-    micro-batches as ``_check_equal_split``, which runs first to name an uneven batch clearly."""
+    micro-batches as ``_check_equal_split``, which the caller runs first to name an uneven batch clearly."""
     args, kwargs = (), {}
     if inputs is not None:
-        _check_equal_split(inputs, microbatches, "inputs")
         args = (inputs.to(device),)
     if targets is not None:
-        _check_equal_split(targets, microbatches, "targets")
         kwargs.update(target=targets.to(device), losses=losses)
     schedule.step(*args, **kwargs)
 
@@ -112,7 +112,8 @@ class DistributedPipeline:
     schedule; built by :class:`~pyengine.Engine` when it has a process group.
 
     Every rank calls ``engine.step((inputs, targets))`` with the same batch: rank 0 feeds the inputs, the last rank
-    the targets. The batch must split into M equal micro-batches (the library sizes its buffers from the first).
+    the targets. The batch must split into M equal micro-batches (torch.distributed.pipelining's stages need equal
+    shapes); its size may change from step to step (Note [One schedule per batch shape]).
 
     Note [Engine loss on the last process]
     The Engine's contract is ``loss_fn(last_stage, (activations, targets))``. The schedule calls its loss function as
@@ -120,6 +121,14 @@ class DistributedPipeline:
     through unchanged and the loss runs the last stage's layers on them: autograd then reaches those layers'
     parameters and the received activations exactly as in the in-process pipeline. The layers stay submodules of the
     module the library holds, so its ``scale_grads`` (1/M) and ``zero_grad`` cover them.
+
+    Note [One schedule per batch shape]
+    A ``PipelineStage`` learns the shapes of its activations at its first step and sizes its receive buffers from
+    them for good: a later batch of another shape (the short last batch of an epoch, another sequence length) would be
+    received into the old buffers, an error or, for a smaller message, stale rows read as data. So each batch shape
+    (inputs' and targets' shapes and dtypes, the same on every rank) gets its own stage and schedule, built at its
+    first batch (every rank builds it at the same step, so the shape exchange of its first step matches); the last
+    ``SCHEDULES_KEPT`` shapes are kept, the oldest dropped first, the same on every rank.
 
     Note [Distributed pipeline store]
     Each rank's host store (the Engine's, one gradient slot) covers the whole model, and stage s's parameters are one
@@ -155,10 +164,23 @@ class DistributedPipeline:
         self._ranks = dist.get_process_group_ranks(group)  # stage s runs on global rank _ranks[s]
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_stages - 1
         self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last)
-        stage = PipelineStage(self._wrapped, self.rank, self.num_stages, self.device, group=group)
+        self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
+
+    def _schedule_for(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """The schedule (and its ``PipelineStage``) for batches shaped like ``(inputs, targets)``: built at the first
+        such batch, kept for the last ``SCHEDULES_KEPT`` shapes (Note [One schedule per batch shape])."""
+        key = (tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype)
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        stage = PipelineStage(self._wrapped, self.rank, self.num_stages, self.device, group=self.group)
         loss = weakref.WeakMethod(self._loss)  # the schedule keeps its loss function: no cycle back to self
-        self._schedule = _SCHEDULE_CLASSES[schedule](stage, microbatches, loss_fn=lambda x, t: loss()(x, t),
-                                                     scale_grads=True)
+        schedule = _SCHEDULE_CLASSES[self.schedule](stage, self.microbatches, loss_fn=lambda x, t: loss()(x, t),
+                                                    scale_grads=True)
+        self._schedules[key] = schedule
+        if len(self._schedules) > SCHEDULES_KEPT:
+            self._schedules.popitem(last=False)  # every rank drops the same one: they all see the same batches
+        return schedule
 
     def _loss(self, x, targets):
         with self._wrapped.context(x.device):
@@ -185,7 +207,9 @@ class DistributedPipeline:
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
         losses = []
-        _run_schedule(self._schedule, self.device, m, inputs if self.is_first else None,
+        _check_equal_split(inputs, m, "inputs")  # on every rank, before any message (the same batch everywhere)
+        _check_equal_split(targets, m, "targets")
+        _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
                       targets if self.is_last else None, losses)
         scheduled = time.perf_counter()
         engine.count("steps")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pyengine import AdamW, Engine, StageError
+from pyengine import pipeline_distributed
 from pyengine.pipeline import partition, schedule_actions, split_layers
 
 from conftest import loss_fn, make_batches
@@ -493,6 +494,12 @@ def _join_gloo_group(rank, world, init_file):
 ENGINE_RUNS = (("1f1b", 0.05, 3), ("gpipe", None, 4))  # schedule, max_grad_norm, microbatches
 
 
+def varying_batches(seed):
+    """Batches whose size changes from step to step (all multiples of 4 micro-batches; 12 and 8 come back)."""
+    rng = torch.Generator().manual_seed(seed + 1)
+    return [make_batches(rng, 1, n)[0] for n in (12, 8, 12, 4, 16, 8)]
+
+
 def _engine_worker(rank, world, init_file, seed, out_dir):
     dist = _join_gloo_group(rank, world, init_file)
     gc.disable()  # so that only reference counting can free the engines (checked at the end)
@@ -530,9 +537,17 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
         with Engine(make_model(blocks=2), loss_fn, autocast=torch.bfloat16, **bf16_options) as bf16:
             bf16_losses = [m["loss"] for m in bf16.fit(batches)]
             bf16_master = bf16.master_state_dict()
-        torch.save({"resumed": got, "expected": expected, "bf16_losses": bf16_losses, "bf16_master": bf16_master},
+        # batches of changing sizes (Note [One schedule per batch shape]), two schedules kept: shapes are evicted
+        # and built again
+        pipeline_distributed.SCHEDULES_KEPT = 2
+        with Engine(make_model(blocks=2), loss_fn, devices=["cpu"], mode="pipeline", microbatches=4,
+                    optimizer=AdamW(**OPT), pin=False) as varying:
+            varying_losses = [m["loss"] for m in varying.fit(varying_batches(seed))]
+            varying_master, kept = varying.master_state_dict(), len(varying.pipeline._schedules)
+        torch.save({"resumed": got, "expected": expected, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
+                    "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept},
                    f"{out_dir}/engine-extra-{rank}.pt")
-        del engine, whole, first, second, bf16
+        del engine, whole, first, second, bf16, varying
     finally:
         dist.destroy_process_group()
     # Note [No reference cycle through the engine]: once its engines are dropped, destroy_process_group() really
@@ -580,6 +595,12 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
         assert (tmp_path / f"engine-teardown-{rank}.txt").read_text() == "group freed", \
             "a dropped pipeline engine kept the process group alive (a reference cycle)"
         extra = torch.load(tmp_path / f"engine-extra-{rank}.pt", weights_only=False)
+        reference = TorchReference(make_model(blocks=2))
+        assert extra["varying_losses"] == pytest.approx([reference.step(b) for b in varying_batches(seed)], rel=1e-5)
+        for name, p in reference.model.named_parameters():
+            torch.testing.assert_close(extra["varying_master"][name].double(), p.detach(), rtol=1e-5,
+                                       atol=1e-5 * p.detach().abs().max().item(), msg=f"varying batches: {name}")
+        assert extra["kept"] == 2
         for name, want in extra["expected"].items():
             assert torch.equal(extra["resumed"][name], want), f"rank {rank}: resumed {name} differs"
         # bf16: as the in-process pipeline with the same autocast (2 stages, 3 micro-batches) to bf16 tolerance: the
