@@ -200,6 +200,9 @@ class DistributedPipeline:
             raise ValueError("mode='pipeline' needs each batch as (inputs, targets); got "
                              f"{type(batch).__name__}")
         inputs, targets = batch
+        self._check_same_batch(inputs, targets)
+        _check_equal_split(inputs, m, "inputs")  # the same batch on every rank: every rank raises, or none
+        _check_equal_split(targets, m, "targets")
         samples = batch_size(inputs)
         with torch.no_grad():
             for name, p in self.params:
@@ -207,8 +210,6 @@ class DistributedPipeline:
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
         losses = []
-        _check_equal_split(inputs, m, "inputs")  # on every rank, before any message (the same batch everywhere)
-        _check_equal_split(targets, m, "targets")
         _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
                       targets if self.is_last else None, losses)
         scheduled = time.perf_counter()
@@ -222,6 +223,28 @@ class DistributedPipeline:
                             copy_back=pulled - start, applied=applied, stages=self.num_stages, replicas=1,
                             microbatches=m, schedule=self.schedule, stage_sizes=list(self.sizes),
                             schedule_s=scheduled - pulled, stage=self.rank)
+
+    @torch.no_grad()
+    def _check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """A ValueError on every rank unless every rank was given the same batch.
+
+        Note [The same batch on every rank]
+        The first rank runs the inputs, the last rank scores the outputs against its targets: with a different batch
+        per rank (a DistributedSampler per rank, as for data parallelism) the pipeline would train on inputs paired
+        with another batch's targets, silently. So before any work each rank takes a fingerprint of its batch (its
+        sizes and float64 sums of inputs and targets: the same data gives the same bits on every rank) and one small
+        all-reduce (MAX of the fingerprint and of its negation) tells every rank whether they all agree."""
+        def total(t):
+            return torch.nan_to_num(t.detach().to("cpu", torch.float64).sum(), nan=1e300)  # NaN equals NaN here
+        mine = torch.stack([torch.tensor(float(inputs.numel())), torch.tensor(float(targets.numel())),
+                            total(inputs), total(targets)]).double()
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(both[:4], -both[4:]):
+            raise ValueError(f"rank {dist.get_rank()}: the ranks of a pipeline over a process group were given "
+                             "different batches; every rank must call step() with the same (inputs, targets) (the "
+                             "first rank runs the inputs, the last scores against the targets): do not shard the "
+                             "data per rank (DistributedSampler) in mode='pipeline'")
 
     @torch.no_grad()
     def _update(self, loss_sum: float) -> tuple[bool, float]:
