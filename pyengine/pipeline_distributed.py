@@ -165,6 +165,19 @@ class DistributedPipeline:
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_stages - 1
         self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last)
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
+        # Note [Collective tensors outlive their work]
+        # A gloo collective's work keeps its tensors and is released on gloo's worker thread, possibly after the
+        # call returned. If that release drops the last reference of a tensor whose Python object is gone, the
+        # worker thread takes the GIL to free that object; during interpreter shutdown taking the GIL ends the
+        # thread inside a destructor (std::terminate: "terminate called without an active exception"; a spawned
+        # test rank aborted so at exit, the core showed gloo's runLoop freeing a broadcast of gather()). So every
+        # tensor this class passes to a collective is a buffer it keeps. (Destroying the group before exit, which
+        # joins those threads, is the other half: Note [No reference cycle through the engine].)
+        flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
+        self._gather_views = [(flat[begin:end], self._ranks[s]) for flat in flats if flat is not None
+                              for s, (begin, end) in enumerate(self.ranges)]
+        self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _check_same_batch
+        self._reduced = torch.zeros(3, dtype=torch.float64)  # _update: squared norm, non-finite flag, loss sum
 
     def _schedule_for(self, inputs: torch.Tensor, targets: torch.Tensor):
         """The schedule (and its ``PipelineStage``) for batches shaped like ``(inputs, targets)``: built at the first
@@ -236,9 +249,10 @@ class DistributedPipeline:
         all-reduce (MAX of the fingerprint and of its negation) tells every rank whether they all agree."""
         def total(t):
             return torch.nan_to_num(t.detach().to("cpu", torch.float64).sum(), nan=1e300)  # NaN equals NaN here
-        mine = torch.stack([torch.tensor(float(inputs.numel())), torch.tensor(float(targets.numel())),
-                            total(inputs), total(targets)]).double()
-        both = torch.cat([mine, -mine])
+        both = self._fingerprint  # Note [Collective tensors outlive their work]
+        both[0], both[1], both[2], both[3] = float(inputs.numel()), float(targets.numel()), total(inputs), \
+            total(targets)
+        both[4:] = -both[:4]
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         if not torch.equal(both[:4], -both[4:]):
             raise ValueError(f"rank {dist.get_rank()}: the ranks of a pipeline over a process group were given "
@@ -254,7 +268,8 @@ class DistributedPipeline:
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.rank]
         norm, nonfinite = ops.mean_grad_norm([slot[begin:end]])
-        reduced = torch.stack([norm.double().square(), nonfinite.double(), torch.tensor(loss_sum, dtype=torch.float64)])
+        reduced = self._reduced  # Note [Collective tensors outlive their work]
+        reduced[0], reduced[1], reduced[2] = norm.double().square(), nonfinite.double(), loss_sum
         dist.all_reduce(reduced, group=self.group)
         if not self.engine.admit_update(reduced[1].item() != 0.0, []):
             return False, float(reduced[2])
@@ -266,10 +281,8 @@ class DistributedPipeline:
         when no update happened since the last one, which every rank agrees on: ``version`` is the same on all)."""
         if self._gathered == self.engine.version:
             return
-        flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
-        for flat in (f for f in flats if f is not None):
-            for s, (begin, end) in enumerate(self.ranges):
-                dist.broadcast(flat[begin:end], src=self._ranks[s], group=self.group)
+        for view, src in self._gather_views:
+            dist.broadcast(view, src=src, group=self.group)
         self._gathered = self.engine.version
 
     def close(self) -> None:
