@@ -140,8 +140,23 @@ def shard_state(seed, rank, world, amsgrad, out_dir):
     return out
 
 
+FAILING, ENDED = "pyengine-test: failing at", "pyengine-test: ended at"  # wall-clock stamps in the logs
+
+
+def _stamp(what: str) -> None:
+    """Prints ``what`` with the wall-clock time: the test measures how long the others took to notice a failure
+    from these (not from the launch, which counts every process's imports on a loaded machine)."""
+    print(f"{what} {time.time():.3f}", flush=True)
+
+
+def _exit_now():
+    _stamp(FAILING)
+    os._exit(17)
+
+
 def _fail(how, rank=1):
     """This rank fails: ``"exit"`` (status 17), ``"raise"`` or ``"hang"``."""
+    _stamp(FAILING)
     if how == "exit":
         os._exit(17)
     if how == "raise":
@@ -170,7 +185,7 @@ def death_between_steps(seed, rank, world, shard, dying):
                          bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
         for i, b in enumerate(batches):
             if i == 3 and rank == dying:
-                os._exit(17)
+                _exit_now()
             if i == 3 and shard:
                 engine.optimizer_state_dict()
             engine.step(b)
@@ -205,7 +220,7 @@ def async_failure(seed, rank, world):
     def dying_loss(model, batch):
         calls.append(1)
         if rank == world - 1 and len(calls) == 4:
-            os._exit(17)  # mid-computation, between two exchanges with the server
+            _exit_now()  # mid-computation, between two exchanges with the server
         return loss_fn(model, batch)
 
     with pyengine.Engine(make_model(), dying_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
@@ -364,7 +379,13 @@ def main():
                  "overlap": overlap,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}
-    torch.save(scenarios[scenario](seed, rank, world), os.path.join(out_dir, f"rank{rank}.pt"))
+    try:
+        result = scenarios[scenario](seed, rank, world)
+    except BaseException:
+        _stamp(ENDED)
+        raise
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    del result
     torch.distributed.destroy_process_group()
     # the scenario's engines are gone, so destroy_process_group() freed the group (no reference cycle kept it for
     # interpreter shutdown: Note [No reference cycle through the engine])

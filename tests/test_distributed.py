@@ -63,7 +63,8 @@ def launch(scenario, world, tmp_path, seed, timeout=45.0, pg_timeout=20.0, grace
 def results(tmp_path, world):
     """Each rank's result; also checks that its process group was freed at destroy_process_group()."""
     for r in range(world):
-        assert (tmp_path / f"rank{r}.teardown").read_text() == "group freed", f"rank {r}: the group outlived its engines"
+        teardown = (tmp_path / f"rank{r}.teardown").read_text()
+        assert teardown == "group freed", f"rank {r}: the group outlived its engines"
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -272,7 +273,8 @@ def test_a_failing_rank_ends_the_run_with_an_error(tmp_path, seed, scenario, wor
     assert codes[0] not in (0, None), logs[0]
     error = distributed_error(logs[0])
     assert "DistributedError: rank 0:" in error and culprit in error and named in error, logs[0]
-    assert seconds < 30, f"the run took {seconds:.1f} s to fail"
+    # the check-ins wait PRESENCE_WAIT_S (5 s); the group's timeout is 20 s (2 s for failure-hang)
+    assert noticed_after(logs, 1, survivors=[0]) < 15
 
 
 def test_option_errors():
@@ -362,13 +364,13 @@ def assert_every_other_rank_names(failed, codes, logs, how):
 @pytest.mark.parametrize("servers,world,how", [(1, 3, "exit"), (2, 4, "exit"), (2, 4, "raise")])
 def test_a_failing_async_client_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, servers, world, how):
     failed = world - 1
-    codes, logs, seconds = launch(f"async-client-{how}-{servers}", world, tmp_path, seed, timeout=60.0)
+    codes, logs, _ = launch(f"async-client-{how}-{servers}", world, tmp_path, seed, timeout=60.0)
     assert_every_other_rank_names(failed, codes, logs, how)
     if how == "raise":
         for r in range(world - 1):  # the failed rank's own error, passed on: in every other rank's error
             assert f"failed: WorkerError: worker 0 (cpu) failed: RuntimeError: rank {failed} fails on purpose" in \
                 distributed_error(logs[r]), logs[r]
-    assert seconds < 30, f"the run took {seconds:.1f} s to fail"
+    assert noticed_after(logs, failed) < 10
 
 
 def test_servers_option_errors():
@@ -380,14 +382,26 @@ def test_servers_option_errors():
         pyengine.Engine(model, dist_job.loss_fn, devices=["cpu"], mode="async", pin=False, servers=2)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("servers,world,how", [(1, 3, "exit"), (1, 3, "raise"), (2, 4, "exit"), (2, 4, "raise")])
 def test_a_failing_async_server_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, servers, world, how):
     failed = servers - 1  # rank 0 (the coordinator) when it is the only server, else rank 1
-    start = time.monotonic()
-    codes, logs, _ = launch(f"async-server-{how}-{servers}", world, tmp_path, seed, timeout=25.0, grace=5.0)
-    assert time.monotonic() - start < 20, "the run took too long to fail"
+    codes, logs, _ = launch(f"async-server-{how}-{servers}", world, tmp_path, seed, timeout=60.0, grace=15.0)
     assert_every_other_rank_names(failed, codes, logs, how)
+    assert noticed_after(logs, failed) < 10
+
+
+def noticed_after(logs, failed, survivors=None) -> float:
+    """Seconds from rank ``failed``'s failure to the last of ``survivors`` (default: every other rank) ending with an
+    error, from the wall-clock stamps dist_job prints (load on the machine slows the imports before, not this)."""
+    def stamp(log, what):
+        found = re.findall(rf"^{re.escape(what)} ([0-9.]+)$", log, re.MULTILINE)
+        assert found, f"no '{what}' line in:\n{log}"
+        return float(found[-1])
+    survivors = [r for r in range(len(logs)) if r != failed] if survivors is None else survivors
+    took = max(stamp(logs[r], dist_job.ENDED) for r in survivors) - stamp(logs[failed], dist_job.FAILING)
+    print(f"noticed after {took:.2f} s")
+    return took
 
 
 def distributed_error(log: str) -> str:
@@ -406,13 +420,12 @@ def survivor_errors(codes, logs, ranks):
         yield r, error
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("servers,world,how", [(1, 3, "raise"), (2, 4, "exit")])
 def test_a_client_that_ended_normally_learns_which_rank_failed_after_it(tmp_path, seed, servers, world, how):
     finished, failed = servers, world - 1
-    start = time.monotonic()
-    codes, logs, _ = launch(f"async-finished-{how}-{servers}", world, tmp_path, seed, timeout=25.0, grace=5.0)
-    assert time.monotonic() - start < 20, "the run took too long to fail"
+    codes, logs, _ = launch(f"async-finished-{how}-{servers}", world, tmp_path, seed, timeout=60.0, grace=15.0)
+    assert noticed_after(logs, failed) < 10
     for r in range(world - 1):
         assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
         assert f"rank {r}: the async run stopped because rank {failed} failed" in distributed_error(logs[r]), logs[r]
@@ -423,12 +436,11 @@ def test_a_client_that_ended_normally_learns_which_rank_failed_after_it(tmp_path
         assert f"RuntimeError: rank {failed} fails on purpose" in error, error
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_hybrid_rank_whose_loss_raises_mid_step_ends_the_others_with_an_error_naming_it(tmp_path, seed):
     world = 3
-    start = time.monotonic()
-    codes, logs, _ = launch("failure-loss", world, tmp_path, seed, timeout=25.0, grace=5.0)
-    assert time.monotonic() - start < 20, "the run took too long to fail"
+    codes, logs, _ = launch("failure-loss", world, tmp_path, seed, timeout=60.0, grace=15.0)
+    assert noticed_after(logs, 1) < 10
     assert codes[1] not in (0, None) and "rank 1 fails on purpose" in logs[1], logs[1]
     for r, error in survivor_errors(codes, logs, (0, 2)):
         # named through the rendezvous store (Note [Naming the rank that failed]), with rank 1's own error
@@ -452,27 +464,25 @@ def test_hybrid_allreduce_of_early_buckets_overlaps_backward(tmp_path, seed):
             assert all(buckets - 1 <= n <= buckets for n in out[name]["overlapped"]), (name, out[name])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
 def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, seed, shard):
     """Rank 1 of 3 exits (os._exit: no exception, nothing recorded) after its third step; ranks 0 and 2 are in the
     fourth step's first collective (sharded: in a gather of the optimizer state first, as a checkpoint would). They
     must raise DistributedError naming rank 1 from the ranks' check-ins, and saying which ranks did reach that phase
     (Note [Naming a rank that died between steps]), on the closed connection, long before the group's timeout."""
-    start = time.monotonic()
-    codes, logs, _ = launch(f"death-{'sharded' if shard else 'replicated'}-1", 3, tmp_path, seed, timeout=40.0,
-                            pg_timeout=60.0, grace=5.0)
-    took = time.monotonic() - start
+    codes, logs, _ = launch(f"death-{'sharded' if shard else 'replicated'}-1", 3, tmp_path, seed, timeout=50.0,
+                            pg_timeout=60.0, grace=15.0)
     assert codes[1] == 17, logs[1]
     phase = "the gather of the optimizer state after step 3" if shard else "step 4"
     for r, error in survivor_errors(codes, logs, (0, 2)):
         assert re.search(rf"; rank 1 never reached {phase} \(ranks 0, 2 did; this rank waited [0-9.]+ s after "
                          r"reaching it\): it died, exited, raised or hangs before it; see its log$", error), error
         assert "Timed out" not in error, error
-    assert took < 35, f"the run took {took:.1f} s to fail"
+    assert noticed_after(logs, 1) < 15  # the check-ins wait PRESENCE_WAIT_S (5 s); the group's timeout is 60 s
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_hybrid_rank_that_dies_inside_a_step_is_reported_as_such(tmp_path, seed):
     """Rank 1 of 3 exits inside its fourth step (in a worker's loss): every rank reached that step, so the others
     cannot name it from the check-ins; their errors must say that every rank reached step 4 and a peer died, exited,
@@ -480,24 +490,26 @@ def test_a_hybrid_rank_that_dies_inside_a_step_is_reported_as_such(tmp_path, see
     group's timeout."""
     codes, logs, _ = launch("failure-loss-exit", 3, tmp_path, seed, timeout=40.0, pg_timeout=60.0, grace=15.0)
     assert codes[1] == 17, logs[1]
+    assert noticed_after(logs, 1) < 15  # the group's timeout is 60 s
     for r, error in survivor_errors(codes, logs, (0, 2)):
         assert error.endswith("; every rank (ranks 0, 1, 2) reached step 4, so a peer died, exited, raised or "
                               "hangs inside it (gloo's error names its address, not its rank); see the other ranks' "
                               "logs"), error
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_hybrid_rank_0_that_dies_between_steps_is_named_by_the_others(tmp_path, seed):
     """Rank 0 hosts the rendezvous store (a launch without torchrun's agent): when it dies between steps, the others
     cannot read the check-ins, and their errors say that the store's host, rank 0, is gone."""
     codes, logs, _ = launch("death-replicated-0", 3, tmp_path, seed, timeout=40.0, pg_timeout=60.0, grace=15.0)
     assert codes[0] == 17, logs[0]
+    assert noticed_after(logs, 0) < 15  # the group's timeout is 60 s
     for r, error in survivor_errors(codes, logs, (1, 2)):
         assert re.search(r"; the rendezvous store is unreachable too \(.*\), so its host, rank 0, is gone \(died or "
                          r"exited\); see its log$", error), error
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("who,servers,world", [("server", 1, 3), ("server", 2, 4), ("client", 1, 3)])
 def test_a_hanging_async_rank_ends_every_other_rank_with_an_error_naming_it(tmp_path, seed, who, servers, world):
     """A server hangs while applying a push, holding its mutex (the coordinator rank 0 when it is the only server,
@@ -507,14 +519,12 @@ def test_a_hanging_async_rank_ends_every_other_rank_with_an_error_naming_it(tmp_
     killed by the test."""
     hung = servers - 1 if who == "server" else world - 1
     main = world - 1 if hung != world - 1 else 0
-    start = time.monotonic()
-    codes, logs, _ = launch(f"async-{who}-hang-{servers}", world, tmp_path, seed, timeout=35.0, pg_timeout=3.0,
-                            grace=10.0, main=main, hung=[hung])
-    took = time.monotonic() - start
+    codes, logs, _ = launch(f"async-{who}-hang-{servers}", world, tmp_path, seed, timeout=50.0, pg_timeout=3.0,
+                            grace=15.0, main=main, hung=[hung])
     assert codes[hung] is None, f"rank {hung} was to hang:\n{logs[hung]}"
     for r in range(world):
         if r != hung:
             assert codes[r] not in (0, None), f"rank {r}:\n{logs[r]}"
             assert f"rank {r}: the async run stopped because rank {hung} failed: rank {hung} did not answer within " \
                    "the process group's timeout (3 s)" in distributed_error(logs[r]), logs[r]
-    assert took < 40, f"the run took {took:.1f} s to fail"
+    assert noticed_after(logs, hung) < 12  # about twice the group's timeout (3 s), with room for a loaded machine
