@@ -209,9 +209,10 @@ def _plan(args) -> int:
     if args.plot:
         counts = sorted({2 ** i for i in range(args.nodes.bit_length())} | {args.nodes})
         comm.plot_efficiency(args.plot, counts, args.params, args.grad_dtype, network, compute_s,
-                             servers=args.servers, title=f"{args.params:.3g} params, {dtype} gradients, "
+                             servers=args.servers, overlap=args.overlap,
+                             title=f"{args.params:.3g} params, {dtype} gradients, "
                              f"{args.bandwidth * 8 / 1e9:.3g} Gbit/s, {args.latency * 1e6:.3g} us, "
-                             f"{args.compute_ms:.3g} ms compute")
+                             f"{args.compute_ms:.3g} ms compute, overlap {args.overlap:.0%}")
         print(f"plot: {args.plot}")
     return 0
 

@@ -310,14 +310,16 @@ def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> floa
     return sorted(times)[len(times) // 2]
 
 
-def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *, servers=None, title=None) -> None:
-    """PNG of the scaling efficiency of every algorithm against the node count (log2 axis)."""
+def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *, servers=None, overlap=0.0,
+                    title=None) -> dict[str, list[float]]:
+    """PNG of the scaling efficiency of every algorithm against the node count (log2 axis), with the same model
+    options as :func:`plan` (``servers``, ``overlap``). Returns the curves drawn (algorithm -> efficiencies)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = efficiency_curve(node_counts, params, grad_bytes, network, compute_s, servers=servers)
+    curves = efficiency_curve(node_counts, params, grad_bytes, network, compute_s, servers=servers, overlap=overlap)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for algorithm, values in curves.items():
         label = "ps (one shard per node)" if algorithm == "ps-sharded" and servers is None else \
@@ -333,3 +335,4 @@ def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return curves

@@ -120,6 +120,27 @@ def test_plan_command_prints_the_table_and_draws_the_plot(tmp_path, capsys):
     assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 5000
 
 
+def test_plan_plot_draws_what_the_table_says_with_overlap(tmp_path, monkeypatch):
+    """The plot uses the table's model options: with --overlap 0.5 the curve at --nodes is the printed efficiency
+    (it once drew overlap 0 whatever was asked)."""
+    drawn = {}
+
+    def plot(*args, **kwargs):
+        drawn.update(curves=real(*args, **kwargs), counts=args[1])
+        return drawn["curves"]
+
+    real = comm.plot_efficiency
+    monkeypatch.setattr(comm, "plot_efficiency", plot)
+    assert main(["plan", "--nodes", "64", "--params", "1.3e9", "--grad-dtype", "bf16", "--bandwidth", "25Gbit",
+                 "--latency", "5us", "--compute-ms", "300", "--overlap", "0.5", "--plot", str(tmp_path / "e.png")]) == 0
+    rows = {r.cost.algorithm: r.efficiency for r in comm.plan(64, 1.3e9, 2, NET, 0.3, overlap=0.5)}
+    no_overlap = {r.cost.algorithm: r.efficiency for r in comm.plan(64, 1.3e9, 2, NET, 0.3)}
+    assert drawn["counts"][-1] == 64
+    for algorithm, efficiency in rows.items():
+        assert drawn["curves"][algorithm][-1] == pytest.approx(efficiency)
+    assert rows["ring"] > no_overlap["ring"] * 1.1  # the case tells overlap 0.5 from 0
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--nodes", "0"], "--nodes: expected a positive integer"),
     (["--bandwidth", "25Gbiz"], "--bandwidth: expected a bandwidth"),
