@@ -251,7 +251,67 @@ def _wait(work, what: str, rank: int, explain=None) -> None:
         work.wait()
 
 
-class DistributedHybrid:
+class _FailureNaming:
+    """What a rank of a multi-process engine (:class:`DistributedHybrid`, the cross-process pipeline) does so that its
+    peers name it when it fails (Note [Naming the rank that failed], Note [Naming a rank that died between steps]):
+    check-ins per phase and a record of its own error in the rendezvous store, and the explanation a rank whose
+    collective failed gives from them. Subclasses call :meth:`_start_naming` first."""
+
+    def _start_naming(self, group, kind: str) -> None:
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.broken = False  # a step failed: the group is no longer usable by this rank
+        self.rendezvous = _Rendezvous(group, kind)
+        self.phase = 0  # phases entered (_enter)
+
+    def _enter(self, phase: str) -> None:
+        """Checks this rank in for ``phase`` before the phase's first collective."""
+        self.phase, self.phase_name, self.phase_start = self.phase + 1, phase, time.monotonic()
+        self.rendezvous.check_in(self.rank)
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """Records that this rank failed with ``exc`` (its own error; not a failed exchange with a peer), best
+        effort: the peers are blocked in a collective, which fails once this process exits or after the timeout."""
+        if not isinstance(exc, DistributedError):
+            self.rendezvous.record("failed", f"rank {self.rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
+
+    def _explain(self) -> str | None:
+        """Why a collective of the current phase failed, as far as the rendezvous store tells: the record of the rank
+        that raised, else the ranks that never reached this phase (waiting up to ``PRESENCE_WAIT_S`` after this
+        rank's check-in for ranks that are only slower), else that every rank reached it."""
+        rendezvous = self.rendezvous
+        recorded = rendezvous.recorded("failed")
+        if recorded is not None or rendezvous.store is None:
+            return recorded
+        try:
+            while True:
+                phases = rendezvous.phases(self.world)
+                missing = [r for r, n in enumerate(phases) if n < self.phase]
+                waited = time.monotonic() - self.phase_start
+                if not missing or waited >= PRESENCE_WAIT_S:
+                    break
+                time.sleep(0.05)
+        except RuntimeError as exc:
+            host = "torchrun's agent on the first node" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+                else "rank 0"
+            return (f"the rendezvous store is unreachable too ({_short_error(exc)}), so its host, {host}, is gone "
+                    f"(died or exited); see its log")
+        recorded = rendezvous.recorded("failed")  # a rank that raised meanwhile
+        if recorded is not None:
+            return recorded
+        present = [r for r in range(self.world) if r not in missing]
+        if missing:
+            one = len(missing) == 1
+            return (f"{_rank_list(missing)} never reached {self.phase_name} ({_rank_list(present)} did; this rank "
+                    f"waited {waited:.1f} s after reaching it): {'it' if one else 'they'} died, exited, raised or "
+                    f"{'hangs' if one else 'hang'} before it; see {'its' if one else 'their'} log")
+        if self.world == 2:
+            return (f"rank {1 - self.rank}, the only peer, reached {self.phase_name} too and died, exited, raised or "
+                    f"hangs inside it; see its log")
+        return (f"every rank ({_rank_list(present)}) reached {self.phase_name}, so a peer died, exited, raised or "
+                f"hangs inside it (gloo's error names its address, not its rank); see the other ranks' logs")
+
+
+class DistributedHybrid(_FailureNaming):
     """The multi-node hybrid step of one rank (see the module docstring); built by the Engine.
 
     Note [Collective order across threads]
@@ -303,13 +363,10 @@ class DistributedHybrid:
 
     def __init__(self, engine, group, shard_update: bool):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self._start_naming(group, "hybrid")  # Note [Naming the rank that failed]
         self.shard_update = shard_update
         self.buckets = engine.workers[0].streamer.buckets
-        self.broken = False
-        self.rendezvous = _Rendezvous(group, "hybrid")  # Note [Naming the rank that failed]
-        self.steps, self.phase = 0, 0  # steps begun, phases entered (_enter)
+        self.steps = 0  # steps begun
         self._enter("the construction of the engine")  # Note [Naming a rank that died between steps]
         store = engine.store
         if shard_update:
@@ -329,55 +386,6 @@ class DistributedHybrid:
             dist.broadcast(store.param, src=dist.get_global_rank(group, 0), group=group)
         for worker in engine.workers:
             worker.pull(wait=True)
-
-    # ---- failures (Note [Naming the rank that failed], Note [Naming a rank that died between steps]) -----------
-
-    def _enter(self, phase: str) -> None:
-        """Checks this rank in for ``phase`` before the phase's first collective."""
-        self.phase, self.phase_name, self.phase_start = self.phase + 1, phase, time.monotonic()
-        self.rendezvous.check_in(self.rank)
-
-    def _record_failure(self, exc: BaseException) -> None:
-        """Records that this rank failed with ``exc`` (its own error; not a failed exchange with a peer), best
-        effort: the peers are blocked in a collective, which fails once this process exits or after the timeout."""
-        if not isinstance(exc, DistributedError):
-            self.rendezvous.record("failed", f"rank {self.rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
-
-    def _explain(self) -> str | None:
-        """Why a collective of the current phase failed, as far as the rendezvous store tells: the record of the rank
-        that raised, else the ranks that never reached this phase (waiting up to ``PRESENCE_WAIT_S`` after this
-        rank's check-in for ranks that are only slower), else that every rank reached it."""
-        rendezvous = self.rendezvous
-        recorded = rendezvous.recorded("failed")
-        if recorded is not None or rendezvous.store is None:
-            return recorded
-        try:
-            while True:
-                phases = rendezvous.phases(self.world)
-                missing = [r for r, n in enumerate(phases) if n < self.phase]
-                waited = time.monotonic() - self.phase_start
-                if not missing or waited >= PRESENCE_WAIT_S:
-                    break
-                time.sleep(0.05)
-        except RuntimeError as exc:
-            host = "torchrun's agent on the first node" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
-                else "rank 0"
-            return (f"the rendezvous store is unreachable too ({_short_error(exc)}), so its host, {host}, is gone "
-                    f"(died or exited); see its log")
-        recorded = rendezvous.recorded("failed")  # a rank that raised meanwhile
-        if recorded is not None:
-            return recorded
-        present = [r for r in range(self.world) if r not in missing]
-        if missing:
-            one = len(missing) == 1
-            return (f"{_rank_list(missing)} never reached {self.phase_name} ({_rank_list(present)} did; this rank "
-                    f"waited {waited:.1f} s after reaching it): {'it' if one else 'they'} died, exited, raised or "
-                    f"{'hangs' if one else 'hang'} before it; see {'its' if one else 'their'} log")
-        if self.world == 2:
-            return (f"rank {1 - self.rank}, the only peer, reached {self.phase_name} too and died, exited, raised or "
-                    f"hangs inside it; see its log")
-        return (f"every rank ({_rank_list(present)}) reached {self.phase_name}, so a peer died, exited, raised or "
-                f"hangs inside it (gloo's error names its address, not its rank); see the other ranks' logs")
 
     # ---- the step ---------------------------------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from . import ops
 from .metrics import step_metrics
-from .pipeline import _check_sizes, _param_costs, check_options, partition, split_layers, stage_range
+from .distributed import DistributedError, _collective, _FailureNaming
+from .pipeline import StageError, _check_sizes, _param_costs, check_options, partition, split_layers, stage_range
 from .workers import batch_size
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
@@ -89,9 +90,11 @@ class _PipelinedLayers(torch.nn.Module):
     has one). On the last stage the forward passes its input through and the Engine's loss runs the layers
     (Note [Engine loss on the last process])."""
 
-    def __init__(self, layers: torch.nn.Sequential, autocast: torch.dtype | None, last: bool):
+    def __init__(self, layers: torch.nn.Sequential, autocast: torch.dtype | None, last: bool, stage: int,
+                 device: torch.device):
         super().__init__()
         self.layers, self.autocast, self.last = layers, autocast, last
+        self.stage, self.device = stage, device
 
     def context(self, device: torch.device):
         return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
@@ -102,11 +105,14 @@ class _PipelinedLayers(torch.nn.Module):
             # torch 2.11, returning x unchanged left the input without a gradient ("has gradients None ... expecting
             # to send gradients to stage 0"); that the view cures it there is not yet verified.
             return x.view_as(x)
-        with self.context(x.device):
-            return self.layers(x)
+        try:
+            with self.context(x.device):
+                return self.layers(x)
+        except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
+            raise StageError(self.stage, 0, self.device, exc) from exc
 
 
-class DistributedPipeline:
+class DistributedPipeline(_FailureNaming):
     """``Engine(mode="pipeline")`` over a process group of S ranks: rank s builds the same split of the model as every
     other rank, keeps stage s on its one device and runs it under ``torch.distributed.pipelining``'s GPipe / 1F1B
     schedule; built by :class:`~pyengine.Engine` when it has a process group.
@@ -129,6 +135,16 @@ class DistributedPipeline:
     (inputs' and targets' shapes and dtypes, the same on every rank) gets its own stage and schedule, built at its
     first batch (every rank builds it at the same step, so the shape exchange of its first step matches); the last
     ``SCHEDULES_KEPT`` shapes are kept, the oldest dropped first, the same on every rank.
+
+    Note [Naming the stage that failed]
+    Across processes a failing stage cannot stop the others as the in-process pipeline does: its peers are blocked in
+    a receive or a collective, which fails when its process exits (or after the group's timeout), with gloo's error
+    naming an address. So a rank's own failure (its layers' forward or the loss raising: a :class:`StageError`
+    naming its stage, as in process) is recorded in the rendezvous store before it leaves the step, and a rank whose
+    exchange fails raises :class:`~pyengine.distributed.DistributedError` naming the rank that failed from that
+    record, or the rank that never reached this step (the check-ins of every step and gather), exactly as the
+    multi-node hybrid engine does (Note [Naming the rank that failed], Note [Naming a rank that died between steps]
+    in :mod:`pyengine.distributed`). After a failed step the engine refuses further steps.
 
     Note [Distributed pipeline store]
     Each rank's host store (the Engine's, one gradient slot) covers the whole model, and stage s's parameters are one
@@ -163,7 +179,10 @@ class DistributedPipeline:
         self._gathered = engine.version
         self._ranks = dist.get_process_group_ranks(group)  # stage s runs on global rank _ranks[s]
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_stages - 1
-        self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last)
+        self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last, self.rank, self.device)
+        self.steps = 0  # steps begun
+        self._start_naming(group, "pipeline")  # Note [Naming the stage that failed]
+        self._enter("the construction of the engine")
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
         # Note [Collective tensors outlive their work]
         # A gloo collective's work keeps its tensors and is released on gloo's worker thread, possibly after the
@@ -176,7 +195,7 @@ class DistributedPipeline:
         flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
         self._gather_views = [(flat[begin:end], self._ranks[s]) for flat in flats if flat is not None
                               for s, (begin, end) in enumerate(self.ranges)]
-        self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _check_same_batch
+        self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _same_batch
         self._reduced = torch.zeros(3, dtype=torch.float64)  # _update: squared norm, non-finite flag, loss sum
 
     def _schedule_for(self, inputs: torch.Tensor, targets: torch.Tensor):
@@ -196,12 +215,15 @@ class DistributedPipeline:
         return schedule
 
     def _loss(self, x, targets):
-        with self._wrapped.context(x.device):
-            loss = self.engine.loss_fn(self.module, (x, targets))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
-                             f"loss over the micro-batch); got {shape}")
+        try:
+            with self._wrapped.context(x.device):
+                loss = self.engine.loss_fn(self.module, (x, targets))
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
+                                 f"loss over the micro-batch); got {shape}")
+        except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
+            raise StageError(self.rank, 0, self.device, exc) from exc
         return loss
 
     def step(self, batch) -> dict:
@@ -209,11 +231,24 @@ class DistributedPipeline:
         its range of the store (Note [Distributed pipeline store]). A collective: every rank must call it."""
         engine, m = self.engine, self.microbatches
         start = time.perf_counter()
+        if self.broken:
+            raise DistributedError(f"rank {self.rank}: an earlier step failed; the group is no longer usable")
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError("mode='pipeline' needs each batch as (inputs, targets); got "
                              f"{type(batch).__name__}")
         inputs, targets = batch
-        self._check_same_batch(inputs, targets)
+        self.steps += 1
+        self._enter(f"step {self.steps}")  # Note [Naming the stage that failed]
+        try:
+            same = self._same_batch(inputs, targets)
+        except BaseException as exc:
+            self.broken = True
+            raise self._failure(exc) from exc
+        if not same:  # every rank raises (the same answer everywhere); the group stays usable
+            raise ValueError(f"rank {self.rank}: the ranks of a pipeline over a process group were given different "
+                             "batches; every rank must call step() with the same (inputs, targets) (the first rank "
+                             "runs the inputs, the last scores against the targets): do not shard the data per rank "
+                             "(DistributedSampler) in mode='pipeline'")
         _check_equal_split(inputs, m, "inputs")  # the same batch on every rank: every rank raises, or none
         _check_equal_split(targets, m, "targets")
         samples = batch_size(inputs)
@@ -223,13 +258,17 @@ class DistributedPipeline:
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
         losses = []
-        _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
-                      targets if self.is_last else None, losses)
-        scheduled = time.perf_counter()
-        engine.count("steps")
-        loss_sum = sum(float(l.detach()) for l in losses)
-        with engine.phase("update"):
-            applied, loss_sum = self._update(loss_sum)
+        try:
+            _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
+                          targets if self.is_last else None, losses)
+            scheduled = time.perf_counter()
+            engine.count("steps")
+            loss_sum = sum(float(l.detach()) for l in losses)
+            with engine.phase("update"):
+                applied, loss_sum = self._update(loss_sum)
+        except BaseException as exc:
+            self.broken = True
+            raise self._failure(exc) from exc
         end = time.perf_counter()
         return step_metrics(engine, loss=loss_sum / m, samples=samples, wall=end - start,
                             compute=scheduled - pulled, update=end - scheduled, transfer_wait=0.0,
@@ -237,9 +276,27 @@ class DistributedPipeline:
                             microbatches=m, schedule=self.schedule, stage_sizes=list(self.sizes),
                             schedule_s=scheduled - pulled, stage=self.rank)
 
+    def _failure(self, exc: BaseException) -> BaseException:
+        """What a failed step raises (Note [Naming the stage that failed]): this rank's own StageError, recorded for
+        the peers; a failed exchange as DistributedError naming the rank that failed as far as the rendezvous store
+        tells; anything else as it is, recorded."""
+        own, seen = exc, set()
+        while own is not None and not isinstance(own, StageError) and id(own) not in seen:
+            seen.add(id(own))
+            own = own.__cause__ or own.__context__
+        if isinstance(own, StageError):
+            self._record_failure(own)
+            return own
+        if isinstance(exc, RuntimeError) and not isinstance(exc, DistributedError):
+            cause = self._explain() or "a peer rank died, raised or timed out"
+            return DistributedError(f"rank {self.rank}: step {self.steps} of the pipeline failed "
+                                    f"({type(exc).__name__}: {exc}); {cause}")
+        self._record_failure(exc)
+        return exc
+
     @torch.no_grad()
-    def _check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """A ValueError on every rank unless every rank was given the same batch.
+    def _same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        """Whether every rank was given the same batch (the same answer on every rank; a collective).
 
         Note [The same batch on every rank]
         The first rank runs the inputs, the last rank scores the outputs against its targets: with a different batch
@@ -254,11 +311,7 @@ class DistributedPipeline:
             total(targets)
         both[4:] = -both[:4]
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.equal(both[:4], -both[4:]):
-            raise ValueError(f"rank {dist.get_rank()}: the ranks of a pipeline over a process group were given "
-                             "different batches; every rank must call step() with the same (inputs, targets) (the "
-                             "first rank runs the inputs, the last scores against the targets): do not shard the "
-                             "data per rank (DistributedSampler) in mode='pipeline'")
+        return torch.equal(both[:4], -both[4:])
 
     @torch.no_grad()
     def _update(self, loss_sum: float) -> tuple[bool, float]:
@@ -281,8 +334,10 @@ class DistributedPipeline:
         when no update happened since the last one, which every rank agrees on: ``version`` is the same on all)."""
         if self._gathered == self.engine.version:
             return
-        for view, src in self._gather_views:
-            dist.broadcast(view, src=src, group=self.group)
+        self._enter(f"the gather of the weights after step {self.steps}")
+        with _collective("the gather of every stage's weights and Adam state", self.rank, self._explain):
+            for view, src in self._gather_views:
+                dist.broadcast(view, src=src, group=self.group)
         self._gathered = self.engine.version
 
     def close(self) -> None:

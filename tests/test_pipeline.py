@@ -5,6 +5,7 @@ import copy
 import gc
 import itertools
 import json
+import os
 import time
 import weakref
 
@@ -622,6 +623,75 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             update = (want - initial[name].detach()).abs().max()
             error = (extra["bf16_master"][name] - want).abs().max()
             assert error <= 0.04 * update, name
+
+
+def _failing_worker(rank, world, init_file, how, out_dir):
+    """Rank ``FAILING[how]`` fails at step 3 (``how``: its loss raises, its layers' forward raises, or it exits
+    between steps 2 and 3); every rank writes what it raised and when (time.time()) to ``out_dir``."""
+    dist = _join_gloo_group(rank, world, init_file)
+    failing, result, step = FAILING[how], "nothing raised", [0]
+
+    def fail(kind):
+        if how == kind and rank == failing and step[0] == 3:
+            raise RuntimeError(f"rank {rank} fails on purpose")
+
+    def loss(model, batch):
+        fail("loss")
+        return loss_fn(model, batch)
+
+    model = make_model(blocks=2)
+    model[0].register_forward_hook(lambda *_: fail("forward"))
+    batches = make_batches(torch.Generator().manual_seed(0), 5, 12)
+    try:
+        with Engine(model, loss, devices=["cpu"], mode="pipeline", microbatches=3, optimizer=AdamW(**OPT),
+                    pin=False) as engine:
+            for i, batch in enumerate(batches):
+                step[0] = i + 1
+                if how == "exit" and rank == failing and step[0] == 3:
+                    with open(f"{out_dir}/failed-at", "w") as f:
+                        f.write(str(time.time()))
+                    os._exit(17)
+                engine.step(batch)
+    except Exception as error:  # noqa: BLE001 - what every rank raised is the test's subject
+        result = f"{type(error).__name__}: {error}"
+    with open(f"{out_dir}/rank{rank}", "w") as f:
+        json.dump({"error": result, "at": time.time()}, f)
+    os._exit(0)  # the group is broken; its teardown is not the subject here
+
+
+FAILING = {"loss": 1, "forward": 0, "exit": 1}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["loss", "forward", "exit"])
+def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
+    """Engine(mode="pipeline") over 2 gloo ranks: a stage whose loss or forward raises at step 3 raises StageError
+    naming its stage, and the other rank DistributedError naming that rank and its error; a rank that exits between
+    steps is named as never reaching step 3 (Note [Naming the stage that failed]); both within seconds, well under
+    the group's 30 s timeout."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_failing_worker, args=(2, str(tmp_path / "init"), how, str(tmp_path)), nprocs=2,
+                                 join=False, start_method="spawn")
+    for process in context.processes:
+        process.join(timeout=90)
+        assert process.exitcode is not None, "a rank still runs after 90 s"
+    failed, other = FAILING[how], 1 - FAILING[how]
+    survivor = json.loads((tmp_path / f"rank{other}").read_text())
+    if how == "exit":
+        assert context.processes[failed].exitcode == 17
+        failed_at = float((tmp_path / "failed-at").read_text())
+        assert survivor["error"].startswith(f"DistributedError: rank {other}: step 3 of the pipeline failed"), survivor
+        assert f"rank {failed} never reached step 3 (rank {other} did;" in survivor["error"], survivor
+    else:
+        own = json.loads((tmp_path / f"rank{failed}").read_text())
+        assert own["error"] == (f"StageError: pipeline stage {failed} (replica 0, cpu) failed: RuntimeError: rank "
+                                f"{failed} fails on purpose"), own
+        failed_at = own["at"]
+        assert survivor["error"].startswith(f"DistributedError: rank {other}: step 3 of the pipeline failed"), survivor
+        assert survivor["error"].endswith(f"; rank {failed} failed: StageError: pipeline stage {failed} (replica 0, "
+                                          f"cpu) failed: RuntimeError: rank {failed} fails on purpose"), survivor
+    assert survivor["at"] - failed_at < 15, "noticed within PRESENCE_WAIT_S (5 s) and some, not the group's timeout"
 
 
 def test_engine_over_process_group_bad_options(tmp_path):
