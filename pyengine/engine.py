@@ -92,8 +92,9 @@ class Engine:
     Buffers (BatchNorm running statistics and the like) are not averaged. As DDP with ``broadcast_buffers=True``,
     one replica is their source: hybrid copies worker 0's buffers to the other replicas at the start of every step;
     sync hands them from each worker to the next, like one model trained sequentially; async leaves each replica its
-    own and reports worker 0's; pipeline starts every step from replica 0's stages. :meth:`buffers_state_dict`, :meth:`state_dict`, :meth:`copy_to` and
-    :meth:`load_state_dict` use that source.
+    own and reports worker 0's; pipeline starts every step from replica 0's stages (across processes each stage's
+    rank holds its buffers: Note [Buffers of stages across processes]). :meth:`buffers_state_dict`,
+    :meth:`state_dict`, :meth:`copy_to` and :meth:`load_state_dict` use that source.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, devices=None, mode: str = "hybrid",
@@ -232,7 +233,9 @@ class Engine:
         return {name: view.detach().clone() for name, view in self.store.views(self.store.param).items()}
 
     def copy_to(self, model: torch.nn.Module) -> None:
-        """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers."""
+        """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers.
+        Pipeline stages across processes: a collective (Note [Distributed pipeline store])."""
+        self._gather_stages()
         self.store.copy_to(model)
         named = dict(model.named_buffers())
         with torch.no_grad():
@@ -241,7 +244,8 @@ class Engine:
 
     def buffers_state_dict(self) -> dict:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
-        docstring), on the CPU, keys as ``model.state_dict()``."""
+        docstring), on the CPU, keys as ``model.state_dict()``. Pipeline stages across processes: a collective."""
+        self._gather_stages()
         named = self._replica_buffers(self.buffer_source)
         return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
 
@@ -267,6 +271,8 @@ class Engine:
         replica ``index`` together (before the stages are built, the layers they will be copied from)."""
         if self.pipeline is None:
             return dict(self.workers[index].replica.named_buffers())
+        if isinstance(self.pipeline, DistributedPipeline):  # Note [Buffers of stages across processes]
+            return self.pipeline.buffers
         if not self.pipeline.stages:
             return {f"{name}.{b}": t for name, layer in self.pipeline.layers for b, t in layer.named_buffers()}
         return {name: t for row in self.pipeline.stages for name, t in row[index].module.named_buffers()}
@@ -312,7 +318,8 @@ class Engine:
                 raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
                                  f"{value.dtype} {tuple(value.shape)}")
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
-        current = self.buffers_state_dict()
+        source = self._replica_buffers(self.buffer_source)  # shapes and dtypes only: no gather (a collective)
+        current = {name: source[name] for name in self.buffer_names}
         if buffers and sorted(buffers) != sorted(current):
             raise ValueError(f"the state's buffers {sorted(buffers)} do not match this model's {sorted(current)}")
         for name, value in buffers.items():

@@ -164,7 +164,7 @@ class DistributedPipeline(_FailureNaming):
         self.rank, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
         self.microbatches, self.schedule, self.autocast = microbatches, schedule, autocast
         self.replicas = 1
-        self.stages: list = []  # no in-process stages: Engine._replica_buffers reads the layers below
+        self.stages: list = []  # no in-process stages: Engine._replica_buffers reads self.buffers
         self.layers = list(model._modules.items())
         self.sizes = _stage_sizes(self.layers, self.num_stages, balance)
         modules = split_layers(self.layers, self.sizes)
@@ -176,8 +176,21 @@ class DistributedPipeline(_FailureNaming):
         self.module = copy.deepcopy(modules[self.rank]).to(self.device)
         self.params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))
-        self._gathered = engine.version
-        self._ranks = dist.get_process_group_ranks(group)  # stage s runs on global rank _ranks[s]
+        self._gathered = (engine.version, 0)  # (version, steps) at the last gather: every rank starts equal
+        # Note [Buffers of stages across processes]
+        # A stage's persistent buffers (BatchNorm statistics) live, and change, on its own rank only. ``buffers``
+        # holds every persistent buffer of the model: this rank's stage's own tensors, and a CPU copy of every other
+        # stage's, which gather() refreshes from the owning rank (as it does the weights). Engine reads and writes
+        # buffers through it (buffers_state_dict, load_state_dict). Non-persistent buffers (a causal mask) are
+        # constants each stage's copy of its layers already holds.
+        own = dict(self.module.named_buffers())
+        owner = {name: s for s, m in enumerate(modules) for name, _ in m.named_buffers()}
+        originals = dict(model.named_buffers())
+        self.buffers = {name: own[name] if owner[name] == self.rank else originals[name].detach().to("cpu", copy=True)
+                        for name in engine.buffer_names}
+        self._buffer_exchange = [(name, self.buffers[name] if self.buffers[name].device.type == "cpu"
+                                  else self.buffers[name].to("cpu", copy=True), self._ranks_of(owner[name], group))
+                                 for name in engine.buffer_names]
         self.is_first, self.is_last = self.rank == 0, self.rank == self.num_stages - 1
         self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last, self.rank, self.device)
         self.steps = 0  # steps begun
@@ -193,10 +206,15 @@ class DistributedPipeline(_FailureNaming):
         # tensor this class passes to a collective is a buffer it keeps. (Destroying the group before exit, which
         # joins those threads, is the other half: Note [No reference cycle through the engine].)
         flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
-        self._gather_views = [(flat[begin:end], self._ranks[s]) for flat in flats if flat is not None
+        self._gather_views = [(flat[begin:end], self._ranks_of(s, group)) for flat in flats if flat is not None
                               for s, (begin, end) in enumerate(self.ranges)]
         self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _same_batch
         self._reduced = torch.zeros(3, dtype=torch.float64)  # _update: squared norm, non-finite flag, loss sum
+
+    @staticmethod
+    def _ranks_of(stage: int, group) -> int:
+        """The global rank that runs ``stage`` (rank s of the group runs stage s)."""
+        return dist.get_global_rank(group, stage)
 
     def _schedule_for(self, inputs: torch.Tensor, targets: torch.Tensor):
         """The schedule (and its ``PipelineStage``) for batches shaped like ``(inputs, targets)``: built at the first
@@ -332,13 +350,20 @@ class DistributedPipeline(_FailureNaming):
     def gather(self) -> None:
         """Brings every stage's range of the weights and Adam state into this rank's store (a collective; a no-op
         when no update happened since the last one, which every rank agrees on: ``version`` is the same on all)."""
-        if self._gathered == self.engine.version:
+        now = (self.engine.version, self.steps)  # buffers change in a skipped step too
+        if self._gathered == now:
             return
         self._enter(f"the gather of the weights after step {self.steps}")
-        with _collective("the gather of every stage's weights and Adam state", self.rank, self._explain):
+        with _collective("the gather of every stage's weights, Adam state and buffers", self.rank, self._explain):
             for view, src in self._gather_views:
                 dist.broadcast(view, src=src, group=self.group)
-        self._gathered = self.engine.version
+            with torch.no_grad():  # Note [Buffers of stages across processes]
+                for name, exchanged, src in self._buffer_exchange:
+                    mine = self.buffers[name]
+                    if src == dist.get_rank() and exchanged is not mine:
+                        exchanged.copy_(mine)  # a stage on a GPU: its buffer goes through a CPU copy
+                    dist.broadcast(exchanged, src=src, group=self.group)
+        self._gathered = now
 
     def close(self) -> None:
         """Nothing to stop: the schedule runs on the calling thread."""
@@ -354,8 +379,4 @@ def check_engine_options(model: torch.nn.Sequential, devices, stages, microbatch
     if len(devices) != 1:
         raise ValueError(f"with a process group each rank runs one stage on one device: pass one device per rank; "
                          f"got {len(devices)} devices")
-    buffers = [name for name, _ in model.named_buffers()]
-    if buffers:
-        raise ValueError(f"buffers ({buffers[:3]}) are not supported by pipeline stages across processes: each rank "
-                         "would train only its own stage's copy")
     return world

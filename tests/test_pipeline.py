@@ -495,6 +495,16 @@ def _join_gloo_group(rank, world, init_file):
 ENGINE_RUNS = (("1f1b", 0.05, 3), ("gpipe", None, 4))  # schedule, max_grad_norm, microbatches
 
 
+BN_OPTIONS = dict(mode="pipeline", microbatches=3, balance=[3, 3], optimizer=AdamW(**OPT), pin=False)
+
+
+def bn_model(seed=0):
+    """Stage 0 (of balance [3, 3]) holds a BatchNorm: buffers that only its rank updates."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
 def varying_batches(seed):
     """Batches whose size changes from step to step (all multiples of 4 micro-batches; 12 and 8 come back)."""
     rng = torch.Generator().manual_seed(seed + 1)
@@ -550,10 +560,19 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                     optimizer=AdamW(**OPT), pin=False) as varying:
             varying_losses = [m["loss"] for m in varying.fit(varying_batches(seed))]
             varying_master, kept = varying.master_state_dict(), len(varying.pipeline._schedules)
+        # BatchNorm in stage 0 (Note [Buffers of stages across processes]): its statistics reach rank 1's state, and
+        # a fresh engine loads them
+        with Engine(bn_model(), loss_fn, devices=["cpu"], **BN_OPTIONS) as bn:
+            bn_losses = [m["loss"] for m in bn.fit(batches)]
+            bn_state = bn.state_dict()
+        with Engine(bn_model(seed=9), loss_fn, devices=["cpu"], **BN_OPTIONS) as bn_again:
+            bn_again.load_state_dict(bn_state)
+            bn_reloaded = bn_again.buffers_state_dict()
         torch.save({"resumed": got, "expected": expected, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
-                    "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept},
+                    "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept,
+                    "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded},
                    f"{out_dir}/engine-extra-{rank}.pt")
-        del engine, whole, first, second, bf16, varying
+        del engine, whole, first, second, bf16, varying, bn, bn_again
     finally:
         dist.destroy_process_group()
     # Note [No reference cycle through the engine]: once its engines are dropped, destroy_process_group() really
@@ -608,6 +627,19 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             torch.testing.assert_close(extra["varying_master"][name].double(), p.detach(), rtol=1e-5,
                                        atol=1e-5 * p.detach().abs().max().item(), msg=f"varying batches: {name}")
         assert extra["kept"] == 2
+        # the BatchNorm run equals the in-process pipeline (same stages, same micro-batches): losses, weights,
+        # running statistics (rank 1 has rank 0's), and a fresh engine that loaded the state holds the same buffers
+        with Engine(bn_model(), loss_fn, devices=["cpu"] * 2, stages=2, **BN_OPTIONS) as local:
+            bn_local_losses = [m["loss"] for m in local.fit(batches)]
+            bn_local = local.state_dict()
+        assert extra["bn_losses"] == pytest.approx(bn_local_losses, rel=1e-5)
+        assert sorted(extra["bn_state"]["buffers"]) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+        for name, want in bn_local["buffers"].items():
+            torch.testing.assert_close(extra["bn_state"]["buffers"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+            assert torch.equal(extra["bn_reloaded"][name], extra["bn_state"]["buffers"][name]), name
+        assert not torch.equal(bn_local["buffers"]["1.running_mean"], bn_model()[1].running_mean)  # they moved
+        for name, want in bn_local["master"].items():
+            torch.testing.assert_close(extra["bn_state"]["master"][name], want, rtol=1e-5, atol=1e-6, msg=name)
         for name, want in extra["expected"].items():
             assert torch.equal(extra["resumed"][name], want), f"rank {rank}: resumed {name} differs"
         # bf16: as the in-process pipeline with the same autocast (2 stages, 3 micro-batches) to bf16 tolerance: the
@@ -708,8 +740,5 @@ def test_engine_over_process_group_bad_options(tmp_path):
             options = dict(dict(devices=["cpu"]), **options)
             with pytest.raises(ValueError, match=match):
                 Engine(make_model(), loss_fn, mode="pipeline", process_group=group, pin=False, **options)
-        bn = torch.nn.Sequential(torch.nn.Linear(10, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
-        with pytest.raises(ValueError, match="buffers .* are not supported by pipeline stages across processes"):
-            Engine(bn, loss_fn, devices=["cpu"], mode="pipeline", process_group=group, pin=False)
     finally:
         dist.destroy_process_group()
