@@ -81,7 +81,8 @@ class Engine:
             rank, e.g. under torchrun), None (this process alone) or a ``ProcessGroup``. With a group, hybrid steps
             combine every rank's gradients (one step on the concatenated batch) and async runs ranks
             ``0..servers-1`` as the servers of the other ranks' pushes; see :mod:`pyengine.distributed`. Pipeline
-            with a group of S ranks: rank s runs stage s on its one device
+            with a group of S ranks: rank s runs stage s on its one device; with ``stages=S`` on S x R ranks, rank
+            s * R + r runs stage s of data-parallel replica r
             (:class:`pyengine.pipeline_distributed.DistributedPipeline`).
         shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
             Adam state, all-gather (ZeRO-1 style); each rank's host store holds only its 1/P of the Adam state, so

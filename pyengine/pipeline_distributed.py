@@ -18,6 +18,7 @@ error).
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import time
 import weakref
@@ -77,7 +78,7 @@ def _run_schedule(schedule, device, microbatches: int, inputs, targets, losses: 
 def _check_equal_split(tensor, microbatches: int, what: str) -> None:
     """A ValueError naming the sizes unless ``tensor`` splits into ``microbatches`` equal micro-batches along dim 0."""
     n = batch_size(tensor)
-    if n % microbatches:
+    if n < microbatches or n % microbatches:
         raise ValueError(f"{what}: a batch of {n} samples does not split into microbatches={microbatches} equal "
                          f"micro-batches (torch.distributed.pipelining needs equal sizes); use a batch size that is "
                          f"a multiple of {microbatches}")
@@ -91,10 +92,10 @@ class _PipelinedLayers(torch.nn.Module):
     (Note [Engine loss on the last process])."""
 
     def __init__(self, layers: torch.nn.Sequential, autocast: torch.dtype | None, last: bool, stage: int,
-                 device: torch.device):
+                 replica: int, device: torch.device):
         super().__init__()
         self.layers, self.autocast, self.last = layers, autocast, last
-        self.stage, self.device = stage, device
+        self.stage, self.replica, self.device = stage, replica, device
 
     def context(self, device: torch.device):
         return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
@@ -109,7 +110,7 @@ class _PipelinedLayers(torch.nn.Module):
             with self.context(x.device):
                 return self.layers(x)
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
-            raise StageError(self.stage, 0, self.device, exc) from exc
+            raise StageError(self.stage, self.replica, self.device, exc) from exc
 
 
 class DistributedPipeline(_FailureNaming):
@@ -136,6 +137,18 @@ class DistributedPipeline(_FailureNaming):
     first batch (every rank builds it at the same step, so the shape exchange of its first step matches); the last
     ``SCHEDULES_KEPT`` shapes are kept, the oldest dropped first, the same on every rank.
 
+    Note [Replicas of stages across processes]
+    With ``stages=S`` on a group of W = S x R ranks, each stage has R data-parallel replicas (pipeline x hybrid, as
+    in process): group rank s * R + r runs stage s of replica r (the in-process layout of ``devices``). Replica r's
+    S ranks form one pipeline (their own subgroup; its ``PipelineStage`` uses it) on replica r's shard of the batch
+    (``tensor_split`` into R, each split into M micro-batches); stage s's R ranks form its data-parallel subgroup.
+    After the schedule each rank scales its stage's mean gradient by its shard's share of the batch and all-reduces
+    it over that subgroup: every replica of stage s then holds the weighted mean gradient, the whole batch's, and the
+    same fused update keeps the replicas identical. The global norm takes each stage's squared norm once (replica
+    0's), the loss each replica's last stage's, weighted. Buffers: at the start of every step replica 0's go to the
+    other replicas (DDP's broadcast_buffers), and gather() takes replica 0's. The subgroups are created with
+    ``new_group``, which every rank of the default group must enter: so replicas need the default group.
+
     Note [Naming the stage that failed]
     Across processes a failing stage cannot stop the others as the in-process pipeline does: its peers are blocked in
     a receive or a collective, which fails when its process exits (or after the group's timeout), with gloo's error
@@ -161,19 +174,21 @@ class DistributedPipeline(_FailureNaming):
                  autocast: torch.dtype | None, group):
         # weak: Note [No reference cycle through the engine] (pyengine.pipeline)
         self.engine, self.store, self.group = weakref.proxy(engine), engine.store, group
-        self.rank, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
+        world = dist.get_world_size(group)
+        self.num_stages, self.replicas = stages, world // stages  # Note [Replicas of stages across processes]
+        self.stage, self.replica = divmod(dist.get_rank(group), self.replicas)
         self.microbatches, self.schedule, self.autocast = microbatches, schedule, autocast
-        self.replicas = 1
+        self._pipe_group, self._dp_group = self._subgroups(group)
         self.stages: list = []  # no in-process stages: Engine._replica_buffers reads self.buffers
         self.layers = list(model._modules.items())
         self.sizes = _stage_sizes(self.layers, self.num_stages, balance)
         modules = split_layers(self.layers, self.sizes)
         names = [[n for n, p in m.named_parameters() if p.requires_grad] for m in modules]
         self.ranges = [stage_range(self.store, s, stage_names) for s, stage_names in enumerate(names)]
-        if not names[self.rank]:
-            raise ValueError(f"stage {self.rank} has no trainable parameters; choose another balance")
+        if not names[self.stage]:
+            raise ValueError(f"stage {self.stage} has no trainable parameters; choose another balance")
         self.device = engine.devices[0]
-        self.module = copy.deepcopy(modules[self.rank]).to(self.device)
+        self.module = copy.deepcopy(modules[self.stage]).to(self.device)
         self.params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))
         self._gathered = (engine.version, 0)  # (version, steps) at the last gather: every rank starts equal
@@ -186,13 +201,15 @@ class DistributedPipeline(_FailureNaming):
         own = dict(self.module.named_buffers())
         owner = {name: s for s, m in enumerate(modules) for name, _ in m.named_buffers()}
         originals = dict(model.named_buffers())
-        self.buffers = {name: own[name] if owner[name] == self.rank else originals[name].detach().to("cpu", copy=True)
+        self.buffers = {name: own[name] if owner[name] == self.stage else originals[name].detach().to("cpu", copy=True)
                         for name in engine.buffer_names}
         self._buffer_exchange = [(name, self.buffers[name] if self.buffers[name].device.type == "cpu"
                                   else self.buffers[name].to("cpu", copy=True), self._ranks_of(owner[name], group))
                                  for name in engine.buffer_names]
-        self.is_first, self.is_last = self.rank == 0, self.rank == self.num_stages - 1
-        self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last, self.rank, self.device)
+        self._own_buffers = [(name, exchanged) for name, exchanged, src in self._buffer_exchange
+                             if owner[name] == self.stage]
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
+        self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last, self.stage, self.replica, self.device)
         self.steps = 0  # steps begun
         self._start_naming(group, "pipeline")  # Note [Naming the stage that failed]
         self._enter("the construction of the engine")
@@ -210,11 +227,26 @@ class DistributedPipeline(_FailureNaming):
                               for s, (begin, end) in enumerate(self.ranges)]
         self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _same_batch
         self._reduced = torch.zeros(3, dtype=torch.float64)  # _update: squared norm, non-finite flag, loss sum
+        begin, end = self.ranges[self.stage]
+        self._stage_grad = self.store.grad_slot(0)[begin:end]  # this stage's range of the gradient slot
+        self._mean_grad = torch.zeros(end - begin) if self.replicas > 1 else None  # across replicas, fp32
 
-    @staticmethod
-    def _ranks_of(stage: int, group) -> int:
-        """The global rank that runs ``stage`` (rank s of the group runs stage s)."""
-        return dist.get_global_rank(group, stage)
+    def _ranks_of(self, stage: int, group) -> int:
+        """The global rank of replica 0 of ``stage`` (group rank s * R + r runs stage s of replica r)."""
+        return dist.get_global_rank(group, stage * self.replicas)
+
+    def _subgroups(self, group):
+        """(this replica's pipeline group, this stage's data-parallel group or None): new groups when R > 1, which
+        every rank of the default group creates in the same order (Note [Replicas of stages across processes])."""
+        self._created = []  # destroyed by close()
+        if self.replicas == 1:
+            return group, None
+        S, R = self.num_stages, self.replicas
+        ranks = lambda members: [dist.get_global_rank(group, g) for g in members]  # noqa: E731
+        pipes = [dist.new_group(ranks([s * R + r for s in range(S)])) for r in range(R)]
+        dps = [dist.new_group(ranks([s * R + r for r in range(R)])) for s in range(S)]
+        self._created = [g for g in pipes + dps if g != dist.GroupMember.NON_GROUP_MEMBER]
+        return pipes[self.replica], dps[self.stage]
 
     def _schedule_for(self, inputs: torch.Tensor, targets: torch.Tensor):
         """The schedule (and its ``PipelineStage``) for batches shaped like ``(inputs, targets)``: built at the first
@@ -223,7 +255,7 @@ class DistributedPipeline(_FailureNaming):
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
-        stage = PipelineStage(self._wrapped, self.rank, self.num_stages, self.device, group=self.group)
+        stage = PipelineStage(self._wrapped, self.stage, self.num_stages, self.device, group=self._pipe_group)
         loss = weakref.WeakMethod(self._loss)  # the schedule keeps its loss function: no cycle back to self
         schedule = _SCHEDULE_CLASSES[self.schedule](stage, self.microbatches, loss_fn=lambda x, t: loss()(x, t),
                                                     scale_grads=True)
@@ -241,7 +273,7 @@ class DistributedPipeline(_FailureNaming):
                 raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
                                  f"loss over the micro-batch); got {shape}")
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
-            raise StageError(self.rank, 0, self.device, exc) from exc
+            raise StageError(self.stage, self.replica, self.device, exc) from exc
         return loss
 
     def step(self, batch) -> dict:
@@ -267,9 +299,14 @@ class DistributedPipeline(_FailureNaming):
                              "batches; every rank must call step() with the same (inputs, targets) (the first rank "
                              "runs the inputs, the last scores against the targets): do not shard the data per rank "
                              "(DistributedSampler) in mode='pipeline'")
-        _check_equal_split(inputs, m, "inputs")  # the same batch on every rank: every rank raises, or none
-        _check_equal_split(targets, m, "targets")
         samples = batch_size(inputs)
+        shards = [torch.tensor_split(t, self.replicas) for t in (inputs, targets)]  # replica r's: shards[.][r]
+        sizes = [batch_size(x) for x in shards[0]]
+        for r in range(self.replicas):  # the same batch on every rank: every rank raises, or none
+            where = "" if self.replicas == 1 else f" (replica {r}'s shard)"
+            _check_equal_split(shards[0][r], m, "inputs" + where)
+            _check_equal_split(shards[1][r], m, "targets" + where)
+        inputs, targets = shards[0][self.replica], shards[1][self.replica]
         with torch.no_grad():
             for name, p in self.params:
                 p.copy_(self._master[name])
@@ -277,22 +314,24 @@ class DistributedPipeline(_FailureNaming):
         pulled = time.perf_counter()
         losses = []
         try:
+            self._share_buffers()
             _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
                           targets if self.is_last else None, losses)
             scheduled = time.perf_counter()
             engine.count("steps")
             loss_sum = sum(float(l.detach()) for l in losses)
             with engine.phase("update"):
-                applied, loss_sum = self._update(loss_sum)
+                applied, loss_sum = self._update(loss_sum, sizes[self.replica] / samples)
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc
         end = time.perf_counter()
         return step_metrics(engine, loss=loss_sum / m, samples=samples, wall=end - start,
                             compute=scheduled - pulled, update=end - scheduled, transfer_wait=0.0,
-                            copy_back=pulled - start, applied=applied, stages=self.num_stages, replicas=1,
-                            microbatches=m, schedule=self.schedule, stage_sizes=list(self.sizes),
-                            schedule_s=scheduled - pulled, stage=self.rank)
+                            copy_back=pulled - start, applied=applied, stages=self.num_stages,
+                            replicas=self.replicas, microbatches=m, schedule=self.schedule,
+                            stage_sizes=list(self.sizes), schedule_s=scheduled - pulled, stage=self.stage,
+                            replica=self.replica)
 
     def _failure(self, exc: BaseException) -> BaseException:
         """What a failed step raises (Note [Naming the stage that failed]): this rank's own StageError, recorded for
@@ -332,15 +371,38 @@ class DistributedPipeline(_FailureNaming):
         return torch.equal(both[:4], -both[4:])
 
     @torch.no_grad()
-    def _update(self, loss_sum: float) -> tuple[bool, float]:
-        """Gradients -> slot 0, all-reduced norm, non-finite flag and loss, then the fused update of this rank's range
-        (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches)."""
+    def _share_buffers(self) -> None:
+        """DDP's broadcast_buffers across the replicas of this rank's stage: replica 0's buffers to the others at the
+        start of every step (Note [Replicas of stages across processes])."""
+        if self._dp_group is None or not self._own_buffers:
+            return
+        source = self._ranks_of(self.stage, self.group)
+        for name, exchanged in self._own_buffers:
+            mine = self.buffers[name]
+            if self.replica == 0 and exchanged is not mine:
+                exchanged.copy_(mine)
+            dist.broadcast(exchanged, src=source, group=self._dp_group)
+            if exchanged is not mine:
+                mine.copy_(exchanged)
+
+    @torch.no_grad()
+    def _update(self, loss_sum: float, weight: float) -> tuple[bool, float]:
+        """Gradients -> slot 0 (across replicas: their weighted mean, ``weight`` = this replica's share of the batch),
+        all-reduced norm, non-finite flag and loss, then the fused update of this rank's range (Note [Distributed
+        pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across replicas)."""
         _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
-        begin, end = self.ranges[self.rank]
-        norm, nonfinite = ops.mean_grad_norm([slot[begin:end]])
+        begin, end = self.ranges[self.stage]
+        if self._dp_group is not None:  # Note [Replicas of stages across processes]
+            mean = self._mean_grad
+            torch.mul(self._stage_grad, weight, out=mean)
+            dist.all_reduce(mean, group=self._dp_group)
+            self._stage_grad.copy_(mean)
+        norm, nonfinite = ops.mean_grad_norm([self._stage_grad])
         reduced = self._reduced  # Note [Collective tensors outlive their work]
-        reduced[0], reduced[1], reduced[2] = norm.double().square(), nonfinite.double(), loss_sum
+        # every stage's squared norm once (from replica 0; the replicas hold the same mean gradient)
+        reduced[0] = norm.double().square() if self.replica == 0 else 0.0
+        reduced[1], reduced[2] = nonfinite.double(), loss_sum * weight
         dist.all_reduce(reduced, group=self.group)
         if not self.engine.admit_update(reduced[1].item() != 0.0, []):
             return False, float(reduced[2])
@@ -366,17 +428,29 @@ class DistributedPipeline(_FailureNaming):
         self._gathered = now
 
     def close(self) -> None:
-        """Nothing to stop: the schedule runs on the calling thread."""
+        """Destroys the subgroups this pipeline created (replicas across processes); nothing else to stop: the
+        schedule runs on the calling thread. Later gathers use the whole group only."""
+        self._schedules.clear()
+        for group in self._created:
+            if dist.is_initialized():
+                with contextlib.suppress(ValueError, RuntimeError):  # already destroyed with the default group
+                    dist.destroy_process_group(group)
+        self._created = []
 
 
 def check_engine_options(model: torch.nn.Sequential, devices, stages, microbatches, schedule, balance, group) -> int:
-    """ValueErrors for ``Engine(mode="pipeline")`` with a process group; returns S (the group's size)."""
+    """ValueErrors for ``Engine(mode="pipeline")`` with a process group; returns S (the group's size, or ``stages``
+    when R = size / stages replicas of each stage are asked for)."""
     world = dist.get_world_size(group)
-    check_options(len(model), world, world, microbatches, schedule, balance if balance != "time" else "params")
-    if stages is not None and stages != world:
-        raise ValueError(f"with a process group, pipeline stages are its ranks: stages must be None or {world} "
-                         f"(the group's size); got stages={stages!r}")
+    if stages is not None and (not isinstance(stages, int) or stages < 1 or world % stages):
+        raise ValueError(f"with a process group of {world} ranks, stages must be None (one stage per rank) or a "
+                         f"divisor of {world} (R = {world} / stages replicas of each stage); got stages={stages!r}")
+    stages = world if stages is None else stages
+    if stages < world and dist.get_world_size() != world:
+        raise ValueError("replicas of stages across processes (stages < the group's size) need the default process "
+                         "group (every rank of the job): they create subgroups, which every rank must join")
+    check_options(len(model), world, stages, microbatches, schedule, balance if balance != "time" else "params")
     if len(devices) != 1:
         raise ValueError(f"with a process group each rank runs one stage on one device: pass one device per rank; "
                          f"got {len(devices)} devices")
-    return world
+    return stages

@@ -726,13 +726,84 @@ def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
     assert survivor["at"] - failed_at < 15, "noticed within PRESENCE_WAIT_S (5 s) and some, not the group's timeout"
 
 
+# microbatches, max_grad_norm, batch sizes, schedule (1F1B needs M >= S)
+REPLICA_RUNS = ((3, 0.05, (12, 18, 12), "1f1b"), (1, None, (13, 7), "gpipe"))
+
+
+def _replicas_worker(rank, world, init_file, seed, out_dir):
+    """Engine(mode="pipeline", stages=2) on 4 ranks: 2 replicas of 2 stages (Note [Replicas of stages across
+    processes]); uneven replica shards in the second run (13 = 7 + 6, 7 = 4 + 3)."""
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        out = {}
+        for microbatches, clip, sizes, schedule in REPLICA_RUNS:
+            rng = torch.Generator().manual_seed(seed + microbatches)
+            with Engine(make_model(blocks=2), loss_fn, devices=["cpu"], mode="pipeline", stages=2,
+                        microbatches=microbatches, schedule=schedule, optimizer=AdamW(**OPT, max_grad_norm=clip),
+                        pin=False) as engine:
+                metrics = [engine.step(make_batches(rng, 1, n)[0]) for n in sizes]
+                out[microbatches] = {"losses": [m["loss"] for m in metrics], "state": engine.state_dict(),
+                                     "where": (metrics[0]["stage"], metrics[0]["replica"], metrics[0]["replicas"])}
+            del engine
+        rng = torch.Generator().manual_seed(seed)  # BatchNorm: replica 0's statistics, as in process
+        with Engine(bn_model(), loss_fn, devices=["cpu"], stages=2, **BN_OPTIONS) as bn:
+            out["bn_losses"] = [bn.step(make_batches(rng, 1, n)[0])["loss"] for n in (12, 18, 12)]
+            out["bn_live"] = {k: v.clone() for k, v in bn.pipeline.module.named_buffers()}  # before a gather
+            out["bn_state"] = bn.state_dict()
+        del bn
+        torch.save(out, f"{out_dir}/replicas-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_engine_with_replicas_over_processes_equals_single_device(rng, tmp_path):
+    """2 stages x 2 replicas on 4 gloo ranks: every rank's weights, Adam state and losses equal float64 torch AdamW
+    on the whole batch, with clipping, M = 3 and, with uneven replica shards, M = 1."""
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    mp.spawn(_replicas_worker, args=(4, str(tmp_path / "init"), seed, str(tmp_path)), nprocs=4)
+    got = [torch.load(tmp_path / f"replicas-{r}.pt", weights_only=False) for r in range(4)]
+    for microbatches, clip, sizes, _ in REPLICA_RUNS:
+        batches_rng = torch.Generator().manual_seed(seed + microbatches)
+        reference = TorchReference(make_model(blocks=2))
+        ref_losses = [reference.step(make_batches(batches_rng, 1, n)[0], clip) for n in sizes]
+        ref_state = reference.opt.state_dict()["state"]
+        names = [n for n, _ in reference.model.named_parameters()]
+        for rank in range(4):
+            run = got[rank][microbatches]
+            assert run["where"] == (rank // 2, rank % 2, 2)  # group rank s * R + r: stage s, replica r
+            assert run["losses"] == pytest.approx(ref_losses, rel=1e-5)
+            for i, (name, p) in enumerate(reference.model.named_parameters()):
+                torch.testing.assert_close(run["state"]["master"][name].double(), p.detach(), rtol=1e-5,
+                                           atol=1e-5 * p.detach().abs().max().item(), msg=f"rank {rank} {name}")
+                want = ref_state[i]["exp_avg_sq"]
+                have = run["state"]["optimizer"]["state"][names.index(name)]["exp_avg_sq"]
+                torch.testing.assert_close(have.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    rng_bn = torch.Generator().manual_seed(seed)
+    with Engine(bn_model(), loss_fn, devices=["cpu"] * 4, stages=2, **BN_OPTIONS) as local:
+        losses = [local.step(make_batches(rng_bn, 1, n)[0])["loss"] for n in (12, 18, 12)]
+        live = [dict(local.pipeline.stages[0][r].module.named_buffers()) for r in range(2)]
+        want = local.state_dict()
+    for rank in range(4):
+        assert got[rank]["bn_losses"] == pytest.approx(losses, rel=1e-5)
+        for kind in ("master", "buffers"):
+            for name, value in want[kind].items():
+                torch.testing.assert_close(got[rank]["bn_state"][kind][name], value, rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank} {name}")
+    for rank in (0, 1):  # stage 0's replicas: each started every step from replica 0's statistics (broadcast_buffers)
+        for name, value in got[rank]["bn_live"].items():
+            torch.testing.assert_close(value, live[rank][name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
 def test_engine_over_process_group_bad_options(tmp_path):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'init'}")
     try:
         group = dist.group.WORLD
-        for options, match in ((dict(stages=2), "stages must be None or 1"),
+        for options, match in ((dict(stages=2), r"stages must be None \(one stage per rank\) or a divisor of 1"),
                                (dict(devices=["cpu"] * 2), "one stage on one device"),
                                (dict(balance="time"), "balance='time' is not supported across processes"),
                                (dict(schedule="zb"), "schedule must be one of"),
