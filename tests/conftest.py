@@ -28,8 +28,10 @@ def worker_device(request):
 
 @pytest.fixture
 def rng():
-    """A CPU generator with a fresh seed each run; the seed is printed (pytest shows it when a test fails)."""
-    seed = random.SystemRandom().randrange(2**31)
+    """A CPU generator with a fresh seed each run; the seed is printed (pytest shows it when a test fails), and
+    ``PYENGINE_TEST_SEED=<seed>`` replays it."""
+    replay = os.environ.get("PYENGINE_TEST_SEED")
+    seed = int(replay) if replay else random.SystemRandom().randrange(2**31)
     print(f"rng seed: {seed}")
     return torch.Generator().manual_seed(seed)
 
