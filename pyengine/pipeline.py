@@ -140,37 +140,51 @@ def partition(costs, stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def split_layers(layers, sizes: list[int], allow_tied: bool = False) -> list[torch.nn.Sequential]:
+def split_layers(layers, sizes: list[int]) -> list[torch.nn.Sequential]:
     """``layers`` (``(name, module)`` pairs) cut into ``sizes`` groups, each an ``nn.Sequential`` whose children keep
     their names, so its parameters are named as in the whole model (the store's names). The modules are shared with
     ``layers``, not copied.
 
-    A trainable parameter in two stages (tied weights) is a ValueError naming it and the stages, unless
-    ``allow_tied`` (see Note [Parameters tied across stages]). A buffer in two stages is always a ValueError: each
-    stage would update its own copy of it.
+    A trainable parameter may be in several stages (tied weights: Note [Parameters tied across stages]). A buffer in
+    two stages is a ValueError naming it and the stages: each stage would update its own copy of it.
     """
     modules, begin = [], 0
     for size in sizes:
         modules.append(torch.nn.Sequential(collections.OrderedDict(layers[begin:begin + size])))
         begin += size
-    for kind, allowed in (("named_buffers", False), ("named_parameters", allow_tied)):
-        shared = _shared_across(modules, kind)
-        if shared and not allowed:
-            name, stages = next(iter(shared.items()))
-            what = "buffer" if kind == "named_buffers" else "trainable parameter"
-            raise ValueError(f"{what} {name!r} is shared between stages {stages}; these pipeline stages need every "
-                             f"{what} in one stage")
+    shared = _shared_buffers(modules)
+    if shared:
+        name, stages = next(iter(shared.items()))
+        raise ValueError(f"buffer {name!r} is shared between stages {stages}; pipeline stages need every buffer in "
+                         "one stage")
     return modules
 
 
-def _shared_across(modules, kind: str) -> dict[str, list[int]]:
-    """Tensors (trainable parameters or buffers) that more than one of ``modules`` holds: the name of each in the
-    first module that holds it -> the indices of the modules holding it."""
+def stage_store_names(store_names: dict[int, str], modules) -> tuple[list[list[str]], dict[str, list[int]]]:
+    """Each stage's trainable parameters by store name, in ``module.parameters()`` order (``store_names``: id of a
+    parameter of the whole model -> its name there; a tied parameter's store name is its first name in the model),
+    and the tied ones: store name -> the stages holding it, for those held by more than one (Note [Parameters tied
+    across stages])."""
+    names = [[store_names[id(p)] for p in module.parameters() if p.requires_grad] for module in modules]
+    held = collections.defaultdict(list)
+    for s, stage_names in enumerate(names):
+        for name in stage_names:
+            held[name].append(s)
+    return names, {name: stages for name, stages in held.items() if len(stages) > 1}
+
+
+def owned_names(names: list[str], stage: int, tied: dict[str, list[int]]) -> list[str]:
+    """The parameters among stage ``stage``'s ``names`` whose store range it owns: all but those tied to an earlier
+    stage (a tied parameter lies in the range of the first stage holding it)."""
+    return [n for n in names if tied.get(n, [stage])[0] == stage]
+
+
+def _shared_buffers(modules) -> dict[str, list[int]]:
+    """Buffers that more than one of ``modules`` holds: the name of each in the first module that holds it -> the
+    indices of the modules holding it."""
     first, stages = {}, collections.defaultdict(list)
     for s, module in enumerate(modules):
-        for name, t in getattr(module, kind)():
-            if kind == "named_parameters" and not t.requires_grad:
-                continue
+        for name, t in module.named_buffers():
             first.setdefault(id(t), name)
             stages[id(t)].append(s)
     return {first[key]: held for key, held in stages.items() if len(held) > 1}
@@ -446,15 +460,10 @@ class Pipeline:
 
     def _build(self, sizes: list[int]) -> None:
         self.sizes = _check_sizes(sizes, len(self.layers), self.num_stages)
-        modules = split_layers(self.layers, self.sizes, allow_tied=True)
-        names = [[self._store_names[id(p)] for p in module.parameters() if p.requires_grad] for module in modules]
-        for s, stage_names in enumerate(names):
-            for name in stage_names:
-                self.tied.setdefault(name, []).append(s)
-        self.tied = {name: held for name, held in self.tied.items() if len(held) > 1}
+        modules = split_layers(self.layers, self.sizes)
+        names, self.tied = stage_store_names(self._store_names, modules)
         for s, module in enumerate(modules):
-            owned = [n for n in names[s] if n not in self.tied or self.tied[n][0] == s]
-            stage_range(self.store, s, owned)
+            stage_range(self.store, s, owned_names(names[s], s, self.tied))
             self.stages.append([_Stage(s, r, self.devices[s * self.replicas + r], module, self.store, names[s],
                                        set(self.tied)) for r in range(self.replicas)])
 

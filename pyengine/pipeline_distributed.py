@@ -10,7 +10,9 @@
 each rank updating its stage's range of the Engine's store (Note [Distributed pipeline store]).
 
 Every rank builds the same split of ``model`` (``balance="params"`` or a list of sizes) and keeps only its stage:
-rank s runs stage s. The schedule scales the gradients by 1/M (``scale_grads``), so the step is one step of AdamW
+rank s runs stage s (with ``stages`` < the group's size, data-parallel replicas of each stage: Note [Replicas of
+stages across processes]); the weights every rank starts from are rank 0's (broadcast at construction), and
+parameters tied across stages stay tied (Note [Parameters tied across processes]). The schedule scales the gradients by 1/M (``scale_grads``), so the step is one step of AdamW
 on the whole batch's mean gradient. torch.distributed.pipelining sizes its receive buffers from the first
 micro-batch, so every micro-batch must have the same size: the batch must be a multiple of M (checked, with a clear
 error).
@@ -30,7 +32,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from . import ops
 from .metrics import step_metrics
 from .distributed import DistributedError, _collective, _FailureNaming
-from .pipeline import StageError, _check_sizes, _param_costs, check_options, partition, split_layers, stage_range
+from .pipeline import (StageError, _check_sizes, _param_costs, check_options, owned_names, partition, split_layers,
+                       stage_range, stage_store_names)
 from .workers import batch_size
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
@@ -149,6 +152,21 @@ class DistributedPipeline(_FailureNaming):
     other replicas (DDP's broadcast_buffers), and gather() takes replica 0's. The subgroups are created with
     ``new_group``, which every rank of the default group must enter: so replicas need the default group.
 
+    Note [Parameters tied across processes]
+    A trainable parameter held by several stages (an input embedding tied to the output layer) is one entry of every
+    rank's store, inside the range of the first stage holding it (as in process: Note [Parameters tied across stages]
+    in :mod:`pyengine.pipeline`); each rank of a stage holding it has its own copy in its layers. After the schedule,
+    every rank of the group writes its share of each tied parameter's gradient into one flat buffer (its copy's
+    gradient times its replica's share of the batch, zeros where its stage does not hold it) and one all-reduce (sum)
+    over the whole group gives every rank the weighted mean over replicas of the sum over stages: the parameter's full
+    gradient, as autograd accumulates it on one device. That sum lands in the tied entries of the slot on every rank
+    holding one, after the replicas' reduction of the stage ranges (which would otherwise average the owner's entry
+    again). The owner's update covers the entry with its range; every other rank holding it updates the entry too,
+    with the same gradient, global norm, step and prior state, so the same bits (the update is elementwise), and all
+    copies compute with the same weights next step without an exchange. The global norm counts the entry once (in
+    the owner's range). Every rank starts from rank 0's weights (the construction broadcasts them), so the copies'
+    weights and Adam state start equal, and gather() and load_state_dict() keep them so.
+
     Note [Naming the stage that failed]
     Across processes a failing stage cannot stop the others as the in-process pipeline does: its peers are blocked in
     a receive or a collective, which fails when its process exits (or after the group's timeout), with gloo's error
@@ -183,13 +201,16 @@ class DistributedPipeline(_FailureNaming):
         self.layers = list(model._modules.items())
         self.sizes = _stage_sizes(self.layers, self.num_stages, balance)
         modules = split_layers(self.layers, self.sizes)
-        names = [[n for n, p in m.named_parameters() if p.requires_grad] for m in modules]
-        self.ranges = [stage_range(self.store, s, stage_names) for s, stage_names in enumerate(names)]
+        store_names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        names, self.tied = stage_store_names(store_names, modules)  # Note [Parameters tied across processes]
+        self.ranges = [stage_range(self.store, s, owned_names(stage_names, s, self.tied))
+                       for s, stage_names in enumerate(names)]
         if not names[self.stage]:
             raise ValueError(f"stage {self.stage} has no trainable parameters; choose another balance")
         self.device = engine.devices[0]
         self.module = copy.deepcopy(modules[self.stage]).to(self.device)
-        self.params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        # (store name, this rank's copy): a tied parameter's store name is its first name in the model
+        self.params = list(zip(names[self.stage], (p for p in self.module.parameters() if p.requires_grad)))
         self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))
         self._gathered = (engine.version, 0)  # (version, steps) at the last gather: every rank starts equal
         # Note [Buffers of stages across processes]
@@ -213,6 +234,8 @@ class DistributedPipeline(_FailureNaming):
         self.steps = 0  # steps begun
         self._start_naming(group, "pipeline")  # Note [Naming the stage that failed]
         self._enter("the construction of the engine")
+        with _collective("broadcast of the initial weights from rank 0", self.rank, self._explain):
+            dist.broadcast(self.store.param, src=dist.get_global_rank(group, 0), group=group)
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
         # Note [Collective tensors outlive their work]
         # A gloo collective's work keeps its tensors and is released on gloo's worker thread, possibly after the
@@ -230,6 +253,16 @@ class DistributedPipeline(_FailureNaming):
         begin, end = self.ranges[self.stage]
         self._stage_grad = self.store.grad_slot(0)[begin:end]  # this stage's range of the gradient slot
         self._mean_grad = torch.zeros(end - begin) if self.replicas > 1 else None  # across replicas, fp32
+        # Note [Parameters tied across processes]: one segment of _tied_grad per tied parameter (the same order on
+        # every rank); the tied entries this rank holds but another stage owns, which it updates too
+        entries = [self.store.entry(name) for name in self.tied]
+        self._tied_grad = torch.zeros(sum(e.numel for e in entries))
+        offsets = [sum(e.numel for e in entries[:i]) for i in range(len(entries))]
+        held = set(names[self.stage])
+        self._tied_parts = [(e.name, self._tied_grad[o:o + e.numel].view(e.shape)) for e, o in zip(entries, offsets)
+                            if e.name in held]
+        self._tied_ranges = [(e.offset, e.offset + e.numel) for e in entries
+                             if e.name in held and self.tied[e.name][0] != self.stage]
 
     def _ranks_of(self, stage: int, group) -> int:
         """The global rank of replica 0 of ``stage`` (group rank s * R + r runs stage s of replica r)."""
@@ -393,11 +426,19 @@ class DistributedPipeline(_FailureNaming):
         _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.stage]
+        if self.tied:  # this rank's share, before the replicas' reduction (Note [Parameters tied across processes])
+            self._tied_grad.zero_()
+            for name, part in self._tied_parts:
+                torch.mul(self._slot[name], weight, out=part)
         if self._dp_group is not None:  # Note [Replicas of stages across processes]
             mean = self._mean_grad
             torch.mul(self._stage_grad, weight, out=mean)
             dist.all_reduce(mean, group=self._dp_group)
             self._stage_grad.copy_(mean)
+        if self.tied:
+            dist.all_reduce(self._tied_grad, group=self.group)
+            for name, part in self._tied_parts:
+                self._slot[name].copy_(part)
         norm, nonfinite = ops.mean_grad_norm([self._stage_grad])
         reduced = self._reduced  # Note [Collective tensors outlive their work]
         # every stage's squared norm once (from replica 0; the replicas hold the same mean gradient)
@@ -406,7 +447,9 @@ class DistributedPipeline(_FailureNaming):
         dist.all_reduce(reduced, group=self.group)
         if not self.engine.admit_update(reduced[1].item() != 0.0, []):
             return False, float(reduced[2])
-        self.engine.update_range(begin, end, [slot], None, reduced[0].sqrt().float().reshape(()))
+        norm = reduced[0].sqrt().float().reshape(())
+        for first, last in [(begin, end)] + self._tied_ranges:  # Note [Parameters tied across processes]
+            self.engine.update_range(first, last, [slot], None, norm)
         return True, float(reduced[2])
 
     def gather(self) -> None:

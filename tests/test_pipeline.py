@@ -205,17 +205,17 @@ def lm_loss(model, batch):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def tied_lm(vocab=11, d=7):
+def tied_lm(vocab=11, d=7, seed=0):
     """Input embedding in the first stage, its weight reused by the output layer in the last."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     embedding, head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab, bias=False)
     head.weight = embedding.weight
     return torch.nn.Sequential(embedding, torch.nn.Tanh(), torch.nn.Linear(d, d), torch.nn.Tanh(), head)
 
 
-def tied_module():
+def tied_module(seed=0):
     """One Linear used twice: in stage 0 and stage 1."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     shared = torch.nn.Linear(5, 5)
     return torch.nn.Sequential(shared, torch.nn.Tanh(), torch.nn.Linear(5, 5), torch.nn.Tanh(), shared)
 
@@ -466,14 +466,13 @@ def test_bad_models_and_modes():
                mode="pipeline", balance=[2, 1])
 
 
-def test_tied_parameter_rejected_where_stages_cannot_share_it():
-    """Stages in separate processes keep one store each: a tied parameter there is an error naming it and the
-    stages (split_layers is where both kinds of pipeline cut the model)."""
+def test_split_layers_keeps_tied_parameters_in_every_stage_holding_them():
+    """A parameter tied across stages is in each of them (both kinds of pipeline update it: Note [Parameters tied
+    across stages]); a shared buffer is still an error (test_bad_models_and_modes)."""
     shared = torch.nn.Linear(4, 4)
     layers = list(torch.nn.Sequential(torch.nn.Linear(4, 4), shared, torch.nn.Tanh(), shared)._modules.items())
-    with pytest.raises(ValueError, match=r"parameter '1.weight' is shared between stages \[0, 2\]"):
-        split_layers(layers, [2, 1, 1])
-    assert len(split_layers(layers, [2, 1, 1], allow_tied=True)) == 3
+    modules = split_layers(layers, [2, 1, 1])
+    assert [m[-1] for m in modules] == [shared, layers[2][1], shared]
 
 
 # ---- stages in separate processes (torch.distributed.pipelining) ----
@@ -759,6 +758,7 @@ def _replicas_worker(rank, world, init_file, seed, out_dir):
             out["bn_live"] = {k: v.clone() for k, v in bn.pipeline.module.named_buffers()}  # before a gather
             out["bn_state"] = bn.state_dict()
         del bn
+        out["tied"] = _tied_runs(rank, seed)  # Note [Parameters tied across processes], with replicas
         torch.save(out, f"{out_dir}/replicas-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -767,7 +767,8 @@ def _replicas_worker(rank, world, init_file, seed, out_dir):
 @pytest.mark.timeout(180)
 def test_engine_with_replicas_over_processes_equals_single_device(rng, tmp_path):
     """2 stages x 2 replicas on 4 gloo ranks: every rank's weights, Adam state and losses equal float64 torch AdamW
-    on the whole batch, with clipping, M = 3 and, with uneven replica shards, M = 1."""
+    on the whole batch, with clipping, M = 3 and, with uneven replica shards, M = 1; so do models with parameters tied
+    across the stages; BatchNorm statistics equal the in-process pipeline x hybrid's."""
     import torch.multiprocessing as mp
 
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
@@ -800,9 +801,95 @@ def test_engine_with_replicas_over_processes_equals_single_device(rng, tmp_path)
             for name, value in want[kind].items():
                 torch.testing.assert_close(got[rank]["bn_state"][kind][name], value, rtol=1e-5, atol=1e-6,
                                            msg=_rank_msg(rank, name))
+    _check_tied_runs([got[rank]["tied"] for rank in range(4)], seed)
     for rank in (0, 1):  # stage 0's replicas: each started every step from replica 0's statistics (broadcast_buffers)
         for name, value in got[rank]["bn_live"].items():
             torch.testing.assert_close(value, live[rank][name], rtol=1e-5, atol=1e-6, msg=_rank_msg(rank, name))
+
+
+# ---- parameters tied across processes (Note [Parameters tied across processes]) ----
+
+# case, balance (2 stages), microbatches, max_grad_norm, batch sizes (each replica's shard splits into M equal parts)
+TIED_RUNS = (("embedding", [2, 3], 3, 0.05, (12, 18, 6)), ("module", [3, 2], 2, None, (8, 12, 4)))
+TIED_NAMES = {"embedding": ["0.weight"], "module": ["0.weight", "0.bias"]}
+
+
+def tied_case(case, seed=0):
+    """(model, loss, batches(seed, sizes)) of a TIED_RUNS case."""
+    def batches(data_seed, sizes):
+        rng = torch.Generator().manual_seed(data_seed)
+        if case == "embedding":
+            return [(torch.randint(0, 11, (n, 3), generator=rng), torch.randint(0, 11, (n, 3), generator=rng))
+                    for n in sizes]
+        return [(torch.randn(n, 5, generator=rng), torch.randint(0, 5, (n,), generator=rng)) for n in sizes]
+    if case == "embedding":
+        return tied_lm(seed=seed), lm_loss, batches
+    return tied_module(seed=seed), loss_fn, batches
+
+
+def _tied_runs(rank, seed):
+    """Every TIED_RUNS case on 2 stages (2 ranks, or 2 x 2 with replicas), each rank from a model of its own init:
+    the construction broadcasts rank 0's."""
+    out = {}
+    for case, balance, microbatches, clip, sizes in TIED_RUNS:
+        model, loss, batches = tied_case(case, seed=rank)
+        with Engine(model, loss, devices=["cpu"], mode="pipeline", stages=2, microbatches=microbatches,
+                    balance=balance, optimizer=AdamW(**OPT, max_grad_norm=clip), pin=False) as engine:
+            losses = [engine.step(batch)["loss"] for batch in batches(seed, sizes)]
+            out[case] = {"losses": losses, "state": engine.state_dict(), "tied": engine.pipeline.tied}
+        del engine
+    return out
+
+
+def _check_tied_runs(got, seed):
+    """``got[rank]`` (from _tied_runs) against float64 torch AdamW on one copy of rank 0's model, whole batches."""
+    for case, _, _, clip, sizes in TIED_RUNS:
+        model, loss, batches = tied_case(case, seed=0)
+        reference = copy.deepcopy(model).double()
+        opt = torch.optim.AdamW(reference.parameters(), foreach=False, **OPT)
+        ref_losses = []
+        for x, y in batches(seed, sizes):
+            opt.zero_grad()
+            ref_loss = loss(reference, (x.double() if x.is_floating_point() else x, y))
+            ref_loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            opt.step()
+            ref_losses.append(ref_loss.item())
+        names = [n for n, _ in reference.named_parameters()]
+        for rank, runs in enumerate(got):
+            run = runs[case]
+            assert run["tied"] == {name: [0, 1] for name in TIED_NAMES[case]}
+            assert run["losses"] == pytest.approx(ref_losses, rel=1e-5)
+            assert sorted(run["state"]["master"]) == sorted(names)
+            for i, (name, p) in enumerate(reference.named_parameters()):
+                torch.testing.assert_close(run["state"]["master"][name].double(), p.detach(), rtol=1e-5,
+                                           atol=1e-5 * p.detach().abs().max().item(), msg=_rank_msg(rank, name))
+                want = opt.state_dict()["state"][i]["exp_avg_sq"]
+                have = run["state"]["optimizer"]["state"][i]["exp_avg_sq"]
+                torch.testing.assert_close(have.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item(),
+                                           msg=_rank_msg(rank, f"{name} exp_avg_sq"))
+
+
+def _tied_worker(rank, world, init_file, seed, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        out = _tied_runs(rank, seed)
+        torch.save(out, f"{out_dir}/tied-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_tied_parameters_across_processes_equal_single_device(rng, tmp_path):
+    """An embedding tied to the output layer, and one Linear used in both stages, on 2 gloo ranks (one stage each,
+    each rank built from its own init): losses, weights and Adam state equal float64 torch AdamW on rank 0's model,
+    with global-norm clipping in the first case."""
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    mp.spawn(_tied_worker, args=(2, str(tmp_path / "init"), seed, str(tmp_path)), nprocs=2)
+    _check_tied_runs([torch.load(tmp_path / f"tied-{r}.pt", weights_only=False) for r in range(2)], seed)
 
 
 def test_engine_over_process_group_bad_options(tmp_path):
