@@ -15,6 +15,8 @@
 //      Adam loop as well (7-10 streams in one loop) measured 0.7x: the Adam loop is best left with its 3+3 streams.
 //   2. Adam loop over the tile, reading acc from L1 and param/m/v from memory, writing param/m/v (+ param_out).
 // So the G gradients and the state are each read once from memory: 4N(G+6) bytes with fp32 gradients.
+// Tiles are kTile elements (acc in L1), or kLongTile (acc in L2) when more than 4 fp32 gradients make the sum take
+// two or more passes over acc: each pass then reads a longer run of every stream (kernel.h has the measurements).
 #include "kernel.h"
 
 #include <cstring>
@@ -209,14 +211,14 @@ void write_param_out(const TensorBuffers& t, int64_t begin, int64_t n) {
   }
 }
 
-template <bool kAdamW, bool kAmsgrad>
-void update_impl(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end) {
-  alignas(64) float acc[kTile];
-  alignas(64) float scratch[kTile];
+template <bool kAdamW, bool kAmsgrad, int64_t kT>
+void update_tiles(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end) {
+  alignas(64) float acc[kT];
+  alignas(64) float scratch[kT];
   // One fp32 gradient of weight 1 (G = 1, a plain mean): acc would be 1 * g = g bit for bit, so read g directly.
   const bool direct = t.num_grads == 1 && t.grads[0].dtype == Dtype::kFloat32 && t.grads[0].weight == 1.0f;
-  for (int64_t tile = begin; tile < end; tile += kTile) {
-    const int64_t n = min_i64(kTile, end - tile);
+  for (int64_t tile = begin; tile < end; tile += kT) {
+    const int64_t n = min_i64(kT, end - tile);
     const float* g = acc;
     if (direct) {
       g = static_cast<const float*>(t.grads[0].data) + tile;
@@ -225,6 +227,18 @@ void update_impl(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, 
     }
     adam_tile<kAdamW, kAmsgrad>(t, s, tile, n, g);
     if (t.param_out != nullptr) write_param_out(t, tile, n);
+  }
+}
+
+// Tiles of kLongTile when the fp32 gradients take more than one summation pass (more than 4 of them): see kLongTile.
+template <bool kAdamW, bool kAmsgrad>
+void update_impl(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end) {
+  bool all_fp32 = true;
+  for (int k = 0; k < t.num_grads; ++k) all_fp32 = all_fp32 && t.grads[k].dtype == Dtype::kFloat32;
+  if (all_fp32 && t.num_grads > 4) {
+    update_tiles<kAdamW, kAmsgrad, kLongTile>(t, s, begin, end);
+  } else {
+    update_tiles<kAdamW, kAmsgrad, kTile>(t, s, begin, end);
   }
 }
 

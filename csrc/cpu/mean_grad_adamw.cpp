@@ -18,8 +18,9 @@
 namespace pyengine::cpu {
 namespace {
 
-// Elements per unit of parallel work: 16 tiles = 64 KiB per stream, so the G + 6 streams of a chunk fit in L2.
-constexpr int64_t kChunk = 16 * kTile;
+// Elements per unit of parallel work: 16 tiles = 64 KiB per stream, so the G + 6 streams of a chunk fit in L2; one
+// long tile (kernel.h).
+constexpr int64_t kChunk = kLongTile;
 
 thread_local bool serial_on_this_thread = false;
 
