@@ -26,6 +26,17 @@ def worker_device(request):
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _restore_intra_op_threads():
+    """torch.set_num_threads() on any thread (engine workers, pipeline stages) also sets the count that every thread
+    started later begins with; restored after each test, so that no test depends on the ones before it. (A test
+    comparing a backward on the main thread with backwards on new threads failed after the pipeline tests: its new
+    threads ran with 1 intra-op thread, the main thread with 2, and the two GEMM splits round differently.)"""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def rng():
     """A CPU generator with a fresh seed each run; the seed is printed (pytest shows it when a test fails), and

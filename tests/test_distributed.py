@@ -325,8 +325,15 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
             assert_identical(runs[0]["master"], runs[r]["master"], f"{name}, rank {r}")
     sequential = [rank["sequential"] for rank in ranks]
     history = sequential[0]["history"]
-    assert [(m["rank"], m["push_id"]) for m in sequential[1]["history"]] == [(m["rank"], m["push_id"])
-                                                                            for m in history]
+
+    def applied_order(h):
+        return [(m["rank"], m["push_id"]) for m in h if m["applied"]]
+
+    # max_staleness=0 puts the applied pushes in one order on every server (each saw all earlier ones on every
+    # shard); a push skipped as non-finite changes no shard, so another server may record it before or after a push
+    # rank 0 decided later (seen once: server 1 took (2, 8) before the skipped (3, 3)). The sets and decisions are
+    # equal on every server (above).
+    assert applied_order(sequential[1]["history"]) == applied_order(history)
     assert all(m["staleness"] == 0 for m in history)
     poisoned = [m for m in history if m["push_id"] == dist_job.SHARDED["poison"] + 1]
     assert poisoned, "no client reached its poisoned mini-batch"
