@@ -37,14 +37,18 @@ def _restore_intra_op_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def rng():
-    """A CPU generator with a fresh seed each run; the seed is printed (pytest shows it when a test fails), and
-    ``PYENGINE_TEST_SEED=<seed>`` replays it."""
+def fresh_seed() -> int:
+    """A fresh seed each run, printed (pytest shows it when a test fails); ``PYENGINE_TEST_SEED=<seed>`` replays it."""
     replay = os.environ.get("PYENGINE_TEST_SEED")
     seed = int(replay) if replay else random.SystemRandom().randrange(2**31)
     print(f"rng seed: {seed}")
-    return torch.Generator().manual_seed(seed)
+    return seed
+
+
+@pytest.fixture
+def rng():
+    """A CPU generator with a fresh seed (:func:`fresh_seed`)."""
+    return torch.Generator().manual_seed(fresh_seed())
 
 
 def loss_fn(model, batch):

@@ -3,7 +3,6 @@ torchrun-like environment, bounds their time, and checks what they wrote against
 (torch.optim in float64 on the concatenated batches) and against each other (bit for bit)."""
 import copy
 import os
-import random
 import re
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import torch
 
 import dist_job
 import pyengine
+from conftest import fresh_seed
 from pyengine import checkpoint, distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,9 +70,7 @@ def results(tmp_path, world):
 
 @pytest.fixture
 def seed():
-    value = random.SystemRandom().randrange(2**31)
-    print(f"data seed: {value}")
-    return value
+    return fresh_seed()
 
 
 class Reference:
