@@ -429,10 +429,10 @@ class DistributedPipeline(_FailureNaming):
         if self.tied:  # this rank's share, before the replicas' reduction (Note [Parameters tied across processes])
             self._tied_grad.zero_()
             for name, part in self._tied_parts:
-                torch.mul(self._slot[name], weight, out=part)
+                part.copy_(self._slot[name]).mul_(weight)  # in fp32, also when the slot is bf16 (autocast)
         if self._dp_group is not None:  # Note [Replicas of stages across processes]
             mean = self._mean_grad
-            torch.mul(self._stage_grad, weight, out=mean)
+            mean.copy_(self._stage_grad).mul_(weight)
             dist.all_reduce(mean, group=self._dp_group)
             self._stage_grad.copy_(mean)
         if self.tied:
