@@ -304,7 +304,14 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
     if mode in ("hybrid", "all") and cfg["batch_size"] < workers:
         raise UsageError(f"hybrid splits each batch across the workers: --batch-size {cfg['batch_size']} cannot "
                          f"feed {workers} workers (use --batch-size >= {workers} or fewer --workers)")
-    _check_pipeline_config(cfg, workers)
+    _check_pipeline_config(cfg, pipeline_workers(cfg))
+
+
+def pipeline_workers(cfg: dict) -> int:
+    """The workers a pipeline's stages x replicas are laid over: the processes under torchrun (each runs one stage on
+    its one device: Note [Training under torchrun]), else the devices."""
+    world = _launched()[1]
+    return world if world > 1 else len(cfg["devices"])
 
 
 def _check_pipeline_config(cfg: dict, workers: int) -> None:
@@ -325,11 +332,23 @@ def _check_pipeline_config(cfg: dict, workers: int) -> None:
         raise UsageError(f"--batch-size {cfg['batch_size']} over {replicas} pipeline replica(s) cannot feed "
                          f"--microbatches {cfg['microbatches']} (use --batch-size >= "
                          f"{cfg['microbatches'] * replicas})")
+    if _launched()[1] > 1 and any(n % cfg["microbatches"] for n in _split_sizes(cfg["batch_size"], replicas)):
+        # across processes, torch.distributed.pipelining needs equal micro-batches
+        unit = replicas * cfg["microbatches"]
+        raise UsageError(f"--batch-size {cfg['batch_size']} over {replicas} replica(s) does not split into "
+                         f"--microbatches {cfg['microbatches']} equal micro-batches per replica, which stages in "
+                         f"separate processes need (use a multiple of {unit})")
+
+
+def _split_sizes(n: int, parts: int) -> list[int]:
+    """The sizes ``torch.tensor_split`` cuts ``n`` samples into (the first ``n % parts`` one longer)."""
+    base, extra = divmod(n, parts)
+    return [base + (k < extra) for k in range(parts)]
 
 
 def check_pipeline_layers(cfg: dict, layers: int) -> None:
     """The model must have at least one layer per stage (:func:`pyengine.models.as_layers` counts them)."""
-    stages = cfg["stages"] or len(cfg["devices"])
+    stages = cfg["stages"] or pipeline_workers(cfg)
     if cfg["mode"] in ("pipeline", "all") and stages > layers:
         raise UsageError(f"--stages {stages} is more than the {layers} layers of --model {cfg['model']} (each stage "
                          f"needs at least one; use --stages <= {layers})")
@@ -531,11 +550,15 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
 
     Note [Training under torchrun]
     Launched by torchrun with WORLD_SIZE > 1, every rank runs this with the same configuration: ``_train`` has
-    joined the default process group (gloo), so the Engine is a multi-node hybrid engine over it. Each step every
-    rank draws the same global batch of ``--batch-size`` samples and trains on its own contiguous part of it
-    (:func:`_rank_shard`); the engines weight the ranks' gradients by their sample counts, so the run equals a
-    single-process run on the same batches. Rank 0 alone writes the run directory (metrics, checkpoints, summary,
-    plots) and prints; every rank holds the same master weights, so rank 0's checkpoint resumes all of them.
+    joined the default process group (gloo), so the Engine is a multi-node engine over it. Each step every rank
+    draws the same global batch of ``--batch-size`` samples. Hybrid: each rank trains on its own contiguous part of
+    it (:func:`_rank_shard`); the engines weight the ranks' gradients by their sample counts, so the run equals a
+    single-process run on the same batches. Pipeline: the processes are the pipeline's workers, one device each
+    (stages x replicas = WORLD_SIZE, rank s * R + r runs stage s of replica r), and every rank is given the whole
+    batch (:mod:`pyengine.pipeline_distributed`); the run equals the in-process pipeline with as many workers. Rank 0
+    alone writes the run directory (metrics, checkpoints, summary, plots) and prints. Every rank holds the same
+    master weights after ``state_dict()`` (for a pipeline a collective, which every rank calls before rank 0 saves),
+    so rank 0's checkpoint resumes all of them.
     """
     import torch
 
@@ -562,7 +585,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     optimizer = AdamW(lr=cfg["lr"], weight_decay=cfg["weight_decay"], max_grad_norm=cfg["max_grad_norm"])
     pin = False if all(d == "cpu" for d in devices) else "auto"
     pipeline = mode == "pipeline"
-    options = dict(stages=cfg.get("stages") or len(devices), microbatches=cfg["microbatches"],
+    options = dict(stages=cfg.get("stages") or pipeline_workers(cfg), microbatches=cfg["microbatches"],
                    schedule=cfg["schedule"], balance=cfg["balance"]) if pipeline else {}
     engine = Engine(models.as_layers(model) if pipeline else model, models.loss_fn, devices=devices, mode=mode,
                     optimizer=optimizer, seed=seed, autocast=autocast,
@@ -594,12 +617,13 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             return elapsed_offset + time.perf_counter() - state["t0"]
 
         def save_checkpoint() -> Path:
-            if not primary:  # replicated hybrid: rank 0 holds the same state (Note [Training under torchrun])
+            engine_state = engine.state_dict() if primary or pipeline else None  # a collective in a pipeline
+            if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
                 state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])
                 return state["last_ckpt"]
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
                            elapsed_s=elapsed(), mode=mode, config=_json_safe(dict(cfg, mode=mode, out=str(out))),
-                           engine=engine.state_dict())
+                           engine=engine_state)
             state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"])
             return state["last_ckpt"]
 
@@ -636,7 +660,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             else:
                 for step in range(start_step, target):
                     batch = dataset.batch(step, batch_size, seed)
-                    on_step(engine, engine.step(_rank_shard(batch, rank, world) if world > 1 else batch))
+                    shard = world > 1 and not pipeline  # a pipeline's ranks all take the whole batch
+                    on_step(engine, engine.step(_rank_shard(batch, rank, world) if shard else batch))
         except Interrupted:
             interrupted = True
         train_s = time.perf_counter() - train_start
@@ -660,8 +685,11 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     samples = sum(r["samples"] for r in records)
     train_total = records[-1]["elapsed_s"] if records else 0.0
     tail = [r["loss"] for r in records[-10:] if r["loss"] is not None]
-    mean = lambda key: (sum(r[key] for r in this_run if r.get(key) is not None) / len(this_run)  # noqa: E731
-                        if this_run else None)
+
+    def mean(key):
+        values = [r[key] for r in this_run if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
     summary = dict(
         mode=mode, devices=list(devices), workers=len(devices), processes=world, steps=state["step"],
         target_steps=target,
@@ -678,7 +706,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     if pipeline:
         summary.update(options, stage_sizes=records[-1]["stage_sizes"] if records else None,
                        bubble_fraction_mean=mean("bubble_fraction"),
-                       bubble_ideal=records[-1]["bubble_ideal"] if records else None)
+                       bubble_ideal=records[-1].get("bubble_ideal") if records else None)
     if not primary:
         return summary
     _write_json(out / "summary.json", summary)
@@ -782,14 +810,18 @@ def _train(given: dict) -> int:
         cfg = _resolve(given)
         cfg["devices"] = resolve_devices(cfg["devices"], cfg["workers"])
         cfg["workers"] = len(cfg["devices"])
-    check_config(cfg)
     rank, world = _launched()
-    if world > 1:  # Note [Training under torchrun]
-        if cfg["mode"] != "hybrid":
-            raise UsageError(f"under torchrun (WORLD_SIZE={world}) the command line trains --mode hybrid across the "
-                             f"processes; got --mode {cfg['mode']} (async and pipeline across processes: the Python "
+    if world > 1:  # Note [Training under torchrun]; before check_config, whose pipeline checks count processes
+        if cfg["mode"] not in ("hybrid", "pipeline"):
+            raise UsageError(f"under torchrun (WORLD_SIZE={world}) the command line trains --mode hybrid or pipeline "
+                             f"across the processes; got --mode {cfg['mode']} (async across processes: the Python "
                              "API, Engine(..., process_group=...))")
-        if cfg["batch_size"] < world * len(cfg["devices"]):
+        if cfg["mode"] == "pipeline" and len(cfg["devices"]) != 1:
+            raise UsageError(f"--mode pipeline under torchrun: each process runs one stage on one device; got "
+                             f"{len(cfg['devices'])} devices ({','.join(cfg['devices'])}): pass --workers 1")
+    check_config(cfg)
+    if world > 1:
+        if cfg["mode"] == "hybrid" and cfg["batch_size"] < world * len(cfg["devices"]):
             raise UsageError(f"--batch-size {cfg['batch_size']} gives fewer than one sample to each of the {world} "
                              f"processes x {len(cfg['devices'])} workers")
         import torch.distributed as dist

@@ -12,10 +12,10 @@ each rank updating its stage's range of the Engine's store (Note [Distributed pi
 Every rank builds the same split of ``model`` (``balance="params"`` or a list of sizes) and keeps only its stage:
 rank s runs stage s (with ``stages`` < the group's size, data-parallel replicas of each stage: Note [Replicas of
 stages across processes]); the weights every rank starts from are rank 0's (broadcast at construction), and
-parameters tied across stages stay tied (Note [Parameters tied across processes]). The schedule scales the gradients by 1/M (``scale_grads``), so the step is one step of AdamW
-on the whole batch's mean gradient. torch.distributed.pipelining sizes its receive buffers from the first
-micro-batch, so every micro-batch must have the same size: the batch must be a multiple of M (checked, with a clear
-error).
+parameters tied across stages stay tied (Note [Parameters tied across processes]). The schedule scales the
+gradients by 1/M (``scale_grads``), so the step is one step of AdamW on the whole batch's mean gradient.
+torch.distributed.pipelining sizes its receive buffers from the first micro-batch, so every micro-batch must have
+the same size: the batch must be a multiple of M (checked, with a clear error).
 """
 from __future__ import annotations
 
@@ -364,7 +364,7 @@ class DistributedPipeline(_FailureNaming):
                             copy_back=pulled - start, applied=applied, stages=self.num_stages,
                             replicas=self.replicas, microbatches=m, schedule=self.schedule,
                             stage_sizes=list(self.sizes), schedule_s=scheduled - pulled, stage=self.stage,
-                            replica=self.replica)
+                            replica=self.replica, bubble_ideal=(self.num_stages - 1) / (m + self.num_stages - 1))
 
     def _failure(self, exc: BaseException) -> BaseException:
         """What a failed step raises (Note [Naming the stage that failed]): this rank's own StageError, recorded for

@@ -283,8 +283,45 @@ def test_torchrun_hybrid_equals_one_process_on_the_same_batches(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_with_another_mode_is_one_clear_error(tmp_path):
-    done = _torchrun(tmp_path, "--mode", "sync", "--devices", "cpu", "--steps", "2", "--quiet")
-    assert done.returncode != 0
-    assert "under torchrun (WORLD_SIZE=2) the command line trains --mode hybrid" in done.stderr
-    assert not (tmp_path / "runs").exists(), "nothing written before the error"
+def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
+    """--mode pipeline under torchrun: 2 processes, one stage each (rank s runs stage s), every rank on the whole
+    global batch of 33 in 3 micro-batches, 3 steps and a --resume to 6 (under torchrun too), against one process
+    with 2 stage workers on the same 6 batches: the same master weights; rank 0 alone writes the run."""
+    common = ["--mode", "pipeline", "--hidden", "32", "--batch-size", "33", "--microbatches", "3", "--devices", "cpu",
+              "--quiet"]
+    done = _torchrun(tmp_path, *common, "--workers", "1", "--steps", "3", "--out", str(tmp_path / "launched"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _torchrun(tmp_path, "--resume", str(tmp_path / "launched"), "--steps", "6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert train(*common, "--workers", "2", "--steps", "6", "--out", str(tmp_path / "single")) == 0
+    launched, single = (ckpt.load(ckpt.latest(tmp_path / run / "checkpoints"))["engine"]["master"]
+                        for run in ("launched", "single"))
+    for name, want in single.items():
+        torch.testing.assert_close(launched[name], want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=name)
+    summary = json.loads((tmp_path / "launched" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["workers"] == 1 and summary["steps"] == 6
+    assert summary["stages"] == 2 and len(summary["stage_sizes"]) == 2
+    assert summary["bubble_ideal"] == pytest.approx(1 / 4)  # (S - 1) / (M + S - 1)
+    assert summary["bubble_fraction_mean"] is None  # measured in process only: each rank sees its own stage
+    records = [json.loads(line) for line in (tmp_path / "launched" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7)), "one writer: rank 0"
+    assert all(r["samples"] == 33 and r["stages"] == 2 for r in records)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["launched", "single"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "sync"], "under torchrun (WORLD_SIZE=2) the command line trains --mode hybrid or pipeline"),
+    (["--mode", "pipeline", "--workers", "2"], "each process runs one stage on one device; got 2 devices"),
+    (["--mode", "pipeline", "--workers", "1", "--stages", "3"], "--stages 3 does not divide the 2 workers"),
+    (["--mode", "pipeline", "--workers", "1", "--batch-size", "32", "--microbatches", "3"],
+     "does not split into --microbatches 3 equal micro-batches per replica"),
+], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches"])
+def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, message):
+    """As a rank of a 2-process torchrun launch sees it (RANK, WORLD_SIZE): refused before joining any group."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "out"
+    assert train(*argv, "--devices", "cpu", "--steps", "2", "--out", str(out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyengine train: error:") and message in err[0], err
+    assert not out.exists()
