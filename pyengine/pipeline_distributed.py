@@ -89,6 +89,29 @@ def _check_equal_split(tensor, microbatches: int, what: str) -> None:
 
 # ---- Engine(mode="pipeline") with a process group: rank s runs stage s ------------------------------------------
 
+class _TimedStage(PipelineStage):
+    """A ``PipelineStage`` that adds the seconds of its forward and backward computations to ``busy[0]``. The
+    schedules wait for a micro-batch's receives before calling them, so this is the stage's compute, not its waiting
+    (Note [Bubble across processes])."""
+
+    def __init__(self, *args, busy: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pyengine_busy = busy
+
+    def _timed(self, run, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            self._pyengine_busy[0] += time.perf_counter() - start
+
+    def forward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+
 class _PipelinedLayers(torch.nn.Module):
     """A stage's layers as ``torch.distributed.pipelining`` runs them: the forward under autocast (when the Engine
     has one). On the last stage the forward passes its input through and the Engine's loss runs the layers
@@ -166,6 +189,12 @@ class DistributedPipeline(_FailureNaming):
     copies compute with the same weights next step without an exchange. The global norm counts the entry once (in
     the owner's range). Every rank starts from rank 0's weights (the construction broadcasts them), so the copies'
     weights and Adam state start equal, and gather() and load_state_dict() keep them so.
+
+    Note [Bubble across processes]
+    Each rank times its own stage's compute during the schedule (forward and backward of every micro-batch, and on
+    the last stage the loss, which runs its layers: :class:`_TimedStage`, :meth:`_loss`) and its schedule's wall time;
+    both are summed over the ranks in the all-reduce the update already makes, and ``bubble_fraction`` = 1 - sum of
+    busy / sum of walls, the in-process definition (1 - sum of busy / (S x R x wall)) with each rank's own wall.
 
     Note [Naming the stage that failed]
     Across processes a failing stage cannot stop the others as the in-process pipeline does: its peers are blocked in
@@ -249,7 +278,9 @@ class DistributedPipeline(_FailureNaming):
         self._gather_views = [(flat[begin:end], self._ranks_of(s, group)) for flat in flats if flat is not None
                               for s, (begin, end) in enumerate(self.ranges)]
         self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _same_batch
-        self._reduced = torch.zeros(3, dtype=torch.float64)  # _update: squared norm, non-finite flag, loss sum
+        # _update: squared norm, non-finite flag, loss sum, busy seconds, schedule seconds
+        self._reduced = torch.zeros(5, dtype=torch.float64)
+        self._busy = [0.0]  # this step's compute seconds (Note [Bubble across processes])
         begin, end = self.ranges[self.stage]
         self._stage_grad = self.store.grad_slot(0)[begin:end]  # this stage's range of the gradient slot
         self._mean_grad = torch.zeros(end - begin) if self.replicas > 1 else None  # across replicas, fp32
@@ -288,7 +319,8 @@ class DistributedPipeline(_FailureNaming):
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
-        stage = PipelineStage(self._wrapped, self.stage, self.num_stages, self.device, group=self._pipe_group)
+        stage = _TimedStage(self._wrapped, self.stage, self.num_stages, self.device, group=self._pipe_group,
+                            busy=self._busy)
         loss = weakref.WeakMethod(self._loss)  # the schedule keeps its loss function: no cycle back to self
         schedule = _SCHEDULE_CLASSES[self.schedule](stage, self.microbatches, loss_fn=lambda x, t: loss()(x, t),
                                                     scale_grads=True)
@@ -298,6 +330,7 @@ class DistributedPipeline(_FailureNaming):
         return schedule
 
     def _loss(self, x, targets):
+        start = time.perf_counter()
         try:
             with self._wrapped.context(x.device):
                 loss = self.engine.loss_fn(self.module, (x, targets))
@@ -307,6 +340,8 @@ class DistributedPipeline(_FailureNaming):
                                  f"loss over the micro-batch); got {shape}")
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise StageError(self.stage, self.replica, self.device, exc) from exc
+        finally:
+            self._busy[0] += time.perf_counter() - start  # Note [Bubble across processes]
         return loss
 
     def step(self, batch) -> dict:
@@ -345,7 +380,7 @@ class DistributedPipeline(_FailureNaming):
                 p.copy_(self._master[name])
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
-        losses = []
+        losses, self._busy[0] = [], 0.0
         try:
             self._share_buffers()
             _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
@@ -353,8 +388,10 @@ class DistributedPipeline(_FailureNaming):
             scheduled = time.perf_counter()
             engine.count("steps")
             loss_sum = sum(float(l.detach()) for l in losses)
+            busy = self._busy[0]
             with engine.phase("update"):
-                applied, loss_sum = self._update(loss_sum, sizes[self.replica] / samples)
+                applied, loss_sum, bubble = self._update(loss_sum, sizes[self.replica] / samples, busy,
+                                                         scheduled - pulled)
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc
@@ -364,7 +401,8 @@ class DistributedPipeline(_FailureNaming):
                             copy_back=pulled - start, applied=applied, stages=self.num_stages,
                             replicas=self.replicas, microbatches=m, schedule=self.schedule,
                             stage_sizes=list(self.sizes), schedule_s=scheduled - pulled, stage=self.stage,
-                            replica=self.replica, bubble_ideal=(self.num_stages - 1) / (m + self.num_stages - 1))
+                            replica=self.replica, busy_s=busy, bubble_fraction=bubble,
+                            bubble_ideal=(self.num_stages - 1) / (m + self.num_stages - 1))
 
     def _failure(self, exc: BaseException) -> BaseException:
         """What a failed step raises (Note [Naming the stage that failed]): this rank's own StageError, recorded for
@@ -419,10 +457,11 @@ class DistributedPipeline(_FailureNaming):
                 mine.copy_(exchanged)
 
     @torch.no_grad()
-    def _update(self, loss_sum: float, weight: float) -> tuple[bool, float]:
+    def _update(self, loss_sum: float, weight: float, busy: float, wall: float) -> tuple[bool, float, float]:
         """Gradients -> slot 0 (across replicas: their weighted mean, ``weight`` = this replica's share of the batch),
-        all-reduced norm, non-finite flag and loss, then the fused update of this rank's range (Note [Distributed
-        pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across replicas)."""
+        all-reduced norm, non-finite flag, loss, busy and schedule seconds, then the fused update of this rank's range
+        (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across
+        replicas, the bubble fraction: Note [Bubble across processes])."""
         _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.stage]
@@ -443,14 +482,15 @@ class DistributedPipeline(_FailureNaming):
         reduced = self._reduced  # Note [Collective tensors outlive their work]
         # every stage's squared norm once (from replica 0; the replicas hold the same mean gradient)
         reduced[0] = norm.double().square() if self.replica == 0 else 0.0
-        reduced[1], reduced[2] = nonfinite.double(), loss_sum * weight
+        reduced[1], reduced[2], reduced[3], reduced[4] = nonfinite.double(), loss_sum * weight, busy, wall
         dist.all_reduce(reduced, group=self.group)
+        bubble = max(0.0, 1.0 - float(reduced[3]) / float(reduced[4])) if reduced[4] > 0 else 0.0
         if not self.engine.admit_update(reduced[1].item() != 0.0, []):
-            return False, float(reduced[2])
+            return False, float(reduced[2]), bubble
         norm = reduced[0].sqrt().float().reshape(())
         for first, last in [(begin, end)] + self._tied_ranges:  # Note [Parameters tied across processes]
             self.engine.update_range(first, last, [slot], None, norm)
-        return True, float(reduced[2])
+        return True, float(reduced[2]), bubble
 
     def gather(self) -> None:
         """Brings every stage's range of the weights and Adam state into this rank's store (a collective; a no-op

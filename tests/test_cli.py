@@ -302,7 +302,7 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
     assert summary["processes"] == 2 and summary["workers"] == 1 and summary["steps"] == 6
     assert summary["stages"] == 2 and len(summary["stage_sizes"]) == 2
     assert summary["bubble_ideal"] == pytest.approx(1 / 4)  # (S - 1) / (M + S - 1)
-    assert summary["bubble_fraction_mean"] is None  # measured in process only: each rank sees its own stage
+    assert 0.0 <= summary["bubble_fraction_mean"] < 1.0
     records = [json.loads(line) for line in (tmp_path / "launched" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 7)), "one writer: rank 0"
     assert all(r["samples"] == 33 and r["stages"] == 2 for r in records)

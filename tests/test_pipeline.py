@@ -575,11 +575,21 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
         with Engine(bn_model(seed=9), loss_fn, devices=["cpu"], **BN_OPTIONS) as bn_again:
             bn_again.load_state_dict(bn_state)
             bn_reloaded = bn_again.buffers_state_dict()
+        # Note [Bubble across processes]: layers that sleep 8 ms forward, 16 ms backward (test_bubble_fraction_...);
+        # the first step also builds the schedule (shape exchange): steps 2-4 are measured
+        bubbles, generator = {}, torch.Generator().manual_seed(seed)
+        sleepy_batch = (torch.randn(16, 8, generator=generator), torch.randn(16, 8, generator=generator))
+        for schedule in ("gpipe", "1f1b"):
+            with Engine(sleep_model(2, forward_s=0.008, backward_s=0.016), mse, devices=["cpu"], mode="pipeline",
+                        microbatches=4, schedule=schedule, pin=False) as sleepy:
+                bubbles[schedule] = [sleepy.step(sleepy_batch) for _ in range(4)][1:]
         torch.save({"resumed": got, "expected": expected, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
                     "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept,
-                    "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded},
+                    "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded,
+                    "bubbles": {k: [(m["bubble_fraction"], m["bubble_ideal"], m["busy_s"]) for m in v]
+                                for k, v in bubbles.items()}},
                    f"{out_dir}/engine-extra-{rank}.pt")
-        del engine, whole, first, second, bf16, varying, bn, bn_again
+        del engine, whole, first, second, bf16, varying, bn, bn_again, sleepy
     finally:
         dist.destroy_process_group()
     # Note [No reference cycle through the engine]: once its engines are dropped, destroy_process_group() really
@@ -649,6 +659,14 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             torch.testing.assert_close(extra["bn_state"]["master"][name], want, rtol=1e-5, atol=1e-6, msg=name)
         for name, want in extra["expected"].items():
             assert torch.equal(extra["resumed"][name], want), f"rank {rank}: resumed {name} differs"
+        for schedule, steps in extra["bubbles"].items():  # Note [Bubble across processes]; ideal 1/5 for S=2, M=4
+            measured = sorted(b for b, _, _ in steps)[1]
+            assert all(ideal == pytest.approx(1 / 5) for _, ideal, _ in steps)
+            # as in process (test_bubble_fraction_near_ideal), with room for the exchanges between processes and for
+            # each rank's own wall time (seen over 2 runs: medians 0.255-0.289, single steps 0.175-0.286)
+            assert 1 / 5 - 0.06 <= measured <= 1 / 5 + 0.15, (schedule, measured)
+            busy = sorted(s for _, _, s in steps)[1]
+            assert 0.024 * 4 <= busy <= 0.024 * 4 * 1.5 + 0.01, (schedule, busy)  # this rank's 4 forwards+backwards
         # bf16: as the in-process pipeline with the same autocast (2 stages, 3 micro-batches) to bf16 tolerance: the
         # library scales each micro-batch's gradient by 1/M before it is rounded into the bf16 slot, the in-process
         # pipeline after (bound: the 4 % of _check_autocast_matches; measured over 9 fresh draws: at most 1.1 %)
