@@ -32,8 +32,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from . import ops
 from .metrics import step_metrics
 from .distributed import DistributedError, _collective, _FailureNaming
-from .pipeline import (StageError, _check_sizes, _param_costs, check_options, owned_names, partition, split_layers,
-                       stage_range, stage_store_names)
+from .pipeline import (StageError, _Activations, _check_sizes, _param_costs, check_options, owned_names, partition,
+                       split_layers, stage_range, stage_store_names)
 from .workers import batch_size
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
@@ -89,27 +89,68 @@ def _check_equal_split(tensor, microbatches: int, what: str) -> None:
 
 # ---- Engine(mode="pipeline") with a process group: rank s runs stage s ------------------------------------------
 
-class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds the seconds of its forward and backward computations to ``busy[0]``. The
-    schedules wait for a micro-batch's receives before calling them, so this is the stage's compute, not its waiting
-    (Note [Bubble across processes])."""
+class _StageMeter:
+    """This rank's stage during one step: its compute seconds (Note [Bubble across processes]) and the activations
+    autograd keeps for its micro-batches in flight (Note [Activations across processes])."""
 
-    def __init__(self, *args, busy: list, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._pyengine_busy = busy
+    def __init__(self, param_ptrs: set, last: bool):
+        self.param_ptrs, self.last = param_ptrs, last
+        self.start_step()
 
-    def _timed(self, run, *args, **kwargs):
+    def start_step(self) -> None:
+        self.busy = 0.0
+        self.memory = _Activations(self.param_ptrs)
+        self._saved: dict[int, int] = {}  # micro-batch -> bytes kept for its backward
+        self._forward_chunk = None  # the last stage: the micro-batch whose loss comes next
+
+    @contextlib.contextmanager
+    def compute(self):
         start = time.perf_counter()
         try:
-            return run(*args, **kwargs)
+            yield
         finally:
-            self._pyengine_busy[0] += time.perf_counter() - start
+            self.busy += time.perf_counter() - start
 
-    def forward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+    @contextlib.contextmanager
+    def forward(self, chunk: int):
+        if self.last:  # its layers run in the loss (Note [Engine loss on the last process])
+            self._forward_chunk = chunk
+            with self.compute():
+                yield
+            return
+        with self.compute(), self.memory.hooks():
+            yield
+        self._saved[chunk] = self.memory.stored()
 
-    def backward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+    @contextlib.contextmanager
+    def loss(self):
+        with self.compute(), self.memory.hooks():
+            yield
+        self._saved[self._forward_chunk] = self.memory.stored()
+
+    @contextlib.contextmanager
+    def backward(self, chunk: int):
+        with self.compute():
+            yield
+        if chunk in self._saved:
+            self.memory.released(self._saved.pop(chunk))
+
+
+class _MeteredStage(PipelineStage):
+    """A ``PipelineStage`` whose forward and backward computations a :class:`_StageMeter` measures. The schedules wait
+    for a micro-batch's receives before calling them, so the time is the stage's compute, not its waiting."""
+
+    def __init__(self, *args, meter: _StageMeter, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pyengine_meter = meter
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        with self._pyengine_meter.forward(fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self._pyengine_meter.backward(bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 class _PipelinedLayers(torch.nn.Module):
@@ -192,9 +233,15 @@ class DistributedPipeline(_FailureNaming):
 
     Note [Bubble across processes]
     Each rank times its own stage's compute during the schedule (forward and backward of every micro-batch, and on
-    the last stage the loss, which runs its layers: :class:`_TimedStage`, :meth:`_loss`) and its schedule's wall time;
-    both are summed over the ranks in the all-reduce the update already makes, and ``bubble_fraction`` = 1 - sum of
-    busy / sum of walls, the in-process definition (1 - sum of busy / (S x R x wall)) with each rank's own wall.
+    the last stage the loss, which runs its layers: :class:`_StageMeter`) and its schedule's wall time; both are
+    summed over the ranks in the all-reduce the update already makes, and ``bubble_fraction`` = 1 - sum of busy /
+    sum of walls, the in-process definition (1 - sum of busy / (S x R x wall)) with each rank's own wall.
+
+    Note [Activations across processes]
+    ``activation_peak`` / ``activation_peak_bytes`` of a step are this rank's stage's: the most micro-batches whose
+    activations it held at once, and the most bytes autograd saved for them (parameters left out), counted as in
+    process (``_Activations`` of :mod:`pyengine.pipeline`): bytes saved during a micro-batch's forward (on the last
+    stage, its loss) are held until its backward.
 
     Note [Naming the stage that failed]
     Across processes a failing stage cannot stop the others as the in-process pipeline does: its peers are blocked in
@@ -280,7 +327,7 @@ class DistributedPipeline(_FailureNaming):
         self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _same_batch
         # _update: squared norm, non-finite flag, loss sum, busy seconds, schedule seconds
         self._reduced = torch.zeros(5, dtype=torch.float64)
-        self._busy = [0.0]  # this step's compute seconds (Note [Bubble across processes])
+        self._meter = _StageMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()}, self.is_last)
         begin, end = self.ranges[self.stage]
         self._stage_grad = self.store.grad_slot(0)[begin:end]  # this stage's range of the gradient slot
         self._mean_grad = torch.zeros(end - begin) if self.replicas > 1 else None  # across replicas, fp32
@@ -319,8 +366,8 @@ class DistributedPipeline(_FailureNaming):
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
-        stage = _TimedStage(self._wrapped, self.stage, self.num_stages, self.device, group=self._pipe_group,
-                            busy=self._busy)
+        stage = _MeteredStage(self._wrapped, self.stage, self.num_stages, self.device, group=self._pipe_group,
+                              meter=self._meter)
         loss = weakref.WeakMethod(self._loss)  # the schedule keeps its loss function: no cycle back to self
         schedule = _SCHEDULE_CLASSES[self.schedule](stage, self.microbatches, loss_fn=lambda x, t: loss()(x, t),
                                                     scale_grads=True)
@@ -330,9 +377,8 @@ class DistributedPipeline(_FailureNaming):
         return schedule
 
     def _loss(self, x, targets):
-        start = time.perf_counter()
         try:
-            with self._wrapped.context(x.device):
+            with self._meter.loss(), self._wrapped.context(x.device):
                 loss = self.engine.loss_fn(self.module, (x, targets))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -340,8 +386,6 @@ class DistributedPipeline(_FailureNaming):
                                  f"loss over the micro-batch); got {shape}")
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise StageError(self.stage, self.replica, self.device, exc) from exc
-        finally:
-            self._busy[0] += time.perf_counter() - start  # Note [Bubble across processes]
         return loss
 
     def step(self, batch) -> dict:
@@ -380,7 +424,8 @@ class DistributedPipeline(_FailureNaming):
                 p.copy_(self._master[name])
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
-        losses, self._busy[0] = [], 0.0
+        losses = []
+        self._meter.start_step()
         try:
             self._share_buffers()
             _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
@@ -388,9 +433,9 @@ class DistributedPipeline(_FailureNaming):
             scheduled = time.perf_counter()
             engine.count("steps")
             loss_sum = sum(float(l.detach()) for l in losses)
-            busy = self._busy[0]
+            meter = self._meter
             with engine.phase("update"):
-                applied, loss_sum, bubble = self._update(loss_sum, sizes[self.replica] / samples, busy,
+                applied, loss_sum, bubble = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
                                                          scheduled - pulled)
         except BaseException as exc:
             self.broken = True
@@ -401,7 +446,8 @@ class DistributedPipeline(_FailureNaming):
                             copy_back=pulled - start, applied=applied, stages=self.num_stages,
                             replicas=self.replicas, microbatches=m, schedule=self.schedule,
                             stage_sizes=list(self.sizes), schedule_s=scheduled - pulled, stage=self.stage,
-                            replica=self.replica, busy_s=busy, bubble_fraction=bubble,
+                            replica=self.replica, busy_s=meter.busy, bubble_fraction=bubble,
+                            activation_peak=meter.memory.peak_count, activation_peak_bytes=meter.memory.peak_bytes,
                             bubble_ideal=(self.num_stages - 1) / (m + self.num_stages - 1))
 
     def _failure(self, exc: BaseException) -> BaseException:

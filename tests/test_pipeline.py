@@ -587,7 +587,9 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                     "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept,
                     "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded,
                     "bubbles": {k: [(m["bubble_fraction"], m["bubble_ideal"], m["busy_s"]) for m in v]
-                                for k, v in bubbles.items()}},
+                                for k, v in bubbles.items()},
+                    "activations": {k: [(m["activation_peak"], m["activation_peak_bytes"]) for m in v]
+                                    for k, v in bubbles.items()}},
                    f"{out_dir}/engine-extra-{rank}.pt")
         del engine, whole, first, second, bf16, varying, bn, bn_again, sleepy
     finally:
@@ -667,6 +669,10 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             assert 1 / 5 - 0.06 <= measured <= 1 / 5 + 0.15, (schedule, measured)
             busy = sorted(s for _, _, s in steps)[1]
             assert 0.024 * 4 <= busy <= 0.024 * 4 * 1.5 + 0.01, (schedule, busy)  # this rank's 4 forwards+backwards
+            # Note [Activations across processes]: GPipe holds all 4 micro-batches, 1F1B min(S - s, M) at stage s
+            peak = 4 if schedule == "gpipe" else 2 - rank
+            assert all(count == peak and nbytes > 0 for count, nbytes in extra["activations"][schedule]), \
+                (schedule, rank, extra["activations"][schedule])
         # bf16: as the in-process pipeline with the same autocast (2 stages, 3 micro-batches) to bf16 tolerance: the
         # library scales each micro-batch's gradient by 1/M before it is rounded into the bf16 slot, the in-process
         # pipeline after (bound: the 4 % of _check_autocast_matches; measured over 9 fresh draws: at most 1.1 %)
