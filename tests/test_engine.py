@@ -3,6 +3,7 @@ the model (float64), run step by step on the same batches."""
 import copy
 import gc
 import json
+import os
 import threading
 import time
 import weakref
@@ -398,6 +399,28 @@ def test_load_state_dict_rejects_foreign_state():
         with pytest.raises(ValueError, match="expected float32"):
             engine.load_state_dict(other.state_dict())
         other.close()
+
+
+def _new_thread_count() -> int:
+    """The intra-op thread count a thread started now begins with."""
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "pipeline"])
+def test_close_gives_later_threads_the_callers_thread_count(rng, mode):
+    """Note [Worker threads' count]: CPU workers set their share of the cores, which later threads would inherit;
+    after close() a new thread starts with the count the engine's caller had."""
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+    share = max(1, (os.cpu_count() or 1) // 4)  # what each of 4 CPU workers sets (workers.set_worker_threads)
+    torch.set_num_threads(share + 1)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 4, mode=mode, pin=False, **options) as engine:
+        engine.fit(make_batches(rng, 2, 8))
+        assert _new_thread_count() == share  # the premise: the effect exists
+    assert _new_thread_count() == share + 1
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
