@@ -51,6 +51,13 @@ def test_bench_pipeline_runs_on_cpu():
 
 
 @pytest.mark.timeout(300)
+def test_bench_pipeline_across_processes_runs_on_cpu():
+    out = _run_bench("bench_pipeline.py", "--processes", "--layers", "4", "--width", "32", "--batch", "16", "--steps",
+                     "1", "--warmup", "0", "--stages", "2", "--microbatches", "2", "--schedules", "gpipe")
+    assert "stages in separate processes" in out and "| 2 | 2 | gpipe |" in out
+
+
+@pytest.mark.timeout(300)
 def test_bench_engine_runs_on_cpu():
     out = _run_bench("bench_engine.py", "--quick", "--models", "mlp", "--workers", "1,2", "--modes", "hybrid,async",
                      "--batch", "16", "--rounds", "1")
