@@ -151,6 +151,9 @@ def main():
     for stages in args.stages:
         for microbatches in args.microbatches:
             for schedule in args.schedules:
+                if args.processes and schedule == "1f1b" and microbatches < stages:
+                    print(f"| {stages} | {microbatches} | {schedule} | (torch's Schedule1F1B needs M >= S) |||||||")
+                    continue
                 if args.processes:
                     r = measure_processes(args, batches, expected, stages, microbatches, schedule)
                 else:

@@ -338,6 +338,9 @@ def _check_pipeline_config(cfg: dict, workers: int) -> None:
         raise UsageError(f"--batch-size {cfg['batch_size']} over {replicas} replica(s) does not split into "
                          f"--microbatches {cfg['microbatches']} equal micro-batches per replica, which stages in "
                          f"separate processes need (use a multiple of {unit})")
+    if _launched()[1] > 1 and cfg["schedule"] == "1f1b" and cfg["microbatches"] < stages:
+        raise UsageError(f"--schedule 1f1b with stages in separate processes needs --microbatches >= the {stages} "
+                         f"stages; got {cfg['microbatches']} (or use --schedule gpipe)")
 
 
 def _split_sizes(n: int, parts: int) -> list[int]:

@@ -579,6 +579,10 @@ def check_engine_options(model: torch.nn.Sequential, devices, stages, microbatch
         raise ValueError("replicas of stages across processes (stages < the group's size) need the default process "
                          "group (every rank of the job): they create subgroups, which every rank must join")
     check_options(len(model), world, stages, microbatches, schedule, balance if balance != "time" else "params")
+    if schedule == "1f1b" and microbatches < stages:
+        raise ValueError(f"schedule='1f1b' across processes needs microbatches >= stages (torch.distributed."
+                         f"pipelining's Schedule1F1B); got microbatches={microbatches} for {stages} stages: use "
+                         f"microbatches >= {stages} or schedule='gpipe'")
     if len(devices) != 1:
         raise ValueError(f"with a process group each rank runs one stage on one device: pass one device per rank; "
                          f"got {len(devices)} devices")

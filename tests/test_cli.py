@@ -308,7 +308,9 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
     (["--mode", "pipeline", "--workers", "1", "--stages", "3"], "--stages 3 does not divide the 2 workers"),
     (["--mode", "pipeline", "--workers", "1", "--batch-size", "32", "--microbatches", "3"],
      "does not split into --microbatches 3 equal micro-batches per replica"),
-], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches"])
+    (["--mode", "pipeline", "--workers", "1", "--microbatches", "1"], "--schedule 1f1b with stages in separate "
+     "processes needs --microbatches >= the 2 stages"),
+], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches", "1f1b-microbatches<stages"])
 def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, message):
     """As a rank of a 2-process torchrun launch sees it (RANK, WORLD_SIZE): refused before joining any group."""
     monkeypatch.setenv("RANK", "0")

@@ -528,7 +528,7 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
             with Engine(make_model(blocks=2), loss_fn, devices=["cpu"], mode="pipeline", microbatches=microbatches,
                         schedule=schedule, optimizer=AdamW(**OPT, max_grad_norm=clip), pin=False) as engine:
                 metrics = engine.fit(batches)
-                uneven = mismatch = None
+                uneven = mismatch = few = None
                 try:
                     engine.step(make_batches(torch.Generator().manual_seed(seed), 1, 13)[0])
                 except ValueError as error:
@@ -537,10 +537,15 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                     engine.step(make_batches(torch.Generator().manual_seed(seed + 1 + rank), 1, 12)[0])
                 except ValueError as error:
                     mismatch = str(error)
+                try:  # torch's Schedule1F1B needs M >= S: refused at construction, on every rank
+                    Engine(make_model(blocks=2), loss_fn, devices=["cpu"], mode="pipeline", microbatches=1,
+                           schedule="1f1b", pin=False)
+                except ValueError as error:
+                    few = str(error)
                 own = sorted(name for name, _ in engine.pipeline.params)
                 torch.save({"own": own, "master": engine.master_state_dict(), "state": engine.state_dict(),
                             "losses": [m["loss"] for m in metrics], "stats": engine.stats(),
-                            "sizes": engine.pipeline.sizes, "uneven": uneven, "mismatch": mismatch},
+                            "sizes": engine.pipeline.sizes, "uneven": uneven, "mismatch": mismatch, "few": few},
                            f"{out_dir}/engine-{schedule}-{rank}.pt")
         # resume: two steps, state_dict (a collective), a fresh engine of another init loads it and takes the rest
         options = dict(devices=["cpu"], mode="pipeline", microbatches=3, optimizer=AdamW(**OPT, amsgrad=True),
@@ -636,6 +641,7 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
                                                msg=f"{name} {key}")
             assert "a batch of 13 samples" in got["uneven"] and "microbatches=" in got["uneven"]
             assert got["mismatch"] is not None and "were given different batches" in got["mismatch"]
+            assert "schedule='1f1b' across processes needs microbatches >= stages" in got["few"]
     for rank in range(2):
         assert (tmp_path / f"engine-teardown-{rank}.txt").read_text() == "group freed", \
             "a dropped pipeline engine kept the process group alive (a reference cycle)"
