@@ -332,13 +332,14 @@ def _check_pipeline_config(cfg: dict, workers: int) -> None:
         raise UsageError(f"--batch-size {cfg['batch_size']} over {replicas} pipeline replica(s) cannot feed "
                          f"--microbatches {cfg['microbatches']} (use --batch-size >= "
                          f"{cfg['microbatches'] * replicas})")
-    if _launched()[1] > 1 and any(n % cfg["microbatches"] for n in _split_sizes(cfg["batch_size"], replicas)):
+    across = _launched()[1] > 1  # stages in separate processes (Note [Training under torchrun])
+    if across and any(n % cfg["microbatches"] for n in _split_sizes(cfg["batch_size"], replicas)):
         # across processes, torch.distributed.pipelining needs equal micro-batches
         unit = replicas * cfg["microbatches"]
         raise UsageError(f"--batch-size {cfg['batch_size']} over {replicas} replica(s) does not split into "
                          f"--microbatches {cfg['microbatches']} equal micro-batches per replica, which stages in "
                          f"separate processes need (use a multiple of {unit})")
-    if _launched()[1] > 1 and cfg["schedule"] == "1f1b" and cfg["microbatches"] < stages:
+    if across and cfg["schedule"] == "1f1b" and cfg["microbatches"] < stages:
         raise UsageError(f"--schedule 1f1b with stages in separate processes needs --microbatches >= the {stages} "
                          f"stages; got {cfg['microbatches']} (or use --schedule gpipe)")
 
@@ -709,7 +710,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     if pipeline:
         summary.update(options, stage_sizes=records[-1]["stage_sizes"] if records else None,
                        bubble_fraction_mean=mean("bubble_fraction"),
-                       bubble_ideal=records[-1].get("bubble_ideal") if records else None)
+                       bubble_ideal=records[-1]["bubble_ideal"] if records else None)
     if not primary:
         return summary
     _write_json(out / "summary.json", summary)
