@@ -8,6 +8,9 @@ own label, linked into bench/cpu_kernel_ab.cpp, checked to give the first versio
     python bench/cpu_kernel_ab.py                                   # HEAD vs the working tree, N=32M, G=4 and 8
     python bench/cpu_kernel_ab.py base=rev:HEAD~1 new=csrc --g 1 4 8 --rounds 21
     python bench/cpu_kernel_ab.py a=/tmp/variant_a b=/tmp/variant_b --dtype bf16
+
+PYENGINE_AB_NO_CHECK=1 skips the bit check, for diagnostic variants that compute something else on purpose (a loop
+with one phase left out, to time the other).
 """
 from __future__ import annotations
 

@@ -62,3 +62,25 @@ def test_bench_engine_runs_on_cpu():
     out = _run_bench("bench_engine.py", "--quick", "--models", "mlp", "--workers", "1,2", "--modes", "hybrid,async",
                      "--batch", "16", "--rounds", "1")
     assert "| mlp | 1 |" in out and "| mlp | 2 |" in out
+
+
+@pytest.mark.timeout(120)
+def test_cpu_read_rate_runs(tmp_path):
+    """bench/cpu_read_rate.cpp (the read-rate ceiling of RESULTS.md) compiles, runs on small buffers, refuses bad
+    arguments. Portable flags here: the recorded runs add -mavx512f."""
+    import re
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = str(tmp_path / "cpu_read_rate")
+    subprocess.run([cxx, "-O2", "-std=c++20", os.path.join(BENCH, "cpu_read_rate.cpp"), "-o", exe], check=True)
+    out = subprocess.run([exe, "huge", "2"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "buffers of 2 MiB, 2 MiB (THP) pages" in out
+    rates = re.findall(r"read rate\s+([0-9.]+) GB/s", out)
+    assert len(rates) == 8 and all(float(r) > 0 for r in rates), out
+    for bad in (["foo"], ["4k", "0"], ["4k", "1", "x"]):
+        done = subprocess.run([exe, *bad], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "usage:" in done.stderr, bad
