@@ -49,7 +49,14 @@ def hybrid_step(engine, batch) -> dict:
     engine.count("steps")
     updated = time.perf_counter()
     with engine.phase("update"), host_threads(engine.devices, engine.store.numel):
-        applied = engine.admit_update(nonfinite or not math.isfinite(squares), workers)
+        try:
+            applied = engine.admit_update(nonfinite or not math.isfinite(squares), workers)
+        except BaseException:
+            # nonfinite="raise": the step's gradient buckets were consumed by no copy back, so drop them here, or the
+            # next step's waits would return on this step's stale slots.
+            for w in engine.workers:
+                w.streamer.reset()
+            raise
         norm = torch.tensor([math.sqrt(squares)], dtype=torch.float32)
         for b in buckets:
             for w in engine.workers:

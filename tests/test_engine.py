@@ -221,9 +221,22 @@ def test_nonfinite_gradient_skip_and_raise(rng, worker_device):
         after = engine.master_state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert all(torch.isfinite(v).all() for v in after.values())
+    # "raise": the poisoned steps raise and change nothing; the steps after them train on their own gradients (the
+    # raised step's buckets must not be taken for the next step's), as a reference that never saw the poisoned batch.
+    reference = TorchReference(make_model(), **OPT)
     with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT), nonfinite="raise") as engine:
-        with pytest.raises(FloatingPointError, match="non-finite gradient"):
-            engine.step(batches[2])
+        for batch in (batches[2], batches[0], batches[2], batches[1], batches[2], batches[3]):
+            if batch is batches[2]:
+                before = engine.master_state_dict()
+                with pytest.raises(FloatingPointError, match="non-finite gradient"):
+                    engine.step(batch)
+                after = engine.master_state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+            else:
+                assert engine.step(batch)["applied"]
+                reference.step([batch])
+        assert engine.version == 3
+        assert_matches(engine, reference)
 
 
 @pytest.mark.parametrize("workers", [3, 1])  # 1: the lone CPU worker runs on the calling thread
