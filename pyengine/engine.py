@@ -305,38 +305,74 @@ class Engine:
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restores :meth:`state_dict`; validates format, names and shapes before changing anything. The state is
-        always full (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam
-        state, so every rank loads the same state and no collective is needed."""
+        """Restores :meth:`state_dict`. Everything is validated first (format, keys, names, shapes and dtypes of the
+        weights, buffers and Adam state, step against version, RNG state, counters); an invalid state raises
+        ``ValueError`` and leaves the engine as it was. The state is always full (whatever engine wrote it): with
+        ``shard_update=True`` each rank keeps its own slice of the Adam state, so every rank loads the same state
+        and no collective is needed."""
         self._check_open()
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"not a pyengine engine state (expected format {FORMAT!r}; got {found!r})")
+        missing = [k for k in ("names", "master", "optimizer", "version", "rng", "counters", "staleness")
+                   if k not in sd]
+        if missing:
+            raise ValueError(f"the engine state lacks {missing}")
         if list(sd["names"]) != list(self.store.names):
             raise ValueError(f"the state's parameters {sd['names']} do not match this model's {self.store.names}")
         views = self.store.views(self.store.param)
-        for name, value in sd["master"].items():
-            if tuple(value.shape) != tuple(views[name].shape) or value.dtype != torch.float32:
-                raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
-                                 f"{value.dtype} {tuple(value.shape)}")
+        master = sd["master"]
+        if not isinstance(master, dict) or sorted(master) != sorted(views):
+            found = sorted(master) if isinstance(master, dict) else type(master).__name__
+            raise ValueError(f"the state's master weights {found} do not match this model's {sorted(views)}")
+        for name, value in master.items():
+            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(views[name].shape)
+                    or value.dtype != torch.float32):
+                found = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got {found}")
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
         source = self._replica_buffers(self.buffer_source)  # shapes and dtypes only: no gather (a collective)
         current = {name: source[name] for name in self.buffer_names}
         if buffers and sorted(buffers) != sorted(current):
             raise ValueError(f"the state's buffers {sorted(buffers)} do not match this model's {sorted(current)}")
         for name, value in buffers.items():
-            if tuple(value.shape) != tuple(current[name].shape) or value.dtype != current[name].dtype:
+            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(current[name].shape)
+                    or value.dtype != current[name].dtype):
+                found = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
                 raise ValueError(f"buffer {name!r}: expected {current[name].dtype} {tuple(current[name].shape)}; got "
-                                 f"{value.dtype} {tuple(value.shape)}")
-        step = self.optimizer.load_torch_state_dict(self.store, sd["optimizer"], self.param_names)
-        for name, value in sd["master"].items():
+                                 f"{found}")
+        step = self.optimizer.check_torch_state_dict(self.store, sd["optimizer"], self.param_names)
+        version = sd["version"]
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"the state's version must be an int >= 0; got {version!r}")
+        if step != version:
+            raise ValueError(f"optimizer step {step} does not match the state's version {version}")
+        rng = sd["rng"]
+        expected_rng = torch.get_rng_state()
+        if not isinstance(rng, torch.Tensor) or rng.dtype != expected_rng.dtype or rng.shape != expected_rng.shape:
+            found = f"{rng.dtype} {tuple(rng.shape)}" if isinstance(rng, torch.Tensor) else type(rng).__name__
+            raise ValueError(f"the state's rng must be torch.get_rng_state()'s {expected_rng.dtype} "
+                             f"{tuple(expected_rng.shape)}; got {found}")
+        counters, staleness = sd["counters"], sd["staleness"]
+        try:
+            if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
+                raise TypeError("keys must be str and values int")
+            staleness = collections.Counter({int(k): int(v) for k, v in staleness.items()})
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(f"the state's counters / staleness are not {{name: count}} / {{staleness: count}} "
+                             f"dicts: {exc}") from None
+        # Valid: from here on nothing raises on the state's account.
+        if step == 0:  # a state saved before any update: a fresh optimizer
+            for buffer in (self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq):
+                if buffer is not None:
+                    buffer.zero_()
+        self.optimizer.load_torch_state_dict(self.store, sd["optimizer"], self.param_names)
+        for name, value in master.items():
             views[name].copy_(value)
-        self.version = int(sd["version"])
-        if step not in (0, self.version):
-            raise ValueError(f"optimizer step {step} does not match the engine's version {self.version}")
-        torch.set_rng_state(sd["rng"])
-        self._counters = collections.Counter(sd["counters"])
-        self._staleness = collections.Counter({int(k): v for k, v in sd["staleness"].items()})
+        self.version = version
+        torch.set_rng_state(rng)
+        self._counters = collections.Counter(counters)
+        self._staleness = staleness
         for worker in self.workers:
             worker.pull()
         with torch.no_grad():

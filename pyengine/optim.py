@@ -84,29 +84,58 @@ class AdamW:
 
     def load_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
         """Copies a ``torch.optim.AdamW.state_dict()`` into the store (a store with ``state_ranges`` keeps only its
-        ranges of it); returns its step count."""
-        if set(state_dict) != {"state", "param_groups"} or len(state_dict["param_groups"]) != 1:
-            raise ValueError("expected a torch.optim state_dict with keys 'state' and 'param_groups' and one group")
-        state = state_dict["state"]
-        if not state:
+        ranges of it); returns its step count. Everything is checked (:meth:`check_torch_state_dict`) before the
+        store is written."""
+        step = self.check_torch_state_dict(store, state_dict, names)
+        if step == 0:
             return 0
-        if sorted(state) != list(range(len(names))):
-            raise ValueError(f"optimizer state covers params {sorted(state)}; the model has {len(names)}")
-        steps = {float(entry["step"]) for entry in state.values()}
-        if len(steps) != 1:
-            raise ValueError(f"every param must be at the same step; got steps {sorted(steps)}")
+        state = state_dict["state"]
         for key, flat in self._state_buffers(store).items():
             full = flat if store.state_ranges is None else torch.zeros(store.numel)
             views = store.views(full)
             for index, name in enumerate(names):
-                value = state[index][key]
-                if tuple(value.shape) != tuple(views[name].shape):
-                    raise ValueError(f"state[{index}][{key!r}] has shape {tuple(value.shape)}; param {name!r} "
-                                     f"has {tuple(views[name].shape)}")
-                views[name].copy_(value)
+                views[name].copy_(state[index][key])
             if full is not flat:
                 store.load_state_from_full(flat, full)
-        return int(steps.pop())
+        return step
+
+    def check_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
+        """Validates a ``torch.optim.AdamW.state_dict()`` for :meth:`load_torch_state_dict` without writing
+        anything; returns its step count (0 for an optimizer that has not stepped)."""
+        if (not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}
+                or not isinstance(state_dict["param_groups"], (list, tuple)) or len(state_dict["param_groups"]) != 1
+                or not isinstance(state_dict["state"], dict)):
+            raise ValueError("expected a torch.optim state_dict with keys 'state' and 'param_groups' and one group")
+        state = state_dict["state"]
+        if not state:
+            return 0
+        if set(state) != set(range(len(names))):
+            raise ValueError(f"optimizer state covers params {sorted(state, key=repr)}; the model has {len(names)}")
+        keys = ("step", *self._state_buffers(store))
+        views = store.views(store.param)
+        for index, name in enumerate(names):
+            entry = state[index]
+            missing = [k for k in keys if not isinstance(entry, dict) or k not in entry]
+            if missing:
+                raise ValueError(f"optimizer state[{index}] (param {name!r}) lacks {missing}")
+            for key in keys[1:]:
+                value = entry[key]
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
+                        or tuple(value.shape) != tuple(views[name].shape):
+                    found = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                             else type(value).__name__)
+                    raise ValueError(f"optimizer state[{index}][{key!r}]: expected a floating tensor of shape "
+                                     f"{tuple(views[name].shape)} (param {name!r}); got {found}")
+        try:
+            steps = {float(state[index]["step"]) for index in range(len(names))}
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"optimizer state: every 'step' must be a number; {exc}") from None
+        if len(steps) != 1:
+            raise ValueError(f"every param must be at the same step; got steps {sorted(steps)}")
+        step = steps.pop()
+        if not (step >= 1 and step == int(step)):
+            raise ValueError(f"optimizer state: the step must be a whole number >= 1; got {step}")
+        return int(step)
 
     def _state_buffers(self, store) -> dict:
         buffers = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}

@@ -414,6 +414,63 @@ def test_load_state_dict_rejects_foreign_state():
         other.close()
 
 
+def _corruptions():
+    """(what, how to spoil a valid state, the error it must raise): every part load_state_dict reads."""
+    def spoil(path, value):
+        def apply(sd):
+            *parents, last = path
+            target = sd
+            for key in parents:
+                target = target[key]
+            if value is KeyError:
+                del target[last]
+            else:
+                target[last] = value(target[last]) if callable(value) else value
+        return apply
+
+    return [
+        ("master lacks a weight", spoil(("master", "0.bias"), KeyError), "master weights"),
+        ("master has an extra weight", spoil(("master", "extra"), torch.zeros(1)), "master weights"),
+        ("master weight in float64", spoil(("master", "2.weight"), lambda t: t.double()), "expected float32"),
+        ("Adam state of the last param misshaped", spoil(("optimizer", "state", 3, "exp_avg"), torch.zeros(5)),
+         r"state\[3\]\['exp_avg'\]"),
+        ("Adam state lacks exp_avg_sq", spoil(("optimizer", "state", 2, "exp_avg_sq"), KeyError), "lacks"),
+        ("Adam state not a tensor", spoil(("optimizer", "state", 1, "exp_avg"), 0.5), "floating tensor"),
+        ("Adam state empty at version > 0", spoil(("optimizer", "state"), {}), "does not match"),
+        ("version ahead of the Adam step", spoil(("version",), 7), "does not match"),
+        ("version not an int", spoil(("version",), "three"), "version must be an int"),
+        ("rng of the wrong kind", spoil(("rng",), torch.zeros(3)), "rng"),
+        ("no counters", spoil(("counters",), KeyError), "lacks"),
+        ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
+    ]
+
+
+@pytest.mark.parametrize("what,corrupt,error", _corruptions(), ids=[c[0] for c in _corruptions()])
+def test_invalid_state_changes_nothing(rng, what, corrupt, error):
+    """load_state_dict validates everything before it writes: a state spoiled anywhere (first or last parameter,
+    weights, Adam state, version, RNG, counters) raises and leaves weights, Adam state, version, RNG and counters
+    as they were."""
+    batches = make_batches(rng, 4, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as source:
+        source.fit(batches[:3])
+        state = source.state_dict()
+    corrupt(state)
+    with Engine(make_model(seed=1), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.step(batches[3])
+        before = copy.deepcopy(engine.state_dict())
+        rng_before = torch.get_rng_state()
+        with pytest.raises(ValueError, match=error):
+            engine.load_state_dict(state)
+        after = engine.state_dict()
+        assert after["version"] == before["version"] == 1 and after["counters"] == before["counters"]
+        assert torch.equal(torch.get_rng_state(), rng_before)
+        for name in before["master"]:
+            assert torch.equal(after["master"][name], before["master"][name]), name
+        for index, entry in before["optimizer"]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+
+
 def _new_thread_count() -> int:
     """The intra-op thread count a thread started now begins with."""
     seen = []
