@@ -48,6 +48,17 @@ class _BatchSource:
         return out
 
 
+def minibatches_per_push(engine, version: int) -> int:
+    """``accumulate``, or ``batch_schedule(version)`` checked: an int >= 1 (not rounded from anything else)."""
+    if engine.batch_schedule is None:
+        return engine.accumulate
+    k = engine.batch_schedule(version)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"batch_schedule({version}) must return the number of mini-batches of the next push, an "
+                         f"int >= 1; got {k!r}")
+    return k
+
+
 def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     source = _BatchSource(batches, epochs)
     stop = threading.Event()
@@ -82,9 +93,9 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
             set_worker_threads(engine.devices)
         try:
             while not stop.is_set():
-                k = engine.batch_schedule(engine.version) if engine.batch_schedule else engine.accumulate
+                k = minibatches_per_push(engine, engine.version)
                 pulled = pull(worker)
-                minibatches = source.take(int(k))
+                minibatches = source.take(k)
                 if not minibatches:
                     return
                 samples = sum(batch_size(b) for b in minibatches)

@@ -1014,7 +1014,7 @@ class _AsyncClient:
             raise failure
 
     def _loop(self, batches, epochs) -> None:
-        from .asynchronous import _BatchSource
+        from .asynchronous import _BatchSource, minibatches_per_push
 
         engine = self.engine
         source = _BatchSource(batches, epochs)
@@ -1027,8 +1027,7 @@ class _AsyncClient:
                 self._tell_waiting(_DONE)
                 return
             if decision == _GO:  # the previous push (if any) was applied or skipped: next mini-batches
-                k = engine.batch_schedule(pulled) if engine.batch_schedule else engine.accumulate
-                minibatches = source.take(int(k))
+                minibatches = source.take(minibatches_per_push(engine, pulled))
             else:
                 engine.count("refreshes")
             if not minibatches:

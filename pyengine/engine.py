@@ -105,7 +105,8 @@ class Engine:
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
                  schedule: str = "1f1b", balance="params"):
-        self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn)
+        self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
+                            loss_fn)
         check_mode_options(mode, stages, microbatches, schedule, balance)
         if mode == "pipeline":
             model = as_sequential(model)
@@ -200,11 +201,12 @@ class Engine:
         """
         self._check_open()
         self._stop.clear()
-        if steps is not None and steps < 0:
-            raise ValueError(f"steps must be >= 0; got {steps}")
-        if epochs is not None and epochs < 1:
-            raise ValueError(f"epochs must be >= 1; got {epochs}")
+        for name, value, least in (("steps", steps, 0), ("epochs", epochs, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ValueError(f"fit: {name} must be an int >= {least} or None; got {value!r}")
         start = len(self.history)
+        if steps == 0:
+            return []
         if self.mode == "async" and self.process_group is not None:
             distributed.run_async(self, self.process_group, batches, servers=self.servers, steps=steps,
                                   epochs=epochs if epochs is not None or steps is not None else 1, callbacks=callbacks)
@@ -579,7 +581,7 @@ class Engine:
             raise RuntimeError("this Engine is closed")
 
     @staticmethod
-    def _check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, autocast, loss_fn):
+    def _check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast, loss_fn):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         if nonfinite not in ("skip", "raise"):
@@ -592,6 +594,15 @@ class Engine:
             raise ValueError(f"max_staleness must be an integer >= 0 or None; got {max_staleness!r}")
         if staleness_lr not in ("none", "inverse"):
             raise ValueError(f"staleness_lr must be 'none' or 'inverse'; got {staleness_lr!r}")
+        if batch_schedule is not None and not callable(batch_schedule):
+            raise TypeError(f"batch_schedule must be callable as batch_schedule(version) -> mini-batches per push; "
+                            f"got {type(batch_schedule).__name__}")
+        async_only = [name for name, value, default in (("max_staleness", max_staleness, None),
+                                                         ("staleness_lr", staleness_lr, "none"),
+                                                         ("batch_schedule", batch_schedule, None))
+                      if value != default]
+        if async_only and mode != "async":
+            raise ValueError(f"{', '.join(async_only)}: async option(s) (pushes and their staleness); mode={mode!r}")
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16; got {autocast!r}")
         if not callable(loss_fn):

@@ -360,10 +360,34 @@ def test_failing_lone_async_worker_on_the_calling_thread(rng):
     (dict(nonfinite="ignore"), r"nonfinite must be"),
     (dict(max_staleness=-1, mode="async"), r"max_staleness must be"),
     (dict(staleness_lr="sqrt", mode="async"), r"staleness_lr must be"),
+    (dict(max_staleness=2), r"max_staleness: async option"),
+    (dict(staleness_lr="inverse", mode="sync"), r"staleness_lr: async option"),
+    (dict(batch_schedule=lambda v: 1, mode="pipeline", stages=2), r"batch_schedule: async option"),
 ])
 def test_bad_engine_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(make_model(), loss_fn, **kwargs)
+
+
+def test_bad_batch_schedule_and_fit_arguments(rng):
+    with pytest.raises(TypeError, match="batch_schedule must be callable"):
+        Engine(make_model(), loss_fn, mode="async", batch_schedule=2)
+    for bad in (0, -3, 2.7, "2", True):
+        with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="async", batch_schedule=lambda v: bad) as engine:
+            before = engine.master_state_dict()
+            with pytest.raises(WorkerError, match=r"batch_schedule\(0\) must return .* an int >= 1"):
+                engine.fit(make_batches(rng, 4, 8), steps=4)
+            assert engine.version == 0 and engine.stats()["pushes"] == 0
+            assert all(torch.equal(before[k], v) for k, v in engine.master_state_dict().items())
+    for mode, devices in (("async", ["cpu"]), ("async", ["cpu"] * 2), ("hybrid", ["cpu"] * 2)):
+        with Engine(make_model(), loss_fn, devices=devices, mode=mode) as engine:
+            before = engine.master_state_dict()
+            assert engine.fit(make_batches(rng, 4, 8), steps=0) == []
+            assert engine.version == 0 and engine.stats()["pushes"] == engine.stats()["steps"] == 0
+            assert all(torch.equal(before[k], v) for k, v in engine.master_state_dict().items())
+            for bad in (dict(steps=-1), dict(steps=1.5), dict(epochs=0), dict(epochs="2")):
+                with pytest.raises(ValueError, match="fit: (steps|epochs) must be an int"):
+                    engine.fit(make_batches(rng, 1, 8), **bad)
 
 
 def test_no_trainable_parameters_is_an_error():
