@@ -32,7 +32,9 @@ std::string arg_name(const char* name, int64_t index, int64_t count) {
   return std::string(name) + "[" + std::to_string(index) + "]";
 }
 
-void check_buffer(const at::Tensor& t, const std::string& name, const at::Tensor& param, bool float32_only) {
+// written: the kernel writes t (a copy would lose the update); otherwise it only reads t.
+void check_buffer(const at::Tensor& t, const std::string& name, const at::Tensor& param, bool float32_only,
+                  bool written) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got an undefined tensor");
   TORCH_CHECK_VALUE(t.device() == param.device(), name, " must be on ", param.device(), " like param; got ",
                     describe(t));
@@ -43,8 +45,9 @@ void check_buffer(const at::Tensor& t, const std::string& name, const at::Tensor
   }
   TORCH_CHECK_VALUE(t.numel() == param.numel(), name, " must have ", param.numel(),
                     " elements like param; got ", describe(t));
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (it is updated in place; a copy would lose the "
-                    "update); got ", describe(t));
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (",
+                    written ? "it is written in place; a copy would lose the update" : "it is read as a flat array",
+                    "); got ", describe(t));
 }
 
 void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name, const at::Tensor& param) {
@@ -187,23 +190,23 @@ void check_update_args(const UpdateArgs& a) {
     TORCH_CHECK_VALUE(p.is_contiguous(), pname, " must be contiguous (it is updated in place; a copy would lose the "
                       "update); got ", describe(p));
     TORCH_CHECK_VALUE(P > 1 || p.dim() == 1, "param must be 1-D (flat form); got ", describe(p));
-    check_buffer(a.exp_avgs[i], arg_name("exp_avg", i, P), p, true);
-    check_buffer(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P), p, true);
+    check_buffer(a.exp_avgs[i], arg_name("exp_avg", i, P), p, true, true);
+    check_buffer(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P), p, true, true);
     outputs.push_back(span_of(p, pname));
     outputs.push_back(span_of(a.exp_avgs[i], arg_name("exp_avg", i, P)));
     outputs.push_back(span_of(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P)));
     if (a.hyper.amsgrad) {
-      check_buffer(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P), p, true);
+      check_buffer(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P), p, true, true);
       outputs.push_back(span_of(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P)));
     }
     if (!a.param_outs.empty()) {
-      check_buffer(a.param_outs[i], arg_name("param_out", i, P), p, false);
+      check_buffer(a.param_outs[i], arg_name("param_out", i, P), p, false, true);
       outputs.push_back(span_of(a.param_outs[i], arg_name("param_out", i, P)));
     }
     for (int64_t g = 0; g < G; ++g) {
       const at::Tensor& grad = a.grad(g, i);
       const std::string gname = "grads[" + std::to_string(g) + "]" + (P > 1 ? "[" + std::to_string(i) + "]" : "");
-      check_buffer(grad, gname, p, false);
+      check_buffer(grad, gname, p, false, false);
       inputs.push_back(span_of(grad, gname));
     }
   }

@@ -134,6 +134,8 @@ class Engine:
         self.max_staleness = max_staleness
         self.staleness_lr = staleness_lr
         self.batch_schedule = batch_schedule
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int; got {seed!r}")
         self.seed = seed
         torch.manual_seed(seed)
         grad_dtype = autocast if autocast is not None else torch.float32

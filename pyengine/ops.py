@@ -10,6 +10,7 @@ Semantics follow torch.optim.AdamW (and Adam with ``adamw=False``): ``step`` is 
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Sequence
 
 import torch
@@ -29,15 +30,49 @@ class GradNorm(NamedTuple):
     nonfinite: torch.Tensor
 
 
-def _tensor_list(value, name: str) -> list[torch.Tensor]:
+def _tensor_list(value, name: str, nonempty: str | None = None) -> list[torch.Tensor]:
+    """``value`` as a list of tensors; ``nonempty``: what the error says when it is empty (None: may be empty)."""
     if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a list of tensors, one per worker; got {type(value).__name__}")
-    return list(value)
+    value = list(value)
+    for i, t in enumerate(value):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a tensor; got {type(t).__name__}")
+    if nonempty is not None and not value:
+        raise ValueError(f"{name} must hold {nonempty}; got an empty list")
+    return value
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"{name} must be a number; got {value!r}")
+    return float(value)
+
+
+def _step(step) -> int:
+    if isinstance(step, bool):
+        raise TypeError(f"step must be an int (the step count after increment); got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an int (the step count after increment); got {step!r}") from None
+    if not 1 <= step < 2**63:
+        raise ValueError(f"step must be >= 1 and < 2**63 (the step count after increment); got {step}")
+    return step
+
+
+def _hyper(lr, beta1, beta2, eps, weight_decay) -> dict:
+    return dict(lr=_number(lr, "lr"), beta1=_number(beta1, "beta1"), beta2=_number(beta2, "beta2"),
+                eps=_number(eps, "eps"), weight_decay=_number(weight_decay, "weight_decay"))
 
 
 def _worker_major(grads, num_tensors: int) -> list[torch.Tensor]:
     """[[worker 0's P tensors], [worker 1's], ...] -> one flat worker-major list."""
-    workers = _tensor_list(grads, "grads")
+    if isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence):
+        raise TypeError(f"grads must be a list of G lists of tensors, one per worker; got {type(grads).__name__}")
+    workers = list(grads)
+    if not workers:
+        raise ValueError("grads must hold G >= 1 lists of gradients, one per worker; got an empty list")
     flat = []
     for g, worker in enumerate(workers):
         worker = _tensor_list(worker, f"grads[{g}]")
@@ -48,13 +83,17 @@ def _worker_major(grads, num_tensors: int) -> list[torch.Tensor]:
 
 
 def _weights(weights) -> list[float] | None:
-    return None if weights is None else [float(w) for w in weights]
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, torch.Tensor)):
+        raise TypeError(f"weights must be a list of G numbers; got {type(weights).__name__}")
+    return [_number(w, f"weights[{i}]") for i, w in enumerate(weights)]
 
 
 def _clip_norm(max_grad_norm) -> float:
     if max_grad_norm is None:
         return 0.0
-    max_grad_norm = float(max_grad_norm)
+    max_grad_norm = _number(max_grad_norm, "max_grad_norm")
     if not max_grad_norm > 0.0:
         raise ValueError(f"max_grad_norm must be > 0 (or None for no clipping); got {max_grad_norm}")
     return max_grad_norm
@@ -74,7 +113,8 @@ def mean_grad_adamw_(param, exp_avg, exp_avg_sq, grads, *, lr, beta1=0.9, beta2=
         step: the step count after increment (1 on the first step).
         adamw: False gives Adam with L2 weight decay (torch.optim.Adam).
         maximize, amsgrad: as torch.optim.AdamW; amsgrad needs ``max_exp_avg_sq`` (float32, N elements).
-        grad_scale: 1-element float32 tensor that divides the gradients (AMP loss scale).
+        grad_scale: 1-element float32 tensor that divides the gradients (AMP loss scale); a value that is not a
+            positive finite number skips the step, as ``found_inf`` does (read on the device too).
         found_inf: 1-element float32 tensor; if nonzero nothing is changed (read on the device: no host sync).
         weights: G floats summing to 1, for uneven shards.
         param_out: optional N-element float32/bfloat16/float16 tensor that receives the updated weights.
@@ -85,11 +125,11 @@ def mean_grad_adamw_(param, exp_avg, exp_avg_sq, grads, *, lr, beta1=0.9, beta2=
         The norm of the mean gradient (0-d tensor, before unscaling by grad_scale) when clipping, else None.
     """
     grads = _tensor_list(grads, "grads")
+    hyper, step = _hyper(lr, beta1, beta2, eps, weight_decay), _step(step)
     clip = _clip_norm(max_grad_norm)
     norm = mean_grad_norm(grads, weights).norm if clip > 0 and grads else None
     torch.ops.pyengine.mean_grad_adamw_.default(
-        param, exp_avg, exp_avg_sq, grads, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-        weight_decay=float(weight_decay), step=int(step), adamw=bool(adamw), maximize=bool(maximize),
+        param, exp_avg, exp_avg_sq, grads, **hyper, step=step, adamw=bool(adamw), maximize=bool(maximize),
         amsgrad=bool(amsgrad), max_exp_avg_sq=max_exp_avg_sq, grad_scale=grad_scale, found_inf=found_inf,
         weights=_weights(weights), param_out=param_out, grad_norm=norm, max_grad_norm=clip)
     return norm
@@ -104,14 +144,14 @@ def mean_grad_adamw_multi_(params, exp_avgs, exp_avg_sqs, grads, *, lr, beta1=0.
     contiguous tensors of any shape; ``grads`` is a list of G lists, worker g's P gradients. With
     ``max_grad_norm`` the norm is the global norm over all P tensors. Returns that norm when clipping, else None.
     """
-    params = _tensor_list(params, "params")
+    params = _tensor_list(params, "params", "at least one tensor")
     flat = _worker_major(grads, len(params))
+    hyper, step = _hyper(lr, beta1, beta2, eps, weight_decay), _step(step)
     clip = _clip_norm(max_grad_norm)
     norm = mean_grad_norm_multi(grads, weights).norm if clip > 0 and flat else None
     torch.ops.pyengine.mean_grad_adamw_multi_.default(
-        params, _tensor_list(exp_avgs, "exp_avgs"), _tensor_list(exp_avg_sqs, "exp_avg_sqs"), flat, lr=float(lr),
-        beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay), step=int(step),
-        adamw=bool(adamw), maximize=bool(maximize), amsgrad=bool(amsgrad),
+        params, _tensor_list(exp_avgs, "exp_avgs"), _tensor_list(exp_avg_sqs, "exp_avg_sqs"), flat, **hyper,
+        step=step, adamw=bool(adamw), maximize=bool(maximize), amsgrad=bool(amsgrad),
         max_exp_avg_sqs=[] if max_exp_avg_sqs is None else list(max_exp_avg_sqs), grad_scale=grad_scale,
         found_inf=found_inf, weights=_weights(weights), param_outs=[] if param_outs is None else list(param_outs),
         grad_norm=norm, max_grad_norm=clip)
@@ -124,23 +164,51 @@ def mean_grad_norm(grads, weights=None) -> GradNorm:
     Returns a :class:`GradNorm`; its ``nonfinite`` flag is 1.0 when any gradient entry is inf/NaN (or the sum of
     squares overflows), so non-finite values are reported, never silently propagated.
     """
-    return GradNorm(*torch.ops.pyengine.mean_grad_norm.default(_tensor_list(grads, "grads"), _weights(weights)))
+    grads = _tensor_list(grads, "grads", "G >= 1 gradients, one per worker")
+    return GradNorm(*torch.ops.pyengine.mean_grad_norm.default(grads, _weights(weights)))
 
 
 def mean_grad_norm_multi(grads, weights=None) -> GradNorm:
     """Global L2 norm of the mean gradient over many tensors; ``grads`` is a list of G lists of P tensors."""
-    workers = _tensor_list(grads, "grads")
-    num_tensors = len(_tensor_list(workers[0], "grads[0]")) if workers else 0
-    flat = _worker_major(workers, num_tensors)
+    if isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence) or not grads:
+        raise ValueError(f"grads must hold G >= 1 lists of gradients, one per worker; got {grads!r:.80}")
+    num_tensors = len(_tensor_list(grads[0], "grads[0]", "at least one gradient"))
+    flat = _worker_major(grads, num_tensors)
     return GradNorm(*torch.ops.pyengine.mean_grad_norm_multi.default(flat, num_tensors, _weights(weights)))
 
 
-def _fake_norm(grads, *args):
-    like = grads[0]
-    return like.new_empty((), dtype=torch.float32), like.new_empty((), dtype=torch.float32)
+def _one_device(op: str, args, kwargs) -> None:
+    """The fake kernels run for meta tensors too, and for a call that mixes meta with real tensors (the Meta key
+    wins the dispatch): such a call must fail as the real kernels fail on a device mismatch, not return garbage."""
+    names = [a.name for a in getattr(torch.ops.pyengine, op).default._schema.arguments]
+    seen = {}
+    for name, value in [*zip(names, args), *kwargs.items()]:
+        if isinstance(value, torch.Tensor):
+            seen.setdefault(value.device, name)
+        elif isinstance(value, (list, tuple)):
+            for i, t in enumerate(value):
+                if isinstance(t, torch.Tensor):
+                    seen.setdefault(t.device, f"{name}[{i}]")
+    if len(seen) > 1:
+        found = ", ".join(f"{name} on {device}" for device, name in seen.items())
+        raise ValueError(f"pyengine.{op}: every tensor must be on one device; got {found}")
 
 
-torch.library.register_fake("pyengine::mean_grad_adamw_")(lambda *args, **kwargs: None)
-torch.library.register_fake("pyengine::mean_grad_adamw_multi_")(lambda *args, **kwargs: None)
-torch.library.register_fake("pyengine::mean_grad_norm")(_fake_norm)
-torch.library.register_fake("pyengine::mean_grad_norm_multi")(_fake_norm)
+def _fake_update(op):
+    def fake(*args, **kwargs):
+        _one_device(op, args, kwargs)
+    return fake
+
+
+def _fake_norm(op):
+    def fake(grads, *args):
+        _one_device(op, (grads, *args), {})
+        like = grads[0]
+        return like.new_empty((), dtype=torch.float32), like.new_empty((), dtype=torch.float32)
+    return fake
+
+
+torch.library.register_fake("pyengine::mean_grad_adamw_")(_fake_update("mean_grad_adamw_"))
+torch.library.register_fake("pyengine::mean_grad_adamw_multi_")(_fake_update("mean_grad_adamw_multi_"))
+torch.library.register_fake("pyengine::mean_grad_norm")(_fake_norm("mean_grad_norm"))
+torch.library.register_fake("pyengine::mean_grad_norm_multi")(_fake_norm("mean_grad_norm_multi"))

@@ -7,6 +7,7 @@ same model, so users can move between the two (:meth:`load_torch_state_dict` goe
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
@@ -34,7 +35,21 @@ class AdamW:
     adamw: bool = True
 
     def __post_init__(self):
-        self.betas = tuple(float(b) for b in self.betas)
+        def number(value, name):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"AdamW: {name} must be a number; got {value!r}")
+            return float(value)
+
+        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
+            raise ValueError(f"AdamW: betas must be two numbers in [0, 1); got {self.betas!r}")
+        self.betas = tuple(number(b, f"betas[{i}]") for i, b in enumerate(self.betas))
+        for name in ("lr", "eps", "weight_decay"):
+            setattr(self, name, number(getattr(self, name), name))
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = number(self.max_grad_norm, "max_grad_norm")
+        for name in ("amsgrad", "maximize", "adamw"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"AdamW: {name} must be True or False; got {getattr(self, name)!r}")
         checks = [
             (math.isfinite(self.lr) and self.lr >= 0, f"lr must be a finite number >= 0; got {self.lr}"),
             (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),

@@ -143,13 +143,13 @@ class HostStore:
     def __init__(self, model_or_named_parameters, workers: int = 1, grad_dtype: torch.dtype = torch.float32,
                  pin="auto", shadow_dtype: torch.dtype | None = None, amsgrad: bool = False,
                  max_bytes: int | None = None, state_ranges: Sequence[tuple[int, int]] | None = None):
-        if not isinstance(workers, int) or workers < 1:
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"HostStore: workers must be an int >= 1; got {workers!r}")
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"HostStore: grad_dtype must be one of {_GRAD_DTYPES}; got {grad_dtype}")
         if shadow_dtype is not None and shadow_dtype not in _SHADOW_DTYPES:
             raise ValueError(f"HostStore: shadow_dtype must be None or one of {_SHADOW_DTYPES}; got {shadow_dtype}")
-        if pin not in (True, False, "auto"):
+        if not (isinstance(pin, bool) or pin == "auto"):
             raise ValueError(f"HostStore: pin must be True, False or 'auto'; got {pin!r}")
         named = _trainable(model_or_named_parameters)
         self.workers = workers

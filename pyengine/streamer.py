@@ -245,7 +245,12 @@ class GradientStreamer:
         CPU the host waits).
         """
         source = self._source(source)
-        for k in range(len(self.buckets)) if buckets is None else buckets:
+        buckets = range(len(self.buckets)) if buckets is None else list(buckets)
+        bad = [k for k in buckets if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(self.buckets)]
+        if bad:  # checked before any copy starts
+            raise ValueError(f"GradientStreamer.copy_back: buckets must be indices in [0, {len(self.buckets)}); "
+                             f"got {bad}")
+        for k in buckets:
             self._copy_back_bucket(k, source)
 
     def _source(self, source):
@@ -336,6 +341,8 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     if amsgrad and store.max_exp_avg_sq is None:
         raise ValueError("pipelined_update: amsgrad=True needs a store built with amsgrad=True")
     slots = [store.grad_slot(s.worker) for s in streamers]
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"pipelined_update: betas must be two numbers (beta1, beta2); got {betas!r}")
     beta1, beta2 = betas
     weights = None if weights is None else [float(w) for w in weights]
     norm, clip = None, 0.0

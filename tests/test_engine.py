@@ -390,6 +390,18 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
                     engine.fit(make_batches(rng, 1, 8), **bad)
 
 
+def test_bad_optimizer_and_seed_types():
+    for kwargs, message in ((dict(lr="1"), "lr must be a number"), (dict(betas=(0.9,)), "betas must be two"),
+                            (dict(betas=(0.9, "0.99")), r"betas\[1\] must be a number"),
+                            (dict(eps=None), "eps must be a number"), (dict(max_grad_norm="1"), "max_grad_norm"),
+                            (dict(amsgrad=1), "amsgrad must be True or False")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            AdamW(**kwargs)
+    assert AdamW(lr=1, betas=[0.8, 0.9]).betas == (0.8, 0.9)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        Engine(make_model(), loss_fn, devices=["cpu"], seed="a")
+
+
 def test_no_trainable_parameters_is_an_error():
     model = make_model()
     for p in model.parameters():

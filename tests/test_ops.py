@@ -363,6 +363,16 @@ BAD_CALLS = {
                          r"param_out must have 64 elements"),
     "max_grad_norm": (_set("max_grad_norm", -1.0), r"max_grad_norm must be > 0"),
     "grads not a list": (_set("grads", lambda a: a["grads"][0]), r"grads must be a list of tensors"),
+    "grad not a tensor": (_set("grads", lambda a: [a["grads"][0], None]), r"grads\[1\] must be a tensor; got NoneType"),
+    "non-contiguous grad": (_set("grads", lambda a: [a["grads"][0], torch.rand(128, device=a["param"].device)[::2]]),
+                            r"grads\[1\] must be contiguous \(it is read as a flat array\)"),
+    "grad on meta": (_set("grads", lambda a: [a["grads"][0], torch.rand(64, device="meta")]),
+                     r"every tensor must be on one device; got param on .*, grads\[1\] on meta"),
+    "found_inf on meta": (_set("found_inf", torch.zeros(1, device="meta")), r"found_inf on meta"),
+    "step not an int": (_set("step", 1.5), r"step must be an int"),
+    "step too large": (_set("step", 2**70), r"step must be >= 1 and < 2\*\*63"),
+    "lr not a number": (_set("lr", "abc"), r"lr must be a number; got 'abc'"),
+    "weight not a number": (_set("weights", [0.5, "0.5"]), r"weights\[1\] must be a number"),
 }
 
 
@@ -378,6 +388,34 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(device, case):
                              **call)
     for now, then in zip(outputs, before):
         assert torch.equal(now, then), "a rejected call must not write"
+
+
+def test_empty_lists_are_clear_errors():
+    g = torch.ones(4)
+    with pytest.raises(ValueError, match=r"grads must hold G >= 1 gradients"):
+        ops.mean_grad_norm([])
+    with pytest.raises(ValueError, match=r"grads must hold G >= 1 lists"):
+        ops.mean_grad_norm_multi([])
+    with pytest.raises(ValueError, match=r"grads\[0\] must hold at least one gradient"):
+        ops.mean_grad_norm_multi([[]])
+    with pytest.raises(ValueError, match=r"params must hold at least one tensor"):
+        ops.mean_grad_adamw_multi_([], [], [], [[]], lr=1e-3, step=1)
+    with pytest.raises(ValueError, match=r"grads must hold G >= 1 lists"):
+        ops.mean_grad_adamw_multi_([g], [g.clone()], [g.clone()], [], lr=1e-3, step=1)
+
+
+@pytest.mark.parametrize("scale", [0.0, -2.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_broken_grad_scale_skips_the_step(rng, device, scale, max_grad_norm):
+    """A loss scale that is not a positive finite number never reaches the weights: the step is skipped, as with
+    found_inf, decided where the scale lives (on the device for CUDA: no host sync)."""
+    n = 1031
+    ours = Ours(torch.randn(n, generator=rng), device)
+    before = [t.clone() for t in (ours.p, ours.m, ours.v)]
+    ours.step(random_grads(rng, n, 2), grad_scale=torch.tensor([scale], device=device), max_grad_norm=max_grad_norm,
+              **HYPER)
+    for now, then in zip((ours.p, ours.m, ours.v), before):
+        assert torch.equal(now, then), f"grad_scale={scale} must leave every buffer untouched"
 
 
 @CUDA

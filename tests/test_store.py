@@ -168,8 +168,11 @@ def test_argument_errors():
         make(model, workers=0)
     with pytest.raises(ValueError, match="grad_dtype"):
         make(model, grad_dtype=torch.float64)
-    with pytest.raises(ValueError, match="pin"):
-        make(model, pin="yes")
+    with pytest.raises(ValueError, match="workers must be an int"):
+        make(model, workers=True)
+    for pin in ("yes", 1, None):
+        with pytest.raises(ValueError, match="pin must be True, False or 'auto'"):
+            make(model, pin=pin)
     with pytest.raises(ValueError, match="no trainable"):
         make(torch.nn.Linear(2, 2).requires_grad_(False))
     store = make(model, workers=2)

@@ -319,6 +319,13 @@ def test_pipelined_update_argument_errors():
         pyengine.pipelined_update([a, b], store, 1, lr=1e-3)
     with pytest.raises(ValueError, match="amsgrad"):
         pyengine.pipelined_update([a], store, 1, lr=1e-3, amsgrad=True)
+    with pytest.raises(ValueError, match=r"betas must be two numbers"):
+        pyengine.pipelined_update([a], store, 1, lr=1e-3, betas=(0.9, 0.99, 0.1))
+    for buckets in ([0, len(a.buckets)], [-1], [0.5]):  # checked before any copy starts: nothing launched
+        with pytest.raises(ValueError, match=r"copy_back: buckets must be indices in \[0, 1\)"):
+            a.copy_back(buckets=buckets)
+    a.copy_back(buckets=[0])  # a valid call still works after the refusals
+    a.wait_weights(0)
     c = pyengine.GradientStreamer(copy.deepcopy(model), store, worker=1, bucket_mb=TINY, first_bucket_mb=TINY)
     with pytest.raises(ValueError, match="same buckets"):
         pyengine.pipelined_update([a, c], store, 1, lr=1e-3)

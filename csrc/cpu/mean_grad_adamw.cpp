@@ -63,10 +63,12 @@ std::vector<GradSource> grad_sources(at::TensorList grads, int64_t num_tensors, 
   return sources;
 }
 
-// The gradient multiplier once grad_scale and clipping are known; nullopt when the step must be skipped.
+// The gradient multiplier once grad_scale and clipping are known; nullopt when the step must be skipped (found_inf,
+// a grad_scale that is not a positive finite number, a non-finite clip norm), as the CUDA kernels decide on the device.
 std::optional<float> effective_grad_mult(const UpdateArgs& a, const UpdateScalars& s) {
   if (a.found_inf.has_value() && a.found_inf->item<float>() != 0.0f) return std::nullopt;
   const double scale = a.grad_scale.has_value() ? static_cast<double>(a.grad_scale->item<float>()) : 1.0;
+  if (!(scale > 0.0) || !std::isfinite(scale)) return std::nullopt;  // a broken loss scale: skipped, as found_inf
   double mult = static_cast<double>(s.grad_mult) / scale;
   if (s.max_grad_norm > 0.0f) {
     const double norm = static_cast<double>(a.grad_norm->item<float>()) / scale;

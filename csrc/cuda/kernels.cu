@@ -77,10 +77,12 @@ __device__ __forceinline__ void adamw(ElementState& e, float g, const UpdateScal
   e.p = e.p - s.step_size * (e.m / denom);
 }
 
-// The multiplier of the summed gradient, or false if the step is to be skipped (found_inf, non-finite clip norm).
+// The multiplier of the summed gradient, or false if the step is to be skipped (found_inf, a grad_scale that is not
+// a positive finite number, a non-finite clip norm).
 __device__ __forceinline__ bool grad_multiplier(const UpdateScalars& s, const DeviceScalars& d, float* mult) {
   if (d.found_inf != nullptr && *d.found_inf != 0.0f) return false;
   const float scale = d.grad_scale != nullptr ? *d.grad_scale : 1.0f;
+  if (!(scale > 0.0f) || isinf(scale)) return false;  // a broken loss scale (0, negative, NaN, inf): skipped
   float m = s.grad_mult / scale;
   if (s.max_grad_norm > 0.0f) {
     const float norm = *d.grad_norm / scale;
