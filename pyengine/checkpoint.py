@@ -141,6 +141,14 @@ def load_engine(path, engine) -> dict:
     return payload
 
 
+def step_of(path) -> int:
+    """The step of a checkpoint file named by :func:`path_for`."""
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named like a checkpoint (step-<step>{SUFFIX})")
+    return int(match.group(1))
+
+
 def list_checkpoints(directory) -> list[Path]:
     """Checkpoint files in ``directory``, oldest step first."""
     directory = Path(directory)

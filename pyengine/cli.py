@@ -513,6 +513,33 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _set_aside_later(out: Path, step: int) -> Path | None:
+    """Resuming from a checkpoint older than the run's newest forks the run: the checkpoints after ``step`` and the
+    metrics lines after it belong to the abandoned continuation. They are moved, not deleted, into
+    ``out/superseded-<time>/``, so that a later ``--resume out`` continues this run (not the abandoned one) and
+    nothing is lost. Returns that folder, or None when there was nothing after ``step``."""
+    from . import checkpoint as ckpt
+
+    later = [p for p in ckpt.list_checkpoints(out / "checkpoints") if ckpt.step_of(p) > step]
+    metrics_path = out / "metrics.jsonl"
+    lines = metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists() else []
+    dropped = lines[len(_read_metrics(metrics_path, upto=step)):]
+    if not later and not any(line.strip() for line in dropped):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = out / f"superseded-{stamp}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = out / f"superseded-{stamp}-{n}"
+    aside.mkdir()
+    with open(aside / "metrics.jsonl", "w") as f:
+        f.writelines(dropped)
+    for path in later:
+        path.rename(aside / path.name)
+    return aside
+
+
 def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
     records = []
     if path.exists():
@@ -606,6 +633,11 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                 raise UsageError(f"checkpoint does not fit this run: {exc}") from None
             start_step, batches_done = int(resume["step"]), int(resume["batches_done"])
             elapsed_offset = float(resume["elapsed_s"])
+        if resume is not None and primary:
+            aside = _set_aside_later(out, start_step)
+            if aside is not None:
+                print(f"[{mode}] resuming at step {start_step}, before the run's newest checkpoint: the later "
+                      f"checkpoints and metrics were moved to {aside}", file=sys.stderr, flush=True)
         kept = _read_metrics(metrics_path, upto=start_step) if resume is not None else []
         if primary:
             with open(metrics_path, "w") as f:  # a resumed run redoes the steps after its checkpoint

@@ -113,6 +113,26 @@ def test_resume_is_bit_identical(tmp_path, mode):
     assert steps == list(range(1, 21))  # steps 16..20 were redone, not duplicated
 
 
+def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, capsys):
+    """Resuming from a checkpoint file older than the run's newest forks the run: the later checkpoints and metrics
+    lines move to a superseded-* folder (nothing deleted), and the next `--resume DIR` continues the fork."""
+    run = tmp_path / "run"
+    common = ["--quiet", "--checkpoint-every", "2", *SHORT]
+    assert train("--steps", "6", "--out", str(run), *common) == 0
+    first = (run / "metrics.jsonl").read_text().splitlines()
+    assert train("--resume", str(ckpt.path_for(run / "checkpoints", 2)), "--steps", "3", "--quiet") == 0
+    assert "moved to" in capsys.readouterr().err
+    [aside] = run.glob("superseded-*")
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(aside)] == [4, 6]
+    assert (aside / "metrics.jsonl").read_text().splitlines() == first[2:]  # steps 3..6 of the first run, kept
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(run / "checkpoints")] == [2, 3]
+    assert train("--resume", str(run), "--steps", "5", "--quiet") == 0
+    assert master(run)["version"] == 5
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    assert len(list(run.glob("superseded-*"))) == 1  # resuming from the newest checkpoint sets nothing aside
+
+
 def test_pipeline_run_learns_with_its_options(tmp_path):
     """--mode pipeline with every pipeline flag and bf16 autocast: the loss falls and the run directory holds the
     stages' metrics."""
