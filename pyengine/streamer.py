@@ -101,6 +101,8 @@ class GradientStreamer:
         self._backward_count = 0
         self._in_backward = False
         self._sync = False
+        self._end_deferred = False  # Note [Reentrant backward]
+        self._passes = 0  # backward passes begun, for backward_pass()
         self._fired = [False] * len(self._params)  # got a gradient in the current accumulation window
         self._pending = [0] * len(self.buckets)
         self._next_launch = 0
@@ -150,6 +152,9 @@ class GradientStreamer:
         with self._lock:
             if not self._in_backward:
                 self._begin_backward()
+            elif self._end_deferred:  # Note [Reentrant backward]: now on the outer backward's graph task
+                self._end_deferred = False
+                self._queue_end()
             self.hook_calls += 1
             self._fired[index] = True
             if not self._sync:
@@ -158,19 +163,40 @@ class GradientStreamer:
             self._pending[k] -= 1
             self._launch_ready()
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, queue_end: bool = True) -> None:
         self._in_backward = True
+        self._passes += 1
         self._sync = not self._no_sync and (self._backward_count + 1) % self._accumulate == 0
         if self._sync:
             self._pending = [len(members) for members in self._bucket_params]
             self._next_launch = 0
+        if queue_end:
+            self._queue_end()
+
+    def _queue_end(self) -> None:
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: ref() is not None and ref()._end_backward())
+            lambda: ref() is not None and ref()._end_backward(from_callback=True))
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, from_callback: bool = False) -> None:
+        """The end of a backward pass: launches what is left (parameters that got no gradient).
+
+        Note [Reentrant backward]
+        The end is a callback queued on the graph task of the backward the first hook fired in. Under a reentrant
+        activation checkpoint (``checkpoint(..., use_reentrant=True)``) that may be the *inner* backward, run from
+        inside a node of the outer one, with hooks of other parameters still to come: ending the pass there would
+        zero-fill them and start a second pass (DDP has the same trap and asks for ``use_reentrant=False``). So a
+        callback that runs while an autograd node is still executing on this thread (an outer backward is in
+        progress) only defers the end: the next hook re-queues it on the outer graph task, and
+        :meth:`backward_pass` ends the pass when the outer backward returns with no hook left to fire.
+        """
+        if from_callback and torch._C._current_autograd_node() is not None:
+            with self._lock:
+                self._end_deferred = True
+            return
         with self._lock:
             self._in_backward = False
+            self._end_deferred = False
             self._backward_count += 1
             if not self._sync:
                 return
@@ -198,6 +224,25 @@ class GradientStreamer:
             self._next_launch += 1
 
     # ---- host side ----
+
+    @contextlib.contextmanager
+    def backward_pass(self):
+        """Wrap each ``loss.backward()`` in this (optional, but :class:`~pyengine.Engine` workers always do):
+
+        - a backward that reaches no trainable parameter (a loss that does not depend on the model) fires no hook;
+          without this, the step's buckets would never be launched and :meth:`wait` would wait forever. Here it
+          counts as a pass in which no parameter got a gradient (``unused`` decides: zeros, or the error).
+        - a pass whose end was deferred by a reentrant checkpoint (Note [Reentrant backward]) ends here.
+        """
+        with self._lock:
+            passes = self._passes
+        yield self
+        with self._lock:
+            if self._passes == passes and not self._in_backward:
+                self._begin_backward(queue_end=False)
+            finish = self._in_backward
+        if finish:
+            self._end_backward()
 
     def accumulate(self, n: int) -> "GradientStreamer":
         """Copy gradients after every ``n``-th backward pass (gradient accumulation; ``param.grad`` accumulates as

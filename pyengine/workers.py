@@ -175,7 +175,8 @@ class Worker:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
-        loss.backward()
+        with self.streamer.backward_pass():  # a loss that reaches no parameter must still end the pass
+            loss.backward()
         return float(loss.detach())
 
     def compute(self, loss_fn, batches) -> tuple[float, float, float]:

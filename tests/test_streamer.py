@@ -217,6 +217,73 @@ def test_unused_parameter_error_names_it_and_does_not_hang():
         assert_slots_equal_grads(store, model, 0)
 
 
+class Checkpointed(torch.nn.Module):
+    """``a`` then ``b``; ``b`` (or both, ``whole=True``) under a reentrant activation checkpoint."""
+
+    def __init__(self, whole=False):
+        super().__init__()
+        self.a, self.b, self.whole = torch.nn.Linear(5, 6), torch.nn.Linear(6, 3), whole
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        if self.whole:
+            x = x.requires_grad_()  # a reentrant checkpoint needs an input that requires grad
+            return checkpoint(lambda t: self.b(torch.tanh(self.a(t))), x, use_reentrant=True).pow(2).mean()
+        return checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=True).pow(2).mean()
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["last-block", "whole-model"])
+def test_reentrant_checkpoint_streams_every_gradient(whole):
+    """Note [Reentrant backward]: the first hooks fire inside the checkpoint's inner backward, whose end is not the
+    end of the pass. Every slot equals its .grad, each bucket is launched once, one pass is counted."""
+    torch.manual_seed(0)
+    model = Checkpointed(whole)
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with streamer.backward_pass():  # needed for whole=True: no hook fires after the inner backward
+                model(torch.randn(4, 5)).backward()
+            streamer.wait_all()
+            assert_slots_equal_grads(store, model, 0)
+            assert not (store.grad_slot(0) == 0).all()
+            streamer.copy_back()
+        assert streamer._backward_count == 2 and streamer.hook_calls == 8
+
+
+def test_backward_reaching_no_parameter_ends_the_pass():
+    """A loss that does not depend on the model fires no hook: backward_pass() counts a pass with no gradient
+    (zeros, or the unused='error' message) instead of leaving every wait to hang."""
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    store.grad_slot(0).fill_(7.0)
+    with pyengine.GradientStreamer(model, store) as streamer:
+        with streamer.backward_pass():
+            torch.zeros((), requires_grad=True).backward()
+        assert streamer.wait(0, timeout=5.0)
+        streamer.wait_all()
+        assert all((view == 0).all() for view in slot_views(store, 0).values())
+    with pyengine.GradientStreamer(model, store, unused="error") as streamer:
+        with pytest.raises(RuntimeError, match=r"received no gradient"):
+            with streamer.backward_pass():
+                torch.zeros((), requires_grad=True).backward()
+        streamer.wait_all()
+
+
+@pytest.mark.parametrize("unused,error", [("zero", None), ("error", "received no gradient")])
+def test_engine_loss_reaching_no_parameter(rng, unused, error):
+    """Through the engine (workers wrap every backward): the step completes, or fails naming the cause; no hang."""
+    def constant(model, batch):
+        return torch.zeros((), requires_grad=True)
+
+    with pyengine.Engine(Net(), constant, devices=["cpu"] * 2, unused=unused, pin=False) as engine:
+        if error is None:
+            assert engine.step(batch(n=8))["applied"]
+        else:
+            with pytest.raises(pyengine.WorkerError, match=error):
+                engine.step(batch(n=8))
+
+
 @pytest.mark.parametrize("style", ["accumulate", "no_sync"])
 def test_gradient_accumulation(style):
     model = Net()

@@ -45,6 +45,7 @@ class CudaTransfer final : public BucketTransfer {
 
   void close() override {
     {
+      std::lock_guard<std::mutex> order(launch_mutex_);  // a launch in progress enqueues before the synchronize
       std::lock_guard<std::mutex> lock(mutex_);
       if (closed_) return;
       closed_ = true;

@@ -86,6 +86,9 @@ class CpuTransfer final : public BucketTransfer {
 
   void close() override {
     {
+      // launch_mutex_ first: a launch that passed its closed_ check finishes queueing its job before closed_ is
+      // set, so the thread still runs it (a job queued after the thread returned would never complete).
+      std::lock_guard<std::mutex> order(launch_mutex_);
       std::lock_guard<std::mutex> lock(mutex_);
       closed_ = true;  // the thread drains the queue, then returns
     }
