@@ -17,7 +17,7 @@ import threading
 import time
 
 from .metrics import step_metrics
-from .workers import WorkerError, batch_size, set_worker_threads
+from .workers import WorkerError, batch_size, deferred_interrupt, set_worker_threads
 
 
 class _BatchSource:
@@ -102,7 +102,9 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
                 while not stop.is_set():
                     with engine.phase("forward_backward+transfer", worker.index):
                         loss, compute, wait = worker.compute(engine.loss_fn, minibatches)
-                    with engine.mutex:
+                    # Note [Ctrl-C inside a step]: a push is applied whole (the lone CPU worker runs here, on the
+                    # calling thread, where Ctrl-C lands)
+                    with engine.mutex, deferred_interrupt("an async push", engine._abandon):
                         if stop.is_set():
                             return
                         with engine.phase("push", worker.index):
@@ -120,8 +122,16 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
                    for w in engine.workers]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except BaseException:  # Ctrl-C in join(): stop the workers after their current push, leave none running
+            stop.set()
+            for t in threads:
+                t.join()
+            for worker in engine.workers:
+                worker.streamer.reset()
+            raise
     if errors:
         for worker in engine.workers:
             worker.streamer.reset()

@@ -37,7 +37,7 @@ from .pipeline_distributed import DistributedPipeline, check_engine_options as c
 from .profiling import PhaseRecorder
 from .store import HostStore
 from .sync import sync_step
-from .workers import Worker, WorkerError, parse_devices, set_worker_threads
+from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, set_worker_threads
 
 __all__ = ["Engine", "StageError", "WorkerError"]
 
@@ -169,6 +169,7 @@ class Engine:
                 self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance,
                 unused=unused, autocast=autocast)
         self._closed = False
+        self._abandoned = False
         self.process_group = group
         self.servers = distributed.check_servers(servers, group, mode, self.store.numel)
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
@@ -184,14 +185,16 @@ class Engine:
         """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn; pipeline:
         ``(inputs, targets)`` through the stages in micro-batches)."""
         self._check_open()
-        if self.mode == "pipeline":
-            self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data-parallel replicas
-            return self._record(self.pipeline.step(batch))
-        if self.mode == "hybrid":
-            return self._record(self.dist.step(self, batch) if self.dist is not None else hybrid_step(self, batch))
-        if self.mode == "sync":
+        if self.mode == "async":
+            raise ValueError("step() is for mode='hybrid' or 'sync'; async workers pull batches: use fit(batches)")
+        with deferred_interrupt(f"step {self.version + 1}", self._abandon):  # Note [Ctrl-C inside a step]
+            if self.mode == "pipeline":
+                self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data replicas
+                return self._record(self.pipeline.step(batch))
+            if self.mode == "hybrid":
+                return self._record(self.dist.step(self, batch) if self.dist is not None else
+                                    hybrid_step(self, batch))
             return self._record(sync_step(self, batch))
-        raise ValueError("step() is for mode='hybrid' or 'sync'; async workers pull batches: use fit(batches)")
 
     def fit(self, batches, steps: int | None = None, epochs: int | None = None, callbacks=()) -> list[dict]:
         """Trains on ``batches`` (an iterable; re-iterated per epoch) for ``steps`` updates or ``epochs`` passes.
@@ -581,6 +584,12 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Engine is closed")
+        if self._abandoned:
+            raise RuntimeError("a step of this Engine was abandoned by a second Ctrl-C (Note [Ctrl-C inside a step]): "
+                               "its state is undefined; close() it and restore a checkpoint into a new Engine")
+
+    def _abandon(self) -> None:
+        self._abandoned = True
 
     @staticmethod
     def _check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast, loss_fn):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -18,7 +20,7 @@ import torch
 from . import _C
 from .streamer import GradientStreamer
 
-__all__ = ["Worker", "WorkerError", "parse_devices", "split_batch", "batch_size", "to_device"]
+__all__ = ["Worker", "WorkerError", "deferred_interrupt", "parse_devices", "split_batch", "batch_size", "to_device"]
 
 
 class WorkerError(RuntimeError):
@@ -141,6 +143,42 @@ def host_threads(devices: list[torch.device], numel: int | None = None):
         yield
     finally:
         _C._set_serial_on_this_thread(previous)
+
+
+@contextlib.contextmanager
+def deferred_interrupt(what: str, on_escape=None):
+    """Within: the first Ctrl-C (SIGINT) is recorded, not raised; KeyboardInterrupt is raised when the block ends.
+
+    Note [Ctrl-C inside a step]
+    Python raises KeyboardInterrupt on the main thread between any two bytecodes. Inside a step that can leave the
+    engine half done: worker tasks still running on the pool, gradient buckets launched and never released (the
+    next step would read them as its own), the store updated in some buckets and not others with ``version``
+    already advanced. So while a step (or an async push) runs on the main thread, the first Ctrl-C only asks: the
+    step completes, then KeyboardInterrupt is raised with the engine consistent. A second Ctrl-C in the same step
+    raises at once (the way out of a step that hangs) and calls ``on_escape``: the engine is then unusable (its
+    next call says so). Nothing changes when the block runs on another thread (signals reach the main thread only)
+    or when the program has its own SIGINT handler (the CLI's saves a checkpoint and stops cleanly).
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed = []
+
+    def handler(signum, frame):
+        pressed.append(signum)
+        if len(pressed) > 1:
+            if on_escape is not None:
+                on_escape()
+            raise KeyboardInterrupt(f"second Ctrl-C: {what} abandoned")
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt(f"Ctrl-C during {what}: it completed first")
 
 
 class Worker:

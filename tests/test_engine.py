@@ -507,6 +507,77 @@ def test_invalid_state_changes_nothing(rng, what, corrupt, error):
                 assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 2), ("hybrid", 1), ("pipeline", 2)])
+def test_ctrl_c_inside_a_step_completes_it_then_raises(rng, mode, workers):
+    """Note [Ctrl-C inside a step]: SIGINT arriving in the middle of the update (hybrid: between two buckets) is held
+    until the step is complete; then KeyboardInterrupt. The weights are those of the whole step (as an engine that was
+    not interrupted), and the next step trains normally. A second SIGINT in a step gets out at once and leaves the
+    engine refusing further work until it is closed."""
+    import signal
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("the test runner handles SIGINT itself")
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+    batches = make_batches(rng, 2, 8)
+    kwargs = dict(devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT), pin=False, **TINY_BUCKETS, **options)
+    with Engine(make_model(), loss_fn, **kwargs) as plain:
+        for b in batches:
+            plain.step(b)
+        expected = plain.master_state_dict()
+
+    def interrupting(times):
+        calls = [0]
+
+        def update_range(*args, **kw):
+            Engine.update_range(engine, *args, **kw)
+            calls[0] += 1
+            if calls[0] == 1:  # after the first range's update: hybrid, before the other buckets' updates
+                for _ in range(times):
+                    signal.raise_signal(signal.SIGINT)
+        return update_range
+
+    with Engine(make_model(), loss_fn, **kwargs) as engine:
+        engine.update_range = interrupting(1)
+        with pytest.raises(KeyboardInterrupt, match="it completed first"):
+            engine.step(batches[0])
+        assert engine.version == 1
+        del engine.update_range
+        engine.step(batches[1])
+        for name, value in engine.master_state_dict().items():
+            assert torch.equal(value, expected[name]), name
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        engine.update_range = interrupting(2)
+        with pytest.raises(KeyboardInterrupt, match="second Ctrl-C"):
+            engine.step(batches[0])
+        with pytest.raises(RuntimeError, match="abandoned by a second Ctrl-C"):
+            engine.step(batches[0])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("workers", [2, 1])  # 1: the lone CPU worker runs its loop on the calling thread
+def test_ctrl_c_during_async_fit_stops_every_worker(rng, workers):
+    """Ctrl-C while async workers run: fit raises KeyboardInterrupt once every worker has stopped after its current
+    push (none left running, every push applied whole), and the engine trains on afterwards."""
+    import signal
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("the test runner handles SIGINT itself")
+    batches = make_batches(rng, 4, 8)
+
+    def interrupt_at_5(engine, metrics):
+        if engine.stats()["pushes"] == 5:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT),
+                pin=False) as engine:
+        with pytest.raises(KeyboardInterrupt):
+            engine.fit(batches, steps=10_000, callbacks=[interrupt_at_5])
+        time.sleep(0.2)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async")]
+        stats = engine.stats()
+        assert 5 <= stats["pushes"] <= 5 + workers and engine.version == stats["applied_updates"]
+        assert len(engine.fit(batches, steps=3)) == 3
+        assert engine.stats()["pushes"] == stats["pushes"] + 3
+
+
 def _new_thread_count() -> int:
     """The intra-op thread count a thread started now begins with."""
     seen = []
