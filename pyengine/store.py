@@ -49,7 +49,7 @@ def _trainable(model_or_named_parameters) -> list[tuple[str, torch.nn.Parameter]
         named: Iterable = model_or_named_parameters.named_parameters()
     else:
         named = model_or_named_parameters
-    seen, out = set(), []
+    seen, names, out = set(), set(), []
     for item in named:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise TypeError("HostStore: expected an nn.Module or an iterable of (name, tensor) pairs; got an item of "
@@ -57,6 +57,9 @@ def _trainable(model_or_named_parameters) -> list[tuple[str, torch.nn.Parameter]
         name, param = item
         if not param.requires_grad or id(param) in seen:
             continue
+        if name in names:
+            raise ValueError(f"HostStore: two different parameters are both named {name!r}; names must be unique")
+        names.add(name)
         if not param.is_floating_point():
             raise TypeError(f"HostStore: parameter {name!r} must be floating point; got {param.dtype}")
         seen.add(id(param))

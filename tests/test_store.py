@@ -170,6 +170,9 @@ def test_argument_errors():
         make(model, grad_dtype=torch.float64)
     with pytest.raises(ValueError, match="workers must be an int"):
         make(model, workers=True)
+    with pytest.raises(ValueError, match="both named 'w'"):
+        pyengine.HostStore([("w", torch.nn.Parameter(torch.zeros(2))), ("w", torch.nn.Parameter(torch.zeros(3)))],
+                           pin=False)
     for pin in ("yes", 1, None):
         with pytest.raises(ValueError, match="pin must be True, False or 'auto'"):
             make(model, pin=pin)
