@@ -120,15 +120,16 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     else:
         threads = [threading.Thread(target=loop, args=(w,), name=f"pyengine-async-{w.index}", daemon=True)
                    for w in engine.workers]
-        for t in threads:
-            t.start()
         try:
             for t in threads:
-                t.join()
-        except BaseException:  # Ctrl-C in join(): stop the workers after their current push, leave none running
-            stop.set()
+                t.start()
             for t in threads:
                 t.join()
+        except BaseException:  # Ctrl-C here: stop the workers after their current push, leave none running
+            stop.set()
+            for t in threads:
+                if t.ident is not None:  # started (a thread whose start() was interrupted included)
+                    t.join()
             for worker in engine.workers:
                 worker.streamer.reset()
             raise

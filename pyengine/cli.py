@@ -676,8 +676,25 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             progress.update(rec)
             if state["step"] % every == 0 and state["step"] < target:
                 save_checkpoint()
-            if stop.requested:
+            if stop_agreed():
                 raise Interrupted
+
+        def stop_agreed() -> bool:
+            """Whether to stop after this step. Note [Stopping together under torchrun]: a SIGINT may reach some ranks
+            and not others, or reach them between their checks (sent by a scheduler to the processes, not through
+            torchrun's agent). Ranks that decided apart would run different collectives next (one the final
+            checkpoint's, another the next step's) and hang until the group's timeout, with no final checkpoint.
+            So the ranks agree after every step: one MAX all-reduce of their flags. Async runs decide per push on
+            the rank that applies it (their protocol stops every rank), so they keep the local flag."""
+            if world == 1 or mode == "async":
+                return stop.requested
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if stop.requested else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                stop.requested = True  # the summary then says "interrupted" on every rank
+            return flag.item() > 0
 
         interrupted = False
         train_start = time.perf_counter()

@@ -395,11 +395,16 @@ class DistributedHybrid(_FailureNaming):
         self.steps += 1
         self._enter(f"step {self.steps}")
         start = time.perf_counter()
-        shards = split_batch(batch, engine.num_workers)
-        sizes = [batch_size(s) for s in shards]
-        counts = torch.tensor([float(sum(sizes))], dtype=torch.float64)
-        with _collective("allreduce of the batch sizes", self.rank, self._explain):
-            dist.all_reduce(counts, group=self.group)
+        try:  # a bad local batch fails this rank's step like any other error: recorded, and the group is broken
+            shards = split_batch(batch, engine.num_workers)
+            sizes = [batch_size(s) for s in shards]
+            counts = torch.tensor([float(sum(sizes))], dtype=torch.float64)
+            with _collective("allreduce of the batch sizes", self.rank, self._explain):
+                dist.all_reduce(counts, group=self.group)
+        except BaseException as exc:
+            self.broken = True
+            self._record_failure(exc)
+            raise
         total = counts.item()
         weights = [n / total for n in sizes]
         self._share_buffers(engine)

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import time
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -178,6 +179,13 @@ class _PipelinedLayers(torch.nn.Module):
                 return self.layers(x)
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise StageError(self.stage, self.replica, self.device, exc) from exc
+
+
+def batch_checksum(t: torch.Tensor) -> float:
+    """CRC-32 of a tensor's bytes (any dtype, any device), as a float (exact: < 2**32). The same data gives the same
+    value whatever the thread count, unlike a floating-point sum (Note [The same batch on every rank])."""
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    return float(zlib.crc32(data.view(torch.uint8).numpy()))
 
 
 class DistributedPipeline(_FailureNaming):
@@ -476,13 +484,12 @@ class DistributedPipeline(_FailureNaming):
         The first rank runs the inputs, the last rank scores the outputs against its targets: with a different batch
         per rank (a DistributedSampler per rank, as for data parallelism) the pipeline would train on inputs paired
         with another batch's targets, silently. So before any work each rank takes a fingerprint of its batch (its
-        sizes and float64 sums of inputs and targets: the same data gives the same bits on every rank) and one small
-        all-reduce (MAX of the fingerprint and of its negation) tells every rank whether they all agree."""
-        def total(t):
-            return torch.nan_to_num(t.detach().to("cpu", torch.float64).sum(), nan=1e300)  # NaN equals NaN here
+        sizes and the CRC-32 of the bytes of inputs and targets) and one small all-reduce (MAX of the fingerprint and
+        of its negation) tells every rank whether they all agree. A checksum of the bytes, not a floating-point sum:
+        a sum's last bits depend on how many intra-op threads split it, and ranks may run different counts."""
         both = self._fingerprint  # Note [Collective tensors outlive their work]
-        both[0], both[1], both[2], both[3] = float(inputs.numel()), float(targets.numel()), total(inputs), \
-            total(targets)
+        both[0], both[1], both[2], both[3] = float(inputs.numel()), float(targets.numel()), \
+            batch_checksum(inputs), batch_checksum(targets)
         both[4:] = -both[:4]
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         return torch.equal(both[:4], -both[4:])

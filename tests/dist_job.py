@@ -212,6 +212,25 @@ def failure_in_loss(seed, rank, world, how="raise"):
     return {}
 
 
+def bad_local_batch(seed, rank, world):
+    """Rank 1's fourth local batch has 1 sample for its 2 workers: its step fails before the first collective. It
+    catches the error and tries the next step, which must refuse (the group is broken: stepping on would pair its
+    steps with the others' earlier ones); the others must raise naming rank 1's error."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 50, 16)]
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        for i, b in enumerate(batches):
+            if rank == 1 and i == 3:
+                _stamp(FAILING)
+                try:
+                    engine.step(tuple(t[:1] for t in b))
+                except ValueError as exc:
+                    print(f"rank 1 step 4: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            engine.step(b)
+    return {}
+
+
 def async_failure(seed, rank, world):
     """The last rank (a client) dies after a few pushes: the server must raise."""
     batches = [client_batch(seed, rank, i) for i in range(200)] if rank else []
@@ -376,7 +395,7 @@ def main():
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
-                 "overlap": overlap,
+                 "overlap": overlap, "bad-local-batch": bad_local_batch,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}
     try:

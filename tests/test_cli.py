@@ -340,3 +340,56 @@ def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pyengine train: error:") and message in err[0], err
     assert not out.exists()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                found.append(int(entry))
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
+def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Note [Stopping together under torchrun]: SIGINT sent to rank 1 alone (as a scheduler may) stops both ranks
+    after the same step; rank 0 writes the final checkpoint of that step and the summary, no collective times out."""
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "pyengine", "train", "--steps", "100000", "--checkpoint-every", "100000", "--out",
+                             str(out), "--workers", "1", *SHORT[:4], "--devices", "cpu"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        metrics = out / "metrics.jsonl"
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+            time.sleep(0.2)
+        ranks = {_rank_of(pid): pid for pid in _children(proc.pid)}
+        assert 1 in ranks, f"rank processes not found: {ranks}"
+        os.kill(ranks[1], signal.SIGINT)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert "Timed out" not in stderr and "DistributedError" not in stderr, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and summary["steps"] >= 5 and summary["processes"] == 2
+    assert ckpt.latest(out / "checkpoints").name == f"step-{summary['steps']:08d}.pyeckpt"

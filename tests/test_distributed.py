@@ -453,6 +453,17 @@ def test_a_hybrid_rank_whose_loss_raises_mid_step_ends_the_others_with_an_error_
                          r"purpose$", error), error
 
 
+@pytest.mark.timeout(120)
+def test_a_bad_local_batch_breaks_the_group_and_is_named(tmp_path, seed):
+    """A rank whose own batch is refused (fewer samples than its workers) fails its step like any other error: the
+    others name its error, and its next step refuses instead of pairing with the others' earlier collectives."""
+    codes, logs, _ = launch("bad-local-batch", 2, tmp_path, seed, timeout=60.0, grace=15.0)
+    assert "rank 1 step 4: ValueError: a batch of 1 samples cannot feed 2 workers" in logs[1], logs[1]
+    assert codes[1] not in (0, None) and "an earlier step failed; the group is no longer usable" in logs[1], logs[1]
+    [(_, error)] = survivor_errors(codes, logs, (0,))
+    assert "rank 1 failed: ValueError: a batch of 1 samples cannot feed 2 workers" in error, error
+
+
 @pytest.mark.timeout(90)
 def test_hybrid_allreduce_of_early_buckets_overlaps_backward(tmp_path, seed):
     """Each bucket's allreduce is launched as soon as every local worker delivered it, while backward goes on: with

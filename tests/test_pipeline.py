@@ -962,3 +962,26 @@ def test_engine_over_process_group_bad_options(tmp_path):
                 Engine(make_model(), loss_fn, mode="pipeline", process_group=group, pin=False, **options)
     finally:
         dist.destroy_process_group()
+
+
+def test_batch_checksum_does_not_depend_on_the_thread_count():
+    """Note [The same batch on every rank]: ranks may run different intra-op thread counts; the fingerprint of the
+    same batch must still be the same bits (a float64 sum's last bits are not), and a changed batch must differ."""
+    from pyengine.pipeline_distributed import batch_checksum
+    x = torch.randn(3 * 64 * 64 * 64, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        seen = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            seen.append((batch_checksum(x), x.double().sum().item()))
+    finally:
+        torch.set_num_threads(threads)
+    assert len({c for c, _ in seen}) == 1
+    print("float64 sums by thread count:", [s.hex() for _, s in seen])  # the premise, where the cores allow it
+    y = x.clone()
+    y[12345] = torch.nextafter(y[12345], torch.tensor(float("inf")))
+    assert batch_checksum(y) != batch_checksum(x)
+    assert batch_checksum(x.view(64, -1)[:, ::2]) == batch_checksum(x.view(64, -1)[:, ::2].contiguous())
+    for t in (torch.arange(7), torch.ones(3, dtype=torch.bool), x[:9].bfloat16(), torch.zeros(0)):
+        assert batch_checksum(t) == batch_checksum(t.clone())
