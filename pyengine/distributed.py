@@ -599,14 +599,15 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
 
 # ---- multi-node async: ranks 0..K-1 serve shards of the store, the other ranks push --------------------------------
 
-# Server -> client header: [status, version, id of this client's last applied push, failed rank (-1: none), staleness
-# of the push just decided], then (a state message) the server's shard of the weights. Client -> server header:
-# [kind, push id, version at pull, samples, loss, norm of the whole gradient, non-finite flag, staleness (COMMIT) or
-# failed rank (FAILED)], then (PUSH, COMMIT) the shard of the gradient. float64 tensors: exact for these integers
-# and for the fp32 norm.
+# Server -> client header: [status, version (a decision: rank 0's version right after applying the push, i.e. its
+# Adam step), id of this client's last applied push, failed rank (-1: none), staleness of the push just decided],
+# then (a state message) the server's shard of the weights. Client -> server header: [kind, push id, version at
+# pull, samples, loss, norm of the whole gradient, non-finite flag, staleness (COMMIT) or failed rank (FAILED), Adam
+# step (COMMIT)], then (PUSH, COMMIT) the shard of the gradient. float64 tensors: exact for these integers and for
+# the fp32 norm.
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
 _PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
-_SERVER_HEADER, _CLIENT_HEADER = 5, 8
+_SERVER_HEADER, _CLIENT_HEADER = 5, 9
 
 
 def _encode_text(text: str) -> torch.Tensor:
@@ -820,10 +821,11 @@ class AsyncServer:
             if not self._receive(header, client, expect=(_PUSH,)):
                 return
             self._exchange(dist.recv, grad[lo:hi], client, "receive of a gradient from")
-            status, staleness = self._apply(client, grad, header)
+            status, staleness, step = self._apply(client, grad, header)
             if status == _GO:
                 last_applied = int(header[1].item())
-            if self.servers > 1 and self._ends(client, self._send_header(client, status, last_applied, staleness)):
+            if self.servers > 1 and self._ends(client, self._send_header(client, status, last_applied, staleness,
+                                                                         version=step)):
                 return
 
     def _ends(self, client: int, status: float) -> bool:
@@ -844,53 +846,56 @@ class AsyncServer:
                 return
             if header[0].item() == _COMMIT:
                 self._exchange(dist.recv, grad[lo:hi], client, "receive of a gradient from")
-                self._apply(client, grad, header, staleness=int(header[7].item()))
+                self._apply(client, grad, header, staleness=int(header[7].item()), step=int(header[8].item()))
 
-    def _apply(self, client: int, grad: torch.Tensor, header: torch.Tensor, staleness: int | None = None
-               ) -> tuple[float, int]:
+    def _apply(self, client: int, grad: torch.Tensor, header: torch.Tensor, staleness: int | None = None,
+               step: int | None = None) -> tuple[float, int, int]:
         """Applies a push to this server's shard under the mutex (rank 0 decides; the others are given the
-        ``staleness`` rank 0 applied it with); returns the status for the client and the push's staleness. An
-        exception (a callback, ``nonfinite="raise"``) stops the run: the client is told ABORT next."""
+        ``staleness`` and the Adam ``step`` rank 0 applied it with: a push applied on the shards in different orders
+        still gets one bias correction everywhere); returns the status for the client, the push's staleness and its
+        Adam step (0 when not applied). An exception (a callback, ``nonfinite="raise"``) stops the run: the client is
+        told ABORT next."""
         try:
-            return self._apply_push(client, grad, header, staleness)
+            return self._apply_push(client, grad, header, staleness, step)
         except Exception as exc:  # noqa: BLE001 - re-raised by run()
             self._fail(self.rank, f"applying a push of rank {client} raised {_short_error(exc)}", cause=exc)
-            return _ABORT, 0
+            return _ABORT, 0, 0
 
-    def _apply_push(self, client, grad, header, staleness) -> tuple[float, int]:
+    def _apply_push(self, client, grad, header, staleness, step) -> tuple[float, int, int]:
         engine = self.engine
         push_id, pulled, samples, loss, norm, nonfinite = header[1:7].tolist()
         with engine.mutex, engine.phase("push", client):
             if self.stop.is_set():
-                return _STOP, 0
+                return _STOP, 0, 0
             start = time.perf_counter()
             pushed = engine.apply_push(int(pulled), [], grads=[grad], staleness=staleness, span=self.span,
-                                       norm=(torch.tensor(norm, dtype=torch.float32), nonfinite != 0.0))
+                                       norm=(torch.tensor(norm, dtype=torch.float32), nonfinite != 0.0), step=step)
             if pushed is None:
-                return _REFRESH, 0
+                return _REFRESH, 0, 0
             applied, staleness = pushed
+            step = (engine.version if step is None else step) if applied else 0
             update = time.perf_counter() - start
             metrics = step_metrics(engine, loss=loss, samples=int(samples), wall=update, compute=0.0, update=update,
                                    transfer_wait=0.0, copy_back=0.0, applied=applied, worker=client, rank=client,
                                    push_id=int(push_id), version_at_pull=int(pulled),
                                    version_at_apply=engine.version - int(applied), staleness=staleness,
-                                   server=self.rank)
+                                   server=self.rank, adam_step=step if applied else None)
             engine.history.append(metrics)
             for callback in self.callbacks:
                 callback(engine, metrics)
             if self.rank == 0 and (engine.stop_requested or
                                    self.last_push is not None and engine.stats()["pushes"] >= self.last_push):
                 self.stop.set()
-        return _GO, staleness
+        return _GO, staleness, step
 
     def _send_header(self, client: int, status: float, last_applied: int, staleness: int,
-                     weights: bool = False) -> float:
+                     weights: bool = False, version: int | None = None) -> float:
         """Sends ``client`` a header (ABORT naming the failed rank once this server failed) and with ``weights``
         a snapshot of this server's shard taken under the mutex, then STOP once rank 0 stopped (a decision is sent
         as it was taken: the push that reached ``steps`` is still committed); returns the status sent."""
         lo, hi = self.span
         with self.engine.mutex:
-            version = self.engine.version
+            version = self.engine.version if version is None else version
             snapshot = self.engine.store.param[lo:hi].clone() if weights else None
         failed, failure = -1.0, self.failure
         if failure is not None:
@@ -1070,13 +1075,13 @@ class _AsyncClient:
 
     def _decide(self, header: list) -> float:
         """Step 4 with K > 1: rank 0's decision, then COMMIT (with its staleness) or DROP to every other server."""
-        status, _, _, failed, staleness, text = self._receive_header(0)
+        status, step, _, failed, staleness, text = self._receive_header(0)
         if status == _ABORT:
             raise _ClientAbort(failed, text, reporter=0)
         if status == _STOP:
             self._tell_waiting(_DONE)
             return status
-        message = [_COMMIT] + header[1:7] + [staleness] if status == _GO else [_DROP]
+        message = [_COMMIT] + header[1:7] + [staleness, step] if status == _GO else [_DROP]
         sent, failure = [], None
         for s in range(1, self.servers):
             try:

@@ -522,8 +522,9 @@ class Engine:
         return True
 
     def update_range(self, begin: int, end: int, slots: list[torch.Tensor], weights: list[float] | None,
-                     norm: torch.Tensor, lr: float | None = None) -> None:
-        """The fused mean-gradient AdamW over elements ``[begin, end)`` of the store at step ``version``.
+                     norm: torch.Tensor, lr: float | None = None, step: int | None = None) -> None:
+        """The fused mean-gradient AdamW over elements ``[begin, end)`` of the store at step ``version`` (or
+        ``step``: a multi-node async server applies a push with the coordinating server's step).
 
         ``slots``: the full gradient slots of the step's workers; ``norm``: the global norm of their (weighted) mean,
         used when the optimizer clips. Elementwise, so updating the store range by range gives the same bits as one
@@ -537,20 +538,21 @@ class Engine:
 
         torch.ops.pyengine.mean_grad_adamw_.default(
             store.param[begin:end], store.exp_avg[begin:end], store.exp_avg_sq[begin:end],
-            [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=self.version,
+            [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=self.version if step is None else step,
             max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
             param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
     def apply_push(self, pulled: int, workers: list[int], grads: list[torch.Tensor] | None = None, *,
                    staleness: int | None = None, span: tuple[int, int] | None = None,
-                   norm: tuple[torch.Tensor, bool] | None = None) -> tuple[bool, int] | None:
+                   norm: tuple[torch.Tensor, bool] | None = None, step: int | None = None) -> tuple[bool, int] | None:
         """One async push computed at version ``pulled``, under the mutex (Note [Async pushes and staleness]): None
         when it is too stale and must refresh (counted); else it is counted, applied from the slots of ``workers``
         (or ``grads``) with the staleness policy's lr, and ``(applied, staleness)`` is returned.
 
         Multi-node async servers (:mod:`pyengine.distributed`) pass ``span=(begin, end)``, their shard of the store,
         with ``norm=(norm, nonfinite)`` of the whole pushed gradient, so that every shard clips and skips alike;
-        ``staleness``, when given, is the coordinating server's admission decision (no refresh check here).
+        ``staleness``, when given, is the coordinating server's admission decision (no refresh check here), and
+        ``step`` its Adam step for this push (bias correction; default: this engine's ``version`` after the push).
         """
         decided = staleness is not None
         staleness = staleness if decided else self.version - pulled
@@ -564,7 +566,7 @@ class Engine:
         else:
             applied = self.admit_update(norm[1], workers)
             if applied:
-                self.update_range(span[0], span[1], grads, None, norm[0], lr)
+                self.update_range(span[0], span[1], grads, None, norm[0], lr, step=step)
         self._staleness[staleness] += 1
         return applied, staleness
 

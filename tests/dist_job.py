@@ -265,7 +265,7 @@ def poisoned_loss(model, batch):
 
 
 def _push_record(engine):
-    return [{k: m[k] for k in ("rank", "push_id", "applied", "version_at_pull", "staleness", "server")}
+    return [{k: m[k] for k in ("rank", "push_id", "applied", "version_at_pull", "staleness", "server", "adam_step")}
             for m in engine.history if "server" in m]
 
 

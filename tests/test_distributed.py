@@ -315,6 +315,12 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
                 sorted((m["rank"], m["push_id"], m["applied"], m["staleness"]) for m in first), f"{name}: server {s}"
             assert stats["staleness_histogram"] == runs[0]["stats"]["staleness_histogram"]
             assert stats["version"] == runs[0]["stats"]["version"] == stats["applied_updates"]
+            # one bias correction per push on every shard: rank 0's Adam step, whatever order a server applied in
+            steps = {(m["rank"], m["push_id"]): m["adam_step"] for m in history if m["applied"]}
+            assert steps == {(m["rank"], m["push_id"]): m["adam_step"] for m in first if m["applied"]}, \
+                f"{name}: server {s}"
+        assert sorted(m["adam_step"] for m in first if m["applied"]) == \
+            list(range(1, runs[0]["stats"]["applied_updates"] + 1)), name
         for c in range(servers, world):
             ids = applied_ids(first, c)
             assert ids == list(range(1, len(ids) + 1)), f"{name}, rank {c}: pushes lost or reordered: {ids}"
