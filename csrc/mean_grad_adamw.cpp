@@ -146,7 +146,8 @@ int64_t check_norm_args(at::TensorList grads, int64_t num_tensors, const std::op
       const std::string name = "grads[" + std::to_string(g) + "]" + (num_tensors > 1 ? "[" + std::to_string(i) + "]"
                                                                                          : std::string());
       TORCH_CHECK_VALUE(t.defined(), op_name, ": ", name, " is undefined");
-      TORCH_CHECK_VALUE(t.device() == first.device(), op_name, ": ", name, " must be on ", first.device(),
+      // Against the very first gradient: every tensor's gradients on one device (the kernel is launched on it).
+      TORCH_CHECK_VALUE(t.device() == grads[0].device(), op_name, ": ", name, " must be on ", grads[0].device(),
                         " like the other gradients; got ", describe(t));
       TORCH_CHECK_TYPE(is_grad_dtype(t.scalar_type()), op_name, ": ", name,
                        " must be float32, bfloat16 or float16; got ", describe(t));

@@ -455,6 +455,9 @@ class Engine:
         overlaps with a lone CPU worker anyway: the gradient copies still run on the streamer's copy thread, and
         the host's per-bucket work simply finds every bucket ready.
         """
+        for i in tasks:  # after what this thread enqueued (a batch on the GPU, share_buffers' copies)
+            if self.workers[i].stream is not None:
+                self.workers[i].stream.wait_stream(torch.cuda.current_stream(self.workers[i].device))
         if not self.inline_worker:
             return {i: self._pool.submit(fn) for i, fn in tasks.items()}
         futures = {}

@@ -54,9 +54,13 @@ Note [CUDA ordering between stages]
 A message is (micro-batch, tensor, event). The sender moves the tensor to the receiver's device on its own stream
 (a device-to-device copy is ordered after the sender's kernels by PyTorch), records the event there and enqueues.
 The receiver's stream waits on the event (no host sync) and ``record_stream`` tells the caching allocator the tensor
-is used on the receiver's stream, so its memory is not reused before that work is done. Weights come back from the
-pinned store with non-blocking copies on the stage's stream; gradient copies to the store are waited for (stream
-synchronize) before the stage's thread returns, so the update never reads a slot still being written.
+is used on the receiver's stream, so its memory is not reused before that work is done. A CPU sender hands a CUDA
+receiver a tensor copied to its device synchronously; a CPU receiver of a CUDA sender's copy waits on the event on
+the host. Weights come back from the pinned store with non-blocking copies on the stage's stream; gradient copies to
+the store are waited for (stream synchronize) before the stage's thread returns, so the update never reads a slot
+still being written. Before a step, each stage's stream waits for the work the caller enqueued on its device (the
+batch, the replicas' buffers shared by :meth:`Engine.share_buffers`): pool streams do not wait on the default
+stream by themselves.
 """
 from __future__ import annotations
 
@@ -266,12 +270,15 @@ class _Channel:
         self._stop = stop
 
     def put(self, m: int, tensor: torch.Tensor, device: torch.device, stream) -> None:
+        """Sends micro-batch ``m``'s ``tensor`` to the receiver on ``device``; ``stream``: the sender's (None: CPU)."""
         event = None
         if stream is not None:
             with torch.cuda.stream(stream):
                 tensor = tensor.to(device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
+        else:
+            tensor = tensor.to(device)  # from a CPU stage: complete when it returns
         self._queue.put((m, tensor, event))
 
     def get(self, m: int, stream) -> torch.Tensor:
@@ -284,8 +291,11 @@ class _Channel:
                     raise _Stopped from None
         if got != m:
             raise RuntimeError(f"pipeline channel out of order: expected micro-batch {m}, got {got}")
-        if event is not None:
-            stream.wait_event(event)
+        if event is not None and stream is None:
+            event.synchronize()  # a CPU stage receiving a CUDA stage's copy
+        elif stream is not None:
+            if event is not None:
+                stream.wait_event(event)
             tensor.record_stream(stream)
         return tensor
 
@@ -485,6 +495,9 @@ class Pipeline:
         channels = [[(_Channel(stop), _Channel(stop)) for _ in range(self.num_stages - 1)]
                     for _ in range(self.replicas)]
         futures = {}
+        for stage in (st for row in self.stages for st in row):
+            if stage.stream is not None:  # Note [CUDA ordering between stages]: after the caller's work
+                stage.stream.wait_stream(torch.cuda.current_stream(stage.device))
         for s, row in enumerate(self.stages):
             for r, stage in enumerate(row):
                 task = self._stage_task(stage, channels[r], inputs[r], targets[r], shard_sizes[r], stop, failures)

@@ -223,7 +223,13 @@ class Worker:
         Returns (mean loss, seconds of forward+backward, seconds waiting for the last copies). The copies into the
         host slot are complete when this returns.
         """
-        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        context = contextlib.nullcontext()
+        if self.stream is not None:
+            # A pool stream does not wait on the default stream by itself: order this step after the work enqueued
+            # on the calling thread's current stream (a batch already on this device, buffers shared into the
+            # replica, the replica's own construction)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            context = torch.cuda.stream(self.stream)
         with context:
             start = time.perf_counter()
             self.replica.zero_grad(set_to_none=True)

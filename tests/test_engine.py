@@ -260,7 +260,8 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng, workers, work
                 **TINY_BUCKETS) as engine:
         engine.step(batches[0])
         before = engine.master_state_dict()
-        with pytest.raises(WorkerError, match=r"worker \d \(cpu\) failed: RuntimeError: boom in loss") as info:
+        with pytest.raises(WorkerError, match=rf"worker \d \({worker_device}\) failed: RuntimeError: boom in loss") \
+                as info:
             engine.step(batches[1])
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.worker in range(workers)
         after = engine.master_state_dict()
@@ -317,7 +318,7 @@ def test_failing_async_worker_stops_everyone(rng, worker_device):
 
     start = time.monotonic()
     with Engine(make_model(), fail_on_fifth_call_of_worker_2, devices=[worker_device] * 4, mode="async") as engine:
-        with pytest.raises(WorkerError, match=r"worker 2 \(cpu\) failed: ValueError: bad sample"):
+        with pytest.raises(WorkerError, match=rf"worker 2 \({worker_device}\) failed: ValueError: bad sample"):
             engine.fit(batches, epochs=50)
         assert engine.stats()["pushes"] < 400, "the others must stop soon after the failure"
     assert time.monotonic() - start < 60
@@ -690,6 +691,7 @@ def assert_buffers_match(buffers, reference_model, rtol=1e-5):
     expected = dict(reference_model.named_buffers())
     assert sorted(buffers) == sorted(expected)
     for name, value in buffers.items():
+        value = value.detach().cpu()  # replicas' buffers live on their (CUDA) devices
         if value.dtype == torch.int64:
             assert torch.equal(value, expected[name]), name
         else:

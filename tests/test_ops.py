@@ -425,6 +425,10 @@ def test_device_mismatch_is_an_error():
     with pytest.raises(ValueError, match=r"grads\[1\] must be on cpu"):
         ops.mean_grad_adamw_(call.pop("param"), call.pop("exp_avg"), call.pop("exp_avg_sq"), call.pop("grads"),
                              **call)
+    # the norm of many tensors: the second tensor's gradients on another device than the first's (the kernel would
+    # read them as device memory)
+    with pytest.raises(ValueError, match=r"grads\[0\]\[1\] must be on cuda"):
+        ops.mean_grad_norm_multi([[torch.ones(3, device="cuda"), torch.ones(4)]])
 
 
 def test_multi_bad_structure_is_an_error(device):
@@ -617,6 +621,30 @@ def test_cuda_matches_cpu_bit_for_bit():
     inputs = update_inputs()
     for a, b in zip(one_update(torch.device("cpu"), inputs)[:5], one_update(torch.device("cuda"), inputs)[:5]):
         assert torch.equal(a, b.cpu())
+
+
+@CUDA
+def test_cuda_matches_cpu_with_clipping_and_grad_scale_given_the_same_norm(rng):
+    """The multiplier (grad_scale, clip by a given norm) is the same float arithmetic on both devices, so with the
+    same norm the updates are bit-equal. The norms themselves are summed in a different order on each device (each
+    reproducible on its own): close, not equal."""
+    n = 70001
+    p0, grads = torch.randn(n, generator=rng), random_grads(rng, n, 3)
+    cpu_norm = ops.mean_grad_norm(grads).norm
+    cuda_norm = ops.mean_grad_norm([g.cuda() for g in grads]).norm
+    torch.testing.assert_close(cuda_norm.cpu(), cpu_norm, rtol=1e-6, atol=0)
+    results = []
+    for device in ("cpu", "cuda"):
+        p, m, v = p0.clone().to(device), torch.zeros(n, device=device), torch.zeros(n, device=device)
+        for step in (1, 2):
+            torch.ops.pyengine.mean_grad_adamw_.default(
+                p, m, v, [g.to(device) for g in grads], **HYPER, step=step, adamw=True, maximize=False,
+                amsgrad=False, max_exp_avg_sq=None, grad_scale=torch.tensor([2.0 ** 10 / 3], device=device),
+                found_inf=None, weights=None, param_out=None, grad_norm=cpu_norm.to(device) * 2.0 ** 10 / 3,
+                max_grad_norm=0.5 * cpu_norm.item())
+        results.append((p.cpu(), m.cpu(), v.cpu()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @CUDA

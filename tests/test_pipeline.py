@@ -243,7 +243,7 @@ def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, re
             for stage in engine.pipeline.stages[0] + engine.pipeline.stages[-1]:
                 for name in tied:
                     held = dict(stage.params)[name]
-                    assert torch.equal(held.detach(), before[name]), "every stage computed with the last update"
+                    assert torch.equal(held.detach().cpu(), before[name]), "every stage computed with the last update"
             ref_opt.zero_grad()
             ref_loss = loss(reference, (x.double() if x.is_floating_point() else x, y))
             ref_loss.backward()

@@ -67,15 +67,17 @@ std::vector<GradSource> grad_sources(at::TensorList grads, int64_t num_tensors, 
 // a grad_scale that is not a positive finite number, a non-finite clip norm), as the CUDA kernels decide on the device.
 std::optional<float> effective_grad_mult(const UpdateArgs& a, const UpdateScalars& s) {
   if (a.found_inf.has_value() && a.found_inf->item<float>() != 0.0f) return std::nullopt;
-  const double scale = a.grad_scale.has_value() ? static_cast<double>(a.grad_scale->item<float>()) : 1.0;
-  if (!(scale > 0.0) || !std::isfinite(scale)) return std::nullopt;  // a broken loss scale: skipped, as found_inf
-  double mult = static_cast<double>(s.grad_mult) / scale;
+  // The same float operations as grad_multiplier() in cuda/kernels.cu, so CPU and CUDA take the same multiplier
+  // (and skip the same steps) from the same grad_scale and norm.
+  const float scale = a.grad_scale.has_value() ? a.grad_scale->item<float>() : 1.0f;
+  if (!(scale > 0.0f) || std::isinf(scale)) return std::nullopt;  // a broken loss scale: skipped, as found_inf
+  float mult = s.grad_mult / scale;
   if (s.max_grad_norm > 0.0f) {
-    const double norm = static_cast<double>(a.grad_norm->item<float>()) / scale;
+    const float norm = a.grad_norm->item<float>() / scale;
     if (!std::isfinite(norm)) return std::nullopt;
-    mult *= std::min(1.0, static_cast<double>(s.max_grad_norm) / (norm + 1e-6));
+    mult = mult * std::fmin(1.0f, s.max_grad_norm / (norm + 1e-6f));
   }
-  return static_cast<float>(mult);
+  return mult;
 }
 
 void update_cpu(const UpdateArgs& a) {

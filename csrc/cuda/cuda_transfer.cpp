@@ -87,6 +87,7 @@ class CudaTransfer final : public BucketTransfer {
     if (!src.defined()) {
       if (dst.is_cuda()) {
         dst.zero_();
+        c10::cuda::CUDACachingAllocator::recordStream(dst.storage().data_ptr(), copy_stream_);
       } else {
         std::memset(dst.data_ptr(), 0, dst.nbytes());  // host slot of an unused parameter: no copy reads it now
       }
