@@ -210,6 +210,8 @@ def parse_bandwidth(text: str) -> float:
     """``"25Gbit"``, ``"25Gbps"``, ``"100Mbit/s"``, ``"3.2GB/s"``, ``"1GiB/s"`` -> bytes per second (> 0)."""
     value, unit = _split(text, "bandwidth", "25Gbit or 3GB/s")
     u = unit[:-2] if unit.endswith("/s") else unit
+    if u.endswith("bps") and u is not unit:  # "Gbps/s": a rate per second twice
+        u = ""
     u = u[:-3] + "bit" if u.endswith("bps") else u
     prefixes = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
                 "Ti": 2**40}
@@ -272,7 +274,11 @@ def fit_network(samples) -> Network:
     sxy = sum(x * y for x, y in rows)
     sx, sy = sum(x for x, _ in rows), sum(y for _, y in rows)
     det = sxx * syy - sxy * sxy
-    alpha, inv_bw = ((sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det) if det > 0 else (-1.0, -1.0)
+    if not det > 1e-9 * sxx * syy:  # rows (nearly) proportional: latency and bandwidth cannot be told apart
+        raise ValueError("fit_network: every sample moves the same bytes per latency step (e.g. one message size "
+                         "with one algorithm and node count), so latency and bandwidth cannot be separated; "
+                         "measure at least two message sizes")
+    alpha, inv_bw = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
     if alpha < 0 and syy > 0:  # the optimum has a negative latency: the best fit with alpha = 0
         alpha, inv_bw = 0.0, sy / syy
     if inv_bw <= 0:

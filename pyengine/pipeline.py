@@ -222,19 +222,28 @@ def stage_range(store, stage: int, names: list[str]) -> tuple[int, int]:
 
 
 def measure_layer_times(layers, inputs, repeats: int = 3) -> list[float]:
-    """Median seconds of forward+backward of each layer on ``inputs`` (run on deep copies: nothing is modified)."""
+    """Median seconds of forward+backward of each layer on ``inputs``. Nothing is modified: the layers are deep
+    copies, and the random number generators (dropout draws from them) are restored afterwards, so a run balanced by
+    time draws the same numbers as the same partition given explicitly."""
     layers = copy.deepcopy(torch.nn.Sequential(*layers))
     samples = [[] for _ in layers]
-    for _ in range(repeats):
-        x = inputs
-        for i, layer in enumerate(layers):
-            x = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            y = layer(x)
-            if y.requires_grad:
-                y.backward(torch.ones_like(y))
-            samples[i].append(time.perf_counter() - start)
-            x = y
+    cuda = sorted({p.device.index for p in layers.parameters() if p.device.type == "cuda"} |
+                  ({inputs.device.index} if inputs.device.type == "cuda" else set()))
+    with torch.random.fork_rng(devices=cuda):
+        for _ in range(repeats):
+            x = inputs
+            for i, layer in enumerate(layers):
+                if not isinstance(x, torch.Tensor):
+                    raise TypeError(f"balance='time' times the layers one by one and needs each layer before the "
+                                    f"last to return one tensor; layer {i - 1} returned {type(x).__name__} (use "
+                                    f"balance='params' or explicit sizes)")
+                x = x.detach().requires_grad_(x.is_floating_point())
+                start = time.perf_counter()
+                y = layer(x.clone() if x.requires_grad else x)  # an in-place first op must not modify a leaf
+                if isinstance(y, torch.Tensor) and y.requires_grad:
+                    y.backward(torch.ones_like(y))
+                samples[i].append(time.perf_counter() - start)
+                x = y
     return [statistics.median(s) for s in samples]
 
 
@@ -380,8 +389,8 @@ class _BusyClock:
 
 
 class _Activations:
-    """Bytes autograd saves during a stage's forwards (parameters left out; each storage counted once), and the
-    number of micro-batches stored at once."""
+    """Bytes autograd saves during a stage's forwards (parameters left out; each saved tensor counted once by its own
+    size, not its storage's), and the number of micro-batches stored at once."""
 
     def __init__(self, param_ptrs):
         self._param_ptrs = param_ptrs
@@ -396,10 +405,12 @@ class _Activations:
         self._current = 0
 
         def pack(t):
+            # the bytes of the tensor itself, not of its storage: a micro-batch is a view of the whole batch
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._param_ptrs and ptr not in self._ptrs:
-                self._ptrs.add(ptr)
-                self._current += t.untyped_storage().nbytes()
+            key = (ptr, t.storage_offset(), t.numel())
+            if ptr not in self._param_ptrs and key not in self._ptrs:
+                self._ptrs.add(key)
+                self._current += t.numel() * t.element_size()
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -469,13 +480,15 @@ class Pipeline:
             initargs=(devices,))
 
     def _build(self, sizes: list[int]) -> None:
-        self.sizes = _check_sizes(sizes, len(self.layers), self.num_stages)
-        modules = split_layers(self.layers, self.sizes)
-        names, self.tied = stage_store_names(self._store_names, modules)
-        for s, module in enumerate(modules):
-            stage_range(self.store, s, owned_names(names[s], s, self.tied))
-            self.stages.append([_Stage(s, r, self.devices[s * self.replicas + r], module, self.store, names[s],
-                                       set(self.tied)) for r in range(self.replicas)])
+        """Builds the stages, or raises and leaves the pipeline unbuilt (the next step tries again)."""
+        sizes = _check_sizes(sizes, len(self.layers), self.num_stages)
+        modules = split_layers(self.layers, sizes)
+        names, tied = stage_store_names(self._store_names, modules)
+        for s in range(len(modules)):
+            stage_range(self.store, s, owned_names(names[s], s, tied))
+        stages = [[_Stage(s, r, self.devices[s * self.replicas + r], module, self.store, names[s], set(tied))
+                   for r in range(self.replicas)] for s, module in enumerate(modules)]
+        self.sizes, self.tied, self.stages = sizes, tied, stages
 
     # ---- one step ----
 
@@ -581,10 +594,15 @@ class Pipeline:
             if kind == "F":
                 x = to_device(inputs[m], stage.device) if s == 0 else recv_fwd.get(m, stage.stream)
                 with clock.measure(), self.engine.recorder.phase(who, f"F{m}", tid):
+                    given = x
                     if s > 0:
+                        # Note [A stage's input is its own]: x is the leaf whose .grad goes upstream; the stage gets
+                        # a copy, so an in-place first layer (ReLU(inplace=True)) neither modifies a leaf (an error)
+                        # nor the upstream stage's output, which may share x's storage (same device)
                         x = x.detach().requires_grad_(x.is_floating_point())
+                        given = x.clone() if x.requires_grad else x
                     with memory.hooks():
-                        out = self._forward(stage, x, targets[m] if last else None)
+                        out = self._forward(stage, given, targets[m] if last else None)
                     if last:
                         samples = batch_size(targets[m])
                         loss_sum += float(out.detach()) * samples

@@ -83,6 +83,7 @@ def test_parse_units_and_errors():
     assert comm.parse_count("1.3e9") == 1.3e9 and comm.parse_count("350M") == 350e6 and comm.parse_count("7B") == 7e9
     assert comm.parse_dtype("bf16") == 2 and comm.parse_dtype("fp16") == 2 and comm.parse_dtype("fp32") == 4
     for parse, bad in [(comm.parse_bandwidth, "25Gbiz"), (comm.parse_bandwidth, "fast"), (comm.parse_bandwidth, "0Gbit"),
+                       (comm.parse_bandwidth, "25Gbps/s"),
                        (comm.parse_latency, "5 parsecs"), (comm.parse_count, "-3"), (comm.parse_dtype, "int8")]:
         with pytest.raises(ValueError, match="expected"):
             parse(bad)
@@ -105,6 +106,13 @@ def test_fit_recovers_alpha_and_bandwidth_from_model_timings():
     assert max(abs(e) for e in comm.model_errors(samples, fitted)) < 5e-3
     with pytest.raises(ValueError, match="at least two samples"):
         comm.fit_network(samples[:1])
+    # one size, one algorithm and node count: the rows are proportional, latency and bandwidth inseparable (rounding
+    # once gave a tiny positive determinant and an arbitrary "fit")
+    for _ in range(200):
+        same = [("ring", 4, 4e6, comm.exchange_cost("ring", 4, 4e6, truth).time_s * (1 + rng.uniform(-0.3, 0.3)))
+                for _ in range(3)]
+        with pytest.raises(ValueError, match="cannot be separated"):
+            comm.fit_network(same)
 
 
 def test_plan_command_prints_the_table_and_draws_the_plot(tmp_path, capsys):

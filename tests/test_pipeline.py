@@ -985,3 +985,58 @@ def test_batch_checksum_does_not_depend_on_the_thread_count():
     assert batch_checksum(x.view(64, -1)[:, ::2]) == batch_checksum(x.view(64, -1)[:, ::2].contiguous())
     for t in (torch.arange(7), torch.ones(3, dtype=torch.bool), x[:9].bfloat16(), torch.zeros(0)):
         assert batch_checksum(t) == batch_checksum(t.clone())
+
+
+def test_in_place_first_layer_of_a_stage(rng):
+    """Note [A stage's input is its own]: balance="params" puts parameter-free layers at the start of the next
+    stage; an in-place one (ReLU(inplace=True)) there must work and train as on one device."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 16),
+                                torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 3))
+    reference = TorchReference(model)
+    with pipeline(model, ["cpu"] * 2, stages=2, microbatches=3) as engine:
+        for b in make_batches(rng, 4, 12):
+            metrics = engine.step(b)
+            reference.step(b)
+        assert metrics["stage_sizes"] == [1, 4]  # the premise: stage 1 starts with the in-place ReLU
+        assert_matches(engine, reference)
+
+
+def test_activation_bytes_count_the_micro_batch_not_the_whole_batch():
+    """Stage 0 saves its micro-batch of the input (a view of the whole batch): counted by its own bytes."""
+    stages, microbatches, batch = 2, 4, 32
+    with Engine(sleep_model(stages, forward_s=0.0, backward_s=0.0), mse, devices=["cpu"] * stages, mode="pipeline",
+                stages=stages, microbatches=microbatches, schedule="gpipe") as engine:
+        metrics = engine.step((torch.randn(batch, 8), torch.randn(batch, 8)))
+    per_microbatch = batch // microbatches * 8 * 4
+    assert metrics["activation_peak_bytes"][0] == microbatches * per_microbatch
+
+
+def test_balance_by_time_keeps_the_random_state_and_names_non_tensor_outputs():
+    from pyengine.pipeline import measure_layer_times
+
+    layers = [torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8)]
+    x = torch.randn(4, 8)
+    state = torch.get_rng_state()
+    times = measure_layer_times(layers, x)
+    assert len(times) == 3 and torch.equal(torch.get_rng_state(), state)
+
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x, x
+
+    with pytest.raises(TypeError, match=r"layer 1 returned tuple"):
+        measure_layer_times([torch.nn.Linear(8, 8), Pair(), torch.nn.Linear(8, 8)], torch.randn(4, 8))
+
+
+def test_a_failed_build_is_retried_not_half_kept():
+    """A partition that cannot be built (a buffer shared across stages) fails the first step and every later one
+    with the same error; the pipeline is not left half built."""
+    bn = torch.nn.BatchNorm1d(4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), bn, torch.nn.Linear(4, 4), bn)
+    with Engine(model, mse, devices=["cpu"] * 2, mode="pipeline", stages=2, microbatches=2,
+                balance="time") as engine:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="shared between stages"):
+                engine.step((torch.randn(8, 4), torch.randn(8, 4)))
+            assert engine.pipeline.sizes is None and engine.pipeline.stages == []
