@@ -55,6 +55,8 @@ def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
     torch.save(payload, buffer)
     data = buffer.getvalue()
     final = path_for(directory, step)
+    for stale in directory.glob(f".step-*{SUFFIX}.*.tmp"):  # a writer that crashed before its rename (one writer)
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:

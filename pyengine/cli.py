@@ -441,7 +441,7 @@ class Progress:
         with self.lock:
             self.samples += rec["samples"]
             self.window.append((rec["elapsed_s"], self.samples))
-            fields = {"loss": f"{rec['loss']:.4f}", "samples/s": f"{self.rate():,.0f}"}
+            fields = {"loss": _loss_text(rec["loss"]), "samples/s": f"{self.rate():,.0f}"}
             if "staleness" in rec:
                 fields["staleness"] = rec["staleness"]
             if "bubble_fraction" in rec:
@@ -451,7 +451,7 @@ class Progress:
                 self.bar.set_postfix(fields, refresh=False)
             elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
                 extra = "".join(f"  {k} {v}" for k, v in fields.items() if k in ("staleness", "bubble"))
-                print(f"[{self.mode}] step {rec['step']}/{self.total}  loss {rec['loss']:.4f}  "
+                print(f"[{self.mode}] step {rec['step']}/{self.total}  loss {_loss_text(rec['loss'])}  "
                       f"samples/s {self.rate():,.0f}{extra}  ({rec['elapsed_s']:.1f} s)", flush=True)
 
     def write(self, message: str, force: bool = False) -> None:
@@ -495,6 +495,11 @@ class _StopFlag:
         return False
 
 
+def _loss_text(loss) -> str:
+    """A loss for the progress line: a non-finite loss is stored as None (JSON has no NaN)."""
+    return "nan" if loss is None else f"{loss:.4f}"
+
+
 def _json_safe(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -506,10 +511,16 @@ def _json_safe(value):
 
 
 def _write_json(path: Path, obj) -> None:
+    _write_lines(path, [json.dumps(_json_safe(obj), indent=2) + "\n"])
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """Replaces ``path`` atomically (temporary file, fsync, rename): a crash leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump(_json_safe(obj), f, indent=2)
-        f.write("\n")
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -639,9 +650,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                 print(f"[{mode}] resuming at step {start_step}, before the run's newest checkpoint: the later "
                       f"checkpoints and metrics were moved to {aside}", file=sys.stderr, flush=True)
         kept = _read_metrics(metrics_path, upto=start_step) if resume is not None else []
-        if primary:
-            with open(metrics_path, "w") as f:  # a resumed run redoes the steps after its checkpoint
-                f.writelines(json.dumps(r) + "\n" for r in kept)
+        if primary:  # a resumed run redoes the steps after its checkpoint; a crash keeps the old file whole
+            _write_lines(metrics_path, [json.dumps(r) + "\n" for r in kept])
         records = list(kept)
         metrics_file = open(metrics_path, "a") if primary else open(os.devnull, "w")
         progress = Progress(mode, target, start_step, cfg["quiet"] or not primary, cfg["log_every"])
@@ -791,6 +801,10 @@ def _load_resume(target: str) -> tuple[dict, Path]:
     if payload.get("kind") != "pyengine.train" or missing:
         raise ckpt.CheckpointError(f"{file} is a pyengine checkpoint but not of a `pyengine train` run "
                                    f"(missing {sorted(missing)})")
+    if file.parent.name.startswith("superseded-"):
+        raise ckpt.CheckpointError(f"{file} belongs to a continuation that a resume set aside (in "
+                                   f"{file.parent.name}/); resume from the run's checkpoints/ instead, or copy it "
+                                   "into a new run directory's checkpoints/ to continue that branch")
     run_dir = file.parent.parent if file.parent.name == "checkpoints" else file.parent
     return payload, run_dir
 
@@ -838,6 +852,9 @@ def _train(given: dict) -> int:
         except ckpt.CheckpointError as exc:
             raise UsageError(f"cannot resume: {exc}") from None
         base = dict(resume_payload["config"])
+        if base.get("mode") != "pipeline":  # a --mode all sub-run saved the pipeline defaults too: not given flags
+            for key in ("stages", *PIPELINE_DEFAULTS):
+                base[key] = None
         if "devices" in given or "workers" in given:
             devices = resolve_devices(given.get("devices"), given.get("workers", base["workers"]))
             if devices != base["devices"]:
@@ -894,6 +911,8 @@ def _train(given: dict) -> int:
                                                                       cfg["hidden"]))))
     if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
+    if cfg["trace"] is not None and Path(cfg["trace"]).is_dir():  # before --out is created
+        raise UsageError(f"--trace {cfg['trace']} is a directory; give a file name (e.g. trace.json)")
     if resume_payload is None:
         out = Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"])
         if world > 1:

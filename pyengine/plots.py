@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -17,19 +19,21 @@ STYLES = {"sync": "--"}  # hybrid and sync take the same steps on the same batch
 
 
 def _smooth(values, window: int):
+    """Running mean over ``window`` values; non-finite losses (NaN) are left out of it."""
     out, acc = [], []
     for v in values:
         acc.append(v)
         if len(acc) > window:
             acc.pop(0)
-        out.append(sum(acc) / len(acc))
+        finite = [x for x in acc if math.isfinite(x)]
+        out.append(sum(finite) / len(finite) if finite else math.nan)
     return out
 
 
 def _series(records):
     steps = [r["step"] for r in records]
     elapsed = [r["elapsed_s"] for r in records]
-    loss = [r["loss"] for r in records]
+    loss = [math.nan if r["loss"] is None else r["loss"] for r in records]  # JSON writes a non-finite loss as null
     return steps, elapsed, loss
 
 

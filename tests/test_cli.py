@@ -393,3 +393,43 @@ def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and summary["steps"] >= 5 and summary["processes"] == 2
     assert ckpt.latest(out / "checkpoints").name == f"step-{summary['steps']:08d}.pyeckpt"
+
+
+def test_mode_all_sub_runs_resume(tmp_path):
+    """A --mode all run's hybrid/sync/async directories resume (their checkpoints also carry the pipeline defaults
+    of the whole run, which are not flags given to them)."""
+    out = tmp_path / "all"
+    assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), *SHORT) == 0
+    for mode in ("hybrid", "sync", "pipeline"):
+        assert train("--resume", str(out / mode), "--steps", "3", "--quiet") == 0
+        assert json.loads((out / mode / "summary.json").read_text())["steps"] == 3
+
+
+def test_non_finite_losses_are_reported_not_fatal(tmp_path, capsys):
+    """A diverging run (lr 1e38): losses become non-finite (null in metrics.jsonl, "nan" on the progress line) and
+    the run still ends with its checkpoint, loss.png and, for --mode all, compare.png."""
+    out = tmp_path / "diverged"
+    assert train("--mode", "all", "--steps", "3", "--lr", "1e38", "--log-every", "1", "--out", str(out),
+                 *SHORT) == 0
+    assert "loss nan" in capsys.readouterr().out
+    losses = [json.loads(line)["loss"] for line in (out / "hybrid" / "metrics.jsonl").read_text().splitlines()]
+    assert None in losses
+    assert (out / "compare.png").read_bytes().startswith(PNG) and (out / "hybrid" / "loss.png").exists()
+
+
+def test_trace_naming_a_directory_is_refused_at_start(tmp_path, capsys):
+    (tmp_path / "tdir").mkdir()
+    assert train("--steps", "2", "--out", str(tmp_path / "run"), "--trace", str(tmp_path / "tdir"), *SHORT) == 2
+    assert "is a directory" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_stale_temporary_checkpoints_are_removed_and_superseded_ones_not_resumed(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train("--steps", "4", "--checkpoint-every", "2", "--quiet", "--out", str(run), *SHORT) == 0
+    stale = run / "checkpoints" / ".step-00000006.pyeckpt.abc123.tmp"  # a writer killed before its rename
+    stale.write_bytes(b"partial")
+    assert train("--resume", str(ckpt.path_for(run / "checkpoints", 2)), "--steps", "3", "--quiet") == 0
+    assert not stale.exists()
+    [aside] = run.glob("superseded-*")
+    assert train("--resume", str(ckpt.path_for(aside, 4)), "--steps", "5", "--quiet") == 2
+    assert "set aside" in capsys.readouterr().err
