@@ -190,7 +190,7 @@ void check_update_args(const UpdateArgs& a) {
                      describe(p));
     TORCH_CHECK_VALUE(p.is_contiguous(), pname, " must be contiguous (it is updated in place; a copy would lose the "
                       "update); got ", describe(p));
-    TORCH_CHECK_VALUE(P > 1 || p.dim() == 1, "param must be 1-D (flat form); got ", describe(p));
+    TORCH_CHECK_VALUE(!a.flat || p.dim() == 1, "param must be 1-D (flat form); got ", describe(p));
     check_buffer(a.exp_avgs[i], arg_name("exp_avg", i, P), p, true, true);
     check_buffer(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P), p, true, true);
     outputs.push_back(span_of(p, pname));
@@ -217,6 +217,11 @@ void check_update_args(const UpdateArgs& a) {
   check_scalar_tensor(a.grad_norm, "grad_norm", a.params[0]);
   TORCH_CHECK_VALUE(a.hyper.max_grad_norm <= 0.0 || a.grad_norm.has_value(),
                     "clipping (max_grad_norm > 0) needs grad_norm, the norm from mean_grad_norm()");
+  // The 1-element scalars are read by every CUDA block: one inside an output would change between blocks.
+  for (const auto& [scalar, name] : {std::pair{&a.grad_scale, "grad_scale"}, std::pair{&a.found_inf, "found_inf"},
+                                     std::pair{&a.grad_norm, "grad_norm"}}) {
+    if (scalar->has_value()) inputs.push_back(span_of(**scalar, name));
+  }
   check_no_overlap(std::move(outputs), inputs);
 }
 

@@ -40,6 +40,7 @@ struct UpdateArgs {
   const std::optional<at::ArrayRef<double>>& weights;
   const std::optional<at::Tensor>& grad_norm;
   AdamWHyper hyper;
+  bool flat;  // the flat form (mean_grad_adamw_): one 1-D param; the multi form takes any shapes
 
   int64_t num_tensors() const { return static_cast<int64_t>(params.size()); }
   int64_t num_workers() const { return static_cast<int64_t>(grads.size()) / num_tensors(); }
@@ -69,6 +70,22 @@ using NormImpl = std::tuple<at::Tensor, at::Tensor> (*)(at::TensorList grads, in
                                                        const std::optional<at::ArrayRef<double>>& weights);
 
 template <UpdateImpl Impl>
+void run_update(bool flat, at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList grads, double lr, double beta1, double beta2, double eps, double weight_decay,
+                int64_t step, bool adamw, bool maximize, bool amsgrad, at::TensorList max_exp_avg_sqs,
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                std::optional<at::ArrayRef<double>> weights, at::TensorList param_outs,
+                const std::optional<at::Tensor>& grad_norm, double max_grad_norm) {
+  const UpdateArgs args{params,     exp_avgs,  exp_avg_sqs, grads,   max_exp_avg_sqs,
+                        param_outs, grad_scale, found_inf,  weights, grad_norm,
+                        AdamWHyper{lr, beta1, beta2, eps, weight_decay, step, adamw, maximize, amsgrad,
+                                   max_grad_norm},
+                        flat};
+  check_update_args(args);
+  Impl(args);
+}
+
+template <UpdateImpl Impl>
 void mean_grad_adamw_multi_op(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                               at::TensorList grads, double lr, double beta1, double beta2, double eps,
                               double weight_decay, int64_t step, bool adamw, bool maximize, bool amsgrad,
@@ -76,12 +93,9 @@ void mean_grad_adamw_multi_op(at::TensorList params, at::TensorList exp_avgs, at
                               const std::optional<at::Tensor>& found_inf,
                               std::optional<at::ArrayRef<double>> weights, at::TensorList param_outs,
                               const std::optional<at::Tensor>& grad_norm, double max_grad_norm) {
-  const UpdateArgs args{params,     exp_avgs,  exp_avg_sqs, grads,   max_exp_avg_sqs,
-                        param_outs, grad_scale, found_inf,  weights, grad_norm,
-                        AdamWHyper{lr, beta1, beta2, eps, weight_decay, step, adamw, maximize, amsgrad,
-                                   max_grad_norm}};
-  check_update_args(args);
-  Impl(args);
+  run_update<Impl>(/*flat=*/false, params, exp_avgs, exp_avg_sqs, grads, lr, beta1, beta2, eps, weight_decay, step,
+                   adamw, maximize, amsgrad, max_exp_avg_sqs, grad_scale, found_inf, weights, param_outs, grad_norm,
+                   max_grad_norm);
 }
 
 template <UpdateImpl Impl>
@@ -95,9 +109,9 @@ void mean_grad_adamw_op(const at::Tensor& param, const at::Tensor& exp_avg, cons
   std::vector<at::Tensor> max_list, out_list;
   if (amsgrad && max_exp_avg_sq.has_value()) max_list.push_back(*max_exp_avg_sq);
   if (param_out.has_value()) out_list.push_back(*param_out);
-  mean_grad_adamw_multi_op<Impl>({param}, {exp_avg}, {exp_avg_sq}, grads, lr, beta1, beta2, eps, weight_decay, step,
-                                 adamw, maximize, amsgrad, max_list, grad_scale, found_inf, weights, out_list,
-                                 grad_norm, max_grad_norm);
+  run_update<Impl>(/*flat=*/true, {param}, {exp_avg}, {exp_avg_sq}, grads, lr, beta1, beta2, eps, weight_decay,
+                   step, adamw, maximize, amsgrad, max_list, grad_scale, found_inf, weights, out_list, grad_norm,
+                   max_grad_norm);
 }
 
 template <NormImpl Impl>

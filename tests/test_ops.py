@@ -675,3 +675,40 @@ def test_cuda_64bit_indexing():
     expected = torch.tensor([-0.1, 0.1, -0.1, -0.1, 0.1], device="cuda")
     torch.testing.assert_close(p[-5:], expected, rtol=1e-5, atol=1e-6)
     assert p[: n - 5].abs().max().item() == 0.0
+
+
+def test_multi_form_takes_any_shape_even_for_one_tensor(rng):
+    """The 1-D rule is the flat form's: the multi form takes a single 2-D param as it takes several."""
+    p0 = torch.randn(3, 4, generator=rng)
+    one = [p0.clone()], [torch.zeros(3, 4)], [torch.zeros(3, 4)]
+    two = [p0.clone(), torch.zeros(5)], [torch.zeros(3, 4), torch.zeros(5)], [torch.zeros(3, 4), torch.zeros(5)]
+    g = torch.randn(3, 4, generator=rng)
+    ops.mean_grad_adamw_multi_(*one, [[g]], lr=1e-2, step=1)
+    ops.mean_grad_adamw_multi_(*two, [[g, torch.zeros(5)]], lr=1e-2, step=1)
+    assert torch.equal(one[0][0], two[0][0]) and not torch.equal(one[0][0], p0)
+
+
+def test_scalars_inside_an_output_are_refused(device):
+    """grad_scale / found_inf / grad_norm read by the kernel while it writes param: refused, nothing written."""
+    for key in ("grad_scale", "found_inf"):
+        call = valid_call(device)
+        param = call["param"]
+        call[key] = param[:1]
+        before = param.clone()
+        with pytest.raises(ValueError, match=rf"{key}.*overlap|overlap.*{key}"):
+            ops.mean_grad_adamw_(call.pop("param"), call.pop("exp_avg"), call.pop("exp_avg_sq"), call.pop("grads"),
+                                 **call)
+        assert torch.equal(param, before)
+
+
+def test_transfer_timeout_and_bucket_count_edges():
+    with pytest.raises(ValueError, match="num_buckets must be >= 0; got -1"):
+        pyengine._C.BucketTransfer(-1, "cpu", "x")
+    transfer = pyengine._C.BucketTransfer(1, "cpu", "x")
+    # a timeout too long for the clock waits like no timeout (it returned False at once): launched from another
+    # thread after 0.3 s, the wait returns True
+    timer = threading.Timer(0.3, lambda: transfer.launch(0, 0, [torch.ones(3)], [torch.zeros(3)]))
+    timer.start()
+    assert transfer.wait(0, 0, True, 1e300)
+    timer.join()
+    transfer.close()

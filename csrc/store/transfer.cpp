@@ -32,10 +32,18 @@ void check_pair(const at::Tensor& src, const at::Tensor& dst, size_t i) {
 
 const char* channel_name(int channel) { return channel == kGrads ? "grads" : "weights"; }
 
-BucketTransfer::BucketTransfer(int64_t num_buckets, std::string label)
-    : num_buckets_(num_buckets), label_(std::move(label)), counters_(kNumChannels * num_buckets) {
+namespace {
+constexpr double kLongestTimeoutS = 1e9;  // ~31 years
+
+int64_t checked_num_buckets(int64_t num_buckets) {  // before counters_ is sized from it
   TORCH_CHECK_VALUE(num_buckets >= 0, "BucketTransfer: num_buckets must be >= 0; got ", num_buckets);
+  return num_buckets;
 }
+}  // namespace
+
+BucketTransfer::BucketTransfer(int64_t num_buckets, std::string label)
+    : num_buckets_(checked_num_buckets(num_buckets)), label_(std::move(label)),
+      counters_(kNumChannels * num_buckets_) {}
 
 void BucketTransfer::check_index(int64_t channel, int64_t bucket, const char* what) const {
   TORCH_CHECK_VALUE(channel == kGrads || channel == kWeights, "BucketTransfer.", what,
@@ -76,7 +84,7 @@ bool BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched, 
   Counters& c = counters(channel, bucket);
   if (until_launched) {
     const auto ready = [&] { return c.launched > c.released || closed_; };
-    if (timeout_s < 0) {
+    if (timeout_s < 0 || timeout_s > kLongestTimeoutS) {  // longer ones overflow wait_for's clock: no timeout
       changed_.wait(lock, ready);
     } else if (!changed_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
       return false;
