@@ -186,7 +186,8 @@ class Engine:
         ``(inputs, targets)`` through the stages in micro-batches)."""
         self._check_open()
         if self.mode == "async":
-            raise ValueError("step() is for mode='hybrid' or 'sync'; async workers pull batches: use fit(batches)")
+            raise ValueError("step() is for mode='hybrid', 'sync' or 'pipeline'; async workers pull batches: use "
+                             "fit(batches)")
         with deferred_interrupt(f"step {self.version + 1}", self._abandon):  # Note [Ctrl-C inside a step]
             if self.mode == "pipeline":
                 self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data replicas
