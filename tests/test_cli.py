@@ -244,6 +244,13 @@ def test_out_holding_a_run_is_refused(finished_run, capsys):
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
+def _wait_for_steps(out: Path, steps: int, timeout_s: float) -> None:
+    """Waits until the run in ``out`` has written ``steps`` metrics lines (or the time is up)."""
+    deadline, metrics = time.time() + timeout_s, out / "metrics.jsonl"
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < steps):
+        time.sleep(0.2)
+
+
 def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -251,10 +258,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
                              "--checkpoint-every", "100000", *SHORT], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 60
-        metrics = out / "metrics.jsonl"
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
-            time.sleep(0.2)
+        _wait_for_steps(out, 5, 60)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
@@ -379,10 +383,7 @@ def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp
                              str(out), "--workers", "1", *SHORT[:4], "--devices", "cpu"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        metrics = out / "metrics.jsonl"
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
-            time.sleep(0.2)
+        _wait_for_steps(out, 5, 120)
         ranks = {_rank_of(pid): pid for pid in _children(proc.pid)}
         assert 1 in ranks, f"rank processes not found: {ranks}"
         os.kill(ranks[1], signal.SIGINT)
