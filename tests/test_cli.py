@@ -397,11 +397,11 @@ def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp
 
 
 def test_mode_all_sub_runs_resume(tmp_path):
-    """A --mode all run's hybrid/sync/async directories resume (their checkpoints also carry the pipeline defaults
-    of the whole run, which are not flags given to them)."""
+    """A --mode all run's directories resume (the hybrid/sync/async checkpoints also carry the pipeline defaults of the
+    whole run, which are not flags given to them)."""
     out = tmp_path / "all"
     assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), *SHORT) == 0
-    for mode in ("hybrid", "sync", "pipeline"):
+    for mode in ("hybrid", "sync", "async", "pipeline"):
         assert train("--resume", str(out / mode), "--steps", "3", "--quiet") == 0
         assert json.loads((out / mode / "summary.json").read_text())["steps"] == 3
 

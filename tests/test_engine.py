@@ -636,9 +636,12 @@ def test_optimizer_state_dict_matches_torch(rng, worker_device):
     group, ref_group = ours["param_groups"][0], theirs["param_groups"][0]
     for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "params"):
         assert group[key] == ref_group[key], key
-    # and back: a torch.optim.AdamW can load it
+    # and back: a torch.optim.AdamW loads it and holds the same state
     fresh = torch.optim.AdamW(copy.deepcopy(model).parameters(), **OPT)
     fresh.load_state_dict(ours)
+    for index, entry in fresh.state_dict()["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], ours["state"][index][key]), (index, key)
 
 
 def test_bf16_autocast_trains_with_fp32_master(rng, worker_device):
