@@ -391,6 +391,7 @@ def test_pipelined_update_argument_errors():
     for buckets in ([0, len(a.buckets)], [-1], [0.5]):  # checked before any copy starts: nothing launched
         with pytest.raises(ValueError, match=r"copy_back: buckets must be indices in \[0, 1\)"):
             a.copy_back(buckets=buckets)
+    assert not a._transfer.wait(1, 0, True, 0.0), "a refused copy_back launched bucket 0's weights"
     a.copy_back(buckets=[0])  # a valid call still works after the refusals
     a.wait_weights(0)
     c = pyengine.GradientStreamer(copy.deepcopy(model), store, worker=1, bucket_mb=TINY, first_bucket_mb=TINY)
