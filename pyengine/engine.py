@@ -336,8 +336,8 @@ class Engine:
         for name, value in master.items():
             if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(views[name].shape)
                     or value.dtype != torch.float32):
-                found = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
-                raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got {found}")
+                raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
+                                 f"{_describe(value)}")
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
         source = self._replica_buffers(self.buffer_source)  # shapes and dtypes only: no gather (a collective)
         current = {name: source[name] for name in self.buffer_names}
@@ -346,9 +346,8 @@ class Engine:
         for name, value in buffers.items():
             if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(current[name].shape)
                     or value.dtype != current[name].dtype):
-                found = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
                 raise ValueError(f"buffer {name!r}: expected {current[name].dtype} {tuple(current[name].shape)}; got "
-                                 f"{found}")
+                                 f"{_describe(value)}")
         step = self.optimizer.check_torch_state_dict(self.store, sd["optimizer"], self.param_names)
         version = sd["version"]
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
@@ -358,9 +357,8 @@ class Engine:
         rng = sd["rng"]
         expected_rng = torch.get_rng_state()
         if not isinstance(rng, torch.Tensor) or rng.dtype != expected_rng.dtype or rng.shape != expected_rng.shape:
-            found = f"{rng.dtype} {tuple(rng.shape)}" if isinstance(rng, torch.Tensor) else type(rng).__name__
             raise ValueError(f"the state's rng must be torch.get_rng_state()'s {expected_rng.dtype} "
-                             f"{tuple(expected_rng.shape)}; got {found}")
+                             f"{tuple(expected_rng.shape)}; got {_describe(rng)}")
         counters, staleness = sd["counters"], sd["staleness"]
         try:
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
@@ -456,9 +454,6 @@ class Engine:
         overlaps with a lone CPU worker anyway: the gradient copies still run on the streamer's copy thread, and
         the host's per-bucket work simply finds every bucket ready.
         """
-        for i in tasks:  # after what this thread enqueued (a batch on the GPU, share_buffers' copies)
-            if self.workers[i].stream is not None:
-                self.workers[i].stream.wait_stream(torch.cuda.current_stream(self.workers[i].device))
         if not self.inline_worker:
             return {i: self._pool.submit(fn) for i, fn in tasks.items()}
         futures = {}
@@ -624,6 +619,11 @@ class Engine:
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16; got {autocast!r}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+
+
+def _describe(value) -> str:
+    """What a state entry is, for an error message: a tensor's dtype and shape, else its type."""
+    return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def _batches(batches, steps, epochs):
