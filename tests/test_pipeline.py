@@ -681,17 +681,21 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
                 (schedule, rank, extra["activations"][schedule])
         # bf16: as the in-process pipeline with the same autocast (2 stages, 3 micro-batches) to bf16 tolerance: the
         # library scales each micro-batch's gradient by 1/M before it is rounded into the bf16 slot, the in-process
-        # pipeline after (bound: the 4 % of _check_autocast_matches; measured over 9 fresh draws: at most 1.1 %)
+        # pipeline after. Bound: 4 % of the model's largest update (the 4 % of _check_autocast_matches). Not of each
+        # tensor's own: a last-layer bias gradient is a sum of terms that nearly cancel, so its update can be far
+        # smaller than the rounding of its terms (seed 2001945550: 4.bias error 2.9e-5 against its own update 2e-4)
         initial = dict(make_model(blocks=2).named_parameters())
         with Engine(make_model(blocks=2), loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2, microbatches=3,
                     optimizer=AdamW(**dict(OPT, eps=1.0)), autocast=torch.bfloat16) as local:
             local_losses = [m["loss"] for m in local.fit(batches)]
             local_master = local.master_state_dict()
         assert extra["bf16_losses"] == pytest.approx(local_losses, rel=2e-2)
-        for name, want in local_master.items():
-            update = (want - initial[name].detach()).abs().max()
-            error = (extra["bf16_master"][name] - want).abs().max()
-            assert error <= 0.04 * update, name
+        largest = max((want - initial[name].detach()).abs().max().item() for name, want in local_master.items())
+        assert largest > 0
+        errors = {name: (extra["bf16_master"][name] - want).abs().max().item() for name, want in local_master.items()}
+        print(f"bf16 across processes: largest error / largest update {max(errors.values()) / largest:.4f}")
+        for name, error in errors.items():
+            assert error <= 0.04 * largest, (name, error, largest)
 
 
 def _failing_worker(rank, world, init_file, how, out_dir):
