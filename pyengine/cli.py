@@ -662,13 +662,17 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         def elapsed() -> float:
             return elapsed_offset + time.perf_counter() - state["t0"]
 
+        # a --mode all sub-run saves the trace path it writes (t-<mode>.json), so that a resume writes there too
+        own_trace = str(_trace_path(cfg["trace"], mode, cfg["mode"] == "all")) if cfg["trace"] is not None else None
+
         def save_checkpoint() -> Path:
             engine_state = engine.state_dict() if primary or pipeline else None  # a collective in a pipeline
             if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
                 state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])
                 return state["last_ckpt"]
+            config = _json_safe(dict(cfg, mode=mode, out=str(out), trace=own_trace))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
-                           elapsed_s=elapsed(), mode=mode, config=_json_safe(dict(cfg, mode=mode, out=str(out))),
+                           elapsed_s=elapsed(), mode=mode, config=config,
                            engine=engine_state)
             state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"])
             return state["last_ckpt"]

@@ -398,12 +398,16 @@ def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp
 
 def test_mode_all_sub_runs_resume(tmp_path):
     """A --mode all run's directories resume (the hybrid/sync/async checkpoints also carry the pipeline defaults of the
-    whole run, which are not flags given to them)."""
-    out = tmp_path / "all"
-    assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), *SHORT) == 0
+    whole run, which are not flags given to them), each writing its trace where the first run wrote it."""
+    out, trace = tmp_path / "all", tmp_path / "t.json"
+    assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), "--trace", str(trace), *SHORT) == 0
     for mode in ("hybrid", "sync", "async", "pipeline"):
+        (tmp_path / f"t-{mode}.json").unlink()
         assert train("--resume", str(out / mode), "--steps", "3", "--quiet") == 0
-        assert json.loads((out / mode / "summary.json").read_text())["steps"] == 3
+        summary = json.loads((out / mode / "summary.json").read_text())
+        assert summary["steps"] == 3 and summary["trace"] == str(tmp_path / f"t-{mode}.json")
+        assert json.loads((tmp_path / f"t-{mode}.json").read_text())["traceEvents"]
+    assert not trace.exists()
 
 
 def test_non_finite_losses_are_reported_not_fatal(tmp_path, capsys):
