@@ -19,6 +19,8 @@
 #   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap (with a profiler
 #              copy timeline and Chrome traces in logs.tgz), hybrid with 4
 #              workers on the GPU vs single-replica training
+#   pipeline   bench/bench_pipeline.py --device cuda:0: S stages as S workers on one GPU (each its own stream),
+#              S in {2, 4}, M in {1, 4, 16}, 1F1B and GPipe, samples/s and bubble vs single-device training
 # DEADLINE_S=N makes every stage end in time for the summary within N seconds of the start. Needs no network.
 # PYTHON picks the interpreter (default python3: the one holding that machine's torch).
 set -u
@@ -26,7 +28,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-ALL_STAGES=(env build import tests ctest sanitizer bench nvtx transfer)
+ALL_STAGES=(env build import tests ctest sanitizer bench nvtx transfer pipeline)
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=("${ALL_STAGES[@]}")
 for s in "${STAGES[@]}"; do
@@ -144,7 +146,7 @@ nvtx_check() {
 export -f build check_build sanitize nvtx_check
 export PYTHON SCRATCH
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the extension built in place, whatever the install did
-if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvtx || wants transfer; } \
+if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvtx || wants transfer || wants pipeline; } \
    && ! check_build >/dev/null 2>&1; then
   STAGES+=(build)  # a later stage needs the extension and none that imports with CUDA is here
 fi
@@ -163,6 +165,8 @@ wants bench && stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_ada
 wants nvtx && stage nvtx "$LOGS/nvtx.log" 300 nvtx_check
 wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
   --out "$LOGS/transfer.md" --trace-dir "$LOGS"
+wants pipeline && stage pipeline "$LOGS/pipeline.log" 600 bash -c "set -o pipefail; \"$PYTHON\" \
+  bench/bench_pipeline.py --device cuda:0 --width 4096 --batch 512 | tee \"$LOGS/pipeline.md\""
 # The built extension comes back too, so that a later lease can carry it instead of building again.
 wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
 
@@ -189,6 +193,12 @@ wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
     echo "## Gradient transfer and engine on the GPU"
     echo
     cat "$LOGS/transfer.md"
+  fi
+  if [[ -s "$LOGS/pipeline.md" ]]; then
+    echo
+    echo "## Pipeline stages as workers on one GPU"
+    echo
+    cat "$LOGS/pipeline.md"
   fi
 } >"$SUMMARY"
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
