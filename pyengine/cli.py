@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "worker's mini-batch; pipeline: split across the replicas, then into micro-batches) "
                         "[64 digits / 32 tokens]")
     g.add_argument("--lr", type=_positive_float, default=S, help="AdamW learning rate [2e-3 digits / 1e-3 tokens]")
+    g.add_argument("--lr-schedule", choices=("constant", "cosine"), default=S,
+                   help="learning rate over the updates: constant, or a cosine decay to 0 at the last of --steps "
+                        "(or of --epochs' updates) [constant]")
+    g.add_argument("--warmup-steps", type=_nonnegative_int, default=S,
+                   help="linear warmup of the learning rate over the first updates [0]")
     g.add_argument("--weight-decay", type=_nonnegative_float, default=S, help="AdamW weight decay [0.01]")
     g.add_argument("--max-grad-norm", type=_positive_float, default=S, help="clip the mean gradient [off]")
     g.add_argument("--autocast", choices=("none", "bf16", "fp16"), default=S,
@@ -224,7 +229,8 @@ def _resolve(given: dict) -> dict:
     cfg = dict(given)
     data = cfg.get("data") or "digits"
     defaults = dict(mode="hybrid", data=data, seed=0, weight_decay=0.01, autocast="none", accumulate=1,
-                    staleness_lr="none", keep=3, quiet=False, **DATA_DEFAULTS[data])
+                    staleness_lr="none", keep=3, quiet=False, lr_schedule="constant", warmup_steps=0,
+                    **DATA_DEFAULTS[data])
     for key, value in defaults.items():
         if cfg.get(key) is None:
             cfg[key] = value
@@ -301,10 +307,33 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
         if cfg["batch_size"] > train_size:
             raise UsageError(f"--batch-size {cfg['batch_size']} is larger than the {train_size} training samples "
                              f"of --data {cfg['data']}")
+        steps = {m: target_steps(cfg, m, train_size // cfg["batch_size"]) for m in (MODES if mode == "all" else
+                                                                                   (mode,))}
+        if cfg["lr_schedule"] == "cosine" and cfg["warmup_steps"] > min(steps.values()):
+            raise UsageError(f"--warmup-steps {cfg['warmup_steps']} is longer than the run's "
+                             f"{min(steps.values())} updates: the cosine decay would have no steps left")
     if mode in ("hybrid", "all") and cfg["batch_size"] < workers:
         raise UsageError(f"hybrid splits each batch across the workers: --batch-size {cfg['batch_size']} cannot "
                          f"feed {workers} workers (use --batch-size >= {workers} or fewer --workers)")
     _check_pipeline_config(cfg, pipeline_workers(cfg))
+
+
+def target_steps(cfg: dict, mode: str, per_epoch: int) -> int:
+    """The updates (async: pushes) a run of ``mode`` trains for: ``--steps``, else ``--epochs`` of ``per_epoch``
+    batches (async: each push takes ``--accumulate`` of them)."""
+    per_update = cfg["accumulate"] if mode == "async" else 1
+    return cfg["steps"] if cfg["steps"] is not None else max(1, cfg["epochs"] * per_epoch // per_update)
+
+
+def lr_schedule(cfg: dict, target: int):
+    """``--lr-schedule`` and ``--warmup-steps`` as the engine's ``lr_schedule`` (None: a constant lr). A resumed run
+    with another ``--steps`` re-aims the cosine at its new last update."""
+    from .optim import WarmupCosine
+
+    if cfg["lr_schedule"] == "constant" and not cfg["warmup_steps"]:
+        return None
+    return WarmupCosine(warmup_steps=cfg["warmup_steps"],
+                        total_steps=target if cfg["lr_schedule"] == "cosine" else None)
 
 
 def pipeline_workers(cfg: dict) -> int:
@@ -619,7 +648,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     batch_size, seed = cfg["batch_size"], cfg["seed"]
     per_epoch = dataset.steps_per_epoch(batch_size)
     per_update = cfg["accumulate"] if mode == "async" else 1
-    target = cfg["steps"] if cfg["steps"] is not None else max(1, cfg["epochs"] * per_epoch // per_update)
+    target = target_steps(cfg, mode, per_epoch)
     every = cfg["checkpoint_every"] or max(1, per_epoch // per_update)
 
     model = models.build(cfg["model"], dataset, seed, cfg["hidden"])
@@ -630,7 +659,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     options = dict(stages=cfg.get("stages") or pipeline_workers(cfg), microbatches=cfg["microbatches"],
                    schedule=cfg["schedule"], balance=cfg["balance"]) if pipeline else {}
     engine = Engine(models.as_layers(model) if pipeline else model, models.loss_fn, devices=devices, mode=mode,
-                    optimizer=optimizer, seed=seed, autocast=autocast,
+                    optimizer=optimizer, seed=seed, autocast=autocast, lr_schedule=lr_schedule(cfg, target),
                     accumulate=cfg["accumulate"] if mode == "async" else 1,
                     max_staleness=cfg["max_staleness"] if mode == "async" else None,
                     staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin, **options)
@@ -765,7 +794,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         test_accuracy=evaluation["test_accuracy"], test_loss=evaluation["test_loss"],
         wall_s=time.perf_counter() - started, train_s=train_total, this_run_train_s=train_s,
         data=cfg["data"], model=cfg["model"], params=sum(p.numel() for p in model.parameters()),
-        batch_size=batch_size, lr=cfg["lr"], seed=seed, epochs=cfg["epochs"],
+        batch_size=batch_size, lr=cfg["lr"], lr_schedule=cfg["lr_schedule"], warmup_steps=cfg["warmup_steps"],
+        seed=seed, epochs=cfg["epochs"],
         dataset=dataset.info, checkpoint=str(path), resumed_from_step=start_step if resume is not None else None,
         interrupted=interrupted, trace=str(trace) if trace is not None else None,
         phases_mean_s={k: mean(k) for k in ("wall_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s")},
@@ -856,6 +886,8 @@ def _train(given: dict) -> int:
         except ckpt.CheckpointError as exc:
             raise UsageError(f"cannot resume: {exc}") from None
         base = dict(resume_payload["config"])
+        base.setdefault("lr_schedule", "constant")  # saved before these flags existed: the constant lr it had
+        base.setdefault("warmup_steps", 0)
         if base.get("mode") != "pipeline":  # a --mode all sub-run saved the pipeline defaults too: not given flags
             for key in ("stages", *PIPELINE_DEFAULTS):
                 base[key] = None

@@ -538,7 +538,7 @@ class DistributedHybrid(_FailureNaming):
                 state = store.state_slice(lo, hi)
                 torch.ops.pyengine.mean_grad_adamw_.default(
                     store.param[lo:hi], store.exp_avg[state], store.exp_avg_sq[state], [grad],
-                    **opt.kernel_kwargs(), step=engine.version,
+                    **opt.kernel_kwargs(engine.lr_at(engine.version)), step=engine.version,
                     max_exp_avg_sq=None if store.max_exp_avg_sq is None else store.max_exp_avg_sq[state],
                     grad_scale=None, found_inf=None, weights=None, param_out=None,
                     grad_norm=norm if clip else None, max_grad_norm=float(clip))
@@ -879,7 +879,7 @@ class AsyncServer:
                                    transfer_wait=0.0, copy_back=0.0, applied=applied, worker=client, rank=client,
                                    push_id=int(push_id), version_at_pull=int(pulled),
                                    version_at_apply=engine.version - int(applied), staleness=staleness,
-                                   server=self.rank, adam_step=step if applied else None)
+                                   server=self.rank, adam_step=step if applied else None, lr_step=step or None)
             engine.history.append(metrics)
             for callback in self.callbacks:
                 callback(engine, metrics)

@@ -31,7 +31,7 @@ import torch
 from . import distributed, ops
 from .asynchronous import run_async
 from .hybrid import hybrid_step
-from .optim import AdamW
+from .optim import AdamW, check_lr_factor
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
 from .profiling import PhaseRecorder
@@ -59,6 +59,12 @@ class Engine:
             ``nn.Sequential`` or a list of layers, batches are ``(inputs, targets)`` and ``loss_fn`` is called on
             the last stage as ``loss_fn(last_stage, (activations, targets))``).
         optimizer: :class:`pyengine.AdamW` (default ``AdamW()``).
+        lr_schedule: None, or ``callable(step) -> factor``: update ``k`` (1-based) uses ``optimizer.lr *
+            lr_schedule(k - 1)``, as ``torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule)`` stepped after every
+            ``opt.step()`` (e.g. :class:`pyengine.WarmupCosine`). ``step`` counts applied updates, so a skipped
+            step (non-finite gradient) does not advance it; the schedule is not saved by :meth:`state_dict`: pass
+            the same one to the engine that loads it. A value that is not a finite number >= 0 raises
+            ``ValueError`` before that update changes anything.
         seed: seeds torch's RNG before the replicas are made.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
         unused: ``"zero"`` (parameters without a gradient in a step get zero) or ``"error"``.
@@ -99,7 +105,7 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, devices=None, mode: str = "hybrid",
-                 optimizer: AdamW | None = None, seed: int = 0, *, bucket_mb: float = 25.0,
+                 optimizer: AdamW | None = None, seed: int = 0, *, lr_schedule=None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, unused: str = "zero", autocast: torch.dtype | None = None,
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
@@ -134,6 +140,11 @@ class Engine:
         self.max_staleness = max_staleness
         self.staleness_lr = staleness_lr
         self.batch_schedule = batch_schedule
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise TypeError(f"lr_schedule must be callable as lr_schedule(step) -> factor on the lr; "
+                            f"got {type(lr_schedule).__name__}")
+        self.lr_schedule = lr_schedule
+        self._lr = (None, None)  # ((update, schedule, base lr), lr): lr_at's last answer, so a per-bucket update asks the schedule once
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int; got {seed!r}")
         self.seed = seed
@@ -290,10 +301,14 @@ class Engine:
     def optimizer_state_dict(self) -> dict:
         """The Adam state in ``torch.optim.AdamW.state_dict()`` form. With ``shard_update=True`` a collective that
         every rank must call (:func:`pyengine.distributed.gather_optimizer_state`); the full state on every rank.
-        Pipeline stages across processes: a collective too (Note [Distributed pipeline store])."""
+        Pipeline stages across processes: a collective too (Note [Distributed pipeline store]). With an
+        ``lr_schedule`` the group's ``lr`` is the last update's (the first's before any) and ``initial_lr`` the
+        optimizer's lr; torch's ``LambdaLR`` would hold the next update's lr there, which this does not compute: a
+        checkpoint never asks the schedule about a step not yet taken."""
         self._gather_stages()
-        return self.optimizer.torch_state_dict(self.store, self.version, self.param_names,
-                                               distributed.gather_optimizer_state(self))
+        return self.optimizer.torch_state_dict(
+            self.store, self.version, self.param_names, distributed.gather_optimizer_state(self),
+            scheduled_lr=None if self.lr_schedule is None else self.lr_at(max(1, self.version)))
 
     def state_dict(self) -> dict:
         """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics. With
@@ -491,7 +506,7 @@ class Engine:
                     return False
         return True
 
-    def apply_update(self, workers: list[int], weights: list[float] | None, lr: float | None = None,
+    def apply_update(self, workers: list[int], weights: list[float] | None, lr_divisor: float = 1.0,
                      grads: list[torch.Tensor] | None = None) -> bool:
         """One fused update of the whole store from the gradient slots of ``workers``, or from ``grads`` (flat
         buffers of the store's size, e.g. a gradient reduced across processes) when given (Note [One update path]).
@@ -502,7 +517,7 @@ class Engine:
         norm, nonfinite = ops.mean_grad_norm(slots, weights)
         if not self.admit_update(nonfinite.item() != 0.0, workers):
             return False
-        self.update_range(0, self.store.numel, slots, weights, norm, lr)
+        self.update_range(0, self.store.numel, slots, weights, norm, lr_divisor)
         return True
 
     def admit_update(self, nonfinite: bool, workers: list[int]) -> bool:
@@ -516,28 +531,32 @@ class Engine:
                                          "keep the last complete update")
             self._counters["skipped_steps"] += 1
             return False
+        self.lr_at(self.version + 1)  # a bad schedule value raises here, before anything is counted or written
         self.version += 1
         self._counters["applied_updates"] += 1
         return True
 
     def update_range(self, begin: int, end: int, slots: list[torch.Tensor], weights: list[float] | None,
-                     norm: torch.Tensor, lr: float | None = None, step: int | None = None) -> None:
+                     norm: torch.Tensor, lr_divisor: float = 1.0, step: int | None = None) -> None:
         """The fused mean-gradient AdamW over elements ``[begin, end)`` of the store at step ``version`` (or
         ``step``: a multi-node async server applies a push with the coordinating server's step).
 
         ``slots``: the full gradient slots of the step's workers; ``norm``: the global norm of their (weighted) mean,
-        used when the optimizer clips. Elementwise, so updating the store range by range gives the same bits as one
+        used when the optimizer clips; the lr is :meth:`lr_at` the step, divided by ``lr_divisor`` (async's
+        ``staleness_lr="inverse"``: 1 + staleness). Elementwise, so updating the store range by range gives the same bits as one
         call over all of it.
         """
         store, opt = self.store, self.optimizer
         clip = opt.max_grad_norm or 0.0
+        step = self.version if step is None else step
+        lr = self.lr_at(step) / lr_divisor
 
         def part(t):
             return None if t is None else t[begin:end]
 
         torch.ops.pyengine.mean_grad_adamw_.default(
             store.param[begin:end], store.exp_avg[begin:end], store.exp_avg_sq[begin:end],
-            [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=self.version if step is None else step,
+            [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=step,
             max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
             param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
@@ -558,16 +577,28 @@ class Engine:
         if not decided and self.max_staleness is not None and staleness > self.max_staleness:
             self._counters["refreshes"] += 1
             return None
-        lr = self.optimizer.lr / (1 + staleness) if self.staleness_lr == "inverse" else None
+        divisor = 1.0 + staleness if self.staleness_lr == "inverse" else 1.0
+        self.lr_at(self.version + 1 if step is None else step)  # a bad schedule value raises before the count
         self._counters["pushes"] += 1
         if span is None:
-            applied = self.apply_update(workers, None, lr, grads=grads)
+            applied = self.apply_update(workers, None, divisor, grads=grads)
         else:
             applied = self.admit_update(norm[1], workers)
             if applied:
-                self.update_range(span[0], span[1], grads, None, norm[0], lr, step=step)
+                self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step)
         self._staleness[staleness] += 1
         return applied, staleness
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update ``step`` (1-based: the optimizer's step count after it): ``optimizer.lr``
+        times ``lr_schedule(step - 1)``, or ``optimizer.lr`` without a schedule. The schedule is asked once per
+        update (the last answer is kept); its value is checked (:func:`pyengine.optim.check_lr_factor`)."""
+        if self.lr_schedule is None:
+            return self.optimizer.lr
+        key = (step, self.lr_schedule, self.optimizer.lr)
+        if self._lr[0] != key:
+            self._lr = (key, self.optimizer.lr * check_lr_factor(self.lr_schedule(step - 1), step - 1))
+        return self._lr[1]
 
     def count(self, key: str, n: int = 1) -> None:
         self._counters[key] += n

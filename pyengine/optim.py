@@ -3,6 +3,7 @@
 :class:`AdamW` holds hyper-parameters only; the state (exp_avg, exp_avg_sq, ...) lives in the host store. Its
 :meth:`torch_state_dict` builds a dict with the same keys and values as ``torch.optim.AdamW.state_dict()`` for the
 same model, so users can move between the two (:meth:`load_torch_state_dict` goes the other way).
+:class:`WarmupCosine` is a learning-rate schedule for ``Engine(lr_schedule=...)``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "WarmupCosine", "check_lr_factor"]
 
 
 @dataclass
@@ -73,11 +74,13 @@ class AdamW:
     def config(self) -> dict:
         return asdict(self)
 
-    def torch_state_dict(self, store, step: int, names: list[str], full_state: dict | None = None) -> dict:
+    def torch_state_dict(self, store, step: int, names: list[str], full_state: dict | None = None,
+                         scheduled_lr: float | None = None) -> dict:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` form; ``names`` are the trainable parameters
         in ``model.parameters()`` order, which is how torch indexes them. ``full_state``: flat full-size state
         buffers by name, needed when the store holds part of the state only (``state_ranges``; see
-        :func:`pyengine.distributed.gather_optimizer_state`)."""
+        :func:`pyengine.distributed.gather_optimizer_state`). ``scheduled_lr``: with a learning-rate schedule, the
+        group holds it as ``lr`` and ``self.lr`` as ``initial_lr`` (the key torch's ``LambdaLR`` adds)."""
         if full_state is None and store.state_ranges is not None:
             raise ValueError("the store holds part of the Adam state only (state_ranges); pass full_state, e.g. "
                              "pyengine.distributed.gather_optimizer_state(engine)")
@@ -95,6 +98,8 @@ class AdamW:
                      amsgrad=self.amsgrad, maximize=self.maximize, foreach=None, capturable=False,
                      differentiable=False, fused=None, decoupled_weight_decay=self.adamw,
                      params=list(range(len(names))))
+        if scheduled_lr is not None:
+            group.update(lr=scheduled_lr, initial_lr=self.lr)
         return {"state": state, "param_groups": [group]}
 
     def load_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
@@ -157,3 +162,51 @@ class AdamW:
         if self.amsgrad:
             buffers["max_exp_avg_sq"] = store.max_exp_avg_sq
         return buffers
+
+
+def check_lr_factor(factor, step: int) -> float:
+    """``factor`` as a float, checked: a learning-rate schedule's value for ``step`` (updates applied before this
+    one) must be a finite number >= 0."""
+    try:
+        value = None if isinstance(factor, (bool, str, bytes)) else float(factor)
+    except (TypeError, ValueError, RuntimeError):
+        value = None
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ValueError(f"lr_schedule({step}) returned {factor!r}; it must return a finite number >= 0 (the factor "
+                         "on the optimizer's lr)")
+    return value
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """A learning-rate schedule for ``Engine(lr_schedule=...)``: the factor on ``AdamW.lr`` of the update that
+    follows ``step`` applied updates (``torch.optim.lr_scheduler.LambdaLR``'s ``lr_lambda`` convention).
+
+    Linear warmup over the first ``warmup_steps`` updates, ``(step + 1) / warmup_steps``; then 1 when
+    ``total_steps`` is None, else a cosine from 1 down to ``min_factor`` that reaches it at ``total_steps``
+    (updates past ``total_steps`` keep ``min_factor``). A plain class, so it pickles with a checkpoint.
+    """
+
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_factor: float = 0.0
+
+    def __post_init__(self):
+        def whole(value, name, least):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise ValueError(f"WarmupCosine: {name} must be an integer >= {least}; got {value!r}")
+
+        whole(self.warmup_steps, "warmup_steps", 0)
+        if self.total_steps is not None:
+            whole(self.total_steps, "total_steps", max(1, self.warmup_steps))
+        if isinstance(self.min_factor, bool) or not isinstance(self.min_factor, numbers.Real) \
+                or not 0.0 <= self.min_factor <= 1.0:
+            raise ValueError(f"WarmupCosine: min_factor must be a number in [0, 1]; got {self.min_factor!r}")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_factor + (1.0 - self.min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))

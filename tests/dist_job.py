@@ -99,12 +99,14 @@ def asynchronous(seed, rank, world):
 
 SHARD = dict(steps=3, more=2, batch=29, ckpt_step=3)
 SHARD_ENGINE = dict(devices=["cpu"] * 2, pin=False, bucket_mb=1e-5, first_bucket_mb=1e-5)  # one bucket per parameter
+SHARD_SCHEDULE = pyengine.WarmupCosine(warmup_steps=2, total_steps=6)  # steps 4 and 5 at factors 0.65 and 0.35
 
 
 def shard_state(seed, rank, world, amsgrad, out_dir):
     """A sharded engine: its store's size and ranges, a checkpoint after SHARD["steps"] steps (a collective), the
     weights and gathered state after SHARD["more"] further steps. Then a full state from a single-process engine
-    loaded into a fresh sharded engine (each rank keeps its slice), and both continued side by side."""
+    loaded into a fresh sharded engine (each rank keeps its slice), and both continued side by side (these two with
+    a learning-rate schedule, which the sharded update follows too)."""
     globals_ = global_batches(seed, SHARD["steps"] + SHARD["more"], SHARD["batch"])
     batches = [rank_slice(b, rank, world) for b in globals_]
     out = {}
@@ -121,12 +123,12 @@ def shard_state(seed, rank, world, amsgrad, out_dir):
             engine.step(b)
         out["continued"] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict())
     with pyengine.Engine(make_model(), loss_fn, optimizer=pyengine.AdamW(**OPT, amsgrad=amsgrad), process_group=None,
-                         **SHARD_ENGINE) as single:
+                         lr_schedule=SHARD_SCHEDULE, **SHARD_ENGINE) as single:
         for b in globals_[:SHARD["steps"]]:
             single.step(b)
         full = single.state_dict()
         with pyengine.Engine(make_model(seed=1), loss_fn, optimizer=pyengine.AdamW(**OPT, amsgrad=amsgrad),
-                             shard_update=True, **SHARD_ENGINE) as sharded:
+                             shard_update=True, lr_schedule=SHARD_SCHEDULE, **SHARD_ENGINE) as sharded:
             sharded.load_state_dict(full)
             names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
             out["loaded_packed"] = {n: getattr(sharded.store, n).clone() for n in names}

@@ -438,3 +438,38 @@ def test_stale_temporary_checkpoints_are_removed_and_superseded_ones_not_resumed
     [aside] = run.glob("superseded-*")
     assert train("--resume", str(ckpt.path_for(aside, 4)), "--steps", "5", "--quiet") == 2
     assert "set aside" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "async"])
+def test_lr_schedule_cosine_with_warmup(tmp_path, mode):
+    """--lr-schedule cosine --warmup-steps 2 over 6 updates: metrics.jsonl holds each update's lr, linear warmup then
+    a cosine to 0 at the end (the formula written out here); a resume with more --steps re-aims the decay."""
+    import math
+    out, lr = tmp_path / "run", 4e-3
+    assert train("--mode", mode, "--steps", "6", "--lr", str(lr), "--lr-schedule", "cosine", "--warmup-steps", "2",
+                 "--quiet", "--out", str(out), *SHORT) == 0
+
+    def expected(step, total):  # step: updates before this one
+        return lr * ((step + 1) / 2 if step < 2 else 0.5 * (1 + math.cos(math.pi * (step - 2) / (total - 2))))
+
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in lines] == pytest.approx([expected(s, 6) for s in range(6)], rel=1e-12)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lr_schedule"] == "cosine" and summary["warmup_steps"] == 2
+    assert train("--resume", str(out), "--steps", "10", "--quiet") == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in lines[6:]] == pytest.approx([expected(s, 10) for s in range(6, 10)], rel=1e-12)
+
+
+def test_lr_schedule_bad_flags(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train("--steps", "3", "--lr-schedule", "cosine", "--warmup-steps", "4", "--out", str(out), *SHORT) == 2
+    assert "--warmup-steps 4 is longer than the run's 3 updates" in capsys.readouterr().err and not out.exists()
+    for bad in (["--lr-schedule", "linear"], ["--warmup-steps", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            train("--steps", "3", *bad, "--out", str(out), *SHORT)
+        assert exc.value.code == 2 and not out.exists()
+    # warmup alone: a constant lr after it
+    assert train("--steps", "3", "--warmup-steps", "2", "--lr", "1e-3", "--quiet", "--out", str(out), *SHORT) == 0
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3], rel=1e-12)

@@ -83,6 +83,101 @@ def test_hybrid_with_clipping(rng, buckets, worker_device):
         assert_matches(engine, reference)
 
 
+# ---- learning-rate schedule ----
+
+SCHEDULE = pyengine.WarmupCosine(warmup_steps=3, total_steps=8, min_factor=0.1)  # 10 steps: past its end too
+
+
+@pytest.mark.parametrize("mode,workers,options", [
+    ("hybrid", 3, TINY_BUCKETS), ("sync", 2, {}), ("async", 1, {}), ("pipeline", 2, dict(microbatches=3))],
+    ids=["hybrid", "sync", "async", "pipeline"])
+def test_lr_schedule_equals_torch_lambdalr(rng, mode, workers, options, worker_device):
+    """lr_schedule follows torch.optim.lr_scheduler.LambdaLR stepped after every optimizer step: the same weights,
+    the step's lr reported in its metrics, and an optimizer_state_dict whose group holds the last update's lr and
+    initial_lr (a lambda and pyengine.WarmupCosine alike)."""
+    model = make_model()
+    batches = make_batches(rng, 10, 24)
+    for schedule in (SCHEDULE, lambda step: 0.5 ** step):
+        reference = TorchReference(model, **OPT)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(reference.opt, schedule)
+        with Engine(model, loss_fn, devices=[worker_device] * workers, mode=mode, optimizer=AdamW(**OPT),
+                    lr_schedule=schedule, **options) as engine:
+            for b in batches:
+                lr = reference.opt.param_groups[0]["lr"]
+                metrics = engine.fit([b])[0] if mode == "async" else engine.step(b)
+                assert metrics["lr"] == pytest.approx(lr, rel=1e-12)
+                reference.step([b])
+                scheduler.step()
+            assert_matches(engine, reference)
+            group, torch_group = engine.optimizer_state_dict()["param_groups"][0], \
+                reference.opt.state_dict()["param_groups"][0]
+            assert group["lr"] == pytest.approx(lr, rel=1e-12)  # torch's holds the next update's lr
+            assert group["initial_lr"] == torch_group["initial_lr"] == OPT["lr"]
+    assert SCHEDULE(0) == pytest.approx(1 / 3) and SCHEDULE(3) == 1.0 and SCHEDULE(9) == SCHEDULE(8) == 0.1
+
+
+def test_lr_schedule_counts_applied_updates_and_reaches_a_state_dict_reload(rng):
+    """A skipped step (non-finite gradient) does not advance the schedule: it is asked for updates 0, 1, 2, ... in
+    order, once each. An engine that loads the state continues the schedule from the loaded step."""
+    batches = make_batches(rng, 5, 12)
+    poisoned = (batches[2][0].clone(), batches[2][1])
+    poisoned[0][0, 0] = float("nan")
+    asked = []
+
+    def schedule(step):
+        asked.append(step)
+        return 1.0 / (1 + step)
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), lr_schedule=schedule,
+                **TINY_BUCKETS) as engine:
+        lrs = [engine.step(b)["lr"] for b in batches[:2] + [poisoned] + batches[2:4]]
+        assert asked == [0, 1, 2, 3], "once per update, in order, none for the skipped step"
+        state = engine.state_dict()
+    assert lrs[2] is None and lrs[:2] + lrs[3:] == pytest.approx([OPT["lr"] / k for k in (1, 2, 3, 4)], rel=1e-15)
+    with Engine(make_model(seed=1), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), lr_schedule=schedule,
+                **TINY_BUCKETS) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.step(batches[4])["lr"] == pytest.approx(OPT["lr"] / 5, rel=1e-15)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), "0.1", None, True])
+@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+def test_lr_schedule_bad_value_raises_before_anything_changes(rng, bad, mode):
+    """A schedule value that is not a finite number >= 0 is a ValueError naming the step and the value; the weights,
+    Adam state, step and counters are those of the last update, and the engine trains on with a good schedule."""
+    batches = make_batches(rng, 3, 12)
+    schedule = lambda step: bad if step == 1 else 1.0  # noqa: E731
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), lr_schedule=schedule,
+                **TINY_BUCKETS) as engine:
+        engine.step(batches[0])
+        before, stats = engine.state_dict(), engine.stats()
+        with pytest.raises(ValueError, match=r"lr_schedule\(1\) returned .*finite number >= 0"):
+            engine.step(batches[1])
+        after = engine.state_dict()
+        assert engine.version == 1 and engine.stats()["applied_updates"] == stats["applied_updates"]
+        for name, value in before["master"].items():
+            assert torch.equal(after["master"][name], value), name
+        for index, entry in before["optimizer"]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+        engine.lr_schedule = lambda step: 1.0
+        assert engine.step(batches[2])["applied"] and engine.version == 2
+
+
+def test_lr_schedule_and_warmup_cosine_arguments_are_checked():
+    with pytest.raises(TypeError, match="lr_schedule must be callable"):
+        Engine(make_model(), loss_fn, devices=["cpu"], lr_schedule=0.5)
+    for kwargs, message in [(dict(warmup_steps=-1), "warmup_steps must be an integer >= 0"),
+                            (dict(warmup_steps=1.5), "warmup_steps must be an integer >= 0"),
+                            (dict(warmup_steps=5, total_steps=4), "total_steps must be an integer >= 5"),
+                            (dict(total_steps=0), "total_steps must be an integer >= 1"),
+                            (dict(min_factor=1.5), r"min_factor must be a number in \[0, 1\]")]:
+        with pytest.raises(ValueError, match=message):
+            pyengine.WarmupCosine(**kwargs)
+    assert [pyengine.WarmupCosine(warmup_steps=2)(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert pyengine.WarmupCosine(total_steps=4)(2) == pytest.approx(0.5)
+
+
 def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng, worker_device):
     """Backward delivers the first layer's weight last: its infinite gradient arrives after the other buckets, and
     none of them may have been updated (no half-applied step)."""
@@ -187,24 +282,31 @@ def test_async_max_staleness_bounds_every_applied_push(rng):
     assert stats["staleness_max"] <= 1
 
 
-def test_async_inverse_staleness_damps_lr(rng, monkeypatch):
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_async_inverse_staleness_damps_lr(rng, monkeypatch, scheduled):
+    """staleness_lr="inverse": each push's update runs the kernel with lr / (1 + its staleness), and with an
+    lr_schedule with the scheduled lr of that update divided so (observed at the kernel's arguments)."""
     batches = make_batches(rng, 40, 4)
+    schedule = (lambda step: 1.0 / (step + 1)) if scheduled else None
     engine = Engine(make_model(hidden=8), loss_fn, devices=["cpu"] * 4, mode="async", optimizer=AdamW(**OPT),
-                    staleness_lr="inverse")
+                    staleness_lr="inverse", lr_schedule=schedule)
     seen = []
-    original = engine.apply_update
+    original = AdamW.kernel_kwargs
 
-    def spy(workers, weights, lr=None, grads=None):
+    def spy(self, lr=None):
         seen.append((engine.version, lr))
-        return original(workers, weights, lr, grads=grads)
+        return original(self, lr)
 
-    monkeypatch.setattr(engine, "apply_update", spy)
+    monkeypatch.setattr(AdamW, "kernel_kwargs", spy)
     with engine:
         history = engine.fit(batches)
     assert len(seen) == len(history) == 40
-    for (version, lr), m in zip(seen, history):
-        assert version - m["version_at_pull"] == m["staleness"]
-        assert lr == pytest.approx(OPT["lr"] / (1 + m["staleness"]))
+    for (version, lr), m in zip(seen, history):  # version: the engine's step count with this update
+        assert version - 1 - m["version_at_pull"] == m["staleness"] and m["applied"] and m["version"] == version
+        scheduled_lr = OPT["lr"] * (schedule(version - 1) if scheduled else 1.0)
+        assert m["lr"] == pytest.approx(scheduled_lr, rel=1e-12)
+        assert lr == pytest.approx(scheduled_lr / (1 + m["staleness"]), rel=1e-12)
+    assert {m["staleness"] for m in history} != {0}, "no push was stale: the damping went untested"
 
 
 def test_nonfinite_gradient_skip_and_raise(rng, worker_device):
