@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "[64 digits / 32 tokens]")
     g.add_argument("--lr", type=_positive_float, default=S, help="AdamW learning rate [2e-3 digits / 1e-3 tokens]")
     g.add_argument("--lr-schedule", choices=("constant", "cosine"), default=S,
-                   help="learning rate over the updates: constant, or a cosine decay to 0 at the last of --steps "
-                        "(or of --epochs' updates) [constant]")
+                   help="learning rate over the updates: constant, or a cosine decay that would reach 0 one "
+                        "update after the last of --steps (or of --epochs' updates) [constant]")
     g.add_argument("--warmup-steps", type=_nonnegative_int, default=S,
                    help="linear warmup of the learning rate over the first updates [0]")
     g.add_argument("--weight-decay", type=_nonnegative_float, default=S, help="AdamW weight decay [0.01]")

@@ -64,7 +64,8 @@ class Engine:
             ``opt.step()`` (e.g. :class:`pyengine.WarmupCosine`). ``step`` counts applied updates, so a skipped
             step (non-finite gradient) does not advance it; the schedule is not saved by :meth:`state_dict`: pass
             the same one to the engine that loads it. A value that is not a finite number >= 0 raises
-            ``ValueError`` before that update changes anything.
+            ``ValueError`` before that step changes anything (async: the push is neither applied nor counted, and
+            the :class:`WorkerError` that stops ``fit`` has the ``ValueError`` as its cause).
         seed: seeds torch's RNG before the replicas are made.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
         unused: ``"zero"`` (parameters without a gradient in a step get zero) or ``"error"``.
@@ -199,6 +200,9 @@ class Engine:
         if self.mode == "async":
             raise ValueError("step() is for mode='hybrid', 'sync' or 'pipeline'; async workers pull batches: use "
                              "fit(batches)")
+        # A bad schedule value raises before any work or count. Every rank of a process group asks the same (its
+        # version is the same on all), so all raise here and none leaves the others inside a collective.
+        self.lr_at(self.version + 1)
         with deferred_interrupt(f"step {self.version + 1}", self._abandon):  # Note [Ctrl-C inside a step]
             if self.mode == "pipeline":
                 self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data replicas
@@ -520,10 +524,11 @@ class Engine:
         self.update_range(0, self.store.numel, slots, weights, norm, lr_divisor)
         return True
 
-    def admit_update(self, nonfinite: bool, workers: list[int]) -> bool:
+    def admit_update(self, nonfinite: bool, workers: list[int], step: int | None = None) -> bool:
         """Decides whether the step whose mean gradient is (non)finite is applied: raises (``nonfinite="raise"``) or
         counts a skipped step and returns False; otherwise counts the update, advances ``version`` (the step of the
-        :meth:`update_range` calls that follow) and returns True."""
+        :meth:`update_range` calls that follow) and returns True. ``step``: the Adam step the update will use when
+        not ``version + 1`` (a multi-server async shard applies the coordinating server's)."""
         if nonfinite:
             if self.nonfinite == "raise":
                 where = f" (workers {workers})" if workers else ""
@@ -531,7 +536,7 @@ class Engine:
                                          "keep the last complete update")
             self._counters["skipped_steps"] += 1
             return False
-        self.lr_at(self.version + 1)  # a bad schedule value raises here, before anything is counted or written
+        self.lr_at(self.version + 1 if step is None else step)  # a bad value raises before any count or write
         self.version += 1
         self._counters["applied_updates"] += 1
         return True
@@ -583,7 +588,7 @@ class Engine:
         if span is None:
             applied = self.apply_update(workers, None, divisor, grads=grads)
         else:
-            applied = self.admit_update(norm[1], workers)
+            applied = self.admit_update(norm[1], workers, step)
             if applied:
                 self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step)
         self._staleness[staleness] += 1

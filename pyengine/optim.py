@@ -183,8 +183,9 @@ class WarmupCosine:
     follows ``step`` applied updates (``torch.optim.lr_scheduler.LambdaLR``'s ``lr_lambda`` convention).
 
     Linear warmup over the first ``warmup_steps`` updates, ``(step + 1) / warmup_steps``; then 1 when
-    ``total_steps`` is None, else a cosine from 1 down to ``min_factor`` that reaches it at ``total_steps``
-    (updates past ``total_steps`` keep ``min_factor``). A plain class, so it pickles with a checkpoint.
+    ``total_steps`` is None, else a cosine from 1 down to ``min_factor`` that reaches it at ``step ==
+    total_steps``, the update after the first ``total_steps`` (the last of ``total_steps`` updates still has a small
+    lr), and keeps it after. A plain class, so it pickles with a checkpoint.
     """
 
     warmup_steps: int = 0

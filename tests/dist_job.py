@@ -99,7 +99,7 @@ def asynchronous(seed, rank, world):
 
 SHARD = dict(steps=3, more=2, batch=29, ckpt_step=3)
 SHARD_ENGINE = dict(devices=["cpu"] * 2, pin=False, bucket_mb=1e-5, first_bucket_mb=1e-5)  # one bucket per parameter
-SHARD_SCHEDULE = pyengine.WarmupCosine(warmup_steps=2, total_steps=6)  # steps 4 and 5 at factors 0.65 and 0.35
+SHARD_SCHEDULE = pyengine.WarmupCosine(warmup_steps=2, total_steps=6)  # updates 4 and 5 at factors 0.854 and 0.5
 
 
 def shard_state(seed, rank, world, amsgrad, out_dir):

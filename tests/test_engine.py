@@ -141,27 +141,36 @@ def test_lr_schedule_counts_applied_updates_and_reaches_a_state_dict_reload(rng)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), "0.1", None, True])
-@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline", "async"])
 def test_lr_schedule_bad_value_raises_before_anything_changes(rng, bad, mode):
-    """A schedule value that is not a finite number >= 0 is a ValueError naming the step and the value; the weights,
-    Adam state, step and counters are those of the last update, and the engine trains on with a good schedule."""
+    """A schedule value that is not a finite number >= 0 is a ValueError naming the step and the value (async: the
+    cause of the WorkerError that stops fit); the weights, Adam state, step and every counter are those of the last
+    update, and the engine trains on with a good schedule."""
     batches = make_batches(rng, 3, 12)
     schedule = lambda step: bad if step == 1 else 1.0  # noqa: E731
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
     with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), lr_schedule=schedule,
-                **TINY_BUCKETS) as engine:
-        engine.step(batches[0])
+                **TINY_BUCKETS, **options) as engine:
+        def step(b):
+            return engine.fit([b])[0] if mode == "async" else engine.step(b)
+
+        step(batches[0])
         before, stats = engine.state_dict(), engine.stats()
-        with pytest.raises(ValueError, match=r"lr_schedule\(1\) returned .*finite number >= 0"):
-            engine.step(batches[1])
+        expected = (WorkerError, r"ValueError: lr_schedule\(1\) returned") if mode == "async" else \
+            (ValueError, r"lr_schedule\(1\) returned .*finite number >= 0")
+        with pytest.raises(expected[0], match=expected[1]) as raised:
+            step(batches[1])
+        if mode == "async":
+            assert isinstance(raised.value.__cause__, ValueError)
         after = engine.state_dict()
-        assert engine.version == 1 and engine.stats()["applied_updates"] == stats["applied_updates"]
+        assert engine.version == 1 and engine.stats() == stats
         for name, value in before["master"].items():
             assert torch.equal(after["master"][name], value), name
         for index, entry in before["optimizer"]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
         engine.lr_schedule = lambda step: 1.0
-        assert engine.step(batches[2])["applied"] and engine.version == 2
+        assert step(batches[2])["applied"] and engine.version == 2
 
 
 def test_lr_schedule_and_warmup_cosine_arguments_are_checked():
@@ -288,8 +297,13 @@ def test_async_inverse_staleness_damps_lr(rng, monkeypatch, scheduled):
     lr_schedule with the scheduled lr of that update divided so (observed at the kernel's arguments)."""
     batches = make_batches(rng, 40, 4)
     schedule = (lambda step: 1.0 / (step + 1)) if scheduled else None
-    engine = Engine(make_model(hidden=8), loss_fn, devices=["cpu"] * 4, mode="async", optimizer=AdamW(**OPT),
-                    staleness_lr="inverse", lr_schedule=schedule)
+
+    def overlapping_loss(model, batch):  # a sleep releases the GIL: the 4 workers' computations overlap
+        time.sleep(0.005)
+        return loss_fn(model, batch)
+
+    engine = Engine(make_model(hidden=8), overlapping_loss, devices=["cpu"] * 4, mode="async",
+                    optimizer=AdamW(**OPT), staleness_lr="inverse", lr_schedule=schedule)
     seen = []
     original = AdamW.kernel_kwargs
 
