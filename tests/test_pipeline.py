@@ -829,17 +829,23 @@ def test_engine_with_replicas_over_processes_equals_single_device(rng, tmp_path)
         losses = [local.step(make_batches(rng_bn, 1, n)[0])["loss"] for n in (12, 18, 12)]
         live = [dict(local.pipeline.stages[0][r].module.named_buffers()) for r in range(2)]
         want = local.state_dict()
+    # Weights: within 0.2 % of the model's largest update. The in-process pipeline x hybrid sums the replicas in
+    # another order than gloo's allreduce, and 0.weight (the bias-free Linear before the BatchNorm, over micro-batches
+    # of 2 samples) has a gradient whose terms nearly cancel: its rounding is large against the gradient, and Adam
+    # (eps=1e-3) carries it into the update. Measured over 6 seeds: 0.weight 8e-6 to 3.3e-4 of the largest update,
+    # every other tensor <= 4e-6 (a fixed atol of 1e-6 failed on seed 407745488, one relative to each weight's
+    # largest entry on seeds 1973844847 and 1934509885).
+    initial = dict(bn_model().named_parameters())
+    largest = max((v - initial[n].detach()).abs().max().item() for n, v in want["master"].items())
+    assert largest > 0
     for rank in range(4):
         assert got[rank]["bn_losses"] == pytest.approx(losses, rel=1e-5)
-        for kind in ("master", "buffers"):
-            for name, value in want[kind].items():
-                # weights: the float64 comparison's bound above, relative to the tensor's largest entry (gloo's
-                # allreduce sums the replicas in another order than the in-process mean; Adam with eps=1e-3 moves
-                # a weight by up to lr/eps = 10x a gradient's rounding: seed 407745488 gave 1.7e-6 on 0.weight,
-                # whose entries reach ~0.33: bound 3.3e-6)
-                atol = 1e-5 * value.abs().max().item() if kind == "master" else 1e-6
-                torch.testing.assert_close(got[rank]["bn_state"][kind][name], value, rtol=1e-5, atol=atol,
-                                           msg=_rank_msg(rank, name))
+        for name, value in want["master"].items():
+            error = (got[rank]["bn_state"]["master"][name] - value).abs().max().item()
+            assert error <= 2e-3 * largest, (_rank_msg(rank, name), error, largest)
+        for name, value in want["buffers"].items():
+            torch.testing.assert_close(got[rank]["bn_state"]["buffers"][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=_rank_msg(rank, name))
     _check_tied_runs([got[rank]["tied"] for rank in range(4)], seed)
     for rank in (0, 1):  # stage 0's replicas: each started every step from replica 0's statistics (broadcast_buffers)
         for name, value in got[rank]["bn_live"].items():
