@@ -251,6 +251,9 @@ def async_failure(seed, rank, world):
 
 
 SHARDED = dict(servers=2, pushes=14, free_pushes=10, per_client=30, clip=0.05, poison=2)
+# the sequential run's lr schedule: every shard must use the coordinating server's step for it, as for the bias
+# correction
+SHARDED_SCHEDULE = pyengine.WarmupCosine(warmup_steps=3, total_steps=16, min_factor=0.1)
 
 
 def poisoned_batch(seed, rank, index):
@@ -272,8 +275,8 @@ def _push_record(engine):
 
 
 def async_sharded(seed, rank, world):
-    """SHARDED["servers"] server ranks, the others clients. First max_staleness=0 with clipping and one poisoned
-    push (a sequential reference exists); then unbounded staleness with inverse lr and accumulate=2 (only the
+    """SHARDED["servers"] server ranks, the others clients. First max_staleness=0 with clipping, an lr schedule and
+    one poisoned push (a sequential reference exists); then unbounded staleness with inverse lr and accumulate=2 (only the
     bookkeeping is checked). Also records the errors for a bad number of servers."""
     servers = SHARDED["servers"]
     out = {"errors": []}
@@ -283,7 +286,7 @@ def async_sharded(seed, rank, world):
         except ValueError as exc:
             out["errors"].append(str(exc))
     batches = [poisoned_batch(seed, rank, i) for i in range(SHARDED["per_client"])] if rank >= servers else []
-    runs = (("sequential", dict(max_staleness=0), SHARDED["pushes"], batches),
+    runs = (("sequential", dict(max_staleness=0, lr_schedule=SHARDED_SCHEDULE), SHARDED["pushes"], batches),
             ("free", dict(staleness_lr="inverse", accumulate=2), SHARDED["free_pushes"], [b[:2] for b in batches]))
     for name, options, pushes, data in runs:
         opt = pyengine.AdamW(**OPT, max_grad_norm=SHARDED["clip"] if name == "sequential" else None)

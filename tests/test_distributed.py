@@ -345,11 +345,13 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
     for s in range(servers):  # the poisoned gradient is inf in the last shard only: skipped by every server
         assert sequential[s]["stats"]["skipped_steps"] == len(poisoned)
     # max_staleness=0: every applied push saw every earlier one on every shard: sequential AdamW in rank 0's order,
-    # clipped by the norm of the whole gradient
+    # clipped by the norm of the whole gradient, its lr following LambdaLR with the same schedule
     reference = Reference()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(reference.opt, dist_job.SHARDED_SCHEDULE)
     for m in history:
         if m["applied"]:
             reference.step(dist_job.client_batch(seed, m["rank"], m["push_id"] - 1), clip=dist_job.SHARDED["clip"])
+            scheduler.step()
     reference.assert_matches(sequential[0]["master"])
     ref_state = reference.opt.state_dict()["state"]
     for i, state in sequential[0]["optimizer"]["state"].items():
