@@ -118,18 +118,32 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     if engine.inline_worker:  # Note [One CPU worker runs on the calling thread] in engine.py
         loop(engine.workers[0], own_thread=False)
     else:
-        threads = [threading.Thread(target=loop, args=(w,), name=f"pyengine-async-{w.index}", daemon=True)
-                   for w in engine.workers]
+        # Note [Joining after Ctrl-C]
+        # The calling thread waits on an Event per worker that the worker's thread sets as its last act, not on
+        # Thread.join(): in Python 3.11 a join interrupted by KeyboardInterrupt marks the thread stopped while it
+        # still runs (threading's _wait_for_tstate_lock releases the lock the live thread holds), so a second join
+        # returns at once and a worker would be left pushing after fit raised (seen: tests/test_engine.py,
+        # test_ctrl_c_during_async_fit_stops_every_worker, under load). Event.wait has no such state.
+        done = [threading.Event() for _ in engine.workers]
+
+        def run(worker, finished):
+            try:
+                loop(worker)
+            finally:
+                finished.set()
+
+        threads = [threading.Thread(target=run, args=(w, e), name=f"pyengine-async-{w.index}", daemon=True)
+                   for w, e in zip(engine.workers, done)]
         try:
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            for e in done:
+                e.wait()
         except BaseException:  # Ctrl-C here: stop the workers after their current push, leave none running
             stop.set()
-            for t in threads:
+            for t, e in zip(threads, done):
                 if t.ident is not None:  # started (a thread whose start() was interrupted included)
-                    t.join()
+                    e.wait()
             for worker in engine.workers:
                 worker.streamer.reset()
             raise

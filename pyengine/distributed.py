@@ -70,7 +70,7 @@ from . import ops
 from .metrics import step_metrics
 from .store import layout_of
 from .streamer import make_buckets
-from .workers import WorkerError, batch_size, split_batch
+from .workers import WorkerError, batch_size, split_batch, split_microbatches
 
 __all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "run_async",
            "gather_optimizer_state", "shard_ranges", "owned_state_ranges", "check_servers", "shard_spans"]
@@ -398,6 +398,8 @@ class DistributedHybrid(_FailureNaming):
         try:  # a bad local batch fails this rank's step like any other error: recorded, and the group is broken
             shards = split_batch(batch, engine.num_workers)
             sizes = [batch_size(s) for s in shards]
+            parts = [split_microbatches(s, engine.microbatches, f"rank {self.rank}'s worker {g}'s shard")
+                     for g, s in enumerate(shards)]
             counts = torch.tensor([float(sum(sizes))], dtype=torch.float64)
             with _collective("allreduce of the batch sizes", self.rank, self._explain):
                 dist.all_reduce(counts, group=self.group)
@@ -414,14 +416,14 @@ class DistributedHybrid(_FailureNaming):
                                    name="pyengine-reducer", daemon=True)
         reducer.start()
 
-        def task(worker, shard):
+        def task(worker, part):
             def run():
                 with engine.phase("forward_backward+transfer", worker.index):
-                    return worker.compute(engine.loss_fn, [shard])
+                    return worker.compute(engine.loss_fn, *part)
             return run
 
         try:
-            results = engine.run_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
+            results = engine.run_workers({w.index: task(w, p) for w, p in zip(engine.workers, parts)})
             workers_done = time.perf_counter()
         except BaseException as exc:
             self.broken = True  # Note [Collective order across threads]

@@ -81,7 +81,10 @@ class Engine:
         pin: host store memory: ``"auto"``, True or False (see :class:`pyengine.HostStore`).
         stages: pipeline: S stages (default: one per device); ``devices`` holds S x R entries, stage s replica r
             on ``devices[s * R + r]``.
-        microbatches: pipeline: M micro-batches per replica per step.
+        microbatches: pipeline: M micro-batches per replica per step. Hybrid and sync: each worker's part of the
+            batch runs as this many micro-batches whose gradients accumulate in the replica (each loss weighted by
+            its share of the samples) before one transfer: the step is still one step on the whole batch, with the
+            activations of one micro-batch at a time. Layers that use batch statistics (BatchNorm) see micro-batches.
         schedule: pipeline: ``"1f1b"`` (at most S micro-batches stored per stage) or ``"gpipe"`` (fill-drain).
         balance: pipeline: ``"params"``, ``"time"`` or a list of S layer counts.
         process_group: ``"auto"`` (the default torch.distributed group when it is initialized with more than one
@@ -141,6 +144,7 @@ class Engine:
         self.max_staleness = max_staleness
         self.staleness_lr = staleness_lr
         self.batch_schedule = batch_schedule
+        self.microbatches = microbatches
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable as lr_schedule(step) -> factor on the lr; "
                             f"got {type(lr_schedule).__name__}")

@@ -15,7 +15,7 @@ import torch
 
 from . import ops
 from .metrics import step_metrics
-from .workers import batch_size, host_threads, split_batch
+from .workers import batch_size, host_threads, split_batch, split_microbatches
 
 
 def hybrid_step(engine, batch) -> dict:
@@ -28,14 +28,17 @@ def hybrid_step(engine, batch) -> dict:
     slots = [engine.store.grad_slot(g) for g in workers]
     buckets = engine.workers[0].streamer.buckets
 
-    def task(worker, shard):
+    # before any work: a shard too small for the micro-batches is refused here
+    parts = [split_microbatches(s, engine.microbatches, f"worker {g}'s shard") for g, s in enumerate(shards)]
+
+    def task(worker, part):
         def run():
             with engine.phase("forward_backward+transfer", worker.index):
-                return worker.compute(engine.loss_fn, [shard])
+                return worker.compute(engine.loss_fn, *part)
         return run
 
     engine.share_buffers(workers)  # DDP's broadcast_buffers: worker 0's buffers go to every replica
-    futures = engine.submit_workers({w.index: task(w, s) for w, s in zip(engine.workers, shards)})
+    futures = engine.submit_workers({w.index: task(w, p) for w, p in zip(engine.workers, parts)})
     squares, nonfinite = 0.0, False
     with host_threads(engine.devices):  # Note [Host threads beside CPU workers] in workers.py
         for b in buckets:

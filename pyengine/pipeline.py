@@ -683,10 +683,15 @@ def check_options(layers: int, devices: int, stages, microbatches, schedule, bal
 
 
 def check_mode_options(mode: str, stages, microbatches, schedule, balance) -> None:
-    """Pipeline options belong to ``mode="pipeline"``."""
+    """Pipeline options belong to ``mode="pipeline"``; ``microbatches`` also to hybrid and sync (gradient
+    accumulation within a step), not to async (whose workers accumulate mini-batches: ``accumulate``)."""
     if mode != "pipeline":
-        given = [name for name, value, default in (("stages", stages, None), ("microbatches", microbatches, 1),
-                                                   ("schedule", schedule, "1f1b"), ("balance", balance, "params"))
-                 if value != default]
+        given = [name for name, value, default in (("stages", stages, None), ("schedule", schedule, "1f1b"),
+                                                   ("balance", balance, "params")) if value != default]
         if given:
             raise ValueError(f"{', '.join(given)}: pipeline options, for mode='pipeline'; mode={mode!r}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1; got {microbatches!r}")
+        if mode == "async" and microbatches != 1:
+            raise ValueError("microbatches: an option of the hybrid, sync and pipeline steps; async workers sum "
+                             "mini-batches before a push with accumulate=k")

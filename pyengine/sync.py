@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from .metrics import step_metrics
-from .workers import batch_size
+from .workers import batch_size, split_microbatches
 
 
 def sync_step(engine, batch) -> dict:
@@ -13,13 +13,14 @@ def sync_step(engine, batch) -> dict:
     samples = batch_size(batch)
     worker = engine.workers[engine.stats()["steps"] % engine.num_workers]
 
+    parts = split_microbatches(batch, engine.microbatches)  # before any work: a batch too small is refused
     engine.share_buffers([worker.index])  # one model trained sequentially: the buffers follow the batches
 
     def run():
         with engine.phase("pull", worker.index):
             worker.pull()
         with engine.phase("forward_backward+transfer", worker.index):
-            return worker.compute(engine.loss_fn, [batch])
+            return worker.compute(engine.loss_fn, *parts)
 
     loss, compute, wait = engine.run_workers({worker.index: run})[worker.index]
     engine.count("steps")

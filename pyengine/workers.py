@@ -76,6 +76,19 @@ def split_batch(batch, parts: int) -> list:
     return [_map(batch, lambda t, i=i: torch.tensor_split(t, parts)[i]) for i in range(parts)]
 
 
+def split_microbatches(batch, parts: int, what: str = "a batch") -> tuple[list, list[float] | None]:
+    """``batch`` (``what``, for the error) as ``parts`` micro-batches and the weight of each one's mean loss in the
+    batch's mean (its share of the samples; None for one part, whose loss is the batch's own)."""
+    if parts == 1:
+        return [batch], None
+    n = batch_size(batch)
+    if n < parts:
+        raise ValueError(f"{what} of {n} samples cannot be split into microbatches={parts}; use at least {parts} "
+                         "samples there")
+    chunks = split_batch(batch, parts)
+    return chunks, [batch_size(c) / n for c in chunks]
+
+
 def to_device(batch, device: torch.device):
     return _map(batch, lambda t: t.to(device, non_blocking=True))
 
@@ -205,8 +218,9 @@ class Worker:
             for k in range(len(self.streamer.buckets)):
                 self.streamer.wait_weights(k)
 
-    def forward_backward(self, loss_fn, batch) -> float:
-        """One forward and backward on ``batch``; returns the loss. Gradients stream to the host as they are ready."""
+    def forward_backward(self, loss_fn, batch, weight: float | None = None) -> float:
+        """One forward and backward on ``batch`` (of the loss times ``weight`` when given); returns the loss.
+        Gradients stream to the host as they are ready."""
         batch = to_device(batch, self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             loss = loss_fn(self.replica, batch)
@@ -214,14 +228,16 @@ class Worker:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
         with self.streamer.backward_pass():  # a loss that reaches no parameter must still end the pass
-            loss.backward()
+            (loss if weight is None else loss * weight).backward()
         return float(loss.detach())
 
-    def compute(self, loss_fn, batches) -> tuple[float, float, float]:
-        """Forward+backward over ``batches`` (gradients summed in the replica, copied once).
+    def compute(self, loss_fn, batches, weights: list[float] | None = None) -> tuple[float, float, float]:
+        """Forward+backward over ``batches`` (gradients summed in the replica, copied once after the last). With
+        ``weights`` (micro-batches of one batch, :func:`split_microbatches`) each loss is weighted, so the replica
+        holds the gradient of the whole batch's mean loss; without, the plain sum (async's ``accumulate``).
 
-        Returns (mean loss, seconds of forward+backward, seconds waiting for the last copies). The copies into the
-        host slot are complete when this returns.
+        Returns (mean loss (weighted mean with ``weights``), seconds of forward+backward, seconds waiting for the
+        last copies). The copies into the host slot are complete when this returns.
         """
         context = contextlib.nullcontext()
         if self.stream is not None:
@@ -234,11 +250,13 @@ class Worker:
             start = time.perf_counter()
             self.replica.zero_grad(set_to_none=True)
             self.streamer.accumulate(len(batches))
-            losses = [self.forward_backward(loss_fn, b) for b in batches]
+            scale = [None] * len(batches) if weights is None else weights
+            losses = [self.forward_backward(loss_fn, b, w) for b, w in zip(batches, scale)]
             computed = time.perf_counter()
             self.streamer.wait_all()
             waited = time.perf_counter()
-        return sum(losses) / len(losses), computed - start, waited - computed
+        loss = sum(losses) / len(losses) if weights is None else sum(w * x for w, x in zip(weights, losses))
+        return loss, computed - start, waited - computed
 
     def close(self) -> None:
         self.streamer.close()

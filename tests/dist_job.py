@@ -50,13 +50,14 @@ HYBRID = dict(steps=6, batch=37, clip=0.05)
 
 
 def hybrid(seed, rank, world):
-    """Replicated and sharded engines (2 local CPU workers each) on this rank's part of the same global batches."""
+    """Replicated and sharded engines (2 local CPU workers each, each worker's shard in 3 micro-batches) on this
+    rank's part of the same global batches."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, HYBRID["steps"], HYBRID["batch"])]
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):
         opt = pyengine.AdamW(**OPT, max_grad_norm=HYBRID["clip"])
         with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=opt, pin=False,
-                             bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
+                             bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard, microbatches=3) as engine:
             metrics = [engine.step(b) for b in batches]
             out[name] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict(),
                              stats=engine.stats(), samples=[m["samples"] for m in metrics],

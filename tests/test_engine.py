@@ -83,6 +83,48 @@ def test_hybrid_with_clipping(rng, buckets, worker_device):
         assert_matches(engine, reference)
 
 
+# ---- micro-batches within a step (gradient accumulation) ----
+
+@pytest.mark.parametrize("mode,workers,batch", [("hybrid", 3, 37), ("sync", 2, 23)])
+def test_microbatches_equal_one_big_batch(rng, mode, workers, batch, worker_device):
+    """microbatches=4: each worker's part of the batch runs as 4 uneven micro-batches (every forward sees one of
+    them), whose weighted gradients accumulate before one transfer: the same weights and losses as torch.optim.AdamW
+    on the whole batch."""
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    seen = []
+
+    def recording_loss(replica, b):
+        seen.append(b[0].shape[0])
+        return loss_fn(replica, b)
+
+    with Engine(model, recording_loss, devices=[worker_device] * workers, mode=mode, optimizer=AdamW(**OPT),
+                microbatches=4, **TINY_BUCKETS) as engine:
+        for b in make_batches(rng, 8, batch):
+            seen.clear()
+            metrics = engine.step(b)
+            ref_loss = loss_fn(reference.model, (b[0].double(), b[1])).item()
+            reference.step([b])
+            assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
+            parts = [batch] if mode == "sync" else [len(t) for t in torch.tensor_split(b[0], workers)]
+            expected = [len(t) for n in parts for t in torch.tensor_split(torch.empty(n), 4)]
+            assert sorted(seen) == sorted(expected)
+        assert_matches(engine, reference)
+
+
+def test_microbatches_bad_values_and_a_shard_too_small(rng):
+    for mode, value, message in [("hybrid", 0, "microbatches must be an int >= 1"),
+                                 ("sync", True, "microbatches must be an int >= 1"),
+                                 ("async", 2, "async workers sum mini-batches before a push with accumulate")]:
+        with pytest.raises(ValueError, match=message):
+            Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, microbatches=value)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), microbatches=4) as engine:
+        with pytest.raises(ValueError, match=r"worker 1's shard of 3 samples cannot be split into microbatches=4"):
+            engine.step(make_batches(rng, 1, 7)[0])
+        assert engine.version == 0 and engine.stats()["steps"] == 0
+        assert engine.step(make_batches(rng, 1, 8)[0])["applied"] and engine.version == 1
+
+
 # ---- learning-rate schedule ----
 
 SCHEDULE = pyengine.WarmupCosine(warmup_steps=3, total_steps=8, min_factor=0.1)  # 10 steps: past its end too
@@ -682,6 +724,9 @@ def test_ctrl_c_during_async_fit_stops_every_worker(rng, workers):
     def interrupt_at_5(engine, metrics):
         if engine.stats()["pushes"] == 5:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            # callbacks run under the store's mutex: no push lands while the main thread, which may wait for the
+            # GIL on a loaded machine, gets to the signal (without this, 3 more pushes were seen under load)
+            time.sleep(1.0)
 
     with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT),
                 pin=False) as engine:

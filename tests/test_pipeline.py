@@ -459,7 +459,7 @@ def test_bad_models_and_modes():
     with pytest.raises(TypeError, match="sequence of layers"):
         Engine(torch.nn.Linear(3, 3), loss_fn, devices=["cpu"], mode="pipeline")
     with pytest.raises(ValueError, match="pipeline options"):
-        Engine(make_model(), loss_fn, devices=["cpu"], mode="hybrid", microbatches=4)
+        Engine(make_model(), loss_fn, devices=["cpu"], mode="hybrid", stages=2, schedule="gpipe")
     norm = torch.nn.BatchNorm1d(4)
     with pytest.raises(ValueError, match=r"buffer '0.running_mean' is shared between stages \[0, 1\]"):
         Engine(torch.nn.Sequential(norm, torch.nn.Linear(4, 4), norm), loss_fn, devices=["cpu"] * 2,
