@@ -139,11 +139,14 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
                 t.start()
             for e in done:
                 e.wait()
+            for t in threads:  # each has set its event: only its exit is left
+                t.join()
         except BaseException:  # Ctrl-C here: stop the workers after their current push, leave none running
             stop.set()
             for t, e in zip(threads, done):
                 if t.ident is not None:  # started (a thread whose start() was interrupted included)
                     e.wait()
+                    t.join()
             for worker in engine.workers:
                 worker.streamer.reset()
             raise

@@ -398,16 +398,28 @@ class DistributedHybrid(_FailureNaming):
         try:  # a bad local batch fails this rank's step like any other error: recorded, and the group is broken
             shards = split_batch(batch, engine.num_workers)
             sizes = [batch_size(s) for s in shards]
-            parts = [split_microbatches(s, engine.microbatches, f"rank {self.rank}'s worker {g}'s shard")
-                     for g, s in enumerate(shards)]
-            counts = torch.tensor([float(sum(sizes))], dtype=torch.float64)
+            try:
+                parts, refused = [split_microbatches(s, engine.microbatches, f"rank {self.rank}'s worker {g}'s "
+                                                     "shard") for g, s in enumerate(shards)], None
+            except ValueError as exc:
+                parts, refused = None, exc
+            # the batch sizes, and whether a rank's shard is too small for its micro-batches: then every rank
+            # refuses this step together, before any work, and the group stays usable
+            counts = torch.tensor([float(sum(sizes)), float(refused is not None)], dtype=torch.float64)
             with _collective("allreduce of the batch sizes", self.rank, self._explain):
                 dist.all_reduce(counts, group=self.group)
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)
             raise
-        total = counts.item()
+        if counts[1].item() > 0:
+            try:
+                raise refused if refused is not None else ValueError(
+                    f"rank {self.rank}: {int(counts[1].item())} other rank(s) have a worker's shard too small for "
+                    f"microbatches={engine.microbatches}; this step was refused on every rank")
+            finally:  # the frame (and through it the engine) must not hold its own exception: a reference cycle
+                refused = None  # (Note [No reference cycle through the engine])
+        total = counts[0].item()
         weights = [n / total for n in sizes]
         self._share_buffers(engine)
         works, errors = [], []

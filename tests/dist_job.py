@@ -50,18 +50,33 @@ HYBRID = dict(steps=6, batch=37, clip=0.05)
 
 
 def hybrid(seed, rank, world):
-    """Replicated and sharded engines (2 local CPU workers each, each worker's shard in 3 micro-batches) on this
-    rank's part of the same global batches."""
+    """Replicated and sharded engines (2 local CPU workers each, each worker's shard in 3 micro-batches: the sizes
+    every forward saw are recorded) on this rank's part of the same global batches. Then a step whose batch is too
+    small for the micro-batches on rank 1 only: every rank must refuse it (ValueError) and train on."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, HYBRID["steps"], HYBRID["batch"])]
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):
         opt = pyengine.AdamW(**OPT, max_grad_norm=HYBRID["clip"])
-        with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=opt, pin=False,
+        forwards = []
+
+        def recording_loss(model, batch):
+            forwards.append(batch[0].shape[0])
+            return loss_fn(model, batch)
+
+        with pyengine.Engine(make_model(), recording_loss, devices=["cpu"] * 2, optimizer=opt, pin=False,
                              bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard, microbatches=3) as engine:
             metrics = [engine.step(b) for b in batches]
             out[name] = dict(master=engine.master_state_dict(), optimizer=engine.optimizer_state_dict(),
                              stats=engine.stats(), samples=[m["samples"] for m in metrics],
-                             buckets=len(engine.workers[0].streamer.buckets))
+                             buckets=len(engine.workers[0].streamer.buckets), forwards=sorted(forwards))
+            if name == "replicated":
+                small = tuple(t[:4] for t in batches[0]) if rank == 1 else batches[0]  # 2 + 2 samples < 3
+                try:
+                    engine.step(small)
+                    out["refused"] = None
+                except ValueError as exc:
+                    out["refused"] = str(exc)
+                out["after_refusal"] = dict(applied=engine.step(batches[1])["applied"], version=engine.version)
     out["bn"] = bn_buffers(batches)
     return out
 

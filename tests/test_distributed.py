@@ -117,6 +117,11 @@ def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, see
                     assert torch.equal(state[key], r[kind]["optimizer"]["state"][i][key]), (kind, key)
         first = ranks[0][kind]
         assert first["buckets"] >= 2, "the test must cover several buckets"
+        for r, rank in enumerate(ranks):  # microbatches=3: each worker's shard in 3 forwards
+            local = [len(t) for t in torch.tensor_split(torch.empty(dist_job.HYBRID["batch"]), world)][r]
+            expected = [len(m) for n in (len(t) for t in torch.tensor_split(torch.empty(local), 2))
+                        for m in torch.tensor_split(torch.empty(n), 3)]
+            assert rank[kind]["forwards"] == sorted(expected * dist_job.HYBRID["steps"]), (kind, r)
         assert first["samples"] == [dist_job.HYBRID["batch"]] * dist_job.HYBRID["steps"]
         assert first["stats"]["applied_updates"] == dist_job.HYBRID["steps"]
         reference.assert_matches(first["master"])
@@ -125,6 +130,13 @@ def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, see
             torch.testing.assert_close(state["exp_avg"].double(), ref_state[i]["exp_avg"], rtol=1e-4, atol=1e-7)
     for name, value in ranks[0]["replicated"]["master"].items():
         torch.testing.assert_close(ranks[0]["sharded"]["master"][name], value, rtol=1e-6, atol=1e-7)
+    # a shard too small for the micro-batches on rank 1 alone: every rank refused that step, then trained on
+    assert "rank 1's worker 0's shard of 2 samples cannot be split into microbatches=3" in ranks[1]["refused"]
+    for r in (0, 2):
+        assert ranks[r]["refused"] == "rank %d: 1 other rank(s) have a worker's shard too small for " \
+            "microbatches=3; this step was refused on every rank" % r
+    for rank in ranks:
+        assert rank["after_refusal"] == dict(applied=True, version=dist_job.HYBRID["steps"] + 1)
     # Buffers, as DDP's broadcast_buffers: every step starts, on every rank and worker, from rank 0's worker 0
     # buffers; worker 0 of rank r then updates them on its own shard. Reference: a float64 copy with the step's
     # master weights that starts from rank 0's buffers of the previous step and sees that shard.
