@@ -142,6 +142,10 @@ def transfer_and_overlap(device, params_m, rounds, trace_dir=None) -> tuple[dict
         times["copy"].append(timed(copy_all, device))
         times["backward"].append(timed(backward, device))
         with pyengine.GradientStreamer(model, store, worker=0) as streamer:
+            # A fresh streamer's first step creates its CUDA events (at::cuda::CUDAEvent makes its event at the
+            # first record); training runs in the steady state after it, so one untimed step first (before this,
+            # the timed step was each streamer's first: the H100 numbers of 2026-11-23 in RESULTS.md)
+            streamed(streamer)
             times["streamed"].append(timed(lambda: streamed(streamer), device))
         timeline = None
         if trace_dir:
