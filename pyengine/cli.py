@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline stages S; the workers must be S x R (stage s, replica r on worker s*R+r) "
                         "[one stage per worker]")
     g.add_argument("--microbatches", type=_positive_int, default=S,
-                   help=f"micro-batches per replica and step [{PIPELINE_DEFAULTS['microbatches']}]")
+                   help=f"micro-batches per replica and step [{PIPELINE_DEFAULTS['microbatches']}]; with --mode "
+                        "hybrid or sync: gradient accumulation, each worker's part of the batch in this many "
+                        "micro-batches [1]")
     g.add_argument("--schedule", choices=("1f1b", "gpipe"), default=S,
                    help="1f1b (one forward, one backward: at most S micro-batches stored per stage) or gpipe "
                         "(all forwards, then all backwards) [1f1b]")
@@ -345,6 +347,16 @@ def pipeline_workers(cfg: dict) -> int:
 
 def _check_pipeline_config(cfg: dict, workers: int) -> None:
     given = [key for key in ("stages", *PIPELINE_DEFAULTS) if cfg.get(key) is not None]
+    if cfg["mode"] in ("hybrid", "sync") and "microbatches" in given:  # gradient accumulation within a step
+        given.remove("microbatches")
+        parts = workers * _launched()[1] if cfg["mode"] == "hybrid" else 1
+        if cfg["batch_size"] // parts < cfg["microbatches"]:
+            raise UsageError(f"--microbatches {cfg['microbatches']}: --batch-size {cfg['batch_size']} leaves a "
+                             f"worker fewer samples than micro-batches (use --batch-size >= "
+                             f"{parts * cfg['microbatches']})")
+    if cfg["mode"] == "async" and given == ["microbatches"]:
+        raise UsageError("--microbatches: an option of the hybrid, sync and pipeline steps; async workers sum "
+                         "mini-batches before a push with --accumulate")
     if cfg["mode"] not in ("pipeline", "all"):
         if given:
             flags = ", ".join("--" + key for key in given)
@@ -658,6 +670,11 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     pipeline = mode == "pipeline"
     options = dict(stages=cfg.get("stages") or pipeline_workers(cfg), microbatches=cfg["microbatches"],
                    schedule=cfg["schedule"], balance=cfg["balance"]) if pipeline else {}
+    # hybrid and sync: --microbatches of their own run (in --mode all the flag is the pipeline run's)
+    own_microbatches = None if mode not in ("hybrid", "sync") else (
+        cfg["microbatches"] or 1) if cfg["mode"] != "all" else 1
+    if own_microbatches is not None:
+        options["microbatches"] = own_microbatches
     engine = Engine(models.as_layers(model) if pipeline else model, models.loss_fn, devices=devices, mode=mode,
                     optimizer=optimizer, seed=seed, autocast=autocast, lr_schedule=lr_schedule(cfg, target),
                     accumulate=cfg["accumulate"] if mode == "async" else 1,
@@ -699,7 +716,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
                 state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])
                 return state["last_ckpt"]
-            config = _json_safe(dict(cfg, mode=mode, out=str(out), trace=own_trace))
+            config = _json_safe(dict(cfg, mode=mode, out=str(out), trace=own_trace,
+                                     **({} if pipeline else {"microbatches": own_microbatches})))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
                            elapsed_s=elapsed(), mode=mode, config=config,
                            engine=engine_state)
@@ -800,6 +818,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         interrupted=interrupted, trace=str(trace) if trace is not None else None,
         phases_mean_s={k: mean(k) for k in ("wall_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s")},
         overlap_efficiency_mean=mean("overlap_efficiency"), engine_stats=stats)
+    if own_microbatches is not None:
+        summary["microbatches"] = own_microbatches
     if pipeline:
         summary.update(options, stage_sizes=records[-1]["stage_sizes"] if records else None,
                        bubble_fraction_mean=mean("bubble_fraction"),
@@ -886,11 +906,13 @@ def _train(given: dict) -> int:
         except ckpt.CheckpointError as exc:
             raise UsageError(f"cannot resume: {exc}") from None
         base = dict(resume_payload["config"])
+        legacy = "lr_schedule" not in resume_payload["config"]  # saved before hybrid/sync had --microbatches
         base.setdefault("lr_schedule", "constant")  # saved before these flags existed: the constant lr it had
         base.setdefault("warmup_steps", 0)
         if base.get("mode") != "pipeline":  # a --mode all sub-run saved the pipeline defaults too: not given flags
             for key in ("stages", *PIPELINE_DEFAULTS):
-                base[key] = None
+                if key != "microbatches" or legacy:  # a hybrid/sync run saved the micro-batches it used
+                    base[key] = None
         if "devices" in given or "workers" in given:
             devices = resolve_devices(given.get("devices"), given.get("workers", base["workers"]))
             if devices != base["devices"]:

@@ -204,7 +204,11 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
     (["--out", "{file}/sub"], "cannot write to --out"),
     (["--resume", "{missing}"], "no such file or directory"),
     (["--mode", "hybrid", "--stages", "2"], "--stages: pipeline option; --mode hybrid has no stages"),
-    (["--microbatches", "2", "--schedule", "gpipe"], "--microbatches, --schedule: pipeline options"),
+    (["--microbatches", "2", "--schedule", "gpipe"], "--schedule: pipeline option; --mode hybrid has no stages"),
+    (["--mode", "async", "--microbatches", "2"], "async workers sum mini-batches before a push with --accumulate"),
+    (["--devices", "cpu", "--workers", "2", "--batch-size", "7", "--microbatches", "4"],
+     "--microbatches 4: --batch-size 7 leaves a worker fewer samples than micro-batches (use --batch-size >= 8)"),
+    (["--mode", "sync", "--batch-size", "3", "--microbatches", "4"], "(use --batch-size >= 4)"),
     (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--stages", "3"], "--stages 3 does not divide"),
     (["--mode", "pipeline", "--devices", "cpu", "--workers", "4", "--stages", "2", "--batch-size", "7",
       "--microbatches", "4"], "over 2 pipeline replica(s) cannot feed --microbatches 4"),
@@ -216,7 +220,8 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
      "--balance 1,2,2: expected 2 layer counts"),
     (["--mode", "hybrid", "--balance", "2,3"], "--balance: pipeline option"),
 ], ids=["sync+accumulate", "no-such-gpu", "bad-device", "workers>samples", "batch<workers", "model/data",
-        "unwritable-out", "resume-missing", "stages-in-hybrid", "pipeline-flags-default-mode", "stages!|workers",
+        "unwritable-out", "resume-missing", "stages-in-hybrid", "pipeline-flags-default-mode",
+        "microbatches-in-async", "hybrid-batch<microbatches", "sync-batch<microbatches", "stages!|workers",
         "batch<microbatches", "stages>layers", "balance-sum", "balance-zero", "balance-count", "balance-in-hybrid"])
 def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("x")
@@ -473,3 +478,41 @@ def test_lr_schedule_bad_flags(tmp_path, capsys):
     assert train("--steps", "3", "--warmup-steps", "2", "--lr", "1e-3", "--quiet", "--out", str(out), *SHORT) == 0
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3], rel=1e-12)
+
+
+def test_microbatches_in_hybrid_and_sync_runs_and_resumes(tmp_path):
+    """--microbatches with --mode hybrid/sync: gradient accumulation (the summary says so, and a resume keeps it); in
+    --mode all the flag is the pipeline run's, hybrid and sync there run without micro-batches."""
+    for mode in ("hybrid", "sync"):
+        out = tmp_path / mode
+        assert train("--mode", mode, "--steps", "2", "--microbatches", "3", "--quiet", "--out", str(out),
+                     *SHORT) == 0
+        assert json.loads((out / "summary.json").read_text())["microbatches"] == 3
+        assert train("--resume", str(out), "--steps", "3", "--quiet") == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["microbatches"] == 3 and summary["steps"] == 3
+    out = tmp_path / "all"
+    assert train("--mode", "all", "--steps", "2", "--microbatches", "2", "--quiet", "--out", str(out), *SHORT) == 0
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["hybrid"]["microbatches"] == runs["sync"]["microbatches"] == 1
+    assert runs["pipeline"]["microbatches"] == 2 and "microbatches" not in runs["async"]
+    assert train("--resume", str(out / "hybrid"), "--steps", "3", "--quiet") == 0
+    assert json.loads((out / "hybrid" / "summary.json").read_text())["microbatches"] == 1
+
+
+def test_resuming_a_checkpoint_saved_before_lr_schedule_and_hybrid_microbatches(tmp_path):
+    """A --mode all hybrid sub-run's checkpoint as saved before --lr-schedule existed: no lr_schedule/warmup_steps
+    in its config, and the pipeline run's --microbatches (4) there, which hybrid never used: it resumes with a
+    constant lr and no micro-batches."""
+    out = tmp_path / "all"
+    assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), *SHORT) == 0
+    file = ckpt.latest(out / "hybrid" / "checkpoints")
+    payload = ckpt.load(file)
+    for key in ("lr_schedule", "warmup_steps"):
+        del payload["config"][key]
+    payload["config"]["microbatches"] = 4
+    file.unlink()
+    ckpt.save(out / "hybrid" / "checkpoints", payload["step"], payload)
+    assert train("--resume", str(out / "hybrid"), "--steps", "3", "--quiet") == 0
+    summary = json.loads((out / "hybrid" / "summary.json").read_text())
+    assert summary["microbatches"] == 1 and summary["lr_schedule"] == "constant" and summary["steps"] == 3
