@@ -159,6 +159,10 @@ class Engine:
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
                                                                            first_bucket_mb, group)
                                if shard_update else None)
+        if self.optimizer.no_decay and shard_update:
+            raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
+                             "one weight decay over each rank's ranges; leave out one of them")
+        self._decay_runs = _decay_runs(self.store, self.optimizer)
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
             Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
                    autocast_dtype=autocast) for i, d in enumerate(self.devices)]
@@ -563,6 +567,25 @@ class Engine:
         def part(t):
             return None if t is None else t[begin:end]
 
+        if self._decay_runs is not None:  # AdamW(no_decay=...): one multi-tensor call per weight decay
+            kwargs = opt.kernel_kwargs(lr)
+            for decay in (True, False):
+                spans = [(max(lo, begin), min(hi, end)) for lo, hi, d in self._decay_runs
+                         if d == decay and max(lo, begin) < min(hi, end)]
+                if not spans:
+                    continue
+
+                def parts(t):
+                    return [] if t is None else [t[lo:hi] for lo, hi in spans]
+
+                torch.ops.pyengine.mean_grad_adamw_multi_.default(
+                    parts(store.param), parts(store.exp_avg), parts(store.exp_avg_sq),
+                    [p for slot in slots for p in parts(slot)], **dict(kwargs, weight_decay=kwargs["weight_decay"]
+                                                                        if decay else 0.0),
+                    step=step, max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=None, found_inf=None,
+                    weights=weights, param_outs=parts(store.shadow), grad_norm=norm if clip else None,
+                    max_grad_norm=float(clip))
+            return
         torch.ops.pyengine.mean_grad_adamw_.default(
             store.param[begin:end], store.exp_avg[begin:end], store.exp_avg_sq[begin:end],
             [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=step,
@@ -659,6 +682,24 @@ class Engine:
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16; got {autocast!r}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+
+
+def _decay_runs(store: HostStore, optimizer: AdamW) -> list[tuple[int, int, bool]] | None:
+    """The store's elements as contiguous runs ``(lo, hi, decays)`` of parameters with and without weight decay
+    (padding after a parameter goes with it: its zeros stay zero), or None without ``no_decay``."""
+    if not optimizer.no_decay:
+        return None
+    entries = sorted(store.layout, key=lambda e: e.offset)
+    runs: list[tuple[int, int, bool]] = []
+    for i, entry in enumerate(entries):
+        lo = 0 if i == 0 else entry.offset
+        hi = entries[i + 1].offset if i + 1 < len(entries) else store.numel
+        decays = optimizer.decays(entry.name)
+        if runs and runs[-1][2] == decays:
+            runs[-1] = (runs[-1][0], hi, decays)
+        else:
+            runs.append((lo, hi, decays))
+    return runs
 
 
 def _describe(value) -> str:

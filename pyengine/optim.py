@@ -24,6 +24,9 @@ class AdamW:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
         max_grad_norm: clip the mean gradient to this global L2 norm (None: no clipping).
         adamw: True for decoupled weight decay (AdamW), False for Adam's L2 penalty.
+        no_decay: names of parameters without weight decay: a parameter whose name contains any of these strings
+            (e.g. ``("bias", "norm")``). Its :meth:`torch_state_dict` then has two groups, as the usual torch
+            recipe builds them: the decayed parameters in model order with ``weight_decay``, then the others with 0.
     """
 
     lr: float = 1e-3
@@ -34,6 +37,7 @@ class AdamW:
     maximize: bool = False
     max_grad_norm: float | None = None
     adamw: bool = True
+    no_decay: tuple[str, ...] = ()
 
     def __post_init__(self):
         def number(value, name):
@@ -48,6 +52,11 @@ class AdamW:
             setattr(self, name, number(getattr(self, name), name))
         if self.max_grad_norm is not None:
             self.max_grad_norm = number(self.max_grad_norm, "max_grad_norm")
+        if isinstance(self.no_decay, (str, bytes)) or not isinstance(self.no_decay, (tuple, list)) or not all(
+                isinstance(s, str) and s for s in self.no_decay):
+            raise TypeError(f"AdamW: no_decay must be a tuple of non-empty strings (parts of parameter names); "
+                            f"got {self.no_decay!r}")
+        self.no_decay = tuple(self.no_decay)
         for name in ("amsgrad", "maximize", "adamw"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AdamW: {name} must be True or False; got {getattr(self, name)!r}")
@@ -74,6 +83,18 @@ class AdamW:
     def config(self) -> dict:
         return asdict(self)
 
+    def decays(self, name: str) -> bool:
+        """Whether the parameter ``name`` gets weight decay (``no_decay`` names none of its parts)."""
+        return not any(part in name for part in self.no_decay)
+
+    def param_groups(self, names: list[str]) -> list[tuple[list[str], float]]:
+        """``names`` (model order) as torch's param groups: ``(names, weight_decay)``, one group without
+        ``no_decay``, else the decayed parameters then the others (weight decay 0)."""
+        if not self.no_decay:
+            return [(list(names), self.weight_decay)]
+        return [([n for n in names if self.decays(n)], self.weight_decay),
+                ([n for n in names if not self.decays(n)], 0.0)]
+
     def torch_state_dict(self, store, step: int, names: list[str], full_state: dict | None = None,
                          scheduled_lr: float | None = None) -> dict:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` form; ``names`` are the trainable parameters
@@ -87,20 +108,25 @@ class AdamW:
         buffers = self._state_buffers(store) if full_state is None else {k: full_state[k] for k in
                                                                           self._state_buffers(store)}
         views = {name: store.views(flat) for name, flat in buffers.items()}
+        groups = self.param_groups(names)
         state = {}
         if step > 0:
-            for index, name in enumerate(names):
+            for index, name in enumerate(n for group_names, _ in groups for n in group_names):
                 entry = {"step": torch.tensor(float(step))}
                 for key in views:
                     entry[key] = views[key][name].detach().clone()
                 state[index] = entry
-        group = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                     amsgrad=self.amsgrad, maximize=self.maximize, foreach=None, capturable=False,
-                     differentiable=False, fused=None, decoupled_weight_decay=self.adamw,
-                     params=list(range(len(names))))
-        if scheduled_lr is not None:
-            group.update(lr=scheduled_lr, initial_lr=self.lr)
-        return {"state": state, "param_groups": [group]}
+        param_groups, start = [], 0
+        for group_names, weight_decay in groups:
+            group = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=weight_decay,
+                         amsgrad=self.amsgrad, maximize=self.maximize, foreach=None, capturable=False,
+                         differentiable=False, fused=None, decoupled_weight_decay=self.adamw,
+                         params=list(range(start, start + len(group_names))))
+            if scheduled_lr is not None:
+                group.update(lr=scheduled_lr, initial_lr=self.lr)
+            param_groups.append(group)
+            start += len(group_names)
+        return {"state": state, "param_groups": param_groups}
 
     def load_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
         """Copies a ``torch.optim.AdamW.state_dict()`` into the store (a store with ``state_ranges`` keeps only its
@@ -110,6 +136,7 @@ class AdamW:
         if step == 0:
             return 0
         state = state_dict["state"]
+        names = [n for group_names, _ in self.param_groups(names) for n in group_names]  # torch's index order
         for key, flat in self._state_buffers(store).items():
             full = flat if store.state_ranges is None else torch.zeros(store.numel)
             views = store.views(full)
@@ -122,10 +149,23 @@ class AdamW:
     def check_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
         """Validates a ``torch.optim.AdamW.state_dict()`` for :meth:`load_torch_state_dict` without writing
         anything; returns its step count (0 for an optimizer that has not stepped)."""
+        groups = self.param_groups(names)
+        what = "one group" if len(groups) == 1 else \
+            "two groups (AdamW(no_decay=...): the decayed parameters, then the others)"
         if (not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}
-                or not isinstance(state_dict["param_groups"], (list, tuple)) or len(state_dict["param_groups"]) != 1
-                or not isinstance(state_dict["state"], dict)):
-            raise ValueError("expected a torch.optim state_dict with keys 'state' and 'param_groups' and one group")
+                or not isinstance(state_dict["param_groups"], (list, tuple))
+                or len(state_dict["param_groups"]) != len(groups) or not isinstance(state_dict["state"], dict)):
+            raise ValueError(f"expected a torch.optim state_dict with keys 'state' and 'param_groups' and {what}")
+        start = 0
+        for g, (group_names, _) in enumerate(groups):
+            params = state_dict["param_groups"][g].get("params") if isinstance(state_dict["param_groups"][g],
+                                                                               dict) else None
+            if params is not None and (not isinstance(params, (list, tuple))
+                                       or list(params) != list(range(start, start + len(group_names)))):
+                raise ValueError(f"param_groups[{g}] holds params {params}; expected {len(group_names)} params from "
+                                 f"index {start} ({what})")
+            start += len(group_names)
+        names = [n for group_names, _ in groups for n in group_names]  # torch's index order
         state = state_dict["state"]
         if not state:
             return 0

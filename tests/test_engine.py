@@ -125,6 +125,82 @@ def test_microbatches_bad_values_and_a_shard_too_small(rng):
         assert engine.step(make_batches(rng, 1, 8)[0])["applied"] and engine.version == 1
 
 
+# ---- parameters without weight decay ----
+
+def norm_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 24), torch.nn.LayerNorm(24), torch.nn.Tanh(),
+                               torch.nn.Linear(24, 3))
+
+
+NO_DECAY = ("bias", "1.")  # every bias, and the LayerNorm's weight
+
+
+@pytest.mark.parametrize("mode,workers,options", [
+    ("hybrid", 2, TINY_BUCKETS), ("hybrid", 2, {}), ("sync", 2, {}), ("pipeline", 2, dict(microbatches=2))],
+    ids=["hybrid-4-buckets", "hybrid-1-bucket", "sync", "pipeline"])
+def test_no_decay_equals_torch_param_groups(rng, mode, workers, options, worker_device):
+    """AdamW(no_decay=...) equals torch.optim.AdamW with the usual two param groups (decayed parameters with
+    weight_decay, the others with 0), weights and Adam state; optimizer_state_dict has those two groups, and a fresh
+    engine that loads the state trains on identically."""
+    opt = dict(OPT, weight_decay=0.2)  # large enough that decaying every parameter would be far off
+    model = norm_model()
+    reference = TorchReference(model, **opt)
+    names = [n for n, _ in reference.model.named_parameters()]
+    decayed = [n for n in names if not any(s in n for s in NO_DECAY)]
+    kept = [n for n in names if any(s in n for s in NO_DECAY)]
+    params = dict(reference.model.named_parameters())
+    reference.opt = torch.optim.AdamW([{"params": [params[n] for n in decayed]},
+                                       {"params": [params[n] for n in kept], "weight_decay": 0.0}],
+                                      foreach=False, **opt)
+    batches = make_batches(rng, 8, 24)
+    kwargs = dict(devices=[worker_device] * workers, mode=mode, optimizer=AdamW(**opt, no_decay=NO_DECAY), **options)
+    with Engine(model, loss_fn, **kwargs) as engine:
+        for b in batches[:6]:
+            engine.step(b)
+            reference.step([b])
+        assert_matches(engine, reference)
+        state = engine.optimizer_state_dict()
+        want = reference.opt.state_dict()
+        assert [g["params"] for g in state["param_groups"]] == [g["params"] for g in want["param_groups"]] == \
+            [[0, 1], [2, 3, 4, 5]]
+        assert [g["weight_decay"] for g in state["param_groups"]] == [0.2, 0.0]
+        for i, entry in want["state"].items():
+            torch.testing.assert_close(state["state"][i]["exp_avg"].double(), entry["exp_avg"], rtol=1e-4,
+                                       atol=1e-4 * entry["exp_avg"].abs().max().item())
+        saved = engine.state_dict()
+        for b in batches[6:]:
+            engine.step(b)
+        expected = engine.master_state_dict()
+    with Engine(norm_model(seed=1), loss_fn, **kwargs) as resumed:
+        resumed.load_state_dict(saved)
+        for b in batches[6:]:
+            resumed.step(b)
+        for name, value in resumed.master_state_dict().items():
+            assert torch.equal(value, expected[name]), name
+
+
+def test_no_decay_bad_values_and_a_one_group_state(rng):
+    """Bad no_decay values are TypeErrors; the state of an engine without no_decay (one param group) does not load
+    into one with it (two groups), and the refused load changes nothing."""
+    for bad in ("bias", (1,), ("",), None):
+        with pytest.raises(TypeError, match="no_decay must be a tuple of non-empty strings"):
+            AdamW(no_decay=bad)
+    batch = make_batches(rng, 1, 8)[0]
+    with Engine(norm_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT)) as plain:
+        plain.step(batch)
+        one_group = plain.state_dict()
+    assert len(one_group["optimizer"]["param_groups"]) == 1
+    with Engine(norm_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT, no_decay=NO_DECAY)) as engine:
+        engine.step(batch)
+        before = engine.state_dict()
+        with pytest.raises(ValueError, match=r"two groups \(AdamW\(no_decay=...\)"):
+            engine.load_state_dict(one_group)
+        after = engine.state_dict()
+        assert all(torch.equal(v, after["master"][k]) for k, v in before["master"].items())
+        assert engine.version == 1
+
+
 # ---- learning-rate schedule ----
 
 SCHEDULE = pyengine.WarmupCosine(warmup_steps=3, total_steps=8, min_factor=0.1)  # 10 steps: past its end too
