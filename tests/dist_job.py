@@ -78,6 +78,12 @@ def hybrid(seed, rank, world):
                     out["refused"] = str(exc)
                 out["after_refusal"] = dict(applied=engine.step(batches[1])["applied"], version=engine.version)
     out["bn"] = bn_buffers(batches)
+    try:  # not supported together: refused at construction
+        pyengine.Engine(make_model(), loss_fn, devices=["cpu"], pin=False, shard_update=True,
+                        optimizer=pyengine.AdamW(**OPT, no_decay=("bias",)))
+        out["no_decay_sharded"] = None
+    except ValueError as exc:
+        out["no_decay_sharded"] = str(exc)
     return out
 
 

@@ -130,6 +130,8 @@ def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, see
             torch.testing.assert_close(state["exp_avg"].double(), ref_state[i]["exp_avg"], rtol=1e-4, atol=1e-7)
     for name, value in ranks[0]["replicated"]["master"].items():
         torch.testing.assert_close(ranks[0]["sharded"]["master"][name], value, rtol=1e-6, atol=1e-7)
+    for rank in ranks:
+        assert rank["no_decay_sharded"].startswith("AdamW(no_decay=...) with shard_update=True is not supported")
     # a shard too small for the micro-batches on rank 1 alone: every rank refused that step, then trained on
     assert "rank 1's worker 0's shard of 2 samples cannot be split into microbatches=3" in ranks[1]["refused"]
     for r in (0, 2):
