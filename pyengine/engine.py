@@ -154,15 +154,15 @@ class Engine:
             raise TypeError(f"seed must be an int; got {seed!r}")
         self.seed = seed
         torch.manual_seed(seed)
+        if self.optimizer.no_decay and shard_update:
+            raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
+                             "one weight decay over each rank's ranges; leave out one of them")
         grad_dtype = autocast if autocast is not None else torch.float32
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
                                                                            first_bucket_mb, group)
                                if shard_update else None)
-        if self.optimizer.no_decay and shard_update:
-            raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
-                             "one weight decay over each rank's ranges; leave out one of them")
-        self._decay_runs = _decay_runs(self.store, self.optimizer)
+        self._decay_runs = (self.optimizer.no_decay, _decay_runs(self.store, self.optimizer))
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
             Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
                    autocast_dtype=autocast) for i, d in enumerate(self.devices)]
@@ -567,10 +567,12 @@ class Engine:
         def part(t):
             return None if t is None else t[begin:end]
 
-        if self._decay_runs is not None:  # AdamW(no_decay=...): one multi-tensor call per weight decay
+        if self._decay_runs[0] != opt.no_decay:  # the optimizer's no_decay was changed since
+            self._decay_runs = (opt.no_decay, _decay_runs(store, opt))
+        if self._decay_runs[1] is not None:  # AdamW(no_decay=...): one multi-tensor call per weight decay
             kwargs = opt.kernel_kwargs(lr)
             for decay in (True, False):
-                spans = [(max(lo, begin), min(hi, end)) for lo, hi, d in self._decay_runs
+                spans = [(max(lo, begin), min(hi, end)) for lo, hi, d in self._decay_runs[1]
                          if d == decay and max(lo, begin) < min(hi, end)]
                 if not spans:
                     continue

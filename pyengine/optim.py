@@ -165,6 +165,10 @@ class AdamW:
                 raise ValueError(f"param_groups[{g}] holds params {params}; expected {len(group_names)} params from "
                                  f"index {start} ({what})")
             start += len(group_names)
+        if len(groups) == 2 and isinstance(state_dict["param_groups"][1], dict) \
+                and state_dict["param_groups"][1].get("weight_decay", 0.0) != 0.0:
+            raise ValueError(f"param_groups[1] has weight_decay {state_dict['param_groups'][1]['weight_decay']}; "
+                             f"expected 0 ({what})")
         names = [n for group_names, _ in groups for n in group_names]  # torch's index order
         state = state_dict["state"]
         if not state:

@@ -196,6 +196,10 @@ def test_no_decay_bad_values_and_a_one_group_state(rng):
         before = engine.state_dict()
         with pytest.raises(ValueError, match=r"two groups \(AdamW\(no_decay=...\)"):
             engine.load_state_dict(one_group)
+        swapped = copy.deepcopy(before)  # a torch dict whose second group decays: its groups in the other order
+        swapped["optimizer"]["param_groups"][1]["weight_decay"] = 0.01
+        with pytest.raises(ValueError, match=r"param_groups\[1\] has weight_decay 0.01; expected 0"):
+            engine.load_state_dict(swapped)
         after = engine.state_dict()
         assert all(torch.equal(v, after["master"][k]) for k, v in before["master"].items())
         assert engine.version == 1
