@@ -359,8 +359,14 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
     for s in range(servers):  # the poisoned gradient is inf in the last shard only: skipped by every server
         assert sequential[s]["stats"]["skipped_steps"] == len(poisoned)
     # max_staleness=0: every applied push saw every earlier one on every shard: sequential AdamW in rank 0's order,
-    # clipped by the norm of the whole gradient, its lr following LambdaLR with the same schedule
+    # clipped by the norm of the whole gradient, its lr following LambdaLR with the same schedule, the biases in a
+    # param group without weight decay
     reference = Reference()
+    named = list(reference.model.named_parameters())
+    decayed = [p for n, p in named if not any(s in n for s in dist_job.SHARDED_NO_DECAY)]
+    kept = [p for n, p in named if any(s in n for s in dist_job.SHARDED_NO_DECAY)]
+    reference.opt = torch.optim.AdamW([{"params": decayed}, {"params": kept, "weight_decay": 0.0}], foreach=False,
+                                      **dist_job.OPT)
     scheduler = torch.optim.lr_scheduler.LambdaLR(reference.opt, dist_job.SHARDED_SCHEDULE)
     for m in history:
         if m["applied"]:
