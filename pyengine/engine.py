@@ -149,7 +149,8 @@ class Engine:
             raise TypeError(f"lr_schedule must be callable as lr_schedule(step) -> factor on the lr; "
                             f"got {type(lr_schedule).__name__}")
         self.lr_schedule = lr_schedule
-        self._lr = (None, None)  # ((update, schedule, base lr), lr): lr_at's last answer, so a per-bucket update asks the schedule once
+        # ((update, schedule, base lr), lr): lr_at's last answer, so a per-bucket update asks the schedule once
+        self._lr = (None, None)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int; got {seed!r}")
         self.seed = seed
@@ -556,8 +557,8 @@ class Engine:
 
         ``slots``: the full gradient slots of the step's workers; ``norm``: the global norm of their (weighted) mean,
         used when the optimizer clips; the lr is :meth:`lr_at` the step, divided by ``lr_divisor`` (async's
-        ``staleness_lr="inverse"``: 1 + staleness). Elementwise, so updating the store range by range gives the same bits as one
-        call over all of it.
+        ``staleness_lr="inverse"``: 1 + staleness). Elementwise, so updating the store range by range gives the same
+        bits as one call over all of it.
         """
         store, opt = self.store, self.optimizer
         clip = opt.max_grad_norm or 0.0
@@ -572,6 +573,7 @@ class Engine:
         if self._decay_runs[1] is not None:  # AdamW(no_decay=...): one multi-tensor call per weight decay
             kwargs = opt.kernel_kwargs(lr)
             for decay in (True, False):
+                kwargs["weight_decay"] = opt.weight_decay if decay else 0.0
                 spans = [(max(lo, begin), min(hi, end)) for lo, hi, d in self._decay_runs[1]
                          if d == decay and max(lo, begin) < min(hi, end)]
                 if not spans:
@@ -582,10 +584,8 @@ class Engine:
 
                 torch.ops.pyengine.mean_grad_adamw_multi_.default(
                     parts(store.param), parts(store.exp_avg), parts(store.exp_avg_sq),
-                    [p for slot in slots for p in parts(slot)], **dict(kwargs, weight_decay=kwargs["weight_decay"]
-                                                                        if decay else 0.0),
-                    step=step, max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=None, found_inf=None,
-                    weights=weights, param_outs=parts(store.shadow), grad_norm=norm if clip else None,
+                    [p for slot in slots for p in parts(slot)], **kwargs, step=step,
+                    max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights, param_outs=parts(store.shadow), grad_norm=norm if clip else None,
                     max_grad_norm=float(clip))
             return
         torch.ops.pyengine.mean_grad_adamw_.default(

@@ -299,8 +299,8 @@ def _push_record(engine):
 
 def async_sharded(seed, rank, world):
     """SHARDED["servers"] server ranks, the others clients. First max_staleness=0 with clipping, an lr schedule and
-    one poisoned push (a sequential reference exists); then unbounded staleness with inverse lr and accumulate=2 (only the
-    bookkeeping is checked). Also records the errors for a bad number of servers."""
+    one poisoned push (a sequential reference exists); then unbounded staleness with inverse lr and accumulate=2
+    (only the bookkeeping is checked). Also records the errors for a bad number of servers."""
     servers = SHARDED["servers"]
     out = {"errors": []}
     for bad in (world, world + 3):
