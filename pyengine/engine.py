@@ -585,8 +585,8 @@ class Engine:
                 torch.ops.pyengine.mean_grad_adamw_multi_.default(
                     parts(store.param), parts(store.exp_avg), parts(store.exp_avg_sq),
                     [p for slot in slots for p in parts(slot)], **kwargs, step=step,
-                    max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights, param_outs=parts(store.shadow), grad_norm=norm if clip else None,
-                    max_grad_norm=float(clip))
+                    max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
+                    param_outs=parts(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
             return
         torch.ops.pyengine.mean_grad_adamw_.default(
             store.param[begin:end], store.exp_avg[begin:end], store.exp_avg_sq[begin:end],
