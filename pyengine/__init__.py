@@ -8,9 +8,10 @@ from . import ops
 from ._C import with_cuda
 from .engine import Engine, StageError, WorkerError
 from .optim import AdamW, WarmupCosine
+from .scaler import LossScaler
 from .store import HostStore
 from .streamer import GradientStreamer, pipelined_update
 
-__all__ = ["AdamW", "Engine", "GradientStreamer", "HostStore", "StageError", "WorkerError", "WarmupCosine", "ops",
-           "pipelined_update", "with_cuda"]
+__all__ = ["AdamW", "Engine", "GradientStreamer", "HostStore", "LossScaler", "StageError", "WorkerError",
+           "WarmupCosine", "ops", "pipelined_update", "with_cuda"]
 __version__ = "0.1.0"

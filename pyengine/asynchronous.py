@@ -65,17 +65,18 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     pushes_before = engine.stats()["pushes"]  # ``steps`` counts this call's pushes
     errors: list[tuple[int, BaseException]] = []
 
-    def push(worker, pulled, loss, samples, compute, wait):
+    def push(worker, pulled, scale, loss, samples, compute, wait):
         """Under the mutex: apply (True) or ask for a refresh (False)."""
         start = time.perf_counter()
-        pushed = engine.apply_push(pulled, [worker.index])
+        pushed = engine.apply_push(pulled, [worker.index], loss_scale=scale)
         if pushed is None:
             return False
         applied, staleness = pushed
         metrics = step_metrics(engine, loss=loss, samples=samples, wall=compute + wait + time.perf_counter() - start,
                                compute=compute, update=time.perf_counter() - start, transfer_wait=wait,
                                copy_back=0.0, applied=applied, worker=worker.index, version_at_pull=pulled,
-                               version_at_apply=engine.version - int(applied), staleness=staleness)
+                               version_at_apply=engine.version - int(applied), staleness=staleness,
+                               loss_scale=scale)
         engine.history.append(metrics)
         for callback in callbacks:
             callback(engine, metrics)
@@ -83,10 +84,11 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
             stop.set()
         return True
 
-    def pull(worker) -> int:
+    def pull(worker) -> tuple[int, float | None]:
+        """Under the mutex: the snapshot of the weights, its version and the loss scale to compute with."""
         with engine.mutex, engine.phase("pull", worker.index):
             worker.pull(wait=True)
-            return engine.version
+            return engine.version, engine.loss_scale_now()
 
     def loop(worker, own_thread=True):
         if own_thread:
@@ -94,23 +96,23 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         try:
             while not stop.is_set():
                 k = minibatches_per_push(engine, engine.version)
-                pulled = pull(worker)
+                pulled, scale = pull(worker)
                 minibatches = source.take(k)
                 if not minibatches:
                     return
                 samples = sum(batch_size(b) for b in minibatches)
                 while not stop.is_set():
                     with engine.phase("forward_backward+transfer", worker.index):
-                        loss, compute, wait = worker.compute(engine.loss_fn, minibatches)
+                        loss, compute, wait = worker.compute(engine.loss_fn, minibatches, loss_scale=scale)
                     # Note [Ctrl-C inside a step]: a push is applied whole (the lone CPU worker runs here, on the
                     # calling thread, where Ctrl-C lands)
                     with engine.mutex, deferred_interrupt("an async push", engine._abandon):
                         if stop.is_set():
                             return
                         with engine.phase("push", worker.index):
-                            if push(worker, pulled, loss, samples, compute, wait):
+                            if push(worker, pulled, scale, loss, samples, compute, wait):
                                 break
-                    pulled = pull(worker)
+                    pulled, scale = pull(worker)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
             errors.append((worker.index, exc))
             stop.set()

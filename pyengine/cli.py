@@ -81,6 +81,19 @@ _positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positi
 _nonnegative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
+def _loss_scale(text: str):
+    """``--loss-scale``: auto, dynamic, none, or a static scale (a positive number)."""
+    if text in ("auto", "dynamic", "none"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected auto, dynamic, none or a positive number; got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pyengine", description="pyengine: train one model on many "
                                      "workers (master weights and AdamW state in host memory).")
@@ -130,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-grad-norm", type=_positive_float, default=S, help="clip the mean gradient [off]")
     g.add_argument("--autocast", choices=("none", "bf16", "fp16"), default=S,
                    help="replicas compute under autocast, gradients travel in that dtype [none]")
+    g.add_argument("--loss-scale", type=_loss_scale, default=S,
+                   help="auto (dynamic under fp16, else none), dynamic, none, or a static scale: the loss is "
+                        "multiplied by it before backward, the update divides it out [auto]")
     g.add_argument("--accumulate", type=_positive_int, default=S,
                    help="async: mini-batches a worker sums before one push [1]")
     g.add_argument("--max-staleness", type=_nonnegative_int, default=S,
@@ -231,7 +247,7 @@ def _resolve(given: dict) -> dict:
     cfg = dict(given)
     data = cfg.get("data") or "digits"
     defaults = dict(mode="hybrid", data=data, seed=0, weight_decay=0.01, autocast="none", accumulate=1,
-                    staleness_lr="none", keep=3, quiet=False, lr_schedule="constant", warmup_steps=0,
+                    staleness_lr="none", keep=3, quiet=False, lr_schedule="constant", warmup_steps=0, loss_scale="auto",
                     **DATA_DEFAULTS[data])
     for key, value in defaults.items():
         if cfg.get(key) is None:
@@ -677,6 +693,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         options["microbatches"] = own_microbatches
     engine = Engine(models.as_layers(model) if pipeline else model, models.loss_fn, devices=devices, mode=mode,
                     optimizer=optimizer, seed=seed, autocast=autocast, lr_schedule=lr_schedule(cfg, target),
+                    loss_scale=None if cfg["loss_scale"] == "none" else cfg["loss_scale"],
                     accumulate=cfg["accumulate"] if mode == "async" else 1,
                     max_staleness=cfg["max_staleness"] if mode == "async" else None,
                     staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin, **options)
@@ -813,7 +830,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         wall_s=time.perf_counter() - started, train_s=train_total, this_run_train_s=train_s,
         data=cfg["data"], model=cfg["model"], params=sum(p.numel() for p in model.parameters()),
         batch_size=batch_size, lr=cfg["lr"], lr_schedule=cfg["lr_schedule"], warmup_steps=cfg["warmup_steps"],
-        seed=seed, epochs=cfg["epochs"],
+        seed=seed, epochs=cfg["epochs"], autocast=cfg["autocast"], loss_scale=cfg["loss_scale"],
         dataset=dataset.info, checkpoint=str(path), resumed_from_step=start_step if resume is not None else None,
         interrupted=interrupted, trace=str(trace) if trace is not None else None,
         phases_mean_s={k: mean(k) for k in ("wall_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s")},
@@ -909,6 +926,7 @@ def _train(given: dict) -> int:
         legacy = "lr_schedule" not in resume_payload["config"]  # saved before hybrid/sync had --microbatches
         base.setdefault("lr_schedule", "constant")  # saved before these flags existed: the constant lr it had
         base.setdefault("warmup_steps", 0)
+        base.setdefault("loss_scale", "none")  # saved before --loss-scale: it trained unscaled
         if base.get("mode") != "pipeline":  # a --mode all sub-run saved the pipeline defaults too: not given flags
             for key in ("stages", *PIPELINE_DEFAULTS):
                 if key != "microbatches" or legacy:  # a hybrid/sync run saved the micro-batches it used

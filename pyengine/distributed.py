@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from . import ops
 from .metrics import step_metrics
+from .scaler import grad_scale_tensor
 from .store import layout_of
 from .streamer import make_buckets
 from .workers import WorkerError, batch_size, split_batch, split_microbatches
@@ -421,6 +422,7 @@ class DistributedHybrid(_FailureNaming):
                 refused = None  # (Note [No reference cycle through the engine])
         total = counts[0].item()
         weights = [n / total for n in sizes]
+        scale = engine.loss_scale_now()  # the same on every rank: each applies the same admit_update decisions
         self._share_buffers(engine)
         works, errors = [], []
         self.launched_at = []  # perf_counter of each bucket's allreduce launch (the reducer appends)
@@ -431,7 +433,7 @@ class DistributedHybrid(_FailureNaming):
         def task(worker, part):
             def run():
                 with engine.phase("forward_backward+transfer", worker.index):
-                    return worker.compute(engine.loss_fn, *part)
+                    return worker.compute(engine.loss_fn, *part, loss_scale=scale)
             return run
 
         try:
@@ -460,8 +462,8 @@ class DistributedHybrid(_FailureNaming):
                 dist.all_reduce(loss, group=self.group)
             reduced = time.perf_counter()
             with engine.phase("update"):
-                applied = self._update_sharded(engine) if self.shard_update else engine.apply_update(
-                    [], None, grads=[self.reduced])
+                applied = self._update_sharded(engine, scale) if self.shard_update else engine.apply_update(
+                    [], None, grads=[self.reduced], loss_scale=scale)
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)
@@ -473,7 +475,8 @@ class DistributedHybrid(_FailureNaming):
         return step_metrics(engine, loss=loss.item() / total, samples=int(total), wall=end - start,
                             compute=max(r[1] for r in results.values()), update=updated - reduced,
                             transfer_wait=max(r[2] for r in results.values()) + reduced - computed,
-                            copy_back=end - updated, applied=applied, rank=self.rank, world_size=self.world,
+                            copy_back=end - updated, applied=applied, loss_scale=scale, rank=self.rank,
+                            world_size=self.world,
                             local_samples=sum(sizes),
                             overlapped_buckets=sum(t < workers_done for t in self.launched_at))
 
@@ -530,8 +533,9 @@ class DistributedHybrid(_FailureNaming):
         for grad, weight in zip(grads[1:], weights[1:]):
             out.add_(grad.float(), alpha=weight)
 
-    def _update_sharded(self, engine) -> bool:
-        """Fused update on this rank's parts, with the global norm; then all-gather the weights."""
+    def _update_sharded(self, engine, scale: float | None) -> bool:
+        """Fused update on this rank's parts, with the global norm; then all-gather the weights. ``scale``: the loss
+        scale the gradients were computed with."""
         store, opt = engine.store, engine.optimizer
         grads = [self.shard_grad[self.shard_offset[k]:self.shard_offset[k] + hi - lo]
                  for k, (lo, hi) in enumerate(self.owned)]
@@ -543,7 +547,8 @@ class DistributedHybrid(_FailureNaming):
         summary = torch.tensor([sq, bad], dtype=torch.float64)
         with _collective("allreduce of the shard norms", self.rank, self._explain):
             dist.all_reduce(summary, group=self.group)
-        if not engine.admit_update(summary[1].item() != 0.0 or not math.isfinite(summary[0].item()), []):
+        if not engine.admit_update(summary[1].item() != 0.0 or not math.isfinite(summary[0].item()), [],
+                                   loss_scale=scale):
             return False
         clip = opt.max_grad_norm or 0.0
         norm = torch.tensor(math.sqrt(summary[0].item()), dtype=torch.float32)
@@ -554,7 +559,7 @@ class DistributedHybrid(_FailureNaming):
                     store.param[lo:hi], store.exp_avg[state], store.exp_avg_sq[state], [grad],
                     **opt.kernel_kwargs(engine.lr_at(engine.version)), step=engine.version,
                     max_exp_avg_sq=None if store.max_exp_avg_sq is None else store.max_exp_avg_sq[state],
-                    grad_scale=None, found_inf=None, weights=None, param_out=None,
+                    grad_scale=grad_scale_tensor(scale), found_inf=None, weights=None, param_out=None,
                     grad_norm=norm if clip else None, max_grad_norm=float(clip))
         self._all_gather([store.param[lo:hi] for lo, hi in self.owned], store.param, "the updated weights")
         if store.shadow is not None:

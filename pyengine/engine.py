@@ -35,6 +35,7 @@ from .optim import AdamW, check_lr_factor
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
 from .profiling import PhaseRecorder
+from .scaler import LossScaler, grad_scale_tensor, make_scaler
 from .store import HostStore
 from .sync import sync_step
 from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, set_worker_threads
@@ -71,6 +72,11 @@ class Engine:
         unused: ``"zero"`` (parameters without a gradient in a step get zero) or ``"error"``.
         autocast: None, or ``torch.bfloat16``/``torch.float16``: replicas compute under autocast and gradients travel
             in that dtype (master weights stay fp32).
+        loss_scale: ``"auto"`` (dynamic loss scaling under float16 autocast, none otherwise), ``"dynamic"``, None (no
+            scaling), a number > 0 (a static scale) or a :class:`pyengine.LossScaler`: each loss is multiplied by the
+            scale before backward and the update divides the gradients by it; a non-finite gradient backs the scale
+            off and skips the step (Note [Loss scaling] in :mod:`pyengine.scaler`). Not across processes in async or
+            pipeline mode (``"auto"`` then means none, with a warning under float16).
         nonfinite: ``"skip"`` (the step is skipped and counted) or ``"raise"``.
         accumulate: async: mini-batches whose gradients a worker sums before one push.
         max_staleness: async: a worker whose snapshot is more than this many versions old refreshes (pulls the
@@ -114,7 +120,7 @@ class Engine:
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
-                 schedule: str = "1f1b", balance="params"):
+                 schedule: str = "1f1b", balance="params", loss_scale="auto"):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                             loss_fn)
         check_mode_options(mode, stages, microbatches, schedule, balance)
@@ -158,6 +164,9 @@ class Engine:
         if self.optimizer.no_decay and shard_update:
             raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
                              "one weight decay over each rank's ranges; leave out one of them")
+        unsupported = {"async": "async across processes does not scale the loss",
+                       "pipeline": "pipeline stages across processes do not scale the loss"}.get(mode)
+        self.scaler: LossScaler | None = make_scaler(loss_scale, autocast, unsupported if group is not None else None)
         grad_dtype = autocast if autocast is not None else torch.float32
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
@@ -338,6 +347,7 @@ class Engine:
             "rng": torch.get_rng_state(),
             "counters": dict(self._counters),
             "staleness": dict(self._staleness),
+            "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -395,6 +405,9 @@ class Engine:
         except (AttributeError, TypeError, ValueError) as exc:
             raise ValueError(f"the state's counters / staleness are not {{name: count}} / {{staleness: count}} "
                              f"dicts: {exc}") from None
+        scaler = sd.get("loss_scaler")  # absent in states written before loss scaling; None: saved without it
+        if scaler is not None:
+            LossScaler.check_state_dict(scaler)
         # Valid: from here on nothing raises on the state's account.
         if step == 0:  # a state saved before any update: a fresh optimizer
             for buffer in (self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq):
@@ -407,6 +420,8 @@ class Engine:
         torch.set_rng_state(rng)
         self._counters = collections.Counter(counters)
         self._staleness = staleness
+        if scaler is not None and self.scaler is not None:  # a scale saved by an engine that scaled, into one that does
+            self.scaler.load_state_dict(scaler)
         for worker in self.workers:
             worker.pull()
         with torch.no_grad():
@@ -429,6 +444,7 @@ class Engine:
             "staleness_histogram": hist,
             "staleness_mean": sum(k * v for k, v in hist.items()) / total if total else 0.0,
             "staleness_max": max(hist) if hist else 0,
+            "loss_scale": None if self.scaler is None else self.scaler.scale,
         }
 
     def trace(self, path) -> None:
@@ -520,24 +536,31 @@ class Engine:
         return True
 
     def apply_update(self, workers: list[int], weights: list[float] | None, lr_divisor: float = 1.0,
-                     grads: list[torch.Tensor] | None = None) -> bool:
+                     grads: list[torch.Tensor] | None = None, loss_scale: float | None = None) -> bool:
         """One fused update of the whole store from the gradient slots of ``workers``, or from ``grads`` (flat
         buffers of the store's size, e.g. a gradient reduced across processes) when given (Note [One update path]).
+        ``loss_scale``: the scale the gradients were computed with (:meth:`loss_scale_now` at the step's start).
 
         Returns False when the step was skipped because a gradient was not finite (``nonfinite="skip"``).
         """
         slots = [self.store.grad_slot(g) for g in workers] if grads is None else list(grads)
         norm, nonfinite = ops.mean_grad_norm(slots, weights)
-        if not self.admit_update(nonfinite.item() != 0.0, workers):
+        if not self.admit_update(nonfinite.item() != 0.0, workers, loss_scale=loss_scale):
             return False
-        self.update_range(0, self.store.numel, slots, weights, norm, lr_divisor)
+        self.update_range(0, self.store.numel, slots, weights, norm, lr_divisor, loss_scale=loss_scale)
         return True
 
-    def admit_update(self, nonfinite: bool, workers: list[int], step: int | None = None) -> bool:
+    def admit_update(self, nonfinite: bool, workers: list[int], step: int | None = None,
+                     loss_scale: float | None = None) -> bool:
         """Decides whether the step whose mean gradient is (non)finite is applied: raises (``nonfinite="raise"``) or
         counts a skipped step and returns False; otherwise counts the update, advances ``version`` (the step of the
         :meth:`update_range` calls that follow) and returns True. ``step``: the Adam step the update will use when
-        not ``version + 1`` (a multi-server async shard applies the coordinating server's)."""
+        not ``version + 1`` (a multi-server async shard applies the coordinating server's). ``loss_scale``: the
+        scale the gradients were computed with; with a loss scaler a non-finite gradient first backs the scale off
+        (skipped, counted), and an applied step counts towards its growth (Note [Loss scaling])."""
+        if nonfinite and self.scaler is not None and self.scaler.overflow(loss_scale):
+            self._counters["skipped_steps"] += 1
+            return False
         if nonfinite:
             if self.nonfinite == "raise":
                 where = f" (workers {workers})" if workers else ""
@@ -548,22 +571,27 @@ class Engine:
         self.lr_at(self.version + 1 if step is None else step)  # a bad value raises before any count or write
         self.version += 1
         self._counters["applied_updates"] += 1
+        if self.scaler is not None:
+            self.scaler.applied(loss_scale)
         return True
 
     def update_range(self, begin: int, end: int, slots: list[torch.Tensor], weights: list[float] | None,
-                     norm: torch.Tensor, lr_divisor: float = 1.0, step: int | None = None) -> None:
+                     norm: torch.Tensor, lr_divisor: float = 1.0, step: int | None = None,
+                     loss_scale: float | None = None) -> None:
         """The fused mean-gradient AdamW over elements ``[begin, end)`` of the store at step ``version`` (or
         ``step``: a multi-node async server applies a push with the coordinating server's step).
 
         ``slots``: the full gradient slots of the step's workers; ``norm``: the global norm of their (weighted) mean,
         used when the optimizer clips; the lr is :meth:`lr_at` the step, divided by ``lr_divisor`` (async's
-        ``staleness_lr="inverse"``: 1 + staleness). Elementwise, so updating the store range by range gives the same
-        bits as one call over all of it.
+        ``staleness_lr="inverse"``: 1 + staleness); ``loss_scale``: the scale the gradients were computed with, which
+        the kernel divides out (and out of the norm). Elementwise, so updating the store range by range gives the
+        same bits as one call over all of it.
         """
         store, opt = self.store, self.optimizer
         clip = opt.max_grad_norm or 0.0
         step = self.version if step is None else step
         lr = self.lr_at(step) / lr_divisor
+        grad_scale = grad_scale_tensor(loss_scale)
 
         def part(t):
             return None if t is None else t[begin:end]
@@ -585,18 +613,19 @@ class Engine:
                 torch.ops.pyengine.mean_grad_adamw_multi_.default(
                     parts(store.param), parts(store.exp_avg), parts(store.exp_avg_sq),
                     [p for slot in slots for p in parts(slot)], **kwargs, step=step,
-                    max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
+                    max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=grad_scale, found_inf=None, weights=weights,
                     param_outs=parts(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
             return
         torch.ops.pyengine.mean_grad_adamw_.default(
             store.param[begin:end], store.exp_avg[begin:end], store.exp_avg_sq[begin:end],
             [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=step,
-            max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=None, found_inf=None, weights=weights,
+            max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=grad_scale, found_inf=None, weights=weights,
             param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
     def apply_push(self, pulled: int, workers: list[int], grads: list[torch.Tensor] | None = None, *,
                    staleness: int | None = None, span: tuple[int, int] | None = None,
-                   norm: tuple[torch.Tensor, bool] | None = None, step: int | None = None) -> tuple[bool, int] | None:
+                   norm: tuple[torch.Tensor, bool] | None = None, step: int | None = None,
+                   loss_scale: float | None = None) -> tuple[bool, int] | None:
         """One async push computed at version ``pulled``, under the mutex (Note [Async pushes and staleness]): None
         when it is too stale and must refresh (counted); else it is counted, applied from the slots of ``workers``
         (or ``grads``) with the staleness policy's lr, and ``(applied, staleness)`` is returned.
@@ -605,6 +634,7 @@ class Engine:
         with ``norm=(norm, nonfinite)`` of the whole pushed gradient, so that every shard clips and skips alike;
         ``staleness``, when given, is the coordinating server's admission decision (no refresh check here), and
         ``step`` its Adam step for this push (bias correction; default: this engine's ``version`` after the push).
+        ``loss_scale``: the scale the push was computed with (taken with its snapshot).
         """
         decided = staleness is not None
         staleness = staleness if decided else self.version - pulled
@@ -615,11 +645,11 @@ class Engine:
         self.lr_at(self.version + 1 if step is None else step)  # a bad schedule value raises before the count
         self._counters["pushes"] += 1
         if span is None:
-            applied = self.apply_update(workers, None, divisor, grads=grads)
+            applied = self.apply_update(workers, None, divisor, grads=grads, loss_scale=loss_scale)
         else:
-            applied = self.admit_update(norm[1], workers, step)
+            applied = self.admit_update(norm[1], workers, step, loss_scale=loss_scale)
             if applied:
-                self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step)
+                self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step, loss_scale=loss_scale)
         self._staleness[staleness] += 1
         return applied, staleness
 
@@ -633,6 +663,10 @@ class Engine:
         if self._lr[0] != key:
             self._lr = (key, self.optimizer.lr * check_lr_factor(self.lr_schedule(step - 1), step - 1))
         return self._lr[1]
+
+    def loss_scale_now(self) -> float | None:
+        """The loss scale a step starting now computes with (None without loss scaling)."""
+        return None if self.scaler is None else self.scaler.scale
 
     def count(self, key: str, n: int = 1) -> None:
         self._counters[key] += n

@@ -27,6 +27,7 @@ def hybrid_step(engine, batch) -> dict:
     workers = list(range(engine.num_workers))
     slots = [engine.store.grad_slot(g) for g in workers]
     buckets = engine.workers[0].streamer.buckets
+    scale = engine.loss_scale_now()  # Note [Loss scaling]: the scale this step computes and divides by
 
     # before any work: a shard too small for the micro-batches is refused here
     parts = [split_microbatches(s, engine.microbatches, f"worker {g}'s shard") for g, s in enumerate(shards)]
@@ -34,7 +35,7 @@ def hybrid_step(engine, batch) -> dict:
     def task(worker, part):
         def run():
             with engine.phase("forward_backward+transfer", worker.index):
-                return worker.compute(engine.loss_fn, *part)
+                return worker.compute(engine.loss_fn, *part, loss_scale=scale)
         return run
 
     engine.share_buffers(workers)  # DDP's broadcast_buffers: worker 0's buffers go to every replica
@@ -53,7 +54,7 @@ def hybrid_step(engine, batch) -> dict:
     updated = time.perf_counter()
     with engine.phase("update"), host_threads(engine.devices, engine.store.numel):
         try:
-            applied = engine.admit_update(nonfinite or not math.isfinite(squares), workers)
+            applied = engine.admit_update(nonfinite or not math.isfinite(squares), workers, loss_scale=scale)
         except BaseException:
             # nonfinite="raise": the step's gradient buckets were consumed by no copy back, so drop them here, or the
             # next step's waits would return on this step's stale slots.
@@ -65,11 +66,12 @@ def hybrid_step(engine, batch) -> dict:
             for w in engine.workers:
                 w.streamer.wait_weights(b.index)  # the last copy back of this bucket has completed
             if applied:
-                engine.update_range(b.begin, b.end, slots, weights, norm)
+                engine.update_range(b.begin, b.end, slots, weights, norm, loss_scale=scale)
             for w in engine.workers:
                 w.streamer.copy_back(buckets=[b.index])
     end = time.perf_counter()
     loss = sum(results[i][0] * n for i, n in enumerate(sizes)) / total
     return step_metrics(engine, loss=loss, samples=total, wall=end - start,
                         compute=max(r[1] for r in results.values()), update=end - updated,
-                        transfer_wait=max(r[2] for r in results.values()), copy_back=0.0, applied=applied)
+                        transfer_wait=max(r[2] for r in results.values()), copy_back=0.0, applied=applied,
+                        loss_scale=scale)

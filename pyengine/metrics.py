@@ -7,13 +7,14 @@ import time
 
 def step_metrics(engine: Engine, *, loss: float, samples: int, wall: float, compute: float, update: float,
                  transfer_wait: float, copy_back: float, applied: bool, lr_step: int | None = None,
-                 **extra) -> dict:
+                 loss_scale: float | None = None, **extra) -> dict:
     """The per-step metrics every schedule reports (seconds; overlap = (compute + update) / wall). ``lr``: the
     scheduled learning rate of the update (:meth:`Engine.lr_at` its step, ``lr_step`` when not ``version``; async's
-    staleness damping not included), None when the step was skipped."""
+    staleness damping not included), None when the step was skipped. ``loss_scale``: the scale the step computed
+    with, reported when the engine scales the loss."""
     lr = engine.lr_at(engine.version if lr_step is None else lr_step) if applied else None
     return dict(step=len(engine.history) + 1, version=engine.version, loss=loss, samples=samples, lr=lr,
                 samples_per_s=samples / wall if wall > 0 else math.inf, wall_s=wall, compute_s=compute,
                 transfer_wait_s=transfer_wait, update_s=update, copy_back_s=copy_back,
                 overlap_efficiency=min(1.0, (compute + update) / wall) if wall > 0 else 1.0, applied=applied,
-                time=time.time(), **extra)
+                time=time.time(), **({} if engine.scaler is None else {"loss_scale": loss_scale}), **extra)

@@ -505,6 +505,7 @@ class Pipeline:
             stage.pull()
         pulled = time.perf_counter()
         stop, failures = threading.Event(), []
+        scale = engine.loss_scale_now()  # Note [Loss scaling]: the last stages scale their losses by it
         channels = [[(_Channel(stop), _Channel(stop)) for _ in range(self.num_stages - 1)]
                     for _ in range(self.replicas)]
         futures = {}
@@ -513,7 +514,8 @@ class Pipeline:
                 stage.stream.wait_stream(torch.cuda.current_stream(stage.device))
         for s, row in enumerate(self.stages):
             for r, stage in enumerate(row):
-                task = self._stage_task(stage, channels[r], inputs[r], targets[r], shard_sizes[r], stop, failures)
+                task = self._stage_task(stage, channels[r], inputs[r], targets[r], shard_sizes[r], scale, stop,
+                                        failures)
                 futures[(s, r)] = self._pool.submit(task)
         concurrent.futures.wait(futures.values())
         if failures:
@@ -527,9 +529,9 @@ class Pipeline:
         weights = None if len(set(shard_sizes)) == 1 else [n / total for n in shard_sizes]
         updated = time.perf_counter()
         with engine.phase("update"):
-            applied = engine.apply_update(list(range(self.replicas)), weights)
+            applied = engine.apply_update(list(range(self.replicas)), weights, loss_scale=scale)
         end = time.perf_counter()
-        return self._metrics(results, shard_sizes, start, pulled, schedule_end, updated, end, applied)
+        return self._metrics(results, shard_sizes, start, pulled, schedule_end, updated, end, applied, scale)
 
     def _sum_tied_grads(self, results) -> None:
         """Each tied parameter's gradient in replica r's slot: the sum of its stages' contributions, in stage order
@@ -565,11 +567,11 @@ class Pipeline:
         targets = [[mb[1] for mb in replica] for replica in micro]
         return inputs, targets, [batch_size(s) for s in shards]
 
-    def _stage_task(self, stage: _Stage, channels, inputs, targets, shard_size, stop, failures):
+    def _stage_task(self, stage: _Stage, channels, inputs, targets, shard_size, scale, stop, failures):
         def run():
             try:
                 with stage.context():
-                    return self._run_stage(stage, channels, inputs, targets, shard_size)
+                    return self._run_stage(stage, channels, inputs, targets, shard_size, scale)
             except _Stopped:
                 return None
             except BaseException as exc:  # noqa: BLE001 - reported as StageError by step()
@@ -578,7 +580,7 @@ class Pipeline:
                 return None
         return run
 
-    def _run_stage(self, stage: _Stage, channels, inputs, targets, shard_size) -> dict:
+    def _run_stage(self, stage: _Stage, channels, inputs, targets, shard_size, scale: float | None) -> dict:
         s, last = stage.index, stage.index == self.num_stages - 1
         recv_fwd = channels[s - 1][0] if s > 0 else None
         send_fwd = channels[s][0] if not last else None
@@ -607,6 +609,8 @@ class Pipeline:
                         samples = batch_size(targets[m])
                         loss_sum += float(out.detach()) * samples
                         out = out * (samples / shard_size)
+                        if scale is not None:  # Note [Loss scaling]
+                            out = out * scale
                     else:
                         send_fwd.put(m, out.detach(), downstream, stage.stream)
                 stored[m] = (x, out, memory.stored())
@@ -644,7 +648,7 @@ class Pipeline:
                              f"loss over the micro-batch); got {shape}")
         return loss
 
-    def _metrics(self, results, shard_sizes, start, pulled, schedule_end, updated, end, applied) -> dict:
+    def _metrics(self, results, shard_sizes, start, pulled, schedule_end, updated, end, applied, scale) -> dict:
         S, R, M = self.num_stages, self.replicas, self.microbatches
         wall = schedule_end - pulled
         busy = [[results[(s, r)]["busy"] for r in range(R)] for s in range(S)]
@@ -654,6 +658,7 @@ class Pipeline:
             self.engine, loss=loss / total, samples=total, wall=end - start,
             compute=max(max(row) for row in busy), update=end - updated,
             transfer_wait=max(res["pushed"] for res in results.values()), copy_back=pulled - start, applied=applied,
+            loss_scale=scale,
             stages=S, replicas=R, microbatches=M, schedule=self.schedule, stage_sizes=list(self.sizes),
             schedule_s=wall, stage_busy_s=[sum(row) / R for row in busy],
             bubble_fraction=max(0.0, 1.0 - sum(map(sum, busy)) / (S * R * wall)) if wall > 0 else 0.0,

@@ -15,19 +15,20 @@ def sync_step(engine, batch) -> dict:
 
     parts = split_microbatches(batch, engine.microbatches)  # before any work: a batch too small is refused
     engine.share_buffers([worker.index])  # one model trained sequentially: the buffers follow the batches
+    scale = engine.loss_scale_now()  # Note [Loss scaling]
 
     def run():
         with engine.phase("pull", worker.index):
             worker.pull()
         with engine.phase("forward_backward+transfer", worker.index):
-            return worker.compute(engine.loss_fn, *parts)
+            return worker.compute(engine.loss_fn, *parts, loss_scale=scale)
 
     loss, compute, wait = engine.run_workers({worker.index: run})[worker.index]
     engine.count("steps")
     engine.buffer_source = worker.index
     updated = time.perf_counter()
     with engine.phase("update"):
-        applied = engine.apply_update([worker.index], None)
+        applied = engine.apply_update([worker.index], None, loss_scale=scale)
     end = time.perf_counter()
     return step_metrics(engine, loss=loss, samples=samples, wall=end - start, compute=compute, update=end - updated,
-                        transfer_wait=wait, copy_back=0.0, applied=applied, worker=worker.index)
+                        transfer_wait=wait, copy_back=0.0, applied=applied, worker=worker.index, loss_scale=scale)

@@ -218,9 +218,9 @@ class Worker:
             for k in range(len(self.streamer.buckets)):
                 self.streamer.wait_weights(k)
 
-    def forward_backward(self, loss_fn, batch, weight: float | None = None) -> float:
-        """One forward and backward on ``batch`` (of the loss times ``weight`` when given); returns the loss.
-        Gradients stream to the host as they are ready."""
+    def forward_backward(self, loss_fn, batch, weight: float | None = None, loss_scale: float | None = None) -> float:
+        """One forward and backward on ``batch`` (of the loss times ``weight``, then times ``loss_scale``, when
+        given); returns the loss. Gradients stream to the host as they are ready."""
         batch = to_device(batch, self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             loss = loss_fn(self.replica, batch)
@@ -228,13 +228,17 @@ class Worker:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
         with self.streamer.backward_pass():  # a loss that reaches no parameter must still end the pass
-            (loss if weight is None else loss * weight).backward()
+            scaled = loss if weight is None else loss * weight
+            (scaled if loss_scale is None else scaled * loss_scale).backward()  # Note [Loss scaling]
         return float(loss.detach())
 
-    def compute(self, loss_fn, batches, weights: list[float] | None = None) -> tuple[float, float, float]:
+    def compute(self, loss_fn, batches, weights: list[float] | None = None,
+                loss_scale: float | None = None) -> tuple[float, float, float]:
         """Forward+backward over ``batches`` (gradients summed in the replica, copied once after the last). With
         ``weights`` (micro-batches of one batch, :func:`split_microbatches`) each loss is weighted, so the replica
-        holds the gradient of the whole batch's mean loss; without, the plain sum (async's ``accumulate``).
+        holds the gradient of the whole batch's mean loss; without, the plain sum (async's ``accumulate``). With
+        ``loss_scale`` every loss is multiplied by it before backward (Note [Loss scaling]): the slot holds the
+        scaled gradient.
 
         Returns (mean loss (weighted mean with ``weights``), seconds of forward+backward, seconds waiting for the
         last copies). The copies into the host slot are complete when this returns.
@@ -251,7 +255,7 @@ class Worker:
             self.replica.zero_grad(set_to_none=True)
             self.streamer.accumulate(len(batches))
             scale = [None] * len(batches) if weights is None else weights
-            losses = [self.forward_backward(loss_fn, b, w) for b, w in zip(batches, scale)]
+            losses = [self.forward_backward(loss_fn, b, w, loss_scale) for b, w in zip(batches, scale)]
             computed = time.perf_counter()
             self.streamer.wait_all()
             waited = time.perf_counter()

@@ -87,6 +87,38 @@ def hybrid(seed, rank, world):
     return out
 
 
+FP16 = dict(steps=12, batch=26, poisoned=6, scaler=dict(init_scale=2.0 ** 24, growth_interval=3))
+
+
+def fp16_batches(seed):
+    """The global batches of the float16 scenario: one input of batch ``poisoned`` beyond float16's range."""
+    batches = global_batches(seed + 1, FP16["steps"], FP16["batch"])
+    batches[FP16["poisoned"]][0][0, 0] = 1e6
+    return batches
+
+
+def hybrid_fp16(seed, rank, world):
+    """Float16 autocast with dynamic loss scaling (Note [Loss scaling]), replicated and sharded, 2 local CPU
+    workers: each step's scale and applied flag, and the weights (identical on every rank: every rank takes the same
+    decisions)."""
+    batches = [rank_slice(b, rank, world) for b in fp16_batches(seed)]
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT), pin=False,
+                             autocast=torch.float16, loss_scale=pyengine.LossScaler(**FP16["scaler"]),
+                             shard_update=shard) as engine:
+            metrics = [engine.step(b) for b in batches]
+            out[name] = dict(master=engine.master_state_dict(), trajectory=[(m["loss_scale"], m["applied"])
+                                                                            for m in metrics])
+    try:  # async and pipeline across processes do not scale the loss: an explicit scale is refused at construction
+        pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", pin=False, autocast=torch.float16,
+                        loss_scale="dynamic")
+        out["async_refused"] = None
+    except ValueError as exc:
+        out["async_refused"] = str(exc)
+    return out
+
+
 def make_bn_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN), torch.nn.Tanh(),
@@ -424,7 +456,7 @@ def main():
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
-                 "overlap": overlap, "bad-local-batch": bad_local_batch,
+                 "overlap": overlap, "bad-local-batch": bad_local_batch, "hybrid-fp16": hybrid_fp16,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}
     try:

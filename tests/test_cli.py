@@ -237,7 +237,8 @@ def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, messa
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--mode", "fast"], ["--steps", "0"], ["--steps", "3", "--epochs", "1"],
                                   ["--schedule", "zb"], ["--balance", "flops"], ["--balance", "2,x"],
-                                  ["--balance", "2,,3"], ["--microbatches", "0"]])
+                                  ["--balance", "2,,3"], ["--microbatches", "0"], ["--loss-scale", "0"],
+                                  ["--loss-scale", "often"], ["--loss-scale", "inf"]])
 def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         train(*argv)
@@ -516,3 +517,30 @@ def test_resuming_a_checkpoint_saved_before_lr_schedule_and_hybrid_microbatches(
     assert train("--resume", str(out / "hybrid"), "--steps", "3", "--quiet") == 0
     summary = json.loads((out / "hybrid" / "summary.json").read_text())
     assert summary["microbatches"] == 1 and summary["lr_schedule"] == "constant" and summary["steps"] == 3
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "async"])
+def test_fp16_run_scales_the_loss_and_resumes_bit_identically(tmp_path, mode):
+    """--autocast fp16 scales the loss by default: every metrics line has the step's scale, the summary the final
+    one; a run resumed from its half-way checkpoint (hybrid) ends with the same weights and scale as the run straight
+    through; --loss-scale none turns it off."""
+    common = ["--mode", mode, "--autocast", "fp16", "--quiet", "--checkpoint-every", "4", *SHORT]
+    full = tmp_path / "full"
+    assert train("--steps", "8", "--out", str(full), *common) == 0
+    lines = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((full / "summary.json").read_text())
+    assert all(r["loss_scale"] >= 1.0 for r in lines) and summary["loss_scale"] == "auto"
+    assert summary["engine_stats"]["loss_scale"] >= 1.0
+    assert master(full)["loss_scaler"]["scale"] == summary["engine_stats"]["loss_scale"]
+    if mode == "hybrid":
+        part = tmp_path / "part"
+        assert train("--steps", "8", "--out", str(part), *common) == 0
+        ckpt.list_checkpoints(part / "checkpoints")[-1].unlink()
+        assert train("--resume", str(part), "--steps", "8", "--quiet") == 0
+        a, b = master(full), master(part)
+        assert a["loss_scaler"] == b["loss_scaler"] and a["version"] == b["version"]
+        for name in a["master"]:
+            assert torch.equal(a["master"][name], b["master"][name]), name
+    off = tmp_path / "off"
+    assert train("--steps", "2", "--out", str(off), "--loss-scale", "none", *common) == 0
+    assert all("loss_scale" not in json.loads(line) for line in (off / "metrics.jsonl").read_text().splitlines())

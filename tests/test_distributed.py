@@ -160,6 +160,41 @@ def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, see
         start = ranks[0]["bn"]["buffers"][t]
 
 
+@pytest.mark.timeout(90)
+def test_hybrid_fp16_loss_scaling_equals_grad_scaler(tmp_path, seed):
+    """Float16 autocast with dynamic loss scaling across 2 processes x 2 workers, replicated and sharded: every rank
+    takes GradScaler's decisions step for step (backoffs from a scale that overflows, growth, a poisoned batch
+    skipped) on the same 4 shards, and the weights follow GradScaler + torch.optim.AdamW."""
+    from test_scaler import GradScalerReference, assert_close_to
+
+    world = 2
+    codes, logs, _ = launch("hybrid-fp16", world, tmp_path, seed)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    reference = GradScalerReference(dist_job.make_model(), dist_job.FP16["scaler"], **dist_job.OPT)
+    expected = []
+    for batch in dist_job.fp16_batches(seed):
+        shards = []  # rank r's slice, split between its 2 workers
+        for r in range(world):
+            x, y = dist_job.rank_slice(batch, r, world)
+            shards += list(zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2)))
+        expected.append(reference.step(shards))
+    assert any(not applied for _, applied in expected) and len({s for s, _ in expected}) > 2
+    for kind in ("replicated", "sharded"):
+        for rank in ranks:
+            assert rank[kind]["trajectory"] == expected, kind
+        assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
+
+        class Engine:  # assert_close_to's view of a result
+            @staticmethod
+            def master_state_dict(kind=kind):
+                return ranks[0][kind]["master"]
+
+        assert_close_to(Engine, reference, 5e-4)
+    for rank in ranks:
+        assert "async across processes does not scale the loss" in rank["async_refused"]
+
+
 def owned_elements(buckets, rank, world):
     """Elements of each bucket that rank owns in the sharded update: part r of ceil(n / P) elements, clipped."""
     sizes = []

@@ -1,0 +1,151 @@
+"""Loss scaling for float16 autocast: :class:`LossScaler`, torch.amp.GradScaler's update rule, kept by the engine.
+
+Note [Loss scaling]
+Under float16 autocast the backward pass runs in float16, whose smallest subnormal is 2^-24 (6e-8): the gradients of
+a large model, or of a loss with a small scale, flush to zero there, and again in the float16 gradient slots that
+carry them to the host. Every worker therefore multiplies its loss by the scale S before backward (every micro-batch,
+the pipeline's last stage too), so the gradients in the slots are S times the true ones; the fused update divides
+them by S (its ``grad_scale``; exact while S is a power of two) and clips by the norm / S. A step whose gradient is
+not finite is skipped and S multiplied by ``backoff_factor``; after ``growth_interval`` applied steps in a row S is
+multiplied by ``growth_factor``: torch.amp.GradScaler's rule, step for step (tested against it). Two rules of our own:
+- ``min_scale``: at that scale an overflow is no longer the scale's fault; the engine's ``nonfinite`` policy decides
+  (``"raise"`` raises, ``"skip"`` skips at that scale). torch has no floor; DeepSpeed's ``min_loss_scale`` is one.
+- async: a push divides by the scale it was computed with (taken with its snapshot). A push computed at a scale
+  above the current one that overflows was already answered by a backoff: it is skipped without another, so G
+  workers overflowing together halve the scale once, not G times; a push at another scale than the current one does
+  not count towards growth.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+__all__ = ["LossScaler"]
+
+
+def _positive(name: str, value, least: float = 0.0, strict: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            (value <= least if strict else value < least):
+        raise ValueError(f"LossScaler: {name} must be a finite number {'>' if strict else '>='} {least}; got "
+                         f"{value!r}")
+    return float(value)
+
+
+class LossScaler:
+    """The loss scale of float16 training (see Note [Loss scaling]); pass one as ``Engine(loss_scale=...)``.
+
+    Args:
+        init_scale: the first scale (torch.amp.GradScaler's default, 2^16).
+        growth_factor: multiplies the scale after ``growth_interval`` applied steps in a row (> 1).
+        backoff_factor: multiplies the scale at a step with a non-finite gradient, which is skipped (in (0, 1)).
+        growth_interval: applied steps in a row before the scale grows (an int >= 1).
+        min_scale: the scale never backs off below this; at it, a non-finite gradient goes to the engine's
+            ``nonfinite`` policy.
+        dynamic: False: a static scale (``init_scale`` always; every non-finite gradient goes to ``nonfinite``).
+
+    ``scale`` is the current scale and ``growth_tracker`` the applied steps since the last change; both are in the
+    engine's :meth:`~pyengine.Engine.state_dict`.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, min_scale: float = 1.0, dynamic: bool = True):
+        self.init_scale = _positive("init_scale", init_scale)
+        self.growth_factor = _positive("growth_factor", growth_factor, 1.0)
+        self.backoff_factor = _positive("backoff_factor", backoff_factor)
+        if self.backoff_factor >= 1.0:
+            raise ValueError(f"LossScaler: backoff_factor must be in (0, 1); got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"LossScaler: growth_interval must be an int >= 1; got {growth_interval!r}")
+        self.growth_interval = growth_interval
+        self.min_scale = _positive("min_scale", min_scale)
+        if self.min_scale > self.init_scale:
+            raise ValueError(f"LossScaler: min_scale ({min_scale!r}) must be <= init_scale ({init_scale!r})")
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"LossScaler: dynamic must be a bool; got {dynamic!r}")
+        self.dynamic = dynamic
+        self.scale = self.init_scale
+        self.growth_tracker = 0
+
+    def __repr__(self) -> str:
+        return (f"LossScaler(scale={self.scale}, growth_tracker={self.growth_tracker}, growth_factor="
+                f"{self.growth_factor}, backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+                f"min_scale={self.min_scale}, dynamic={self.dynamic})")
+
+    def overflow(self, used: float) -> bool:
+        """A gradient computed at scale ``used`` is not finite: True when the scale answers it (the step is skipped
+        and the scale backed off, or was already backed off below ``used``); False when it cannot (static, or at
+        ``min_scale``): the engine's ``nonfinite`` policy decides."""
+        if not self.dynamic:
+            return False
+        if used > self.scale:  # answered by an earlier backoff (async: Note [Loss scaling])
+            return True
+        self.growth_tracker = 0
+        if self.scale <= self.min_scale:
+            return False
+        self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        return True
+
+    def applied(self, used: float) -> None:
+        """A step computed at scale ``used`` was applied: counts towards growth (GradScaler's rule; a new scale that
+        is not finite is not taken)."""
+        if not self.dynamic or used != self.scale:
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            grown = self.scale * self.growth_factor
+            if math.isfinite(grown):
+                self.scale = grown
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
+
+    @staticmethod
+    def check_state_dict(sd) -> None:
+        """Raises ValueError unless ``sd`` is a :meth:`state_dict`."""
+        if not isinstance(sd, dict) or sorted(sd) != ["growth_tracker", "scale"]:
+            found = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"the state's loss scaler must be {{'scale': float, 'growth_tracker': int}}; got {found}")
+        scale, tracker = sd["scale"], sd["growth_tracker"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"the state's loss scale must be a finite number > 0; got {scale!r}")
+        if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
+            raise ValueError(f"the state's loss scaler growth_tracker must be an int >= 0; got {tracker!r}")
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.check_state_dict(sd)
+        self.scale, self.growth_tracker = float(sd["scale"]), sd["growth_tracker"]
+
+
+def make_scaler(loss_scale, autocast, supported: str | None) -> LossScaler | None:
+    """The engine's scaler for its ``loss_scale`` option: ``"auto"`` (dynamic under float16 autocast, else none),
+    ``"dynamic"``, None (no scaling), a number > 0 (a static scale) or a :class:`LossScaler`. ``supported``: None, or
+    why this engine cannot scale (then ``"auto"`` means none and anything else is refused)."""
+    if isinstance(loss_scale, str) and loss_scale == "auto":
+        if autocast is not torch.float16:
+            return None
+        if supported is not None:
+            warnings.warn(f"float16 autocast without loss scaling: {supported}; small gradients may flush to zero "
+                          "(bfloat16 autocast does not need scaling)", stacklevel=3)
+            return None
+        return LossScaler()
+    if loss_scale is None:
+        return None
+    if supported is not None:
+        raise ValueError(f"loss_scale={loss_scale!r}: {supported}")
+    if isinstance(loss_scale, LossScaler):
+        return loss_scale
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
+        return LossScaler()
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return LossScaler(init_scale=loss_scale, min_scale=min(1.0, loss_scale) if loss_scale > 0 else 1.0,
+                          dynamic=False)
+    raise ValueError(f"loss_scale must be 'auto', 'dynamic', None, a number > 0 or a pyengine.LossScaler; got "
+                     f"{loss_scale!r}")
+
+
+def grad_scale_tensor(scale: float | None) -> torch.Tensor | None:
+    """The fused kernel's ``grad_scale`` for a step computed at ``scale`` (None: unscaled)."""
+    return None if scale is None else torch.tensor([scale], dtype=torch.float32)

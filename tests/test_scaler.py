@@ -1,0 +1,295 @@
+"""Loss scaling under float16 autocast (Note [Loss scaling], pyengine/scaler.py), against torch.amp.GradScaler with
+torch.optim.AdamW: the scale's trajectory step for step, the weights, skipped steps, resume, and bad options."""
+import copy
+import math
+
+import pytest
+import torch
+
+from pyengine import AdamW, Engine, LossScaler
+from pyengine.scaler import make_scaler
+
+from conftest import fresh_seed, loss_fn, make_batches
+
+F16 = torch.float16
+# eps = 1e-3: as tests/test_engine.py's OPT, so elements whose gradient is near zero do not amplify rounding
+OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01)
+
+
+def make_model(seed=0, d_in=10, hidden=24, d_out=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, d_out))
+
+
+class GradScalerReference:
+    """One fp32 model under float16 autocast, trained by torch.amp.GradScaler + torch.optim.AdamW: the reference.
+
+    A step on several shards computes each shard's scaled gradient alone (as a hybrid worker does: the loss of its
+    shard, times the scale) and hands the optimizer their mean weighted by shard size, so overflow happens where it
+    happens in the engine's workers."""
+
+    def __init__(self, model, scaler: dict, clip=None, **opt):
+        self.model = copy.deepcopy(model)
+        self.params = list(self.model.parameters())
+        self.start = [p.detach().clone() for p in self.params]
+        self.opt = torch.optim.AdamW(self.params, foreach=False, **opt)
+        self.scaler = torch.amp.GradScaler("cpu", **scaler)
+        self.clip = clip
+
+    def step(self, shards) -> tuple[float, bool]:
+        """Returns (the scale the step computed with, whether it was applied)."""
+        total = sum(len(y) for _, y in shards)
+        mean = [torch.zeros_like(p) for p in self.params]
+        for x, y in shards:
+            self.opt.zero_grad()
+            with torch.autocast("cpu", dtype=F16):
+                loss = loss_fn(self.model, (x, y))
+            self.scaler.scale(loss).backward()
+            for m, p in zip(mean, self.params):
+                m.add_(p.grad, alpha=len(y) / total)
+        for m, p in zip(mean, self.params):
+            p.grad = m
+        scale = self.scaler.get_scale()
+        if self.clip is not None:
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        before = [p.detach().clone() for p in self.params]
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return scale, any(not torch.equal(b, p) for b, p in zip(before, self.params))
+
+
+def poisoned(batches, index):
+    """The batches with one input of batch ``index`` beyond float16's range: that step's gradient is not finite."""
+    out = [(x.clone(), y) for x, y in batches]
+    out[index][0][0, 0] = 1e6
+    return out
+
+
+def assert_close_to(engine, reference, bound):
+    """Every weight within ``bound`` of the largest change the reference made to any weight."""
+    master = engine.master_state_dict()
+    moved = max((p.detach() - p0).abs().max().item() for p, p0 in zip(reference.params, reference.start))
+    for name, p in reference.model.named_parameters():
+        err = (master[name] - p.detach()).abs().max().item()
+        assert err <= bound * moved, f"{name}: {err:.3g} vs largest update {moved:.3g}"
+
+
+# ---- the scale's rule against torch.amp.GradScaler ----
+
+def test_update_rule_equals_grad_scaler(rng):
+    """LossScaler.overflow/applied against GradScaler.update over a random sequence of finite / non-finite steps."""
+    kwargs = dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours = LossScaler(**kwargs, min_scale=2.0 ** -30)
+    torch_scaler = torch.amp.GradScaler("cpu", **kwargs)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    bad = (torch.rand(60, generator=rng) < 0.3).tolist()
+    for step, inf in enumerate(bad):
+        used = ours.scale
+        assert used == torch_scaler.get_scale(), step
+        torch_scaler.scale(torch.ones(()))  # as a training loop scales its loss (GradScaler starts lazily)
+        p.grad = torch.tensor([math.inf if inf else 1.0])
+        torch_scaler.step(opt)
+        torch_scaler.update()
+        if inf:
+            assert ours.overflow(used)
+        else:
+            ours.applied(used)
+    assert ours.scale == torch_scaler.get_scale() and sum(bad) not in (0, len(bad))
+
+
+def test_min_scale_static_scale_and_stale_overflows():
+    s = LossScaler(init_scale=4.0, min_scale=1.0, growth_interval=1)
+    assert s.overflow(4.0) and s.scale == 2.0
+    assert s.overflow(4.0) and s.scale == 2.0, "an overflow at a scale already backed off from: no second backoff"
+    assert s.overflow(2.0) and s.scale == 1.0
+    assert not s.overflow(1.0) and s.scale == 1.0, "at min_scale the engine's nonfinite policy decides"
+    s.applied(2.0)
+    assert s.scale == 1.0 and s.growth_tracker == 0, "a step at another scale does not count towards growth"
+    s.applied(1.0)
+    assert s.scale == 2.0
+    static = LossScaler(init_scale=8.0, dynamic=False)
+    assert not static.overflow(8.0) and static.scale == 8.0
+    static.applied(8.0)
+    assert static.scale == 8.0 and static.growth_tracker == 0
+
+
+# ---- the engine against the reference ----
+
+@pytest.mark.parametrize("mode,workers,clip", [("sync", 1, None), ("hybrid", 2, None), ("hybrid", 3, 0.5),
+                                               ("async", 1, None)])
+def test_engine_equals_grad_scaler_reference(rng, mode, workers, clip):
+    """Float16 autocast with dynamic loss scaling: the scale starts too high (the first steps overflow and back off,
+    as GradScaler's), grows every 3 applied steps, and one batch is poisoned (a step skipped, the scale halved).
+    Every step's scale and whether it was applied equal the reference's; the weights follow it closely."""
+    scaler = dict(init_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    batches = poisoned(make_batches(rng, 16, 8 * workers + (workers > 2)), 9)
+    model = make_model()
+    reference = GradScalerReference(model, scaler, clip=clip, **OPT)
+    expected = []
+    for x, y in batches:
+        shards = list(zip(torch.tensor_split(x, workers), torch.tensor_split(y, workers)))
+        expected.append(reference.step(shards))
+    with Engine(model, loss_fn, devices=["cpu"] * workers, mode=mode, autocast=F16, pin=False,
+                optimizer=AdamW(**OPT, max_grad_norm=clip), loss_scale=LossScaler(**scaler)) as engine:
+        history = engine.fit(batches) if mode == "async" else [engine.step(b) for b in batches]
+        got = [(m["loss_scale"], m["applied"]) for m in history]
+        assert got == expected
+        skipped = sum(not applied for _, applied in expected)
+        assert 3 <= skipped < len(batches) and engine.stats()["skipped_steps"] == skipped
+        assert engine.stats()["loss_scale"] == reference.scaler.get_scale()
+        scales = [s for s, _ in expected]
+        assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:])), \
+            f"the run exercises backoff and growth: {scales}"
+        assert_close_to(engine, reference, 5e-4)  # worst seen over 12 seeds: 5.7e-5 (sync)
+
+
+@pytest.mark.parametrize("mode,options", [("sync", {}), ("hybrid", {}), ("hybrid", dict(microbatches=2)),
+                                          ("pipeline", dict(stages=2, microbatches=2)), ("async", {})])
+def test_tiny_gradients_arrive_only_with_scaling(rng, mode, options):
+    """A loss of 2^-20 times cross-entropy: under float16 autocast its gradients (~1e-9) flush to zero unscaled. With
+    the default (dynamic) scaling the first update's gradient, read back from the Adam state (exp_avg = (1 - beta1)
+    g), equals the float64 gradient of the whole batch; without scaling it does not."""
+    tiny = 2.0 ** -20
+    workers = 2 if mode in ("hybrid", "pipeline") else 1
+    batch = make_batches(rng, 1, 16)[0]
+    model = make_model()
+    reference = copy.deepcopy(model).double()
+    (tiny * loss_fn(reference, (batch[0].double(), batch[1]))).backward()
+
+    def scaled_loss(m, b):
+        return tiny * loss_fn(m, b)
+
+    errors = {}
+    for scaling in ("auto", None):
+        with Engine(model, scaled_loss, devices=["cpu"] * workers, mode=mode, autocast=F16, pin=False,
+                    optimizer=AdamW(**OPT), loss_scale=scaling, **options) as engine:
+            if mode == "async":
+                engine.fit([batch])
+            else:
+                engine.step(batch)
+            assert engine.stats()["applied_updates"] == 1
+            exp_avg = engine.optimizer_state_dict()["state"]
+            errors[scaling] = max(
+                ((exp_avg[i]["exp_avg"].double() / (1 - OPT["betas"][0]) - p.grad).norm() / p.grad.norm()).item()
+                for i, p in enumerate(reference.parameters()))
+    assert errors["auto"] < 0.02, errors
+    assert errors[None] > 0.5, errors
+
+
+def test_resume_restores_the_scale_bit_identically(rng):
+    """The scale and its growth count are part of state_dict(): a run resumed half-way equals the run straight
+    through, weights and scale, with the scale changing after the resume."""
+    scaler = dict(init_scale=2.0 ** 22, growth_interval=2)
+    batches = make_batches(rng, 10, 16)
+    kwargs = dict(devices=["cpu"] * 2, autocast=F16, pin=False, optimizer=AdamW(**OPT))
+    with Engine(make_model(), loss_fn, loss_scale=LossScaler(**scaler), **kwargs) as engine:
+        straight = [engine.step(b)["loss_scale"] for b in batches]
+        final = engine.master_state_dict()
+    with Engine(make_model(), loss_fn, loss_scale=LossScaler(**scaler), **kwargs) as engine:
+        first = [engine.step(b)["loss_scale"] for b in batches[:5]]
+        saved = copy.deepcopy(engine.state_dict())
+    assert saved["loss_scaler"]["scale"] != scaler["init_scale"]
+    with Engine(make_model(seed=1), loss_fn, loss_scale=LossScaler(**scaler), **kwargs) as engine:
+        engine.load_state_dict(saved)
+        rest = [engine.step(b)["loss_scale"] for b in batches[5:]]
+        resumed = engine.master_state_dict()
+    assert first + rest == straight and len(set(rest)) > 1
+    for name in final:
+        assert torch.equal(final[name], resumed[name]), name
+
+
+@pytest.mark.parametrize("bad,error", [({"scale": -1.0, "growth_tracker": 0}, "finite number > 0"),
+                                       ({"scale": math.nan, "growth_tracker": 0}, "finite number > 0"),
+                                       ({"scale": 2.0, "growth_tracker": "x"}, "growth_tracker"),
+                                       ({"scale": 2.0}, "loss scaler must be")])
+def test_a_bad_scaler_state_changes_nothing(rng, bad, error):
+    batches = make_batches(rng, 3, 8)
+    kwargs = dict(devices=["cpu"] * 2, autocast=F16, pin=False, optimizer=AdamW(**OPT))
+    with Engine(make_model(), loss_fn, **kwargs) as engine:
+        engine.fit(batches[:2])
+        state = engine.state_dict()
+    state["loss_scaler"] = bad
+    with Engine(make_model(seed=1), loss_fn, loss_scale=LossScaler(init_scale=8.0), **kwargs) as engine:
+        engine.step(batches[2])
+        before = engine.state_dict()
+        with pytest.raises(ValueError, match=error):
+            engine.load_state_dict(state)
+        after = engine.state_dict()
+        assert after["version"] == before["version"] and after["loss_scaler"] == before["loss_scaler"]
+        for name in before["master"]:
+            assert torch.equal(after["master"][name], before["master"][name]), name
+
+
+def test_static_scale_and_min_scale_hand_overflows_to_nonfinite(rng):
+    """A static scale never changes; an overflow at it (or at min_scale) goes to the nonfinite policy: "raise"
+    raises with the weights of the last update, "skip" skips."""
+    batches = poisoned(make_batches(rng, 3, 8), 1)
+    for loss_scale in (64.0, LossScaler(init_scale=64.0, min_scale=64.0)):
+        with Engine(make_model(), loss_fn, devices=["cpu"], autocast=F16, pin=False, optimizer=AdamW(**OPT),
+                    nonfinite="raise", loss_scale=loss_scale) as engine:
+            assert engine.step(batches[0])["loss_scale"] == 64.0
+            before = engine.master_state_dict()
+            with pytest.raises(FloatingPointError, match="non-finite gradient"):
+                engine.step(batches[1])
+            assert all(torch.equal(v, engine.master_state_dict()[k]) for k, v in before.items())
+            assert engine.step(batches[2])["applied"] and engine.stats()["loss_scale"] == 64.0
+    with Engine(make_model(), loss_fn, devices=["cpu"], autocast=F16, pin=False, optimizer=AdamW(**OPT),
+                nonfinite="raise", loss_scale=LossScaler(init_scale=1024.0)) as engine:  # dynamic: the overflow is the scale's, skipped without raising
+        metrics = [engine.step(b) for b in batches]
+        assert [m["applied"] for m in metrics] == [True, False, True]
+        assert metrics[2]["loss_scale"] == metrics[1]["loss_scale"] / 2
+
+
+def test_async_workers_that_overflow_together_back_off_once_each_scale(rng):
+    """Several async workers start at a scale that overflows: every push at a scale already backed off from is
+    skipped without another backoff, training then proceeds, and every push is applied or skipped exactly once."""
+    batches = make_batches(rng, 60, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 3, mode="async", autocast=F16, pin=False,
+                optimizer=AdamW(**OPT), loss_scale=LossScaler(init_scale=2.0 ** 24)) as engine:
+        history = engine.fit(batches)
+        stats = engine.stats()
+    assert stats["pushes"] == 60 and stats["applied_updates"] + stats["skipped_steps"] == 60
+    assert stats["applied_updates"] >= 25  # seen 40-48 over 15 seeds (7-8 backoffs)
+    scales = [m["loss_scale"] for m in history if not m["applied"]]
+    backoffs = len(set(scales))
+    # each distinct overflowing scale halved it once: the final scale is 2^24 / 2^backoffs
+    assert stats["loss_scale"] == 2.0 ** (24 - backoffs) and backoffs >= 5
+    assert all(torch.isfinite(v).all() for v in engine.master_state_dict().values())
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(loss_scale="sometimes"), "loss_scale must be"), (dict(loss_scale=0.0), "init_scale"),
+    (dict(loss_scale=math.inf), "init_scale"), (dict(loss_scale=True), "loss_scale must be"),
+])
+def test_bad_loss_scale_options(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        Engine(make_model(), loss_fn, devices=["cpu"], autocast=F16, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(init_scale=-2.0), "init_scale"), (dict(growth_factor=1.0), "growth_factor"),
+    (dict(backoff_factor=1.0), "backoff_factor"), (dict(backoff_factor=0.0), "backoff_factor"),
+    (dict(growth_interval=0), "growth_interval"), (dict(growth_interval=2.5), "growth_interval"),
+    (dict(min_scale=4.0, init_scale=2.0), "min_scale"), (dict(dynamic="yes"), "dynamic"),
+])
+def test_bad_loss_scaler_arguments(kwargs, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        LossScaler(**kwargs)
+
+
+def test_defaults_and_where_scaling_is_not_supported():
+    """"auto": dynamic under float16 only; across processes in async and pipeline mode (no scaling there) "auto"
+    warns under float16 and anything else is refused."""
+    assert isinstance(make_scaler("auto", F16, None), LossScaler) and make_scaler("auto", F16, None).dynamic
+    assert make_scaler("auto", torch.bfloat16, None) is None and make_scaler("auto", None, None) is None
+    assert make_scaler(None, F16, None) is None and not make_scaler(128.0, None, None).dynamic
+    with pytest.warns(UserWarning, match="without loss scaling"):
+        assert make_scaler("auto", F16, "async across processes does not scale the loss") is None
+    with pytest.raises(ValueError, match="does not scale the loss"):
+        make_scaler("dynamic", F16, "async across processes does not scale the loss")
+    with Engine(make_model(), loss_fn, devices=["cpu"], pin=False) as engine:
+        assert engine.scaler is None and "loss_scale" not in engine.step(make_batches(
+            torch.Generator().manual_seed(fresh_seed()), 1, 4)[0])
+        assert engine.state_dict()["loss_scaler"] is None and engine.stats()["loss_scale"] is None
