@@ -28,12 +28,13 @@ class GradScalerReference:
     shard, times the scale) and hands the optimizer their mean weighted by shard size, so overflow happens where it
     happens in the engine's workers."""
 
-    def __init__(self, model, scaler: dict, clip=None, **opt):
-        self.model = copy.deepcopy(model)
+    def __init__(self, model, scaler: dict, clip=None, device="cpu", **opt):
+        self.device = torch.device(device)
+        self.model = copy.deepcopy(model).to(self.device)
         self.params = list(self.model.parameters())
         self.start = [p.detach().clone() for p in self.params]
         self.opt = torch.optim.AdamW(self.params, foreach=False, **opt)
-        self.scaler = torch.amp.GradScaler("cpu", **scaler)
+        self.scaler = torch.amp.GradScaler(self.device.type, **scaler)
         self.clip = clip
 
     def step(self, shards) -> tuple[float, bool]:
@@ -42,8 +43,8 @@ class GradScalerReference:
         mean = [torch.zeros_like(p) for p in self.params]
         for x, y in shards:
             self.opt.zero_grad()
-            with torch.autocast("cpu", dtype=F16):
-                loss = loss_fn(self.model, (x, y))
+            with torch.autocast(self.device.type, dtype=F16):
+                loss = loss_fn(self.model, (x.to(self.device), y.to(self.device)))
             self.scaler.scale(loss).backward()
             for m, p in zip(mean, self.params):
                 m.add_(p.grad, alpha=len(y) / total)
@@ -71,7 +72,7 @@ def assert_close_to(engine, reference, bound):
     master = engine.master_state_dict()
     moved = max((p.detach() - p0).abs().max().item() for p, p0 in zip(reference.params, reference.start))
     for name, p in reference.model.named_parameters():
-        err = (master[name] - p.detach()).abs().max().item()
+        err = (master[name] - p.detach().cpu()).abs().max().item()
         assert err <= bound * moved, f"{name}: {err:.3g} vs largest update {moved:.3g}"
 
 
@@ -119,19 +120,19 @@ def test_min_scale_static_scale_and_stale_overflows():
 
 @pytest.mark.parametrize("mode,workers,clip", [("sync", 1, None), ("hybrid", 2, None), ("hybrid", 3, 0.5),
                                                ("async", 1, None)])
-def test_engine_equals_grad_scaler_reference(rng, mode, workers, clip):
+def test_engine_equals_grad_scaler_reference(rng, mode, workers, clip, worker_device):
     """Float16 autocast with dynamic loss scaling: the scale starts too high (the first steps overflow and back off,
     as GradScaler's), grows every 3 applied steps, and one batch is poisoned (a step skipped, the scale halved).
     Every step's scale and whether it was applied equal the reference's; the weights follow it closely."""
     scaler = dict(init_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     batches = poisoned(make_batches(rng, 16, 8 * workers + (workers > 2)), 9)
     model = make_model()
-    reference = GradScalerReference(model, scaler, clip=clip, **OPT)
+    reference = GradScalerReference(model, scaler, clip=clip, device=worker_device, **OPT)
     expected = []
     for x, y in batches:
         shards = list(zip(torch.tensor_split(x, workers), torch.tensor_split(y, workers)))
         expected.append(reference.step(shards))
-    with Engine(model, loss_fn, devices=["cpu"] * workers, mode=mode, autocast=F16, pin=False,
+    with Engine(model, loss_fn, devices=[worker_device] * workers, mode=mode, autocast=F16,
                 optimizer=AdamW(**OPT, max_grad_norm=clip), loss_scale=LossScaler(**scaler)) as engine:
         history = engine.fit(batches) if mode == "async" else [engine.step(b) for b in batches]
         got = [(m["loss_scale"], m["applied"]) for m in history]
@@ -147,7 +148,7 @@ def test_engine_equals_grad_scaler_reference(rng, mode, workers, clip):
 
 @pytest.mark.parametrize("mode,options", [("sync", {}), ("hybrid", {}), ("hybrid", dict(microbatches=2)),
                                           ("pipeline", dict(stages=2, microbatches=2)), ("async", {})])
-def test_tiny_gradients_arrive_only_with_scaling(rng, mode, options):
+def test_tiny_gradients_arrive_only_with_scaling(rng, mode, options, worker_device):
     """A loss of 2^-20 times cross-entropy: under float16 autocast its gradients (~1e-9) flush to zero unscaled. With
     the default (dynamic) scaling the first update's gradient, read back from the Adam state (exp_avg = (1 - beta1)
     g), equals the float64 gradient of the whole batch; without scaling it does not."""
@@ -163,7 +164,7 @@ def test_tiny_gradients_arrive_only_with_scaling(rng, mode, options):
 
     errors = {}
     for scaling in ("auto", None):
-        with Engine(model, scaled_loss, devices=["cpu"] * workers, mode=mode, autocast=F16, pin=False,
+        with Engine(model, scaled_loss, devices=[worker_device] * workers, mode=mode, autocast=F16,
                     optimizer=AdamW(**OPT), loss_scale=scaling, **options) as engine:
             if mode == "async":
                 engine.fit([batch])
