@@ -89,8 +89,9 @@ def _loss_scale(text: str):
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected auto, dynamic, none or a positive number; got {text!r}")
+    if not (math.isfinite(value) and 2.0 ** -126 <= value < 3.4e38):  # a normal float32 (pyengine.LossScaler)
+        raise argparse.ArgumentTypeError(f"expected auto, dynamic, none or a positive number (a normal float32); got "
+                                         f"{text!r}")
     return value
 
 
@@ -247,8 +248,8 @@ def _resolve(given: dict) -> dict:
     cfg = dict(given)
     data = cfg.get("data") or "digits"
     defaults = dict(mode="hybrid", data=data, seed=0, weight_decay=0.01, autocast="none", accumulate=1,
-                    staleness_lr="none", keep=3, quiet=False, lr_schedule="constant", warmup_steps=0, loss_scale="auto",
-                    **DATA_DEFAULTS[data])
+                    staleness_lr="none", keep=3, quiet=False, lr_schedule="constant", warmup_steps=0,
+                    loss_scale="auto", **DATA_DEFAULTS[data])
     for key, value in defaults.items():
         if cfg.get(key) is None:
             cfg[key] = value
@@ -962,6 +963,9 @@ def _train(given: dict) -> int:
             raise UsageError(f"under torchrun (WORLD_SIZE={world}) the command line trains --mode hybrid or pipeline "
                              f"across the processes; got --mode {cfg['mode']} (async across processes: the Python "
                              "API, Engine(..., process_group=...))")
+        if cfg["mode"] == "pipeline" and cfg["loss_scale"] not in ("auto", "none"):
+            raise UsageError(f"--loss-scale {cfg['loss_scale']}: pipeline stages across processes do not scale the "
+                             "loss (use --autocast bf16, or --loss-scale auto/none)")
         if cfg["mode"] == "pipeline" and len(cfg["devices"]) != 1:
             raise UsageError(f"--mode pipeline under torchrun: each process runs one stage on one device; got "
                              f"{len(cfg['devices'])} devices ({','.join(cfg['devices'])}): pass --workers 1")

@@ -353,9 +353,10 @@ class Engine:
     def load_state_dict(self, sd: dict) -> None:
         """Restores :meth:`state_dict`. Everything is validated first (format, keys, names, shapes and dtypes of the
         weights, buffers and Adam state, step against version, RNG state, counters); an invalid state raises
-        ``ValueError`` and leaves the engine as it was. The state is always full (whatever engine wrote it): with
-        ``shard_update=True`` each rank keeps its own slice of the Adam state, so every rank loads the same state
-        and no collective is needed."""
+        ``ValueError`` and leaves the engine as it was. The loss scaler's state is loaded into this engine's scaler (a
+        state saved without one resets it; an engine without a scaler ignores it). The state is always full
+        (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam state, so
+        every rank loads the same state and no collective is needed."""
         self._check_open()
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
@@ -420,7 +421,7 @@ class Engine:
         torch.set_rng_state(rng)
         self._counters = collections.Counter(counters)
         self._staleness = staleness
-        if scaler is not None and self.scaler is not None:  # a scale saved by an engine that scaled, into one that does
+        if self.scaler is not None:  # None (saved without scaling): a fresh scaler; a static one keeps its scale
             self.scaler.load_state_dict(scaler)
         for worker in self.workers:
             worker.pull()
@@ -558,6 +559,9 @@ class Engine:
         not ``version + 1`` (a multi-server async shard applies the coordinating server's). ``loss_scale``: the
         scale the gradients were computed with; with a loss scaler a non-finite gradient first backs the scale off
         (skipped, counted), and an applied step counts towards its growth (Note [Loss scaling])."""
+        if self.scaler is not None and loss_scale is None:
+            raise RuntimeError("this engine scales the loss: admit_update needs the scale the gradients were computed "
+                               "with (loss_scale=engine.loss_scale_now() at the step's start)")
         if nonfinite and self.scaler is not None and self.scaler.overflow(loss_scale):
             self._counters["skipped_steps"] += 1
             return False

@@ -18,6 +18,7 @@ multiplied by ``growth_factor``: torch.amp.GradScaler's rule, step for step (tes
 from __future__ import annotations
 
 import math
+import struct
 import warnings
 
 import torch
@@ -25,12 +26,29 @@ import torch
 __all__ = ["LossScaler"]
 
 
-def _positive(name: str, value, least: float = 0.0, strict: bool = True) -> float:
+_F32_TINY = 2.0 ** -126  # the smallest normal float32
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32 (inf beyond its range), as torch keeps the scale."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _factor(name: str, value, least: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= least:
+        raise ValueError(f"LossScaler: {name} must be a finite number > {least}; got {value!r}")
+    return value
+
+
+def _positive(name: str, value) -> float:
+    """``value`` as a float32 scale: a normal float32 > 0 (a smaller one would divide the gradients by 0)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            (value <= least if strict else value < least):
-        raise ValueError(f"LossScaler: {name} must be a finite number {'>' if strict else '>='} {least}; got "
-                         f"{value!r}")
-    return float(value)
+            not _F32_TINY <= _f32(value) < math.inf:
+        raise ValueError(f"LossScaler: {name} must be a normal float32 > 0; got {value!r}")
+    return _f32(value)
 
 
 class LossScaler:
@@ -46,14 +64,19 @@ class LossScaler:
         dynamic: False: a static scale (``init_scale`` always; every non-finite gradient goes to ``nonfinite``).
 
     ``scale`` is the current scale and ``growth_tracker`` the applied steps since the last change; both are in the
-    engine's :meth:`~pyengine.Engine.state_dict`.
+    engine's :meth:`~pyengine.Engine.state_dict` (the rule itself is the engine's configuration, as its lr
+    schedule: a loaded tracker at or past ``growth_interval`` grows the scale at the next applied step). The scale,
+    and every new scale are float32, as torch.amp.GradScaler keeps them (each product is taken in double and
+    rounded, as torch's kernels do), so the scales are GradScaler's bit for bit with any factors; a growth past
+    float32's range is not taken.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, min_scale: float = 1.0, dynamic: bool = True):
         self.init_scale = _positive("init_scale", init_scale)
-        self.growth_factor = _positive("growth_factor", growth_factor, 1.0)
-        self.backoff_factor = _positive("backoff_factor", backoff_factor)
+        # the factors stay doubles: torch multiplies its float32 scale by them in double, then rounds to float32
+        self.growth_factor = float(_factor("growth_factor", growth_factor, 1.0))
+        self.backoff_factor = float(_factor("backoff_factor", backoff_factor, 0.0))
         if self.backoff_factor >= 1.0:
             raise ValueError(f"LossScaler: backoff_factor must be in (0, 1); got {backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
@@ -65,6 +88,10 @@ class LossScaler:
         if not isinstance(dynamic, bool):
             raise TypeError(f"LossScaler: dynamic must be a bool; got {dynamic!r}")
         self.dynamic = dynamic
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to ``init_scale`` with no applied steps counted."""
         self.scale = self.init_scale
         self.growth_tracker = 0
 
@@ -84,7 +111,7 @@ class LossScaler:
         self.growth_tracker = 0
         if self.scale <= self.min_scale:
             return False
-        self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        self.scale = max(_f32(self.scale * self.backoff_factor), self.min_scale)
         return True
 
     def applied(self, used: float) -> None:
@@ -93,8 +120,8 @@ class LossScaler:
         if not self.dynamic or used != self.scale:
             return
         self.growth_tracker += 1
-        if self.growth_tracker == self.growth_interval:
-            grown = self.scale * self.growth_factor
+        if self.growth_tracker >= self.growth_interval:
+            grown = _f32(self.scale * self.growth_factor)  # the product in double, rounded to float32: torch's
             if math.isfinite(grown):
                 self.scale = grown
             self.growth_tracker = 0
@@ -105,18 +132,25 @@ class LossScaler:
     @staticmethod
     def check_state_dict(sd) -> None:
         """Raises ValueError unless ``sd`` is a :meth:`state_dict`."""
-        if not isinstance(sd, dict) or sorted(sd) != ["growth_tracker", "scale"]:
-            found = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+        if not isinstance(sd, dict) or set(sd) != {"growth_tracker", "scale"}:
+            found = list(sd) if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"the state's loss scaler must be {{'scale': float, 'growth_tracker': int}}; got {found}")
         scale, tracker = sd["scale"], sd["growth_tracker"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"the state's loss scale must be a finite number > 0; got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or \
+                not _F32_TINY <= _f32(scale) < math.inf:
+            raise ValueError(f"the state's loss scale must be a normal float32 > 0; got {scale!r}")
         if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
             raise ValueError(f"the state's loss scaler growth_tracker must be an int >= 0; got {tracker!r}")
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict | None) -> None:
+        """Restores :meth:`state_dict`; None (a state saved without loss scaling) starts afresh (:meth:`reset`). A
+        static scaler keeps its own scale: the scale is its configuration."""
+        if sd is None:
+            self.reset()
+            return
         self.check_state_dict(sd)
-        self.scale, self.growth_tracker = float(sd["scale"]), sd["growth_tracker"]
+        if self.dynamic:
+            self.scale, self.growth_tracker = _f32(sd["scale"]), sd["growth_tracker"]
 
 
 def make_scaler(loss_scale, autocast, supported: str | None) -> LossScaler | None:
@@ -140,8 +174,8 @@ def make_scaler(loss_scale, autocast, supported: str | None) -> LossScaler | Non
     if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return LossScaler()
     if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return LossScaler(init_scale=loss_scale, min_scale=min(1.0, loss_scale) if loss_scale > 0 else 1.0,
-                          dynamic=False)
+        scale = _positive("the static loss_scale", loss_scale)
+        return LossScaler(init_scale=scale, min_scale=scale, dynamic=False)
     raise ValueError(f"loss_scale must be 'auto', 'dynamic', None, a number > 0 or a pyengine.LossScaler; got "
                      f"{loss_scale!r}")
 

@@ -78,9 +78,12 @@ def assert_close_to(engine, reference, bound):
 
 # ---- the scale's rule against torch.amp.GradScaler ----
 
-def test_update_rule_equals_grad_scaler(rng):
-    """LossScaler.overflow/applied against GradScaler.update over a random sequence of finite / non-finite steps."""
-    kwargs = dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+@pytest.mark.parametrize("kwargs", [dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+                                    dict(init_scale=1000.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=2)],
+                         ids=["powers-of-2", "float32-rounding"])
+def test_update_rule_equals_grad_scaler(rng, kwargs):
+    """LossScaler.overflow/applied against GradScaler.update over a random sequence of finite / non-finite steps,
+    bit for bit also with factors whose products round (torch keeps the scale in float32)."""
     ours = LossScaler(**kwargs, min_scale=2.0 ** -30)
     torch_scaler = torch.amp.GradScaler("cpu", **kwargs)
     p = torch.nn.Parameter(torch.zeros(1))
@@ -98,6 +101,7 @@ def test_update_rule_equals_grad_scaler(rng):
         else:
             ours.applied(used)
     assert ours.scale == torch_scaler.get_scale() and sum(bad) not in (0, len(bad))
+    assert len({ours.scale} | {torch_scaler.get_scale()}) == 1
 
 
 def test_min_scale_static_scale_and_stale_overflows():
@@ -114,6 +118,20 @@ def test_min_scale_static_scale_and_stale_overflows():
     assert not static.overflow(8.0) and static.scale == 8.0
     static.applied(8.0)
     assert static.scale == 8.0 and static.growth_tracker == 0
+    static.load_state_dict({"scale": 2.0, "growth_tracker": 0})
+    assert static.scale == 8.0, "a static scale is configuration, not state"
+
+
+def test_growth_stays_in_float32_and_a_loaded_tracker_past_the_interval_grows():
+    top = LossScaler(init_scale=2.0 ** 127, growth_interval=1)
+    top.applied(top.scale)
+    assert top.scale == 2.0 ** 127 and top.growth_tracker == 0, "a growth past float32's range is not taken"
+    s = LossScaler(init_scale=8.0, growth_interval=2)
+    s.load_state_dict({"scale": 8.0, "growth_tracker": 5})  # saved with a longer interval
+    s.applied(8.0)
+    assert s.scale == 16.0 and s.growth_tracker == 0
+    s.load_state_dict(None)  # a state saved without loss scaling
+    assert s.scale == 8.0 and s.growth_tracker == 0
 
 
 # ---- the engine against the reference ----
@@ -182,7 +200,7 @@ def test_tiny_gradients_arrive_only_with_scaling(rng, mode, options, worker_devi
 def test_resume_restores_the_scale_bit_identically(rng):
     """The scale and its growth count are part of state_dict(): a run resumed half-way equals the run straight
     through, weights and scale, with the scale changing after the resume."""
-    scaler = dict(init_scale=2.0 ** 22, growth_interval=2)
+    scaler = dict(init_scale=2.0 ** 15, growth_interval=2)
     batches = make_batches(rng, 10, 16)
     kwargs = dict(devices=["cpu"] * 2, autocast=F16, pin=False, optimizer=AdamW(**OPT))
     with Engine(make_model(), loss_fn, loss_scale=LossScaler(**scaler), **kwargs) as engine:
@@ -191,7 +209,8 @@ def test_resume_restores_the_scale_bit_identically(rng):
     with Engine(make_model(), loss_fn, loss_scale=LossScaler(**scaler), **kwargs) as engine:
         first = [engine.step(b)["loss_scale"] for b in batches[:5]]
         saved = copy.deepcopy(engine.state_dict())
-    assert saved["loss_scaler"]["scale"] != scaler["init_scale"]
+    # the saved state has Adam updates and a growth count under way (a resume that dropped either would differ)
+    assert saved["version"] > 0 and saved["loss_scaler"]["growth_tracker"] > 0, saved["loss_scaler"]
     with Engine(make_model(seed=1), loss_fn, loss_scale=LossScaler(**scaler), **kwargs) as engine:
         engine.load_state_dict(saved)
         rest = [engine.step(b)["loss_scale"] for b in batches[5:]]
@@ -201,8 +220,8 @@ def test_resume_restores_the_scale_bit_identically(rng):
         assert torch.equal(final[name], resumed[name]), name
 
 
-@pytest.mark.parametrize("bad,error", [({"scale": -1.0, "growth_tracker": 0}, "finite number > 0"),
-                                       ({"scale": math.nan, "growth_tracker": 0}, "finite number > 0"),
+@pytest.mark.parametrize("bad,error", [({"scale": -1.0, "growth_tracker": 0}, "normal float32 > 0"),
+                                       ({"scale": math.nan, "growth_tracker": 0}, "normal float32 > 0"),
                                        ({"scale": 2.0, "growth_tracker": "x"}, "growth_tracker"),
                                        ({"scale": 2.0}, "loss scaler must be")])
 def test_a_bad_scaler_state_changes_nothing(rng, bad, error):
@@ -261,8 +280,9 @@ def test_async_workers_that_overflow_together_back_off_once_each_scale(rng):
 
 
 @pytest.mark.parametrize("kwargs,error", [
-    (dict(loss_scale="sometimes"), "loss_scale must be"), (dict(loss_scale=0.0), "init_scale"),
-    (dict(loss_scale=math.inf), "init_scale"), (dict(loss_scale=True), "loss_scale must be"),
+    (dict(loss_scale="sometimes"), "loss_scale must be"), (dict(loss_scale=0.0), "static loss_scale"),
+    (dict(loss_scale=math.inf), "loss_scale"), (dict(loss_scale=True), "loss_scale must be"),
+    (dict(loss_scale=1e-50), "normal float32"), (dict(loss_scale=1e39), "normal float32"),
 ])
 def test_bad_loss_scale_options(kwargs, error):
     with pytest.raises(ValueError, match=error):
@@ -274,6 +294,7 @@ def test_bad_loss_scale_options(kwargs, error):
     (dict(backoff_factor=1.0), "backoff_factor"), (dict(backoff_factor=0.0), "backoff_factor"),
     (dict(growth_interval=0), "growth_interval"), (dict(growth_interval=2.5), "growth_interval"),
     (dict(min_scale=4.0, init_scale=2.0), "min_scale"), (dict(dynamic="yes"), "dynamic"),
+    (dict(init_scale=1e-40), "normal float32"), (dict(growth_factor=math.nan), "growth_factor"),
 ])
 def test_bad_loss_scaler_arguments(kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):
@@ -294,3 +315,6 @@ def test_defaults_and_where_scaling_is_not_supported():
         assert engine.scaler is None and "loss_scale" not in engine.step(make_batches(
             torch.Generator().manual_seed(fresh_seed()), 1, 4)[0])
         assert engine.state_dict()["loss_scaler"] is None and engine.stats()["loss_scale"] is None
+    with Engine(make_model(), loss_fn, devices=["cpu"], pin=False, autocast=F16) as engine:
+        with pytest.raises(RuntimeError, match="needs the scale the gradients were computed with"):
+            engine.apply_update([0], None)
