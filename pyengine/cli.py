@@ -963,9 +963,6 @@ def _train(given: dict) -> int:
             raise UsageError(f"under torchrun (WORLD_SIZE={world}) the command line trains --mode hybrid or pipeline "
                              f"across the processes; got --mode {cfg['mode']} (async across processes: the Python "
                              "API, Engine(..., process_group=...))")
-        if cfg["mode"] == "pipeline" and cfg["loss_scale"] not in ("auto", "none"):
-            raise UsageError(f"--loss-scale {cfg['loss_scale']}: pipeline stages across processes do not scale the "
-                             "loss (use --autocast bf16, or --loss-scale auto/none)")
         if cfg["mode"] == "pipeline" and len(cfg["devices"]) != 1:
             raise UsageError(f"--mode pipeline under torchrun: each process runs one stage on one device; got "
                              f"{len(cfg['devices'])} devices ({','.join(cfg['devices'])}): pass --workers 1")

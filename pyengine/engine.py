@@ -75,8 +75,8 @@ class Engine:
         loss_scale: ``"auto"`` (dynamic loss scaling under float16 autocast, none otherwise), ``"dynamic"``, None (no
             scaling), a number > 0 (a static scale) or a :class:`pyengine.LossScaler`: each loss is multiplied by the
             scale before backward and the update divides the gradients by it; a non-finite gradient backs the scale
-            off and skips the step (Note [Loss scaling] in :mod:`pyengine.scaler`). Not across processes in async or
-            pipeline mode (``"auto"`` then means none, with a warning under float16).
+            off and skips the step (Note [Loss scaling] in :mod:`pyengine.scaler`). Not in async mode across
+            processes (``"auto"`` then means none, with a warning under float16).
         nonfinite: ``"skip"`` (the step is skipped and counted) or ``"raise"``.
         accumulate: async: mini-batches whose gradients a worker sums before one push.
         max_staleness: async: a worker whose snapshot is more than this many versions old refreshes (pulls the
@@ -164,8 +164,7 @@ class Engine:
         if self.optimizer.no_decay and shard_update:
             raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
                              "one weight decay over each rank's ranges; leave out one of them")
-        unsupported = {"async": "async across processes does not scale the loss",
-                       "pipeline": "pipeline stages across processes do not scale the loss"}.get(mode)
+        unsupported = "async across processes does not scale the loss" if mode == "async" else None
         self.scaler: LossScaler | None = make_scaler(loss_scale, autocast, unsupported if group is not None else None)
         grad_dtype = autocast if autocast is not None else torch.float32
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,

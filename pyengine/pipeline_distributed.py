@@ -297,6 +297,7 @@ class DistributedPipeline(_FailureNaming):
         self.params = list(zip(names[self.stage], (p for p in self.module.parameters() if p.requires_grad)))
         self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))
         self._gathered = (engine.version, 0)  # (version, steps) at the last gather: every rank starts equal
+        self._scale = None  # the step's loss scale, which _loss multiplies in (Note [Loss scaling])
         # Note [Buffers of stages across processes]
         # A stage's persistent buffers (BatchNorm statistics) live, and change, on its own rank only. ``buffers``
         # holds every persistent buffer of the model: this rank's stage's own tensors, and a CPU copy of every other
@@ -394,7 +395,7 @@ class DistributedPipeline(_FailureNaming):
                                  f"loss over the micro-batch); got {shape}")
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise StageError(self.stage, self.replica, self.device, exc) from exc
-        return loss
+        return loss if self._scale is None else loss * self._scale  # Note [Loss scaling]
 
     def step(self, batch) -> dict:
         """One step of this rank's stage on ``(inputs, targets)`` (the same batch on every rank), then the update of
@@ -433,6 +434,8 @@ class DistributedPipeline(_FailureNaming):
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
         losses = []
+        # every rank's scale is the same: each takes the same admit_update decisions (the flag is all-reduced)
+        self._scale = engine.loss_scale_now()
         self._meter.start_step()
         try:
             self._share_buffers()
@@ -440,18 +443,19 @@ class DistributedPipeline(_FailureNaming):
                           targets if self.is_last else None, losses)
             scheduled = time.perf_counter()
             engine.count("steps")
-            loss_sum = sum(float(l.detach()) for l in losses)
+            loss_sum = sum(float(l.detach()) for l in losses)  # the schedule's losses are scaled: unscale the sum
+            loss_sum = loss_sum if self._scale is None else loss_sum / self._scale
             meter = self._meter
             with engine.phase("update"):
                 applied, loss_sum, bubble = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
-                                                         scheduled - pulled)
+                                                         scheduled - pulled, self._scale)
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc
         end = time.perf_counter()
         return step_metrics(engine, loss=loss_sum / m, samples=samples, wall=end - start,
                             compute=scheduled - pulled, update=end - scheduled, transfer_wait=0.0,
-                            copy_back=pulled - start, applied=applied, stages=self.num_stages,
+                            copy_back=pulled - start, applied=applied, loss_scale=self._scale, stages=self.num_stages,
                             replicas=self.replicas, microbatches=m, schedule=self.schedule,
                             stage_sizes=list(self.sizes), schedule_s=scheduled - pulled, stage=self.stage,
                             replica=self.replica, busy_s=meter.busy, bubble_fraction=bubble,
@@ -510,11 +514,12 @@ class DistributedPipeline(_FailureNaming):
                 mine.copy_(exchanged)
 
     @torch.no_grad()
-    def _update(self, loss_sum: float, weight: float, busy: float, wall: float) -> tuple[bool, float, float]:
+    def _update(self, loss_sum: float, weight: float, busy: float, wall: float,
+                scale: float | None) -> tuple[bool, float, float]:
         """Gradients -> slot 0 (across replicas: their weighted mean, ``weight`` = this replica's share of the batch),
         all-reduced norm, non-finite flag, loss, busy and schedule seconds, then the fused update of this rank's range
         (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across
-        replicas, the bubble fraction: Note [Bubble across processes])."""
+        replicas, the bubble fraction: Note [Bubble across processes]). ``scale``: the step's loss scale."""
         _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.stage]
@@ -538,11 +543,11 @@ class DistributedPipeline(_FailureNaming):
         reduced[1], reduced[2], reduced[3], reduced[4] = nonfinite.double(), loss_sum * weight, busy, wall
         dist.all_reduce(reduced, group=self.group)
         bubble = max(0.0, 1.0 - float(reduced[3]) / float(reduced[4])) if reduced[4] > 0 else 0.0
-        if not self.engine.admit_update(reduced[1].item() != 0.0, []):
+        if not self.engine.admit_update(reduced[1].item() != 0.0, [], loss_scale=scale):
             return False, float(reduced[2]), bubble
         norm = reduced[0].sqrt().float().reshape(())
         for first, last in [(begin, end)] + self._tied_ranges:  # Note [Parameters tied across processes]
-            self.engine.update_range(first, last, [slot], None, norm)
+            self.engine.update_range(first, last, [slot], None, norm, loss_scale=scale)
         return True, float(reduced[2]), bubble
 
     def gather(self) -> None:

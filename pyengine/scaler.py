@@ -4,10 +4,12 @@ Note [Loss scaling]
 Under float16 autocast the backward pass runs in float16, whose smallest subnormal is 2^-24 (6e-8): the gradients of
 a large model, or of a loss with a small scale, flush to zero there, and again in the float16 gradient slots that
 carry them to the host. Every worker therefore multiplies its loss by the scale S before backward (every micro-batch,
-the pipeline's last stage too), so the gradients in the slots are S times the true ones; the fused update divides
-them by S (its ``grad_scale``; exact while S is a power of two) and clips by the norm / S. A step whose gradient is
-not finite is skipped and S multiplied by ``backoff_factor``; after ``growth_interval`` applied steps in a row S is
-multiplied by ``growth_factor``: torch.amp.GradScaler's rule, step for step (tested against it). Two rules of our own:
+the pipeline's last stage too, in process and across processes), so the gradients in the slots are S times the true
+ones (a worker's sum over micro-batches must fit float16 too: an overflow there backs off as well); the fused update
+divides them by S (its ``grad_scale``; exact while S is a power of two) and clips by the norm / S. A step whose
+gradient is not finite is skipped and S multiplied by ``backoff_factor``; after ``growth_interval`` applied steps in a
+row S is multiplied by ``growth_factor``: torch.amp.GradScaler's rule, step for step (tested against it). Two rules
+of our own:
 - ``min_scale``: at that scale an overflow is no longer the scale's fault; the engine's ``nonfinite`` policy decides
   (``"raise"`` raises, ``"skip"`` skips at that scale). torch has no floor; DeepSpeed's ``min_loss_scale`` is one.
 - async: a push divides by the scale it was computed with (taken with its snapshot). A push computed at a scale

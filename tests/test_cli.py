@@ -340,10 +340,7 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
      "does not split into --microbatches 3 equal micro-batches per replica"),
     (["--mode", "pipeline", "--workers", "1", "--microbatches", "1"], "--schedule 1f1b with stages in separate "
      "processes needs --microbatches >= the 2 stages"),
-    (["--mode", "pipeline", "--workers", "1", "--autocast", "fp16", "--loss-scale", "dynamic"],
-     "pipeline stages across processes do not scale the loss"),
-], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches", "1f1b-microbatches<stages",
-        "pipeline-loss-scale"])
+], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches", "1f1b-microbatches<stages"])
 def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, message):
     """As a rank of a 2-process torchrun launch sees it (RANK, WORLD_SIZE): refused before joining any group."""
     monkeypatch.setenv("RANK", "0")

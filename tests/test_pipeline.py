@@ -12,16 +12,22 @@ import weakref
 import pytest
 import torch
 
-from pyengine import AdamW, Engine, StageError
+from pyengine import AdamW, Engine, LossScaler, StageError
 from pyengine import pipeline_distributed
 from pyengine.pipeline import partition, schedule_actions, split_layers
 
 from conftest import loss_fn, make_batches
+from test_scaler import GradScalerReference, assert_close_to, poisoned, split
 
 pytestmark = pytest.mark.timeout(60)
 
 # eps = 1e-3 for the reason given in tests/test_engine.py: fp32 engine vs fp64 reference stays bounded per element.
 OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01)
+FP16_SCALER = dict(init_scale=2.0 ** 24, growth_interval=3)
+
+
+def fp16_batches(seed):
+    return poisoned(make_batches(torch.Generator().manual_seed(seed + 2), 12, 12), 7)
 
 
 def make_model(seed=0, d_in=10, hidden=16, d_out=3, blocks=3):
@@ -565,6 +571,12 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
         with Engine(make_model(blocks=2), loss_fn, autocast=torch.bfloat16, **bf16_options) as bf16:
             bf16_losses = [m["loss"] for m in bf16.fit(batches)]
             bf16_master = bf16.master_state_dict()
+        # float16 autocast with dynamic loss scaling (Note [Loss scaling]): the scale starts too high, grows every 3
+        # applied steps, and one batch is poisoned
+        with Engine(make_model(blocks=2), loss_fn, devices=["cpu"], mode="pipeline", microbatches=3, pin=False,
+                    optimizer=AdamW(**OPT), autocast=torch.float16, loss_scale=LossScaler(**FP16_SCALER)) as fp16:
+            fp16_trajectory = [(m["loss_scale"], m["applied"]) for m in fp16.fit(fp16_batches(seed))]
+            fp16_master = fp16.master_state_dict()
         # batches of changing sizes (Note [One schedule per batch shape]), two schedules kept: shapes are evicted
         # and built again
         pipeline_distributed.SCHEDULES_KEPT = 2
@@ -589,6 +601,7 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                         microbatches=4, schedule=schedule, pin=False) as sleepy:
                 bubbles[schedule] = [sleepy.step(sleepy_batch) for _ in range(4)][1:]
         torch.save({"resumed": got, "expected": expected, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
+                    "fp16_trajectory": fp16_trajectory, "fp16_master": fp16_master,
                     "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept,
                     "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded,
                     "bubbles": {k: [(m["bubble_fraction"], m["bubble_ideal"], m["busy_s"]) for m in v]
@@ -596,7 +609,7 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                     "activations": {k: [(m["activation_peak"], m["activation_peak_bytes"]) for m in v]
                                     for k, v in bubbles.items()}},
                    f"{out_dir}/engine-extra-{rank}.pt")
-        del engine, whole, first, second, bf16, varying, bn, bn_again, sleepy
+        del engine, whole, first, second, bf16, fp16, varying, bn, bn_again, sleepy
     finally:
         dist.destroy_process_group()
     # Note [No reference cycle through the engine]: once its engines are dropped, destroy_process_group() really
@@ -652,6 +665,17 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             torch.testing.assert_close(extra["varying_master"][name].double(), p.detach(), rtol=1e-5,
                                        atol=1e-5 * p.detach().abs().max().item(), msg=f"varying batches: {name}")
         assert extra["kept"] == 2
+        # float16 with loss scaling: GradScaler's decisions step for step (3 micro-batches, each loss times the
+        # scale, their gradient divided by 3 after backward: pipelining's scale_grads), the weights following
+        # GradScaler + torch.optim.AdamW
+        scaled = GradScalerReference(make_model(blocks=2), FP16_SCALER, **OPT)
+        expected = [scaled.step([split(b, 3)], divide_after=True) for b in fp16_batches(seed)]
+        assert extra["fp16_trajectory"] == expected and any(not applied for _, applied in expected)
+
+        class Result:  # assert_close_to's view of the rank's engine
+            master_state_dict = staticmethod(lambda: extra["fp16_master"])
+
+        assert_close_to(Result, scaled, 1e-3)
         # the BatchNorm run equals the in-process pipeline (same stages, same micro-batches): losses, weights,
         # running statistics (rank 1 has rank 0's), and a fresh engine that loaded the state holds the same buffers
         with Engine(bn_model(), loss_fn, devices=["cpu"] * 2, stages=2, **BN_OPTIONS) as local:

@@ -24,9 +24,11 @@ def make_model(seed=0, d_in=10, hidden=24, d_out=3):
 class GradScalerReference:
     """One fp32 model under float16 autocast, trained by torch.amp.GradScaler + torch.optim.AdamW: the reference.
 
-    A step on several shards computes each shard's scaled gradient alone (as a hybrid worker does: the loss of its
-    shard, times the scale) and hands the optimizer their mean weighted by shard size, so overflow happens where it
-    happens in the engine's workers."""
+    A step takes groups of micro-batches: each group's gradient is computed alone, as a hybrid worker (or a pipeline
+    replica) computes its own, with each micro-batch's loss weighted by its share of the group, times the scale;
+    the optimizer gets the groups' mean weighted by their sizes. Each group's gradient is rounded to float16, as it
+    travels in the engine's float16 slots (a sum of micro-batch gradients may overflow there). So overflow happens
+    where it happens in the engine."""
 
     def __init__(self, model, scaler: dict, clip=None, device="cpu", **opt):
         self.device = torch.device(device)
@@ -37,17 +39,25 @@ class GradScalerReference:
         self.scaler = torch.amp.GradScaler(self.device.type, **scaler)
         self.clip = clip
 
-    def step(self, shards) -> tuple[float, bool]:
-        """Returns (the scale the step computed with, whether it was applied)."""
-        total = sum(len(y) for _, y in shards)
+    def step(self, groups, divide_after: bool = False) -> tuple[float, bool]:
+        """``groups``: lists of ``(x, y)`` micro-batches. ``divide_after``: the micro-batch losses are not weighted;
+        their summed gradient is divided by their number (torch.distributed.pipelining's ``scale_grads``, for equal
+        micro-batches). Returns (the scale the step computed with, whether it was applied)."""
+        total = sum(len(y) for group in groups for _, y in group)
         mean = [torch.zeros_like(p) for p in self.params]
-        for x, y in shards:
+        for group in groups:
             self.opt.zero_grad()
-            with torch.autocast(self.device.type, dtype=F16):
-                loss = loss_fn(self.model, (x.to(self.device), y.to(self.device)))
-            self.scaler.scale(loss).backward()
-            for m, p in zip(mean, self.params):
-                m.add_(p.grad, alpha=len(y) / total)
+            size = sum(len(y) for _, y in group)
+            for x, y in group:
+                with torch.autocast(self.device.type, dtype=F16):
+                    loss = loss_fn(self.model, (x.to(self.device), y.to(self.device)))
+                unweighted = len(group) == 1 or divide_after
+                self.scaler.scale(loss if unweighted else loss * (len(y) / size)).backward()
+            if divide_after:
+                for p in self.params:
+                    p.grad.div_(len(group))
+            for m, p in zip(mean, self.params):  # the group's gradient travels in float16, as the engine's slots
+                m.add_(p.grad.to(F16).float(), alpha=size / total)
         for m, p in zip(mean, self.params):
             p.grad = m
         scale = self.scaler.get_scale()
@@ -78,8 +88,9 @@ def assert_close_to(engine, reference, bound):
 
 # ---- the scale's rule against torch.amp.GradScaler ----
 
-@pytest.mark.parametrize("kwargs", [dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
-                                    dict(init_scale=1000.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=2)],
+@pytest.mark.parametrize("kwargs", [
+    dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+    dict(init_scale=1000.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=2)],
                          ids=["powers-of-2", "float32-rounding"])
 def test_update_rule_equals_grad_scaler(rng, kwargs):
     """LossScaler.overflow/applied against GradScaler.update over a random sequence of finite / non-finite steps,
@@ -136,22 +147,28 @@ def test_growth_stays_in_float32_and_a_loaded_tracker_past_the_interval_grows():
 
 # ---- the engine against the reference ----
 
-@pytest.mark.parametrize("mode,workers,clip", [("sync", 1, None), ("hybrid", 2, None), ("hybrid", 3, 0.5),
-                                               ("async", 1, None)])
-def test_engine_equals_grad_scaler_reference(rng, mode, workers, clip, worker_device):
+def split(batch, parts):
+    x, y = batch
+    return list(zip(torch.tensor_split(x, parts), torch.tensor_split(y, parts)))
+
+
+@pytest.mark.parametrize("mode,workers,clip,options", [
+    ("sync", 1, None, {}), ("hybrid", 2, None, {}), ("hybrid", 3, 0.5, {}), ("async", 1, None, {}),
+    ("hybrid", 2, None, dict(microbatches=2)), ("pipeline", 2, 0.5, dict(stages=2, microbatches=3)),
+], ids=["sync", "hybrid-G2", "hybrid-G3-uneven-clip", "async", "hybrid-microbatches", "pipeline-clip"])
+def test_engine_equals_grad_scaler_reference(rng, mode, workers, clip, options, worker_device):
     """Float16 autocast with dynamic loss scaling: the scale starts too high (the first steps overflow and back off,
     as GradScaler's), grows every 3 applied steps, and one batch is poisoned (a step skipped, the scale halved).
     Every step's scale and whether it was applied equal the reference's; the weights follow it closely."""
     scaler = dict(init_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
-    batches = poisoned(make_batches(rng, 16, 8 * workers + (workers > 2)), 9)
+    batches = poisoned(make_batches(rng, 16, 12 * workers + (workers > 2)), 9)
     model = make_model()
     reference = GradScalerReference(model, scaler, clip=clip, device=worker_device, **OPT)
-    expected = []
-    for x, y in batches:
-        shards = list(zip(torch.tensor_split(x, workers), torch.tensor_split(y, workers)))
-        expected.append(reference.step(shards))
+    replicas = 1 if mode == "pipeline" else workers
+    micro = options.get("microbatches", 1)
+    expected = [reference.step([split(shard, micro) for shard in split(b, replicas)]) for b in batches]
     with Engine(model, loss_fn, devices=[worker_device] * workers, mode=mode, autocast=F16,
-                optimizer=AdamW(**OPT, max_grad_norm=clip), loss_scale=LossScaler(**scaler)) as engine:
+                optimizer=AdamW(**OPT, max_grad_norm=clip), loss_scale=LossScaler(**scaler), **options) as engine:
         history = engine.fit(batches) if mode == "async" else [engine.step(b) for b in batches]
         got = [(m["loss_scale"], m["applied"]) for m in history]
         assert got == expected
@@ -161,7 +178,7 @@ def test_engine_equals_grad_scaler_reference(rng, mode, workers, clip, worker_de
         scales = [s for s, _ in expected]
         assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:])), \
             f"the run exercises backoff and growth: {scales}"
-        assert_close_to(engine, reference, 5e-4)  # worst seen over 12 seeds: 5.7e-5 (sync)
+        assert_close_to(engine, reference, 1e-3)  # worst seen over 12 seeds: 1.1e-4 (hybrid, G = 3, clipping)
 
 
 @pytest.mark.parametrize("mode,options", [("sync", {}), ("hybrid", {}), ("hybrid", dict(microbatches=2)),
@@ -256,7 +273,8 @@ def test_static_scale_and_min_scale_hand_overflows_to_nonfinite(rng):
             assert all(torch.equal(v, engine.master_state_dict()[k]) for k, v in before.items())
             assert engine.step(batches[2])["applied"] and engine.stats()["loss_scale"] == 64.0
     with Engine(make_model(), loss_fn, devices=["cpu"], autocast=F16, pin=False, optimizer=AdamW(**OPT),
-                nonfinite="raise", loss_scale=LossScaler(init_scale=1024.0)) as engine:  # dynamic: the overflow is the scale's, skipped without raising
+                nonfinite="raise", loss_scale=LossScaler(init_scale=1024.0)) as engine:
+        # dynamic: the overflow is the scale's, skipped without raising
         metrics = [engine.step(b) for b in batches]
         assert [m["applied"] for m in metrics] == [True, False, True]
         assert metrics[2]["loss_scale"] == metrics[1]["loss_scale"] / 2
