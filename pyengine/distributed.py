@@ -619,14 +619,15 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
 # ---- multi-node async: ranks 0..K-1 serve shards of the store, the other ranks push --------------------------------
 
 # Server -> client header: [status, version (a decision: rank 0's version right after applying the push, i.e. its
-# Adam step), id of this client's last applied push, failed rank (-1: none), staleness of the push just decided],
-# then (a state message) the server's shard of the weights. Client -> server header: [kind, push id, version at
-# pull, samples, loss, norm of the whole gradient, non-finite flag, staleness (COMMIT) or failed rank (FAILED), Adam
-# step (COMMIT)], then (PUSH, COMMIT) the shard of the gradient. float64 tensors: exact for these integers and for
-# the fp32 norm.
+# Adam step), id of this client's last applied push, failed rank (-1: none), staleness of the push just decided,
+# loss scale (rank 0's, taken with its snapshot; 0: none)], then (a state message) the server's shard of the weights.
+# Client -> server header: [kind, push id, version at pull, samples, loss, norm of the whole gradient, non-finite
+# flag, staleness (COMMIT) or failed rank (FAILED), Adam step (COMMIT), the loss scale the push was computed with (0:
+# none)], then (PUSH, COMMIT) the shard of the gradient. float64 tensors: exact for these integers, for the fp32
+# norm and for the fp32 scale.
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
 _PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
-_SERVER_HEADER, _CLIENT_HEADER = 5, 9
+_SERVER_HEADER, _CLIENT_HEADER = 6, 10
 
 
 def _encode_text(text: str) -> torch.Tensor:
@@ -673,7 +674,8 @@ def shard_spans(numel: int, servers: int) -> list[tuple[int, int]]:
 
 def _share_store(engine, group, spans) -> None:
     """Broadcasts ``store[lo:hi]`` of the weights and the Adam state from rank ``src`` for each ``(src, lo, hi)`` of
-    ``spans``, then the version from rank 0: every rank then holds the same complete store. A collective."""
+    ``spans``, then the version and the loss scaler's state from rank 0: every rank then holds the same complete
+    store. A collective."""
     store = engine.store
     rank = dist.get_rank(group)
     with _collective("broadcast of the async store", rank):
@@ -682,7 +684,12 @@ def _share_store(engine, group, spans) -> None:
                 dist.broadcast(flat[lo:hi], src=dist.get_global_rank(group, src), group=group)
         version = torch.tensor([float(engine.version)], dtype=torch.float64)
         dist.broadcast(version, src=dist.get_global_rank(group, 0), group=group)
+        if engine.scaler is not None:  # rank 0's decides (Note [Loss scaling]); the same options on every rank
+            scaler = torch.tensor([engine.scaler.scale, float(engine.scaler.growth_tracker)], dtype=torch.float64)
+            dist.broadcast(scaler, src=dist.get_global_rank(group, 0), group=group)
     engine.version = int(version.item())
+    if engine.scaler is not None:
+        engine.scaler.load_state_dict({"scale": scaler[0].item(), "growth_tracker": int(scaler[1].item())})
     if store.shadow is not None:
         store.shadow.copy_(store.param)
 
@@ -883,12 +890,14 @@ class AsyncServer:
     def _apply_push(self, client, grad, header, staleness, step) -> tuple[float, int, int]:
         engine = self.engine
         push_id, pulled, samples, loss, norm, nonfinite = header[1:7].tolist()
+        scale = header[9].item() or None  # the scale the client computed with (Note [Loss scaling])
         with engine.mutex, engine.phase("push", client):
             if self.stop.is_set():
                 return _STOP, 0, 0
             start = time.perf_counter()
             pushed = engine.apply_push(int(pulled), [], grads=[grad], staleness=staleness, span=self.span,
-                                       norm=(torch.tensor(norm, dtype=torch.float32), nonfinite != 0.0), step=step)
+                                       norm=(torch.tensor(norm, dtype=torch.float32), nonfinite != 0.0), step=step,
+                                       loss_scale=scale)
             if pushed is None:
                 return _REFRESH, 0, 0
             applied, staleness = pushed
@@ -898,7 +907,8 @@ class AsyncServer:
                                    transfer_wait=0.0, copy_back=0.0, applied=applied, worker=client, rank=client,
                                    push_id=int(push_id), version_at_pull=int(pulled),
                                    version_at_apply=engine.version - int(applied), staleness=staleness,
-                                   server=self.rank, adam_step=step if applied else None, lr_step=step or None)
+                                   server=self.rank, adam_step=step if applied else None, lr_step=step or None,
+                                   loss_scale=scale)
             engine.history.append(metrics)
             for callback in self.callbacks:
                 callback(engine, metrics)
@@ -916,12 +926,13 @@ class AsyncServer:
         with self.engine.mutex:
             version = self.engine.version if version is None else version
             snapshot = self.engine.store.param[lo:hi].clone() if weights else None
+            scale = (self.engine.loss_scale_now() or 0.0) if self.rank == 0 else 0.0  # rank 0's scale decides
         failed, failure = -1.0, self.failure
         if failure is not None:
             status, failed = _ABORT, float(failure[0])
         elif weights and self.stop.is_set() and self.rank == 0:
             status = _STOP
-        header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness)],
+        header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness), scale],
                               dtype=torch.float64)
         self._exchange(dist.send, header, client, "send to")
         if status == _ABORT:
@@ -1034,7 +1045,7 @@ class _AsyncClient:
         failure = None
         for s in range(self.servers):
             try:
-                status, _, _, failed, _, text = self._receive_header(s)
+                status, _, _, failed, _, text, _ = self._receive_header(s)
                 if status == _ABORT:
                     failure = failure or _ClientAbort(failed, text, reporter=s)
             except _ClientAbort as abort:
@@ -1050,7 +1061,7 @@ class _AsyncClient:
         slots = [engine.store.grad_slot(w.index) for w in engine.workers]
         minibatches, push_id, decision = None, 0, _GO
         while True:
-            status, pulled = self._pull()
+            status, pulled, scale = self._pull()
             decision = status if self.servers == 1 else decision
             if status == _STOP:
                 self._tell_waiting(_DONE)
@@ -1064,21 +1075,21 @@ class _AsyncClient:
                 return
             for worker in engine.workers:
                 worker.pull(wait=True)
-            loss, samples = _client_gradient(engine, minibatches, slots, self.reduced)
+            loss, samples = _client_gradient(engine, minibatches, slots, self.reduced, scale)
             norm, nonfinite = ops.mean_grad_norm([self.reduced])
             push_id += 1 if decision == _GO else 0
             self.sent_at = pulled
             engine.count("pushes")
-            header = [_PUSH, push_id, pulled, samples, loss, norm.item(), nonfinite.item(), 0.0]
+            header = [_PUSH, push_id, pulled, samples, loss, norm.item(), nonfinite.item(), 0.0, 0.0, scale or 0.0]
             self._send(0, header, gradient=True)
             if self.servers > 1:
                 decision = self._decide(header)
                 if decision == _STOP:
                     return
 
-    def _pull(self) -> tuple[float, int]:
-        """Steps 1 and 2: every shard of the weights into the store; returns rank 0's status and the version at
-        pull (the smallest of the servers' versions)."""
+    def _pull(self) -> tuple[float, int, float | None]:
+        """Steps 1 and 2: every shard of the weights into the store; returns rank 0's status, the version at pull
+        (the smallest of the servers' versions) and rank 0's loss scale (None: no scaling) to compute with."""
         versions, failure = [], None
         for s in range(1, self.servers):
             try:
@@ -1089,18 +1100,18 @@ class _AsyncClient:
             raise failure
         if self.servers > 1:
             self._send(0, [_PULL])
-        status, version = self._receive_state(0)
-        return status, min([version] + versions)
+        status, version, scale = self._receive_state(0)
+        return status, min([version] + versions), scale
 
     def _decide(self, header: list) -> float:
         """Step 4 with K > 1: rank 0's decision, then COMMIT (with its staleness) or DROP to every other server."""
-        status, step, _, failed, staleness, text = self._receive_header(0)
+        status, step, _, failed, staleness, text, _ = self._receive_header(0)
         if status == _ABORT:
             raise _ClientAbort(failed, text, reporter=0)
         if status == _STOP:
             self._tell_waiting(_DONE)
             return status
-        message = [_COMMIT] + header[1:7] + [staleness, step] if status == _GO else [_DROP]
+        message = [_COMMIT] + header[1:7] + [staleness, step, header[9]] if status == _GO else [_DROP]
         sent, failure = [], None
         for s in range(1, self.servers):
             try:
@@ -1115,12 +1126,12 @@ class _AsyncClient:
             raise failure
         return status
 
-    def _receive_header(self, server: int) -> tuple[float, int, int, int, int, str]:
+    def _receive_header(self, server: int) -> tuple[float, int, int, int, int, str, float | None]:
         """A server's header: (status, version, last applied push id, failed rank, staleness, what failed: the text
-        that follows ABORT, else ""); records rank 0's acknowledgement."""
+        that follows ABORT, else "", loss scale or None); records rank 0's acknowledgement."""
         header = torch.zeros(_SERVER_HEADER, dtype=torch.float64)
         self._exchange(dist.recv, header, server, "receive from")
-        status, version, applied, failed, staleness = header.tolist()
+        status, version, applied, failed, staleness, scale = header.tolist()
         text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
         if status == _ABORT:
             self._exchange(dist.recv, text, server, "receive from")
@@ -1129,17 +1140,17 @@ class _AsyncClient:
         history = self.engine.history
         if server == 0 and applied and (not history or history[-1]["push_id"] != applied):
             history.append(dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at))
-        return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text)
+        return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text), scale or None
 
-    def _receive_state(self, server: int) -> tuple[float, int]:
-        """A server's header and its shard of the weights (into the store): (status, version); raises
+    def _receive_state(self, server: int) -> tuple[float, int, float | None]:
+        """A server's header and its shard of the weights (into the store): (status, version, loss scale); raises
         :class:`_ClientAbort` on ABORT."""
-        status, version, _, failed, _, text = self._receive_header(server)
+        status, version, _, failed, _, text, scale = self._receive_header(server)
         lo, hi = self.spans[server]
         self._exchange(dist.recv, self.engine.store.param[lo:hi], server, "receive of the weights from")
         if status == _ABORT:
             raise _ClientAbort(failed, text, reporter=server)
-        return status, version
+        return status, version, scale
 
     def _send(self, server: int, header: list, gradient: bool = False) -> None:
         """Sends ``server`` a header (padded) and with ``gradient`` its shard of the pushed gradient."""
@@ -1180,14 +1191,14 @@ class _AsyncClient:
             raise (_ClientAbort(*report) if report is not None else _ClientAbort(server, what)) from exc
 
 
-def _client_gradient(engine, minibatches, slots, out) -> tuple[float, int]:
+def _client_gradient(engine, minibatches, slots, out, scale: float | None) -> tuple[float, int]:
     """The local workers split every mini-batch; out = their weighted sum (the sum over the mini-batches of each
-    mini-batch's mean gradient, as the single-node async ``accumulate``)."""
+    mini-batch's mean gradient, as the single-node async ``accumulate``), each loss times ``scale`` when given."""
     shards = [split_batch(b, engine.num_workers) for b in minibatches]
     sizes = [batch_size(s) for s in shards[0]]
     weights = [n / sum(sizes) for n in sizes]
-    results = engine.run_workers({w.index: (lambda w=w: w.compute(engine.loss_fn, [s[w.index] for s in shards]))
-                                  for w in engine.workers})
+    results = engine.run_workers({w.index: (lambda w=w: w.compute(engine.loss_fn, [s[w.index] for s in shards],
+                                                                  loss_scale=scale)) for w in engine.workers})
     DistributedHybrid._local_sum(out, slots, weights)
     loss = sum(results[i][0] * weights[i] for i in results)
     return loss, sum(batch_size(b) for b in minibatches)

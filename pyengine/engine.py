@@ -75,8 +75,7 @@ class Engine:
         loss_scale: ``"auto"`` (dynamic loss scaling under float16 autocast, none otherwise), ``"dynamic"``, None (no
             scaling), a number > 0 (a static scale) or a :class:`pyengine.LossScaler`: each loss is multiplied by the
             scale before backward and the update divides the gradients by it; a non-finite gradient backs the scale
-            off and skips the step (Note [Loss scaling] in :mod:`pyengine.scaler`). Not in async mode across
-            processes (``"auto"`` then means none, with a warning under float16).
+            off and skips the step (Note [Loss scaling] in :mod:`pyengine.scaler`).
         nonfinite: ``"skip"`` (the step is skipped and counted) or ``"raise"``.
         accumulate: async: mini-batches whose gradients a worker sums before one push.
         max_staleness: async: a worker whose snapshot is more than this many versions old refreshes (pulls the
@@ -164,8 +163,7 @@ class Engine:
         if self.optimizer.no_decay and shard_update:
             raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
                              "one weight decay over each rank's ranges; leave out one of them")
-        unsupported = "async across processes does not scale the loss" if mode == "async" else None
-        self.scaler: LossScaler | None = make_scaler(loss_scale, autocast, unsupported if group is not None else None)
+        self.scaler: LossScaler | None = make_scaler(loss_scale, autocast)
         grad_dtype = autocast if autocast is not None else torch.float32
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
@@ -551,14 +549,19 @@ class Engine:
         return True
 
     def admit_update(self, nonfinite: bool, workers: list[int], step: int | None = None,
-                     loss_scale: float | None = None) -> bool:
+                     loss_scale: float | None = None, decided: bool = False) -> bool:
         """Decides whether the step whose mean gradient is (non)finite is applied: raises (``nonfinite="raise"``) or
         counts a skipped step and returns False; otherwise counts the update, advances ``version`` (the step of the
         :meth:`update_range` calls that follow) and returns True. ``step``: the Adam step the update will use when
         not ``version + 1`` (a multi-server async shard applies the coordinating server's). ``loss_scale``: the
         scale the gradients were computed with; with a loss scaler a non-finite gradient first backs the scale off
-        (skipped, counted), and an applied step counts towards its growth (Note [Loss scaling])."""
-        if self.scaler is not None and loss_scale is None:
+        (skipped, counted), and an applied step counts towards its growth (Note [Loss scaling]). ``decided``: the
+        coordinating server already decided (a multi-server async shard): a non-finite gradient is skipped, as
+        there, and the scaler is left alone (the coordinator's decides)."""
+        if decided and nonfinite:
+            self._counters["skipped_steps"] += 1
+            return False
+        if self.scaler is not None and loss_scale is None and not decided:
             raise RuntimeError("this engine scales the loss: admit_update needs the scale the gradients were computed "
                                "with (loss_scale=engine.loss_scale_now() at the step's start)")
         if nonfinite and self.scaler is not None and self.scaler.overflow(loss_scale):
@@ -574,7 +577,7 @@ class Engine:
         self.lr_at(self.version + 1 if step is None else step)  # a bad value raises before any count or write
         self.version += 1
         self._counters["applied_updates"] += 1
-        if self.scaler is not None:
+        if self.scaler is not None and not decided:
             self.scaler.applied(loss_scale)
         return True
 
@@ -650,7 +653,7 @@ class Engine:
         if span is None:
             applied = self.apply_update(workers, None, divisor, grads=grads, loss_scale=loss_scale)
         else:
-            applied = self.admit_update(norm[1], workers, step, loss_scale=loss_scale)
+            applied = self.admit_update(norm[1], workers, step, loss_scale=loss_scale, decided=decided)
             if applied:
                 self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step, loss_scale=loss_scale)
         self._staleness[staleness] += 1

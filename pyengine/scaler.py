@@ -16,12 +16,14 @@ of our own:
   above the current one that overflows was already answered by a backoff: it is skipped without another, so G
   workers overflowing together halve the scale once, not G times; a push at another scale than the current one does
   not count towards growth.
+- async across processes: the coordinating server (rank 0) holds the scale that decides: a client computes with the
+  scale that came with rank 0's snapshot and sends it with its push; the other servers divide their shards by it
+  and skip exactly the pushes rank 0 skipped. Every rank gets rank 0's scaler state at the end of the run.
 """
 from __future__ import annotations
 
 import math
 import struct
-import warnings
 
 import torch
 
@@ -155,22 +157,13 @@ class LossScaler:
             self.scale, self.growth_tracker = _f32(sd["scale"]), sd["growth_tracker"]
 
 
-def make_scaler(loss_scale, autocast, supported: str | None) -> LossScaler | None:
+def make_scaler(loss_scale, autocast) -> LossScaler | None:
     """The engine's scaler for its ``loss_scale`` option: ``"auto"`` (dynamic under float16 autocast, else none),
-    ``"dynamic"``, None (no scaling), a number > 0 (a static scale) or a :class:`LossScaler`. ``supported``: None, or
-    why this engine cannot scale (then ``"auto"`` means none and anything else is refused)."""
+    ``"dynamic"``, None (no scaling), a number (a static scale) or a :class:`LossScaler`."""
     if isinstance(loss_scale, str) and loss_scale == "auto":
-        if autocast is not torch.float16:
-            return None
-        if supported is not None:
-            warnings.warn(f"float16 autocast without loss scaling: {supported}; small gradients may flush to zero "
-                          "(bfloat16 autocast does not need scaling)", stacklevel=3)
-            return None
-        return LossScaler()
+        return LossScaler() if autocast is torch.float16 else None
     if loss_scale is None:
         return None
-    if supported is not None:
-        raise ValueError(f"loss_scale={loss_scale!r}: {supported}")
     if isinstance(loss_scale, LossScaler):
         return loss_scale
     if isinstance(loss_scale, str) and loss_scale == "dynamic":

@@ -110,13 +110,22 @@ def hybrid_fp16(seed, rank, world):
             metrics = [engine.step(b) for b in batches]
             out[name] = dict(master=engine.master_state_dict(), trajectory=[(m["loss_scale"], m["applied"])
                                                                             for m in metrics])
-    try:  # async and pipeline across processes do not scale the loss: an explicit scale is refused at construction
-        pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", pin=False, autocast=torch.float16,
-                        loss_scale="dynamic")
-        out["async_refused"] = None
-    except ValueError as exc:
-        out["async_refused"] = str(exc)
     return out
+
+
+def async_fp16(seed, rank, world):
+    """Float16 autocast with dynamic loss scaling in multi-server async (2 servers, the others clients): the scale
+    starts too high (pushes overflow and back it off), then grows every 3 applied pushes. Servers record every push
+    with the scale it was computed with."""
+    servers = 2
+    batches = [client_batch(seed, rank, i) for i in range(40)] if rank >= servers else []
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=servers, autocast=torch.float16,
+                         loss_scale=pyengine.LossScaler(**FP16["scaler"])) as engine:
+        engine.fit(batches, steps=24)
+        history = [{k: m[k] for k in ("rank", "push_id", "applied", "loss_scale", "server")}
+                   for m in engine.history if "server" in m]
+        return dict(history=history, stats=engine.stats(), master=engine.master_state_dict())
 
 
 def make_bn_model(seed=0):
@@ -457,6 +466,7 @@ def main():
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
                  "overlap": overlap, "bad-local-batch": bad_local_batch, "hybrid-fp16": hybrid_fp16,
+                 "async-fp16": async_fp16,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}
     try:

@@ -191,8 +191,35 @@ def test_hybrid_fp16_loss_scaling_equals_grad_scaler(tmp_path, seed):
                 return ranks[0][kind]["master"]
 
         assert_close_to(Engine, reference, 5e-4)
-    for rank in ranks:
-        assert "async across processes does not scale the loss" in rank["async_refused"]
+
+
+@pytest.mark.timeout(120)
+def test_async_fp16_servers_follow_the_coordinators_loss_scale(tmp_path, seed):
+    """Multi-server async under float16 with dynamic loss scaling: rank 0's history replays LossScaler's rule push
+    by push (the scale each push was computed with came from rank 0's snapshot; overflows back it off once per
+    scale, applied pushes grow it); the other server skipped exactly the pushes rank 0 skipped, dividing by the same
+    scales; every rank ends with rank 0's scale and the same weights."""
+    world, servers = 4, 2
+    codes, logs, _ = launch("async-fp16", world, tmp_path, seed, timeout=100.0)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    first = ranks[0]["history"]
+    assert len(first) == 24 and all(m["loss_scale"] for m in first)
+    replay = pyengine.LossScaler(**dist_job.FP16["scaler"])
+    for m in first:
+        if m["applied"]:
+            replay.applied(m["loss_scale"])
+        else:
+            assert replay.overflow(m["loss_scale"]), m
+    skipped = sum(not m["applied"] for m in first)
+    assert 0 < skipped < len(first) and len({m["loss_scale"] for m in first}) > 2
+    key = lambda m: (m["rank"], m["push_id"], m["applied"], m["loss_scale"])  # noqa: E731
+    assert sorted(map(key, ranks[1]["history"])) == sorted(map(key, first))
+    for r, rank in enumerate(ranks):
+        assert rank["stats"]["loss_scale"] == replay.scale, f"rank {r}"
+        assert_identical(ranks[0]["master"], rank["master"], f"rank {r}")
+        assert all(torch.isfinite(v).all() for v in rank["master"].values())
+    assert ranks[1]["stats"]["skipped_steps"] == ranks[0]["stats"]["skipped_steps"] == skipped
 
 
 def owned_elements(buckets, rank, world):

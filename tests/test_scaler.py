@@ -319,16 +319,11 @@ def test_bad_loss_scaler_arguments(kwargs, error):
         LossScaler(**kwargs)
 
 
-def test_defaults_and_where_scaling_is_not_supported():
-    """"auto": dynamic under float16 only; across processes in async and pipeline mode (no scaling there) "auto"
-    warns under float16 and anything else is refused."""
-    assert isinstance(make_scaler("auto", F16, None), LossScaler) and make_scaler("auto", F16, None).dynamic
-    assert make_scaler("auto", torch.bfloat16, None) is None and make_scaler("auto", None, None) is None
-    assert make_scaler(None, F16, None) is None and not make_scaler(128.0, None, None).dynamic
-    with pytest.warns(UserWarning, match="without loss scaling"):
-        assert make_scaler("auto", F16, "async across processes does not scale the loss") is None
-    with pytest.raises(ValueError, match="does not scale the loss"):
-        make_scaler("dynamic", F16, "async across processes does not scale the loss")
+def test_defaults():
+    """"auto": dynamic under float16 only; a number: a static scale."""
+    assert isinstance(make_scaler("auto", F16), LossScaler) and make_scaler("auto", F16).dynamic
+    assert make_scaler("auto", torch.bfloat16) is None and make_scaler("auto", None) is None
+    assert make_scaler(None, F16) is None and not make_scaler(128.0, None).dynamic
     with Engine(make_model(), loss_fn, devices=["cpu"], pin=False) as engine:
         assert engine.scaler is None and "loss_scale" not in engine.step(make_batches(
             torch.Generator().manual_seed(fresh_seed()), 1, 4)[0])
