@@ -37,17 +37,18 @@ def setup_flags() -> tuple[list, dict]:
     return [f for f in found["CXX_FLAGS"] if f != "-fopenmp"], found["ISA_FLAGS"]
 
 
-def materialise(spec: str, workdir: str) -> str:
-    """A folder holding SOURCES for one version spec: ``rev:<git revision>`` or a csrc-like folder."""
+def materialise(spec: str, workdir: str, sources=SOURCES) -> str:
+    """A folder holding ``sources`` (paths under csrc/) for one version spec: ``rev:<git revision>`` or a csrc-like
+    folder."""
     if not spec.startswith("rev:"):
         folder = spec if os.path.isabs(spec) else os.path.join(ROOT, spec)
-        missing = [s for s in SOURCES if not os.path.isfile(os.path.join(folder, s))]
+        missing = [s for s in sources if not os.path.isfile(os.path.join(folder, s))]
         if missing:
             raise SystemExit(f"version folder {folder!r} lacks {missing}")
         return folder
     rev = spec[4:]
     folder = os.path.join(workdir, "rev_" + "".join(c if c.isalnum() else "_" for c in rev))
-    for s in SOURCES:
+    for s in sources:
         os.makedirs(os.path.dirname(os.path.join(folder, s)), exist_ok=True)
         text = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:csrc/{s}"], check=True, capture_output=True).stdout
         with open(os.path.join(folder, s), "wb") as f:

@@ -9,10 +9,13 @@
 # Stages, each logged, timed and recorded in summary.md; a failing stage does not stop the next:
 #   env        nvidia-smi, the machine's own torch and nvcc
 #   build      pip install -e . --no-build-isolation --no-deps with that torch (fallback: setup.py build_ext --inplace)
-#   tests      pytest tests: the whole suite, with the CUDA twins that skip on GPU-less machines
+#   tests      pytest tests: the whole suite, the CUDA twins first (`-k cuda`: most have never run on a GPU, and a
+#              lease cut short should have their results), then the rest (`-k "not cuda"`)
 #   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
 #   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
 #   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
+#   kernel_ab  bench/cuda_kernel_ab.py: the update kernel's block shape (chunk 16384 as built, 8192, 4096, 2048; 512
+#              threads) against each other and a device copy, N = 32M and 256M, bits checked equal first (plain nvcc)
 #   nvtx       the NVTX ranges of a short `python -m pyengine train` on the GPU: nsys's NVTX summary where nsys works,
 #              else ncu's NVTX filter (ncu profiles only kernels launched inside the named range: kernels profiled
 #              inside pyengine/worker0/forward_backward+transfer, none inside a range that does not exist)
@@ -28,7 +31,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-ALL_STAGES=(env build import tests ctest sanitizer bench nvtx transfer pipeline)
+ALL_STAGES=(env build import tests ctest sanitizer bench kernel_ab nvtx transfer pipeline)
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=("${ALL_STAGES[@]}")
 for s in "${STAGES[@]}"; do
@@ -126,6 +129,13 @@ sanitize() {
   return $rc
 }
 
+run_tests() {  # the CUDA twins first, then everything else; fails if either part fails
+  local rc=0
+  "$PYTHON" -m pytest tests -q -rfE -p no:cacheprovider -k cuda || rc=1
+  "$PYTHON" -m pytest tests -q -rfE -p no:cacheprovider -k "not cuda" || rc=1
+  return $rc
+}
+
 nvtx_check() {
   local train=(-m pyengine train --devices cuda:0 --workers 2 --steps 3)
   if command -v nsys >/dev/null; then
@@ -143,7 +153,7 @@ nvtx_check() {
   [[ $inside -gt 0 && $absent -eq 0 ]]
 }
 
-export -f build check_build sanitize nvtx_check
+export -f build check_build run_tests sanitize nvtx_check
 export PYTHON SCRATCH
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the extension built in place, whatever the install did
 if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvtx || wants transfer || wants pipeline; } \
@@ -155,13 +165,15 @@ wants env && stage env "$LOGS/env.log" 120 bash -c "nvidia-smi; nvcc --version |
   $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools) '"
 wants build && stage build "$LOGS/build.log" 600 build
 wants import || wants build && stage import "$LOGS/build.log" 120 check_build
-wants tests && stage tests "$LOGS/tests.log" 900 "$PYTHON" -m pytest tests -q -rfE -p no:cacheprovider
+wants tests && stage tests "$LOGS/tests.log" 900 run_tests
 wants ctest && stage ctest "$LOGS/ctest.log" 900 \
   env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
   tests/cpp/run_ctest.sh -DPYENGINE_WITH_CUDA=ON
 wants sanitizer && stage sanitizer "$LOGS/sanitizer.log" 900 sanitize
 wants bench && stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_adamw.py --full --cuda \
   --out "$LOGS/bench_cuda.md"
+wants kernel_ab && stage kernel_ab "$LOGS/kernel_ab.log" 600 "$PYTHON" bench/cuda_kernel_ab.py \
+  --out "$LOGS/kernel_ab.md"
 wants nvtx && stage nvtx "$LOGS/nvtx.log" 300 nvtx_check
 wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
   --out "$LOGS/transfer.md" --trace-dir "$LOGS"
@@ -187,6 +199,12 @@ wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
     echo "## CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
     echo
     cat "$LOGS/bench_cuda.md"
+  fi
+  if [[ -s "$LOGS/kernel_ab.md" ]]; then
+    echo
+    echo "## The update kernel's block shape (bench/cuda_kernel_ab.py; of copy: GB/s by single-pass bytes / copy GB/s)"
+    echo
+    cat "$LOGS/kernel_ab.md"
   fi
   if [[ -s "$LOGS/transfer.md" ]]; then
     echo

@@ -84,3 +84,71 @@ def test_cpu_read_rate_runs(tmp_path):
     for bad in (["foo"], ["4k", "0"], ["4k", "1", "x"]):
         done = subprocess.run([exe, *bad], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "usage:" in done.stderr, bad
+
+
+import cuda_kernel_ab  # noqa: E402
+
+
+def test_cuda_kernel_ab_versions_and_bad_specs():
+    assert cuda_kernel_ab.parse_version("base=csrc") == ("base", "csrc", {})
+    assert cuda_kernel_ab.parse_version("c4k=rev:HEAD~1+chunk=4096+threads=512") == (
+        "c4k", "rev:HEAD~1", {"PYENGINE_CUDA_CHUNK": 4096, "PYENGINE_CUDA_THREADS": 512})
+    for bad in ("csrc", "1a=csrc", "a=", "a=csrc+chunk", "a=csrc+chunk=0", "a=csrc+chunk=x", "a=csrc+blocks=4"):
+        with pytest.raises(SystemExit):
+            cuda_kernel_ab.parse_version(bad)
+    with pytest.raises(SystemExit, match="distinct"):
+        cuda_kernel_ab.main(["a=csrc", "a=csrc+chunk=4096"])
+    with pytest.raises(SystemExit, match="asked for PYENGINE_CUDA_CHUNK=4096 but runs with 16384"):
+        cuda_kernel_ab.check_shape("a", {"PYENGINE_CUDA_CHUNK": 4096}, "device X chunk 16384 threads 256\n")
+
+
+def test_cuda_kernel_ab_arithmetic():
+    """Synthetic runs: medians, GB/s by the single-pass bytes, the copy yardstick and same-round ratios."""
+    assert cuda_kernel_ab.single_pass_bytes(10, 4, "fp32") == 400
+    assert cuda_kernel_ab.single_pass_bytes(10, 4, "bf16") == 320
+    out = "device X chunk 16384 threads 256\nconfig 1000 4 fp32 0.50000 0.25000 hash 0x00000000000000aa\nnoise\n"
+    assert cuda_kernel_ab.parse_output(out) == {(1000, 4, "fp32"): (0.5, 0.25, "0x00000000000000aa")}
+    cfg = (1000, 4, "fp32")
+    runs = {"a": [{cfg: (0.5, 0.25, "h")}, {cfg: (0.4, 0.20, "h")}, {cfg: (0.6, 0.25, "h")}],
+            "b": [{cfg: (0.25, 0.25, "h")}, {cfg: (0.4, 0.25, "h")}, {cfg: (0.3, 0.25, "h")}]}
+    assert cuda_kernel_ab.check_bits(runs) == []
+    rows = {r["version"]: r for r in cuda_kernel_ab.summarise(runs, copy_bytes=10**6)}
+    assert rows["a"]["kernel_ms"] == 0.5 and rows["b"]["kernel_ms"] == 0.3
+    assert rows["a"]["gbps"] == pytest.approx(40000 / 0.5 / 1e6)
+    assert rows["a"]["copy_gbps"] == pytest.approx(2e6 / 0.25 / 1e6)
+    # of copy per round: (40000/k) / (2e6/c) = 0.02 c / k -> a: 0.01, 0.01, 0.008333; b: 0.02, 0.0125, 0.016667
+    assert rows["a"]["of_copy"] == pytest.approx(0.01) and rows["b"]["of_copy"] == pytest.approx(0.016667, rel=1e-4)
+    assert rows["a"]["speedup"] == 1.0 and rows["b"]["speedup"] == pytest.approx(2.0)  # rounds: 2, 1, 2
+    runs["b"][1] = {cfg: (0.4, 0.25, "other")}
+    assert cuda_kernel_ab.check_bits(runs) == ["b round 1 (1000, 4, 'fp32'): hash other, a gave h"]
+    assert "| 1000 | 4 | fp32 | b | 0.3000 |" in cuda_kernel_ab.table(cuda_kernel_ab.summarise(runs, 10**6))
+
+
+@pytest.mark.timeout(300)
+def test_cuda_kernel_ab_builds_and_runs(tmp_path):
+    """Two block shapes build with nvcc; on a GPU they give the same bits on odd sizes (an update's bits do not
+    depend on the block shape) and the driver's table comes out; without one the program says so and fails."""
+    import subprocess
+
+    try:
+        nvcc = cuda_kernel_ab.find_nvcc()
+    except SystemExit:
+        pytest.skip("no nvcc")
+    versions = [cuda_kernel_ab.parse_version(v) for v in ("a=csrc", "b=csrc+chunk=2048+threads=128")]
+    exes = cuda_kernel_ab.build(versions, "sm_90", str(tmp_path))
+    configs = ["1000003:3:fp32", "4097:2:bf16", "7:1:fp32"]
+    done = {label: subprocess.run([exe, "2", "8", *configs], capture_output=True, text=True, timeout=120)
+            for label, exe in exes.items()}
+    import torch
+
+    if not torch.cuda.is_available():
+        assert all(d.returncode == 1 and "no CUDA device" in d.stderr for d in done.values()), done
+        return
+    assert all(d.returncode == 0 for d in done.values()), {k: d.stderr for k, d in done.items()}
+    cuda_kernel_ab.check_shape("b", versions[1][2], done["b"].stdout)
+    runs = {label: [cuda_kernel_ab.parse_output(d.stdout)] for label, d in done.items()}
+    assert len(runs["a"][0]) == 3 and cuda_kernel_ab.check_bits(runs) == []
+    out = tmp_path / "ab.md"
+    assert cuda_kernel_ab.main(["a=csrc", "b=csrc+chunk=4096", "--n", "65537", "--g", "1", "2", "--rounds", "2",
+                                "--reps", "2", "--copy-mib", "8", "--out", str(out)]) == 0
+    assert out.read_text().count("| 65537 |") == 2 * 2 * 2  # G x dtypes x versions

@@ -11,11 +11,25 @@
 
 namespace pyengine::cuda {
 
+// The block shape. The build uses these defaults; bench/cuda_kernel_ab.py compiles the kernels with other values
+// (-DPYENGINE_CUDA_CHUNK=..., -DPYENGINE_CUDA_THREADS=...) to time them against each other. Chunk and thread count
+// change which block computes an element, not its arithmetic: the update's bits do not depend on them (the norm's
+// partial sums do, by their grouping).
+#ifndef PYENGINE_CUDA_CHUNK
+#define PYENGINE_CUDA_CHUNK 16384
+#endif
+#ifndef PYENGINE_CUDA_THREADS
+#define PYENGINE_CUDA_THREADS 256
+#endif
+
 constexpr int kMaxTensorsPerLaunch = 24;
-constexpr int kMaxGradSlots = 256;  // gradient pointers per launch: tensors * G
-constexpr int kMaxWorkers = 64;     // G per call on CUDA (one table must hold one tensor's G gradients)
-constexpr int64_t kChunk = 16384;   // elements per thread block
-constexpr int kThreads = 256;
+constexpr int kMaxGradSlots = 256;                // gradient pointers per launch: tensors * G
+constexpr int kMaxWorkers = 64;                   // G per call on CUDA (one table must hold one tensor's G gradients)
+constexpr int64_t kChunk = PYENGINE_CUDA_CHUNK;   // elements per thread block
+constexpr int kThreads = PYENGINE_CUDA_THREADS;  // threads per block: a multiple of 32, at most 1024
+static_assert(kChunk > 0 && kChunk % 4 == 0, "PYENGINE_CUDA_CHUNK must be a positive multiple of 4");
+static_assert(kThreads >= 32 && kThreads <= 1024 && kThreads % 32 == 0,
+              "PYENGINE_CUDA_THREADS must be a multiple of 32 in [32, 1024]");
 
 // Kept under 4 KiB, the classic kernel-parameter limit. Block b works on chunk (b - chunk_begin[t]) of tensor t.
 struct LaunchTable {
