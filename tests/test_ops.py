@@ -617,6 +617,52 @@ def test_build_reports_cuda_and_isa():
     assert pyengine._C.cpu_isa() in {"avx512", "avx2", "default"}
 
 
+def configure_cmake(build_dir, *flags, **env):
+    """tests/cpp/run_ctest.sh with CONFIGURE_ONLY=1 (cmake's configure and generate steps, seconds): the output and
+    the CMakeCache of ``build_dir``. The interpreter is named by a relative path, as `make ctest` names .venv's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHON=os.path.relpath(sys.executable, root), BUILD_DIR=str(build_dir), CONFIGURE_ONLY="1",
+               **env)
+    done = subprocess.run([os.path.join(root, "tests", "cpp", "run_ctest.sh"), *flags], env=env, capture_output=True,
+                          text=True, timeout=240, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Build files have been written" in done.stdout
+    return done.stdout, (build_dir / "CMakeCache.txt").read_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.version.cuda is None or not shutil.which("cmake")
+                    or not os.path.isfile(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")),
+                    reason="needs torch with CUDA, cmake and nvcc")
+def test_cmake_configures_with_cuda(tmp_path):
+    """The CMake build with PYENGINE_WITH_CUDA=ON (the GPU suite's ctest stage) configures and generates here too,
+    and takes the CUDA headers of torch's wheels from beside torch. Generation failed on CMake 3.25 once (no CUDA20
+    flag for nvcc), and the wheels' include folder was looked up under another Python's site-packages."""
+    _, cache = configure_cmake(tmp_path / "build", "-DPYENGINE_WITH_CUDA=ON")
+    assert "PYENGINE_WITH_CUDA:BOOL=ON" in cache
+    wheel_headers = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "cu13", "include")
+    toolkit_has_it = os.path.isfile(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include",
+                                                 "cusparse.h"))
+    if os.path.isfile(os.path.join(wheel_headers, "cusparse.h")) and not toolkit_has_it:
+        flags = "".join(p.read_text() for p in (tmp_path / "build").rglob("flags.make"))
+        assert os.path.realpath(wheel_headers) in flags, "the wheels' CUDA headers are not on the include path"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not shutil.which("cmake") or not shutil.which("c++"), reason="needs cmake and c++")
+def test_ctest_script_refuses_a_compiler_that_links_libstdcxx_statically(tmp_path):
+    """run_ctest.sh applies setup.py's rule: a CXX that finds no libstdc++.so (it would link a second, static
+    libstdc++ into libpyengine) is replaced by a compiler on PATH that links the shared one."""
+    fake = tmp_path / "static-cxx"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "-print-file-name=libstdc++.so" ]; then echo libstdc++.so; exit 0; fi\n'
+                    f'exec {shutil.which("c++")} "$@"\n')
+    fake.chmod(0o755)
+    out, cache = configure_cmake(tmp_path / "build", CXX=str(fake))
+    assert f"{fake} would link libstdc++ statically" in out
+    compiler = next(line for line in cache.splitlines() if line.startswith("CMAKE_CXX_COMPILER:"))
+    assert str(fake) not in compiler and compiler.split("=", 1)[1].startswith("/")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA only
 
