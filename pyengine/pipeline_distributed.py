@@ -137,13 +137,41 @@ class _StageMeter:
             self.memory.released(self._saved.pop(chunk))
 
 
+@contextlib.contextmanager
+def buffers_restored(module: torch.nn.Module):
+    """Within: ``module``'s buffers may change; on leaving, each holds the values it had on entering again (copied
+    back in place, so references to the buffers stay valid)."""
+    saved = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in saved and b.shape == saved[name].shape:
+                    b.copy_(saved[name])
+
+
 class _MeteredStage(PipelineStage):
     """A ``PipelineStage`` whose forward and backward computations a :class:`_StageMeter` measures. The schedules wait
-    for a micro-batch's receives before calling them, so the time is the stage's compute, not its waiting."""
+    for a micro-batch's receives before calling them, so the time is the stage's compute, not its waiting.
+
+    Note [Shape inference leaves the buffers alone]
+    At its first step a ``PipelineStage`` runs its module once more to learn the shapes of its outputs. torch 2.11
+    runs it on zeros, under no_grad but in training mode: every BatchNorm of the stage took a batch of zeros into its
+    running statistics (running_var pulled 10 % towards 0, one batch more counted), which the in-process pipeline
+    and single-device training never see. Newer torch backs the buffers up around its (renamed) metadata inference
+    itself; on torch that still has ``_shape_inference`` the override below does the same. Tested: the BatchNorm
+    runs of tests/test_pipeline.py across processes (they failed on torch 2.11 without it), and a unit test that
+    stands in for torch 2.11's inference. The inference forward still draws from the RNG (a dropout layer's mask).
+    """
 
     def __init__(self, *args, meter: _StageMeter, **kwargs):
         super().__init__(*args, **kwargs)
         self._pyengine_meter = meter
+
+    def _shape_inference(self, *args, **kwargs):
+        with buffers_restored(self.submod):
+            return super()._shape_inference(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         with self._pyengine_meter.forward(fwd_chunk_id):
@@ -172,7 +200,7 @@ class _PipelinedLayers(torch.nn.Module):
         if self.last:
             # A view, so the output has its own autograd node rather than being the received buffer itself. With
             # torch 2.11, returning x unchanged left the input without a gradient ("has gradients None ... expecting
-            # to send gradients to stage 0"); that the view cures it there is not yet verified.
+            # to send gradients to stage 0"); with the view the pipeline tests across processes pass on 2.11 (CPU).
             return x.view_as(x)
         try:
             with self.context(x.device):

@@ -619,6 +619,38 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
     gc.enable()
 
 
+def test_shape_inference_leaves_the_stage_buffers_alone(monkeypatch):
+    """Note [Shape inference leaves the buffers alone]: torch 2.11's PipelineStage._shape_inference runs the stage's
+    module on zeros, under no_grad, in training mode, at the first step; a BatchNorm then took a batch of zeros into
+    its running statistics. Stood in for here (the installed torch may back the buffers up itself): the inference
+    runs, and the buffers come out as they went in."""
+    calls = []
+
+    def torch_2_11_shape_inference(self, args, kwargs=None):
+        calls.append(len(args))
+        with torch.no_grad():
+            return self.submod(*[torch.zeros_like(a) for a in args])
+
+    monkeypatch.setattr(pipeline_distributed.PipelineStage, "_shape_inference", torch_2_11_shape_inference,
+                        raising=False)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)).train()
+    module(torch.randn(8, 4))  # statistics away from their initial values
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    stage = pipeline_distributed._MeteredStage.__new__(pipeline_distributed._MeteredStage)  # no process group needed
+    stage.submod = module
+    out = stage._shape_inference((torch.randn(5, 4),))
+    assert calls == [1] and out.shape == (5, 6)
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    torch_2_11_shape_inference(stage, (torch.randn(5, 4),))  # without the override the statistics do move
+    assert not torch.equal(module[1].running_var, before["1.running_var"])
+    assert module[1].num_batches_tracked == before["1.num_batches_tracked"] + 1
+    with pytest.raises(RuntimeError, match="inference failed"), pipeline_distributed.buffers_restored(module):
+        module(torch.randn(8, 4))
+        raise RuntimeError("inference failed")
+    assert module[1].num_batches_tracked == before["1.num_batches_tracked"] + 1  # restored after a failure too
+
+
 @pytest.mark.timeout(120)
 def test_engine_over_process_group_equals_single_device(rng, tmp_path):
     """Engine(mode="pipeline") on 2 gloo ranks (the default group): one stage each, every rank's master weights,
