@@ -13,9 +13,11 @@ the speed-up over the first version (median of same-round ratios).
     python bench/cuda_kernel_ab.py base=rev:HEAD new=csrc --n 33554432 --g 4 --rounds 9
     python bench/cuda_kernel_ab.py a=csrc b=csrc+chunk=4096 --out ab.md
 
-Why: at N = 32M an update block (16384 elements) moves ~0.5 MB at G = 1, so the grid is ~2 waves of long blocks and
-their drain is a visible part of a 0.4 ms kernel (0.84-0.93 of copy bandwidth measured on an H100), while at 256M
-(15 waves) it is 0.96-1.02. Smaller chunks shorten the drain; the harness says by how much, without a torch build.
+Why: ptxas (nvcc 13.0, sm_90) gives update_kernel<AdamW> 40 registers a thread, so 6 blocks of 256 threads fit on
+an SM: 792 resident blocks on an H100's 132 SMs. At N = 32M the grid of 2048 blocks of 16384 elements (~0.5 MB
+moved each at G = 1) is 2.6 waves, the last 59 % full, in a 0.4 ms kernel (0.84-0.93 of copy bandwidth measured on
+an H100); at 256M it is 20.7 waves (0.96-1.02). 4096-element chunks make 32M 10.3 waves. The harness says what
+that is worth, without a torch build.
 PYENGINE_AB_NO_CHECK=1 skips the bit check (diagnostic variants that compute something else on purpose).
 """
 from __future__ import annotations
