@@ -162,7 +162,7 @@ if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvt
 fi
 wants env && stage env "$LOGS/env.log" 120 bash -c "nvidia-smi; nvcc --version || /usr/local/cuda/bin/nvcc --version; \
   $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
-  $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools) '"
+  $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools|wheel|cmake) '; cmake --version | head -n 1"
 wants build && stage build "$LOGS/build.log" 600 build
 wants import || wants build && stage import "$LOGS/build.log" 120 check_build
 wants tests && stage tests "$LOGS/tests.log" 900 run_tests
