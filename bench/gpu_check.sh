@@ -144,12 +144,23 @@ nvtx_check() {
     echo "nsys gave no report; checking the ranges with ncu's NVTX filter instead"
   fi
   command -v ncu >/dev/null || { echo "neither nsys nor ncu on PATH"; return 127; }
-  local inside absent
-  inside=$(ncu --nvtx --nvtx-include "regex:pyengine/worker0/forward_backward" --launch-count 3 --section LaunchStats \
-    "$PYTHON" "${train[@]}" --out "$SCRATCH/ncu-run1" 2>&1 | tee /dev/stderr | grep -c "==PROF== Profiling")
-  absent=$(ncu --nvtx --nvtx-include "regex:pyengine/no-such-range" --launch-count 3 --section LaunchStats \
-    "$PYTHON" "${train[@]}" --out "$SCRATCH/ncu-run2" 2>&1 | grep -c "==PROF== Profiling")
-  echo "kernels profiled inside pyengine/worker0/forward_backward+transfer: $inside; inside a missing range: $absent"
+  # ncu's filter syntax: a push/pop range ends in '/', and '/' also separates nested ranges, while pyengine's range
+  # names contain '/'. Never run on a GPU yet, so each form below is tried in turn (the first that profiles kernels
+  # wins; the log says which); the negative control then uses the same form with a name no range has. In the regex
+  # forms '.' stands for the '/' inside the name.
+  local form inside=0 absent runs=0
+  for form in 'regex:.*worker0.forward_backward.*/' 'regex:pyengine\/worker0\/forward_backward.*/' \
+              'regex:pyengine/worker0/forward_backward'; do
+    runs=$((runs + 1))
+    inside=$(ncu --nvtx --nvtx-include "$form" --launch-count 3 --section LaunchStats "$PYTHON" "${train[@]}" \
+      --out "$SCRATCH/ncu-run$runs" 2>&1 | tee /dev/stderr | grep -c "==PROF== Profiling")
+    echo "ncu --nvtx-include '$form': $inside kernels profiled"
+    [[ $inside -gt 0 ]] && break
+  done
+  absent=$(ncu --nvtx --nvtx-include "${form//forward_backward/no-such-range}" --launch-count 3 --section LaunchStats \
+    "$PYTHON" "${train[@]}" --out "$SCRATCH/ncu-absent" 2>&1 | grep -c "==PROF== Profiling")
+  echo "kernels profiled inside pyengine/worker0/forward_backward+transfer: $inside (filter '$form'); inside a" \
+       "missing range ('${form//forward_backward/no-such-range}'): $absent"
   [[ $inside -gt 0 && $absent -eq 0 ]]
 }
 
@@ -162,7 +173,8 @@ if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvt
 fi
 wants env && stage env "$LOGS/env.log" 120 bash -c "nvidia-smi; nvcc --version || /usr/local/cuda/bin/nvcc --version; \
   $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
-  $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools|wheel|cmake) '; cmake --version | head -n 1"
+  $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools|wheel|cmake) '; \
+  cmake --version | head -n 1"
 wants build && stage build "$LOGS/build.log" 600 build
 wants import || wants build && stage import "$LOGS/build.log" 120 check_build
 wants tests && stage tests "$LOGS/tests.log" 900 run_tests
