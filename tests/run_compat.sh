@@ -26,13 +26,11 @@ fi
 "$VENV/bin/python" -m pip install -q "torch==$VERSION" -r requirements-dev.txt wheel
 "$VENV/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$VERSION', torch.__version__"
 
-# The files git would commit (tracked and new, not ignored; deleted ones skipped); the old copy's build/ is kept, so
-# the extension rebuilds incrementally.
+# The files git would commit (tracked and new, not ignored; a deleted one is skipped with a warning); the old copy's
+# build/ is kept, so the extension rebuilds incrementally.
 mkdir -p "$TREE"
 find "$TREE" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
-git ls-files -z --cached --others --exclude-standard \
-  | xargs -0 -r sh -c 'for f; do [ -e "$f" ] && printf "%s\0" "$f"; done' _ \
-  | tar --null -T - -cf - | tar -xf - -C "$TREE"
+git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C "$TREE"
 (cd "$TREE" && PYENGINE_CPU_ONLY=1 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .)
 cd "$TREE"
 "$VENV/bin/python" -c "import torch, pyengine; print('torch', torch.__version__, '| pyengine from', pyengine.__file__)"

@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import bench_transfer  # noqa: E402
+import cuda_kernel_ab  # noqa: E402
 
 
 def test_copy_timeline_arithmetic():
@@ -86,9 +87,6 @@ def test_cpu_read_rate_runs(tmp_path):
         assert done.returncode == 2 and "usage:" in done.stderr, bad
 
 
-import cuda_kernel_ab  # noqa: E402
-
-
 def test_cuda_kernel_ab_versions_and_bad_specs():
     assert cuda_kernel_ab.parse_version("base=csrc") == ("base", "csrc", {})
     assert cuda_kernel_ab.parse_version("c4k=rev:HEAD~1+chunk=4096+threads=512") == (
@@ -131,7 +129,7 @@ def test_cuda_kernel_ab_builds_and_runs(tmp_path):
     import subprocess
 
     try:
-        nvcc = cuda_kernel_ab.find_nvcc()
+        cuda_kernel_ab.find_nvcc()
     except SystemExit:
         pytest.skip("no nvcc")
     versions = [cuda_kernel_ab.parse_version(v) for v in ("a=csrc", "b=csrc+chunk=2048+threads=128")]
