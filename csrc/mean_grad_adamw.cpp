@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace pyengine {
@@ -34,8 +35,9 @@ std::string arg_name(const char* name, int64_t index, int64_t count) {
 
 // written: the kernel writes t (a copy would lose the update); otherwise it only reads t.
 void check_buffer(const at::Tensor& t, const std::string& name, const at::Tensor& param, bool float32_only,
-                  bool written) {
+                  bool written, bool flat) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(!flat || t.dim() == 1, name, " must be 1-D (flat form); got ", describe(t));
   TORCH_CHECK_VALUE(t.device() == param.device(), name, " must be on ", param.device(), " like param; got ",
                     describe(t));
   if (float32_only) {
@@ -191,23 +193,23 @@ void check_update_args(const UpdateArgs& a) {
     TORCH_CHECK_VALUE(p.is_contiguous(), pname, " must be contiguous (it is updated in place; a copy would lose the "
                       "update); got ", describe(p));
     TORCH_CHECK_VALUE(!a.flat || p.dim() == 1, "param must be 1-D (flat form); got ", describe(p));
-    check_buffer(a.exp_avgs[i], arg_name("exp_avg", i, P), p, true, true);
-    check_buffer(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P), p, true, true);
+    check_buffer(a.exp_avgs[i], arg_name("exp_avg", i, P), p, true, true, a.flat);
+    check_buffer(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P), p, true, true, a.flat);
     outputs.push_back(span_of(p, pname));
     outputs.push_back(span_of(a.exp_avgs[i], arg_name("exp_avg", i, P)));
     outputs.push_back(span_of(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P)));
     if (a.hyper.amsgrad) {
-      check_buffer(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P), p, true, true);
+      check_buffer(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P), p, true, true, a.flat);
       outputs.push_back(span_of(a.max_exp_avg_sqs[i], arg_name("max_exp_avg_sq", i, P)));
     }
     if (!a.param_outs.empty()) {
-      check_buffer(a.param_outs[i], arg_name("param_out", i, P), p, false, true);
+      check_buffer(a.param_outs[i], arg_name("param_out", i, P), p, false, true, a.flat);
       outputs.push_back(span_of(a.param_outs[i], arg_name("param_out", i, P)));
     }
     for (int64_t g = 0; g < G; ++g) {
       const at::Tensor& grad = a.grad(g, i);
       const std::string gname = "grads[" + std::to_string(g) + "]" + (P > 1 ? "[" + std::to_string(i) + "]" : "");
-      check_buffer(grad, gname, p, false, false);
+      check_buffer(grad, gname, p, false, false, a.flat);
       inputs.push_back(span_of(grad, gname));
     }
   }
@@ -242,7 +244,10 @@ UpdateScalars make_update_scalars(const UpdateArgs& a) {
   s.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
   s.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
   s.grad_mult = static_cast<float>(h.maximize ? -mean_mult : mean_mult);
-  s.max_grad_norm = static_cast<float>(h.max_grad_norm);
+  // A positive bound below float's range must still clip (to ~0), not turn clipping off by rounding to 0.
+  s.max_grad_norm = h.max_grad_norm > 0.0
+      ? std::max(static_cast<float>(h.max_grad_norm), std::numeric_limits<float>::denorm_min())
+      : 0.0f;
   s.adamw = h.adamw;
   s.amsgrad = h.amsgrad;
   return s;

@@ -2,7 +2,8 @@
 
 The ops average the gradients of G workers and apply AdamW in one pass over memory, in place:
 
-- :func:`mean_grad_adamw_` — one flat tensor (the host store's layout).
+- :func:`mean_grad_adamw_` — one flat tensor (the host store's layout); :func:`mean_grad_adamw_clipped_` the same
+  with global-norm clipping.
 - :func:`mean_grad_adamw_multi_` — many tensors in one launch / one parallel region.
 - :func:`mean_grad_norm` / :func:`mean_grad_norm_multi` — L2 norm of the mean gradient, for global-norm clipping.
 
@@ -17,7 +18,8 @@ import torch
 
 from . import _C  # noqa: F401  (runs the op registrations)
 
-__all__ = ["GradNorm", "mean_grad_adamw_", "mean_grad_adamw_multi_", "mean_grad_norm", "mean_grad_norm_multi"]
+__all__ = ["GradNorm", "mean_grad_adamw_", "mean_grad_adamw_clipped_", "mean_grad_adamw_multi_", "mean_grad_norm",
+           "mean_grad_norm_multi"]
 
 
 class GradNorm(NamedTuple):
@@ -101,12 +103,12 @@ def _clip_norm(max_grad_norm) -> float:
 
 def mean_grad_adamw_(param, exp_avg, exp_avg_sq, grads, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
                      weight_decay=0.0, step, adamw=True, maximize=False, amsgrad=False, max_exp_avg_sq=None,
-                     grad_scale=None, found_inf=None, weights=None, param_out=None, max_grad_norm=None):
+                     grad_scale=None, found_inf=None, weights=None, param_out=None) -> None:
     """Average ``grads`` (G tensors) and apply one AdamW step to ``param``, ``exp_avg``, ``exp_avg_sq`` in place.
 
     Args:
         param, exp_avg, exp_avg_sq: contiguous 1-D float32 tensors of N elements, updated in place.
-        grads: list of G >= 1 contiguous N-element tensors (float32, bfloat16 or float16, mixed allowed) on
+        grads: list of G >= 1 contiguous 1-D N-element tensors (float32, bfloat16 or float16, mixed allowed) on
             param's device. Their mean (or ``weights``-weighted mean) is the gradient; summed in list order, so
             results are bit-reproducible.
         lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW.
@@ -118,12 +120,32 @@ def mean_grad_adamw_(param, exp_avg, exp_avg_sq, grads, *, lr, beta1=0.9, beta2=
         found_inf: 1-element float32 tensor; if nonzero nothing is changed (read on the device: no host sync).
         weights: G floats summing to 1, for uneven shards.
         param_out: optional N-element float32/bfloat16/float16 tensor that receives the updated weights.
-        max_grad_norm: clip the mean gradient to this global norm (a norm pass, then the update pass); a
-            non-finite norm skips the step.
 
-    Returns:
-        The norm of the mean gradient (0-d tensor, before unscaling by grad_scale) when clipping, else None.
+    Clipping by the global norm of the mean gradient: :func:`mean_grad_adamw_clipped_` (this signature is fixed).
     """
+    _update_flat(param, exp_avg, exp_avg_sq, grads, max_grad_norm=None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                 weight_decay=weight_decay, step=step, adamw=adamw, maximize=maximize, amsgrad=amsgrad,
+                 max_exp_avg_sq=max_exp_avg_sq, grad_scale=grad_scale, found_inf=found_inf, weights=weights,
+                 param_out=param_out)
+
+
+def mean_grad_adamw_clipped_(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm, **options) -> torch.Tensor:
+    """:func:`mean_grad_adamw_` with the mean gradient clipped to the global L2 norm ``max_grad_norm`` (> 0): a
+    norm pass (:func:`mean_grad_norm`), then the update pass scaling the gradient by min(1, max_grad_norm / norm).
+    A norm that is not finite skips the step. ``options``: :func:`mean_grad_adamw_`'s keyword arguments.
+
+    Returns the norm of the mean gradient (0-d float32 tensor, before unscaling by ``grad_scale``).
+    """
+    if max_grad_norm is None:
+        raise ValueError("mean_grad_adamw_clipped_: max_grad_norm must be a number > 0; for no clipping call "
+                         "mean_grad_adamw_")
+    return _update_flat(param, exp_avg, exp_avg_sq, grads, max_grad_norm=max_grad_norm, **options)
+
+
+def _update_flat(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=0.0, step, adamw=True, maximize=False, amsgrad=False, max_exp_avg_sq=None,
+                 grad_scale=None, found_inf=None, weights=None, param_out=None) -> torch.Tensor | None:
+    """The flat update; clips when ``max_grad_norm`` is not None and returns the norm then."""
     grads = _tensor_list(grads, "grads")
     hyper, step = _hyper(lr, beta1, beta2, eps, weight_decay), _step(step)
     clip = _clip_norm(max_grad_norm)

@@ -3,6 +3,7 @@
 Reference for every update: torch.optim.AdamW / Adam (foreach=False) on a float64 copy of the parameter, fed the
 float64 mean of the same (already rounded) gradients the kernel sees.
 """
+import inspect
 import os
 import shutil
 import subprocess
@@ -90,8 +91,15 @@ class Ours:
     def step(self, grads, **kwargs):
         self.t += 1
         device = self.p.device
-        return ops.mean_grad_adamw_(self.p, self.m, self.v, [g.to(device) for g in grads], step=self.t,
-                                    amsgrad=self.vmax is not None, max_exp_avg_sq=self.vmax, **kwargs)
+        return flat_update(self.p, self.m, self.v, [g.to(device) for g in grads], step=self.t,
+                           amsgrad=self.vmax is not None, max_exp_avg_sq=self.vmax, **kwargs)
+
+
+def flat_update(param, exp_avg, exp_avg_sq, grads, max_grad_norm=None, **kwargs):
+    """The flat op; with ``max_grad_norm``, its clipping form (returns the norm)."""
+    if max_grad_norm is None:
+        return ops.mean_grad_adamw_(param, exp_avg, exp_avg_sq, grads, **kwargs)
+    return ops.mean_grad_adamw_clipped_(param, exp_avg, exp_avg_sq, grads, max_grad_norm=max_grad_norm, **kwargs)
 
 
 def run_both(rng, device, n, workers, steps=5, dtypes=(torch.float32,), ref_kwargs=None, our_kwargs=None,
@@ -233,6 +241,46 @@ def test_clipping_skips_step_on_nonfinite_gradient(rng, device):
     assert torch.equal(ours.v, torch.zeros_like(ours.v))
 
 
+@pytest.mark.parametrize("grad_norm", [-2.0, float("nan"), float("-inf")])
+def test_a_clip_norm_below_zero_or_nan_skips_the_step(rng, device, grad_norm):
+    """The op takes the norm as a tensor (it may come from another device pass): a norm that is not a finite number
+    >= 0 skips the step, as a non-finite one does; a negative one would otherwise reverse the update's sign."""
+    call = valid_call(device)
+    before = {k: call[k].clone() for k in ("param", "exp_avg", "exp_avg_sq")}
+    torch.ops.pyengine.mean_grad_adamw_.default(
+        call["param"], call["exp_avg"], call["exp_avg_sq"], call["grads"], lr=1e-3, beta1=0.9, beta2=0.999,
+        eps=1e-8, weight_decay=0.0, step=1, adamw=True, maximize=False, amsgrad=False, max_exp_avg_sq=None,
+        grad_scale=None, found_inf=None, weights=None, param_out=None,
+        grad_norm=torch.tensor(grad_norm, device=device), max_grad_norm=1.0)
+    for k, v in before.items():
+        assert torch.equal(call[k], v), f"{k} changed under grad_norm={grad_norm}"
+
+
+def test_a_bound_below_float_range_still_clips(device):
+    """max_grad_norm is a double; one below float's smallest subnormal must clip to ~0, not round to 0 (which means
+    no clipping to the kernels)."""
+    n = 8
+    ours = Ours(torch.zeros(n), device)
+    ours.step([torch.ones(n)], max_grad_norm=1e-46, **HYPER)
+    assert ours.m.abs().max().item() < 1e-40, "the gradient must have been clipped to ~0"
+    unclipped = Ours(torch.zeros(n), device)
+    unclipped.step([torch.ones(n)], **HYPER)
+    assert unclipped.m.abs().min().item() > 1e-3
+
+
+def test_flat_signature_is_the_documented_one():
+    """Other code calls the flat form by this exact signature (names, order, kinds, defaults)."""
+    empty = inspect.Parameter.empty
+    expected = [("param", empty), ("exp_avg", empty), ("exp_avg_sq", empty), ("grads", empty), ("lr", empty),
+                ("beta1", 0.9), ("beta2", 0.999), ("eps", 1e-8), ("weight_decay", 0.0), ("step", empty),
+                ("adamw", True), ("maximize", False), ("amsgrad", False), ("max_exp_avg_sq", None),
+                ("grad_scale", None), ("found_inf", None), ("weights", None), ("param_out", None)]
+    params = inspect.signature(ops.mean_grad_adamw_).parameters.values()
+    assert [(p.name, p.default) for p in params] == expected
+    kinds = [p.kind for p in params]
+    assert kinds == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 4 + [inspect.Parameter.KEYWORD_ONLY] * 14
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Norm
 
@@ -328,6 +376,14 @@ def valid_call(device, n=64, workers=2):
                 grads=[torch.randn(n, device=device) for _ in range(workers)], lr=1e-3, step=1)
 
 
+def _amsgrad_with(buffer):
+    """A mutation: amsgrad on, its buffer made from the call by ``buffer``."""
+    def mutate(a):
+        a["amsgrad"] = True
+        a["max_exp_avg_sq"] = buffer(a)
+    return mutate
+
+
 def _set(key, value):
     return lambda a: a.__setitem__(key, value(a) if callable(value) else value)
 
@@ -375,6 +431,28 @@ BAD_CALLS = {
     "step too large": (_set("step", 2**70), r"step must be >= 1 and < 2\*\*63"),
     "lr not a number": (_set("lr", "abc"), r"lr must be a number; got 'abc'"),
     "weight not a number": (_set("weights", [0.5, "0.5"]), r"weights\[1\] must be a number"),
+    "nan weight": (_set("weights", [float("nan"), 1.0]), r"weights\[0\] must be a finite number"),
+    "inf weight": (_set("weights", [float("inf"), 0.0]), r"weights\[0\] must be a finite number"),
+    "nan eps": (_set("eps", float("nan")), r"eps must be a finite number"),
+    "nan beta1": (_set("beta1", float("nan")), r"beta1 must be in \[0, 1\)"),
+    "nan beta2": (_set("beta2", float("nan")), r"beta2 must be in \[0, 1\)"),
+    "exp_avg is exp_avg_sq": (_set("exp_avg_sq", lambda a: a["exp_avg"]), r"exp_avg(_sq)? and exp_avg(_sq)? overlap"),
+    "param_out overlaps param": (_set("param_out", lambda a: a["param"]), r"overlap"),
+    "param_out overlaps a grad": (_set("param_out", lambda a: a["grads"][1]), r"grads\[1\] overlaps param_out"),
+    "non-contiguous param": (_set("param", lambda a: torch.rand(128, device=a["param"].device)[::2]),
+                             r"param must be contiguous"),
+    "2-D exp_avg": (_set("exp_avg", lambda a: a["exp_avg"].view(8, 8)), r"exp_avg must be 1-D \(flat form\)"),
+    "2-D grad": (_set("grads", lambda a: [a["grads"][0], a["grads"][1].view(8, 8)]), r"grads\[1\] must be 1-D"),
+    "2-D param_out": (_set("param_out", lambda a: torch.empty(8, 8, device=a["param"].device)),
+                      r"param_out must be 1-D"),
+    "found_inf numel": (_set("found_inf", lambda a: torch.zeros(2, device=a["param"].device)),
+                        r"found_inf must have exactly 1 element"),
+    "grad_scale dtype": (_set("grad_scale", lambda a: torch.ones(1, dtype=torch.float16, device=a["param"].device)),
+                         r"grad_scale must be float32"),
+    "max_exp_avg_sq dtype": (_amsgrad_with(lambda a: torch.zeros(64, dtype=torch.float64, device=a["param"].device)),
+                             r"max_exp_avg_sq must be float32"),
+    "max_exp_avg_sq is exp_avg_sq": (_amsgrad_with(lambda a: a["exp_avg_sq"]), r"overlap"),
+    "max_grad_norm None": (_set("max_grad_norm", None), r"max_grad_norm must be a number > 0"),
 }
 
 
@@ -382,12 +460,14 @@ BAD_CALLS = {
 def test_bad_input_is_a_clear_error_and_writes_nothing(device, case):
     mutate, message = BAD_CALLS[case]
     call = valid_call(device)
+    call.setdefault("param_out", torch.zeros(64, dtype=torch.bfloat16, device=device))
     mutate(call)
-    outputs = [call[k] for k in ("param", "exp_avg", "exp_avg_sq") if call[k].dtype == torch.float32]
+    outputs = [call[k] for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param_out")
+               if isinstance(call.get(k), torch.Tensor) and call[k].dtype != torch.float64]
     before = [t.clone() for t in outputs]
+    update = ops.mean_grad_adamw_clipped_ if "max_grad_norm" in call else ops.mean_grad_adamw_
     with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
-        ops.mean_grad_adamw_(call.pop("param"), call.pop("exp_avg"), call.pop("exp_avg_sq"), call.pop("grads"),
-                             **call)
+        update(call.pop("param"), call.pop("exp_avg"), call.pop("exp_avg_sq"), call.pop("grads"), **call)
     for now, then in zip(outputs, before):
         assert torch.equal(now, then), "a rejected call must not write"
 

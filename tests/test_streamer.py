@@ -331,12 +331,12 @@ def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper)
         else:
             for s in streamers:
                 s.wait_all()
-            pyengine.ops.mean_grad_adamw_(
-                store.param, store.exp_avg, store.exp_avg_sq, [store.grad_slot(s.worker) for s in streamers],
-                step=step, lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1],
-                weight_decay=hyper["weight_decay"], amsgrad=hyper.get("amsgrad", False),
-                max_exp_avg_sq=store.max_exp_avg_sq, param_out=store.shadow, weights=hyper.get("weights"),
-                max_grad_norm=hyper.get("max_grad_norm"))
+            clip = {} if hyper.get("max_grad_norm") is None else dict(max_grad_norm=hyper["max_grad_norm"])
+            update = pyengine.ops.mean_grad_adamw_clipped_ if clip else pyengine.ops.mean_grad_adamw_
+            update(store.param, store.exp_avg, store.exp_avg_sq, [store.grad_slot(s.worker) for s in streamers],
+                   step=step, lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1],
+                   weight_decay=hyper["weight_decay"], amsgrad=hyper.get("amsgrad", False),
+                   max_exp_avg_sq=store.max_exp_avg_sq, param_out=store.shadow, weights=hyper.get("weights"), **clip)
             for s in streamers:
                 s.copy_back()
         if threaded:

@@ -64,7 +64,8 @@ std::vector<GradSource> grad_sources(at::TensorList grads, int64_t num_tensors, 
 }
 
 // The gradient multiplier once grad_scale and clipping are known; nullopt when the step must be skipped (found_inf,
-// a grad_scale that is not a positive finite number, a non-finite clip norm), as the CUDA kernels decide on the device.
+// a grad_scale that is not a positive finite number, a clip norm that is not a finite number >= 0), as the CUDA
+// kernels decide on the device.
 std::optional<float> effective_grad_mult(const UpdateArgs& a, const UpdateScalars& s) {
   if (a.found_inf.has_value() && a.found_inf->item<float>() != 0.0f) return std::nullopt;
   // The same float operations as grad_multiplier() in cuda/kernels.cu, so CPU and CUDA take the same multiplier
@@ -74,7 +75,7 @@ std::optional<float> effective_grad_mult(const UpdateArgs& a, const UpdateScalar
   float mult = s.grad_mult / scale;
   if (s.max_grad_norm > 0.0f) {
     const float norm = a.grad_norm->item<float>() / scale;
-    if (!std::isfinite(norm)) return std::nullopt;
+    if (!(norm >= 0.0f) || std::isinf(norm)) return std::nullopt;  // a negative norm would reverse the step
     mult = mult * std::fmin(1.0f, s.max_grad_norm / (norm + 1e-6f));
   }
   return mult;

@@ -78,7 +78,7 @@ __device__ __forceinline__ void adamw(ElementState& e, float g, const UpdateScal
 }
 
 // The multiplier of the summed gradient, or false if the step is to be skipped (found_inf, a grad_scale that is not
-// a positive finite number, a non-finite clip norm).
+// a positive finite number, a clip norm that is not a finite number >= 0).
 __device__ __forceinline__ bool grad_multiplier(const UpdateScalars& s, const DeviceScalars& d, float* mult) {
   if (d.found_inf != nullptr && *d.found_inf != 0.0f) return false;
   const float scale = d.grad_scale != nullptr ? *d.grad_scale : 1.0f;
@@ -86,7 +86,7 @@ __device__ __forceinline__ bool grad_multiplier(const UpdateScalars& s, const De
   float m = s.grad_mult / scale;
   if (s.max_grad_norm > 0.0f) {
     const float norm = *d.grad_norm / scale;
-    if (!isfinite(norm)) return false;
+    if (!(norm >= 0.0f) || isinf(norm)) return false;  // a negative norm would reverse the step
     m = m * fminf(1.0f, s.max_grad_norm / (norm + 1e-6f));
   }
   *mult = m;
