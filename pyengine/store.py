@@ -154,6 +154,8 @@ class HostStore:
             raise ValueError(f"HostStore: shadow_dtype must be None or one of {_SHADOW_DTYPES}; got {shadow_dtype}")
         if not (isinstance(pin, bool) or pin == "auto"):
             raise ValueError(f"HostStore: pin must be True, False or 'auto'; got {pin!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+            raise ValueError(f"HostStore: max_bytes must be None or an int >= 0 (bytes); got {max_bytes!r}")
         named = _trainable(model_or_named_parameters)
         self.workers = workers
         self.grad_dtype = grad_dtype

@@ -58,7 +58,8 @@ class GradientStreamer:
 
     Args:
         replica: the worker's model (an ``nn.Module`` on ``cpu`` or ``cuda:i``), with the store's trainable parameters
-            under the same names and shapes (contiguous; any floating dtype: gradients are converted to the slot's).
+            under the same names and shapes (contiguous; float32, bfloat16 or float16: gradients are converted to
+            the slot's dtype; dense gradients: no ``nn.Embedding(sparse=True)``).
         store: the :class:`~pyengine.HostStore`.
         worker: which gradient slot this replica fills.
         bucket_mb, first_bucket_mb: bucket size caps in MiB of slot bytes (DDP's defaults).
@@ -104,6 +105,7 @@ class GradientStreamer:
         self._end_deferred = False  # Note [Reentrant backward]
         self._passes = 0  # backward passes begun, for backward_pass()
         self._fired = [False] * len(self._params)  # got a gradient in the current accumulation window
+        self._fired_pass = [False] * len(self._params)  # got it in the current backward pass (Note [Hook fires once])
         self._pending = [0] * len(self.buckets)
         self._next_launch = 0
         self.hook_calls = 0
@@ -121,7 +123,15 @@ class GradientStreamer:
                                  f"{None if param is None else (tuple(param.shape), param.requires_grad)}")
             if not param.is_contiguous():
                 raise ValueError(f"GradientStreamer: replica parameter {entry.name!r} must be contiguous")
+            if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"GradientStreamer: replica parameter {entry.name!r} must be float32, bfloat16 or "
+                                 f"float16 (its gradients are copied into the store's slots); got {param.dtype}")
             params.append(param)
+        sparse = [name for name, m in replica.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            raise ValueError(f"GradientStreamer: {sparse} make sparse gradients (sparse=True); the store holds dense "
+                             "gradients: build them with sparse=False")
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"GradientStreamer: a replica lives on one device; got {sorted(map(str, devices))}")
@@ -149,23 +159,38 @@ class GradientStreamer:
     # ---- hooks (autograd threads) ----
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        """Note [Hook fires once]
+        Within one backward pass a parameter's post-accumulate-grad hook fires once: its AccumulateGrad node runs
+        once per graph task. The exception is a parameter used both inside and outside a reentrant activation
+        checkpoint (``use_reentrant=True``): the inner backward is its own graph task, so the hook fires in each,
+        and the first fire would have its bucket copied with half the gradient (or its bucket-mates zero-filled).
+        That is an error here, as in DDP ("marked ready twice"); non-reentrant checkpoints have one graph task."""
+        if param.grad is not None and param.grad.layout != torch.strided:
+            raise RuntimeError(f"GradientStreamer(worker={self.worker}): parameter {self.store.names[index]!r} got a "
+                               f"{param.grad.layout} gradient; the store holds dense gradients")
         with self._lock:
             if not self._in_backward:
                 self._begin_backward()
             elif self._end_deferred:  # Note [Reentrant backward]: now on the outer backward's graph task
                 self._end_deferred = False
                 self._queue_end()
+            twice = self._fired_pass[index]
+            self._fired_pass[index] = True
             self.hook_calls += 1
             self._fired[index] = True
-            if not self._sync:
-                return
-            k = self._bucket_of[index]
-            self._pending[k] -= 1
-            self._launch_ready()
+            if self._sync and not twice:
+                self._pending[self._bucket_of[index]] -= 1
+                self._launch_ready()
+        if twice:
+            raise RuntimeError(
+                f"GradientStreamer(worker={self.worker}): parameter {self.store.names[index]!r} received its gradient "
+                "twice in one backward pass (Note [Hook fires once]): it is used both inside and outside a reentrant "
+                "activation checkpoint; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
 
     def _begin_backward(self, queue_end: bool = True) -> None:
         self._in_backward = True
         self._passes += 1
+        self._fired_pass = [False] * len(self._params)
         self._sync = not self._no_sync and (self._backward_count + 1) % self._accumulate == 0
         if self._sync:
             self._pending = [len(members) for members in self._bucket_params]
@@ -233,10 +258,16 @@ class GradientStreamer:
           without this, the step's buckets would never be launched and :meth:`wait` would wait forever. Here it
           counts as a pass in which no parameter got a gradient (``unused`` decides: zeros, or the error).
         - a pass whose end was deferred by a reentrant checkpoint (Note [Reentrant backward]) ends here.
+        - a backward that raises leaves no half-launched step behind (:meth:`reset`): the next backward starts a
+          fresh step, and no :meth:`wait` returns on the failed one's buckets.
         """
         with self._lock:
             passes = self._passes
-        yield self
+        try:
+            yield self
+        except BaseException:
+            self.reset()  # a backward that failed half way: its buckets must not pass for the next step's
+            raise
         with self._lock:
             if self._passes == passes and not self._in_backward:
                 self._begin_backward(queue_end=False)
@@ -329,6 +360,7 @@ class GradientStreamer:
         a fresh step and no wait returns on the failed step's data. Errors of those copies are dropped with them."""
         with self._lock:
             self._in_backward = False
+            self._end_deferred = False
             self._sync = False
             self._backward_count = 0
             self._fired = [False] * len(self._params)

@@ -141,6 +141,9 @@ def test_max_bytes_refusal_names_the_bytes():
     assert make(model, workers=2, max_bytes=needed).nbytes == needed
     with pytest.raises(ValueError, match=rf"needs {needed} bytes.*max_bytes is {needed - 1}"):
         make(model, workers=2, max_bytes=needed - 1)
+    for bad in ("1000", 1e9, -1, True):
+        with pytest.raises(ValueError, match=rf"max_bytes must be None or an int >= 0 \(bytes\); got {bad!r}"):
+            make(model, workers=2, max_bytes=bad)
 
 
 @pytest.mark.skipif(CUDA, reason="needs a machine without a usable CUDA device")

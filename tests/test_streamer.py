@@ -121,6 +121,62 @@ def test_wait_with_timeout_and_reset_after_a_failed_step():
         assert_slots_equal_grads(store, model, 0)
 
 
+@pytest.mark.timeout(60)
+def test_a_backward_that_raises_leaves_no_half_step():
+    """A backward that fails half way (here a tensor hook raises after the first buckets were launched): the next
+    step starts afresh, its waits return its own gradients, not the failed step's."""
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        def boom(grad):
+            raise RuntimeError("boom in backward")
+        handle = model.body.weight.register_hook(boom)  # fires after out's, head's and extra's buckets
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            with streamer.backward_pass():
+                model(batch()).backward()
+        handle.remove()
+        assert streamer.wait(0, timeout=0.05) is False, "a failed step's bucket must not count for the next one"
+        model.zero_grad()
+        store.grad_slot(0).fill_(float("nan"))  # whatever the failed step left
+        with streamer.backward_pass():
+            model(batch()).backward()
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
+
+
+class UsedAcrossCheckpoint(torch.nn.Module):
+    """``p`` is used inside a reentrant checkpoint and again outside it: its hook fires in two graph tasks."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.p = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(self.p, torch.tanh(self.q(x)), use_reentrant=True)
+        return self.p(h).pow(2).mean()
+
+
+@pytest.mark.timeout(60)
+def test_a_gradient_arriving_twice_in_one_pass_is_an_error():
+    """Note [Hook fires once]: the first fire would copy half the gradient; an error, never a wrong slot."""
+    model = UsedAcrossCheckpoint()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store) as streamer:
+        with pytest.raises(RuntimeError, match=r"'p\.(weight|bias)' received its gradient twice.*use_reentrant=False"):
+            with streamer.backward_pass():
+                model(torch.randn(3, 5)).backward()
+
+
+def test_replicas_the_store_cannot_take_are_refused_at_construction():
+    double = torch.nn.Linear(3, 3).double()
+    with pytest.raises(ValueError, match=r"'(weight|bias)' must be float32, bfloat16 or float16.*got torch\.float64"):
+        pyengine.GradientStreamer(double, pyengine.HostStore(double, pin=False))
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"\['0'\] make sparse gradients.*sparse=False"):
+        pyengine.GradientStreamer(sparse, pyengine.HostStore(sparse, pin=False))
+
+
 def test_shared_and_frozen_parameters():
     model = Net()
     store = pyengine.HostStore(model, pin=False)
