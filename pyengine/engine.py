@@ -35,6 +35,7 @@ from .optim import AdamW, check_lr_factor
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
 from .profiling import PhaseRecorder
+from .rng import WorkerRNG
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
 from .store import HostStore
 from .sync import sync_step
@@ -67,7 +68,12 @@ class Engine:
             the same one to the engine that loads it. A value that is not a finite number >= 0 raises
             ``ValueError`` before that step changes anything (async: the push is neither applied nor counted, and
             the :class:`WorkerError` that stops ``fit`` has the ``ValueError`` as its cause).
-        seed: seeds torch's RNG before the replicas are made.
+        seed: seeds torch's RNG before the replicas are made, and the workers' own generators: workers that
+            compute at the same time (hybrid and async with more than one worker, pipeline stages) draw dropout
+            masks and the like from a generator each, so runs with the same seed are bit-identical (Note [Random
+            numbers of concurrent workers] in :mod:`pyengine.rng`).
+        random_modules: module classes (besides dropout, RReLU and MultiheadAttention) whose forward draws random
+            numbers, to be routed to the workers' own generators too.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
         unused: ``"zero"`` (parameters without a gradient in a step get zero) or ``"error"``.
         autocast: None, or ``torch.bfloat16``/``torch.float16``: replicas compute under autocast and gradients travel
@@ -119,7 +125,7 @@ class Engine:
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
-                 schedule: str = "1f1b", balance="params", loss_scale="auto"):
+                 schedule: str = "1f1b", balance="params", loss_scale="auto", random_modules=()):
         self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                             loss_fn)
         check_mode_options(mode, stages, microbatches, schedule, balance)
@@ -130,6 +136,7 @@ class Engine:
         self.devices = parse_devices(devices)
         slots = len(self.devices)
         group = distributed.resolve_group(process_group, shard_update, mode)
+        self.process_group = group
         if mode == "pipeline" and group is not None:  # rank s runs stage s (pyengine.pipeline_distributed)
             stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
                                                         balance, group), 1
@@ -160,6 +167,8 @@ class Engine:
             raise TypeError(f"seed must be an int; got {seed!r}")
         self.seed = seed
         torch.manual_seed(seed)
+        self.random_modules = _module_classes(random_modules)
+        self._worker_rngs: list[WorkerRNG] = []  # in creation order: workers, or pipeline stages (state_dict)
         if self.optimizer.no_decay and shard_update:
             raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
                              "one weight decay over each rank's ranges; leave out one of them")
@@ -172,7 +181,9 @@ class Engine:
         self._decay_runs = (self.optimizer.no_decay, _decay_runs(self.store, self.optimizer))
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
             Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
-                   autocast_dtype=autocast) for i, d in enumerate(self.devices)]
+                   autocast_dtype=autocast, random_modules=self.random_modules,
+                   rng=self.worker_rng(d, i) if mode != "sync" and len(self.devices) > 1 else None)
+            for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
         self.mutex = threading.Lock()  # the store's mutex: async pulls and pushes hold it
         self.recorder = PhaseRecorder()
@@ -197,10 +208,17 @@ class Engine:
                 unused=unused, autocast=autocast)
         self._closed = False
         self._abandoned = False
-        self.process_group = group
         self.servers = distributed.check_servers(servers, group, mode, self.store.numel)
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
+
+    def worker_rng(self, device: torch.device, index: int) -> WorkerRNG:
+        """The own generator of concurrent worker ``index`` (Note [Random numbers of concurrent workers]); with a
+        process group the index counts across ranks, so no two ranks' workers draw the same numbers."""
+        rank = self.process_group.rank() if self.process_group is not None else 0
+        rng = WorkerRNG(device, self.seed, rank * len(self.devices) + index)
+        self._worker_rngs.append(rng)
+        return rng
 
     # ---- public API ------------------------------------------------------------------------------------------
 
@@ -342,6 +360,7 @@ class Engine:
             "optimizer": self.optimizer_state_dict(),
             "optimizer_config": self.optimizer.config(),
             "rng": torch.get_rng_state(),
+            "worker_rng": [rng.get_state() for rng in self._worker_rngs],
             "counters": dict(self._counters),
             "staleness": dict(self._staleness),
             "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -395,6 +414,12 @@ class Engine:
         if not isinstance(rng, torch.Tensor) or rng.dtype != expected_rng.dtype or rng.shape != expected_rng.shape:
             raise ValueError(f"the state's rng must be torch.get_rng_state()'s {expected_rng.dtype} "
                              f"{tuple(expected_rng.shape)}; got {_describe(rng)}")
+        worker_rng = sd.get("worker_rng", [])  # absent in states written before workers had their own generators
+        expected = [rng.get_state() for rng in self._worker_rngs]
+        found = [_describe(s) for s in worker_rng] if isinstance(worker_rng, (list, tuple)) else _describe(worker_rng)
+        if found != [_describe(e) for e in expected]:
+            raise ValueError(f"the state's worker_rng must hold the states of this engine's {len(expected)} worker "
+                             f"generator(s) (Note [Random numbers of concurrent workers]); got {found}")
         counters, staleness = sd["counters"], sd["staleness"]
         try:
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
@@ -416,6 +441,8 @@ class Engine:
             views[name].copy_(value)
         self.version = version
         torch.set_rng_state(rng)
+        for generator, state in zip(self._worker_rngs, worker_rng):
+            generator.set_state(state)
         self._counters = collections.Counter(counters)
         self._staleness = staleness
         if self.scaler is not None:  # None (saved without scaling): a fresh scaler; a static one keeps its scale
@@ -724,6 +751,15 @@ class Engine:
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16; got {autocast!r}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+
+
+def _module_classes(classes) -> tuple[type, ...]:
+    if isinstance(classes, type) or not isinstance(classes, (tuple, list)):
+        raise TypeError(f"random_modules must be a tuple of nn.Module classes; got {classes!r}")
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+    if bad:
+        raise TypeError(f"random_modules must hold nn.Module classes; got {bad}")
+    return tuple(classes)
 
 
 def _decay_runs(store: HostStore, optimizer: AdamW) -> list[tuple[int, int, bool]] | None:

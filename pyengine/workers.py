@@ -195,13 +195,17 @@ def deferred_interrupt(what: str, on_escape=None):
 
 
 class Worker:
-    """One replica on one device, its streamer and (on CUDA) its compute stream."""
+    """One replica on one device, its streamer and (on CUDA) its compute stream; ``rng`` (a
+    :class:`pyengine.rng.WorkerRNG`, for workers that run concurrently) is the replica's own random generator."""
 
     def __init__(self, index: int, device: torch.device, model: torch.nn.Module, store, *, bucket_mb: float,
-                 first_bucket_mb: float, unused: str, autocast_dtype: torch.dtype | None):
+                 first_bucket_mb: float, unused: str, autocast_dtype: torch.dtype | None, rng=None,
+                 random_modules=()):
         self.index = index
         self.device = device
         self.replica = copy.deepcopy(model).to(device)
+        if rng is not None:  # Note [Random numbers of concurrent workers] (pyengine/rng.py)
+            rng.install(self.replica, random_modules)
         self.streamer = GradientStreamer(self.replica, store, worker=index, bucket_mb=bucket_mb,
                                          first_bucket_mb=first_bucket_mb, unused=unused)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -23,9 +23,11 @@ from conftest import loss_fn, make_batches
 OPT = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01)
 
 
-def make_model(seed=0, d_in=10, hidden=24, d_out=3):
+def make_model(seed=0, d_in=10, hidden=24, d_out=3, dropout=0.0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, d_out))
+    middle = [torch.nn.Dropout(dropout)] if dropout else []
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(), *middle,
+                               torch.nn.Linear(hidden, d_out))
 
 
 class TorchReference:
@@ -331,16 +333,49 @@ def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng, worker_
         assert engine.step(batches[2])["applied"] and engine.version == 2
 
 
-def test_hybrid_is_bit_reproducible(rng):
+@pytest.mark.parametrize("dropout", [0.0, 0.5], ids=["deterministic-model", "dropout"])
+def test_hybrid_is_bit_reproducible(rng, dropout):
+    """With dropout the workers draw masks concurrently: each from its own generator (Note [Random numbers of
+    concurrent workers]), so the order in which the threads run does not matter. Three runs: the seed is the
+    only input (and with dropout a different seed gives other weights: the masks are drawn, and from the seed)."""
     batches = make_batches(rng, 6, 40)
     results = []
-    for _ in range(2):
-        with Engine(make_model(), loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT), seed=7) as engine:
+    for seed in (7, 7, 7, 8):
+        with Engine(make_model(dropout=dropout), loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT),
+                    seed=seed) as engine:
             for b in batches:
                 engine.step(b)
             results.append(engine.master_state_dict())
-    for name in results[0]:
-        assert torch.equal(results[0][name], results[1][name]), name
+    for other in results[1:3]:
+        for name in results[0]:
+            assert torch.equal(results[0][name], other[name]), name
+    assert any(not torch.equal(results[0][name], results[3][name]) for name in results[0]) == bool(dropout)
+
+
+def test_random_modules_routes_a_users_random_layer(rng):
+    """A layer drawing with torch.rand in its forward is on the shared generator unless listed in random_modules."""
+    class Noise(torch.nn.Module):
+        def forward(self, x):
+            return x + 0.1 * torch.rand_like(x) if self.training else x
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(10, 24), Noise(), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+
+    batches = make_batches(rng, 6, 40)
+    results = []
+    for _ in range(3):
+        with Engine(model(), loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT), seed=3,
+                    random_modules=(Noise,)) as engine:
+            for b in batches:
+                engine.step(b)
+            results.append(engine.master_state_dict())
+    for other in results[1:]:
+        for name in results[0]:
+            assert torch.equal(results[0][name], other[name]), name
+    for bad in (Noise, [int], ("Noise",)):
+        with pytest.raises(TypeError, match="random_modules must"):
+            Engine(model(), loss_fn, devices=["cpu"], random_modules=bad)
 
 
 def test_sync_equals_sequential_training(rng, worker_device):
@@ -659,17 +694,22 @@ def test_batch_smaller_than_workers_and_non_scalar_loss(rng):
             engine.step(make_batches(rng, 1, 8)[0])
 
 
-def test_state_dict_resume_is_bit_identical(rng, worker_device):
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["deterministic-model", "dropout"])
+def test_state_dict_resume_is_bit_identical(rng, worker_device, dropout):
+    """With dropout the state carries each worker's generator: the resumed run draws the masks the straight one
+    drew (the engine that loads is built with another seed, so nothing but the state can make them equal)."""
     batches = make_batches(rng, 10, 24)
-    with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    model = make_model(dropout=dropout)
+    with Engine(model, loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
         for b in batches:
             engine.step(b)
         straight = engine.master_state_dict()
-    with Engine(make_model(), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    with Engine(model, loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
         for b in batches[:4]:
             engine.step(b)
         saved = copy.deepcopy(engine.state_dict())
-    with Engine(make_model(seed=1), loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    with Engine(make_model(seed=1, dropout=dropout), loss_fn, devices=[worker_device] * 2,
+                optimizer=AdamW(**OPT, amsgrad=True), seed=99) as engine:
         engine.load_state_dict(saved)
         for b in batches[4:]:
             engine.step(b)
