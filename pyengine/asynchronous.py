@@ -31,6 +31,7 @@ class _BatchSource:
         self._epoch, self._it = 0, iter(batches)
         self._fresh, self._done = True, False
         self._lock = threading.Lock()
+        self.taken = 0  # mini-batches handed out
 
     def take(self, k: int) -> list:
         out = []
@@ -38,6 +39,7 @@ class _BatchSource:
             while len(out) < k and not self._done:
                 try:
                     out.append(next(self._it))
+                    self.taken += 1
                     self._fresh = False
                 except StopIteration:
                     self._epoch += 1
@@ -65,16 +67,17 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     pushes_before = engine.stats()["pushes"]  # ``steps`` counts this call's pushes
     errors: list[tuple[int, BaseException]] = []
 
-    def push(worker, pulled, scale, loss, samples, compute, wait):
+    def push(worker, pulled, scale, loss, samples, compute, wait, copy_back):
         """Under the mutex: apply (True) or ask for a refresh (False)."""
         start = time.perf_counter()
         pushed = engine.apply_push(pulled, [worker.index], loss_scale=scale)
         if pushed is None:
             return False
         applied, staleness = pushed
-        metrics = step_metrics(engine, loss=loss, samples=samples, wall=compute + wait + time.perf_counter() - start,
-                               compute=compute, update=time.perf_counter() - start, transfer_wait=wait,
-                               copy_back=0.0, applied=applied, worker=worker.index, version_at_pull=pulled,
+        end = time.perf_counter()
+        metrics = step_metrics(engine, loss=loss, samples=samples, wall=copy_back + compute + wait + end - start,
+                               compute=compute, update=end - start, transfer_wait=wait,
+                               copy_back=copy_back, applied=applied, worker=worker.index, version_at_pull=pulled,
                                version_at_apply=engine.version - int(applied), staleness=staleness,
                                loss_scale=scale)
         engine.history.append(metrics)
@@ -84,11 +87,13 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
             stop.set()
         return True
 
-    def pull(worker) -> tuple[int, float | None]:
-        """Under the mutex: the snapshot of the weights, its version and the loss scale to compute with."""
+    def pull(worker) -> tuple[int, float | None, float]:
+        """Under the mutex: the snapshot of the weights, its version, the loss scale to compute with and the seconds
+        the copy of the weights took (the push reports it as its copy back)."""
         with engine.mutex, engine.phase("pull", worker.index):
+            start = time.perf_counter()
             worker.pull(wait=True)
-            return engine.version, engine.loss_scale_now()
+            return engine.version, engine.loss_scale_now(), time.perf_counter() - start
 
     def loop(worker, own_thread=True):
         if own_thread:
@@ -96,23 +101,25 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         try:
             while not stop.is_set():
                 k = minibatches_per_push(engine, engine.version)
-                pulled, scale = pull(worker)
+                pulled, scale, copied = pull(worker)
                 minibatches = source.take(k)
                 if not minibatches:
                     return
                 samples = sum(batch_size(b) for b in minibatches)
+                if any(batch_size(b) == 0 for b in minibatches):
+                    raise ValueError("a batch of 0 samples: a push needs at least one sample in every mini-batch")
                 while not stop.is_set():
                     with engine.phase("forward_backward+transfer", worker.index):
-                        loss, compute, wait = worker.compute(engine.loss_fn, minibatches, loss_scale=scale)
+                        loss, compute, wait, _ = worker.compute(engine.loss_fn, minibatches, loss_scale=scale)
                     # Note [Ctrl-C inside a step]: a push is applied whole (the lone CPU worker runs here, on the
                     # calling thread, where Ctrl-C lands)
                     with engine.mutex, deferred_interrupt("an async push", engine._abandon):
                         if stop.is_set():
                             return
                         with engine.phase("push", worker.index):
-                            if push(worker, pulled, scale, loss, samples, compute, wait):
+                            if push(worker, pulled, scale, loss, samples, compute, wait, copied):
                                 break
-                    pulled, scale = pull(worker)
+                    pulled, scale, copied = pull(worker)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
             errors.append((worker.index, exc))
             stop.set()
@@ -159,3 +166,5 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         if not isinstance(exc, Exception):  # KeyboardInterrupt on the calling thread: as itself
             raise exc
         raise WorkerError(index, engine.devices[index], exc) from exc
+    if steps and not source.taken:  # as hybrid and sync: steps asked for, none possible
+        raise ValueError("batches is empty")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import warnings
 
 import torch
 
@@ -211,6 +212,23 @@ class Engine:
         self.servers = distributed.check_servers(servers, group, mode, self.store.numel)
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
+
+    def _optimizer_differences(self, saved) -> dict:
+        """The saved optimizer settings that differ from this engine's (None: a state that did not record them).
+        ``amsgrad`` cannot differ: the Adam state has another buffer. The others (lr, betas, weight decay...) may, as
+        when a run is continued with another lr: the caller warns."""
+        if saved is None:
+            return {}
+        mine = self.optimizer.config()
+        if not isinstance(saved, dict) or set(saved) != set(mine):
+            raise ValueError(f"the state's optimizer_config must be pyengine.AdamW(...).config() with keys "
+                             f"{sorted(mine)}; got {saved!r:.200}")
+        if bool(saved["amsgrad"]) != bool(mine["amsgrad"]):
+            raise ValueError(f"the state was saved with amsgrad={saved['amsgrad']} and this engine has "
+                             f"amsgrad={mine['amsgrad']}: the Adam state differs (max_exp_avg_sq); build the engine "
+                             f"with AdamW(amsgrad={saved['amsgrad']})")
+        same = lambda a, b: (tuple(a) if isinstance(a, list) else a) == (tuple(b) if isinstance(b, list) else b)
+        return {k: v for k, v in saved.items() if not same(v, mine[k])}
 
     def worker_rng(self, device: torch.device, index: int) -> WorkerRNG:
         """The own generator of concurrent worker ``index`` (Note [Random numbers of concurrent workers]); with a
@@ -403,6 +421,7 @@ class Engine:
                     or value.dtype != current[name].dtype):
                 raise ValueError(f"buffer {name!r}: expected {current[name].dtype} {tuple(current[name].shape)}; got "
                                  f"{_describe(value)}")
+        differing = self._optimizer_differences(sd.get("optimizer_config"))
         step = self.optimizer.check_torch_state_dict(self.store, sd["optimizer"], self.param_names)
         version = sd["version"]
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
@@ -432,6 +451,10 @@ class Engine:
         if scaler is not None:
             LossScaler.check_state_dict(scaler)
         # Valid: from here on nothing raises on the state's account.
+        if differing:
+            warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
+                          f"({ {k: self.optimizer.config()[k] for k in differing} }) is used from here on",
+                          stacklevel=2)
         if step == 0:  # a state saved before any update: a fresh optimizer
             for buffer in (self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq):
                 if buffer is not None:
@@ -456,7 +479,9 @@ class Engine:
                     mine[name].copy_(value)
 
     def stats(self) -> dict:
-        """Counters: steps, pushes, applied updates, skipped steps, refreshes, and the staleness histogram."""
+        """Counters: steps, pushes, applied updates, skipped steps, steps that raised (``nonfinite="raise"``),
+        refreshes, and the staleness histogram (one entry per push). Steps (hybrid, sync, pipeline) and pushes
+        (async) each equal ``applied_updates + skipped_steps + raised_steps``."""
         hist = dict(sorted(self._staleness.items()))
         total = sum(hist.values())
         return {
@@ -464,6 +489,7 @@ class Engine:
             "pushes": self._counters["pushes"],
             "applied_updates": self._counters["applied_updates"],
             "skipped_steps": self._counters["skipped_steps"],
+            "raised_steps": self._counters["raised_steps"],
             "refreshes": self._counters["refreshes"],
             "version": self.version,
             "staleness_histogram": hist,
@@ -596,6 +622,7 @@ class Engine:
             return False
         if nonfinite:
             if self.nonfinite == "raise":
+                self._counters["raised_steps"] += 1  # steps (pushes) = applied + skipped + raised
                 where = f" (workers {workers})" if workers else ""
                 raise FloatingPointError(f"non-finite gradient at step {self.version + 1}{where}; the master weights "
                                          "keep the last complete update")
@@ -677,13 +704,13 @@ class Engine:
         divisor = 1.0 + staleness if self.staleness_lr == "inverse" else 1.0
         self.lr_at(self.version + 1 if step is None else step)  # a bad schedule value raises before the count
         self._counters["pushes"] += 1
+        self._staleness[staleness] += 1  # before the update, which may raise: the histogram counts every push
         if span is None:
             applied = self.apply_update(workers, None, divisor, grads=grads, loss_scale=loss_scale)
         else:
             applied = self.admit_update(norm[1], workers, step, loss_scale=loss_scale, decided=decided)
             if applied:
                 self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step, loss_scale=loss_scale)
-        self._staleness[staleness] += 1
         return applied, staleness
 
     def lr_at(self, step: int) -> float:
@@ -730,11 +757,12 @@ class Engine:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         if nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
-        if not isinstance(accumulate, int) or accumulate < 1:
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1; got {accumulate!r}")
         if accumulate > 1 and mode != "async":
             raise ValueError(f"accumulate is an async option (mini-batches summed before one push); mode={mode!r}")
-        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+        if max_staleness is not None and (not isinstance(max_staleness, int) or isinstance(max_staleness, bool)
+                                          or max_staleness < 0):
             raise ValueError(f"max_staleness must be an integer >= 0 or None; got {max_staleness!r}")
         if staleness_lr not in ("none", "inverse"):
             raise ValueError(f"staleness_lr must be 'none' or 'inverse'; got {staleness_lr!r}")

@@ -73,5 +73,6 @@ def hybrid_step(engine, batch) -> dict:
     loss = sum(results[i][0] * n for i, n in enumerate(sizes)) / total
     return step_metrics(engine, loss=loss, samples=total, wall=end - start,
                         compute=max(r[1] for r in results.values()), update=end - updated,
-                        transfer_wait=max(r[2] for r in results.values()), copy_back=0.0, applied=applied,
+                        transfer_wait=max(r.transfer_wait_s for r in results.values()),
+                        copy_back=max(r.weights_wait_s for r in results.values()), applied=applied,
                         loss_scale=scale)

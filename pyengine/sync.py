@@ -11,6 +11,8 @@ from .workers import batch_size, split_microbatches
 def sync_step(engine, batch) -> dict:
     start = time.perf_counter()
     samples = batch_size(batch)
+    if samples == 0:
+        raise ValueError("a batch of 0 samples: a step needs at least one sample")
     worker = engine.workers[engine.stats()["steps"] % engine.num_workers]
 
     parts = split_microbatches(batch, engine.microbatches)  # before any work: a batch too small is refused
@@ -23,7 +25,7 @@ def sync_step(engine, batch) -> dict:
         with engine.phase("forward_backward+transfer", worker.index):
             return worker.compute(engine.loss_fn, *parts, loss_scale=scale)
 
-    loss, compute, wait = engine.run_workers({worker.index: run})[worker.index]
+    loss, compute, wait, weights_wait = engine.run_workers({worker.index: run})[worker.index]
     engine.count("steps")
     engine.buffer_source = worker.index
     updated = time.perf_counter()
@@ -31,4 +33,5 @@ def sync_step(engine, batch) -> dict:
         applied = engine.apply_update([worker.index], None, loss_scale=scale)
     end = time.perf_counter()
     return step_metrics(engine, loss=loss, samples=samples, wall=end - start, compute=compute, update=end - updated,
-                        transfer_wait=wait, copy_back=0.0, applied=applied, worker=worker.index, loss_scale=scale)
+                        transfer_wait=wait, copy_back=weights_wait, applied=applied, worker=worker.index,
+                        loss_scale=scale)

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -194,6 +195,18 @@ def deferred_interrupt(what: str, on_escape=None):
         raise KeyboardInterrupt(f"Ctrl-C during {what}: it completed first")
 
 
+class Computed(NamedTuple):
+    """What :meth:`Worker.compute` returns: the mean loss (weighted mean with weights), seconds of forward+backward,
+    seconds waiting for the last gradient copies after backward, and seconds waiting for the previous update's
+    weights to arrive before the first forward (the copy back not hidden behind other work; on CUDA the wait is
+    the stream's, so ~0 on the host)."""
+
+    loss: float
+    compute_s: float
+    transfer_wait_s: float
+    weights_wait_s: float
+
+
 class Worker:
     """One replica on one device, its streamer and (on CUDA) its compute stream; ``rng`` (a
     :class:`pyengine.rng.WorkerRNG`, for workers that run concurrently) is the replica's own random generator."""
@@ -237,15 +250,14 @@ class Worker:
         return float(loss.detach())
 
     def compute(self, loss_fn, batches, weights: list[float] | None = None,
-                loss_scale: float | None = None) -> tuple[float, float, float]:
+                loss_scale: float | None = None) -> "Computed":
         """Forward+backward over ``batches`` (gradients summed in the replica, copied once after the last). With
         ``weights`` (micro-batches of one batch, :func:`split_microbatches`) each loss is weighted, so the replica
         holds the gradient of the whole batch's mean loss; without, the plain sum (async's ``accumulate``). With
         ``loss_scale`` every loss is multiplied by it before backward (Note [Loss scaling]): the slot holds the
         scaled gradient.
 
-        Returns (mean loss (weighted mean with ``weights``), seconds of forward+backward, seconds waiting for the
-        last copies). The copies into the host slot are complete when this returns.
+        Returns a :class:`Computed`. The copies into the host slot are complete when this returns.
         """
         context = contextlib.nullcontext()
         if self.stream is not None:
@@ -255,6 +267,8 @@ class Worker:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             context = torch.cuda.stream(self.stream)
         with context:
+            begun = time.perf_counter()
+            self.streamer.wait_weights()  # the previous update's copy back (CPU: the host waits; CUDA: the stream)
             start = time.perf_counter()
             self.replica.zero_grad(set_to_none=True)
             self.streamer.accumulate(len(batches))
@@ -264,7 +278,7 @@ class Worker:
             self.streamer.wait_all()
             waited = time.perf_counter()
         loss = sum(losses) / len(losses) if weights is None else sum(w * x for w, x in zip(weights, losses))
-        return loss, computed - start, waited - computed
+        return Computed(loss, computed - start, waited - computed, start - begun)
 
     def close(self) -> None:
         self.streamer.close()

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -510,6 +511,47 @@ def test_nonfinite_gradient_skip_and_raise(rng, worker_device):
                 reference.step([batch])
         assert engine.version == 3
         assert_matches(engine, reference)
+        stats = engine.stats()
+        assert (stats["steps"], stats["applied_updates"], stats["skipped_steps"], stats["raised_steps"]) == (6, 3, 0, 3)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_counters_add_up_when_a_step_raises(rng, mode):
+    """steps (sync) / pushes (async) = applied + skipped + raised, and the staleness histogram counts every push,
+    also when nonfinite="raise" stops training."""
+    batches = make_batches(rng, 4, 8)
+    batches[2][0][0, 0] = float("nan")
+    with Engine(make_model(), loss_fn, devices=["cpu"], mode=mode, optimizer=AdamW(**OPT),
+                nonfinite="raise") as engine:
+        with pytest.raises((FloatingPointError, WorkerError)) as info:
+            engine.fit(batches)
+        assert "non-finite gradient" in str(info.value) + str(info.value.__cause__)
+        stats = engine.stats()
+        count = stats["steps"] if mode == "sync" else stats["pushes"]
+        assert (count, stats["applied_updates"], stats["raised_steps"]) == (3, 2, 1)
+        if mode == "async":
+            assert sum(stats["staleness_histogram"].values()) == stats["pushes"]
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
+def test_steps_from_no_batches_is_an_error(mode):
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        with pytest.raises(ValueError, match="batches is empty"):
+            engine.fit([], steps=3)
+        assert engine.fit([]) == [] and engine.version == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_empty_batch_is_refused(mode):
+    """A 0-sample batch has a NaN mean loss and a zero gradient: applied, it would count a step and decay the
+    weights. Refused before any update, as hybrid's split refuses it."""
+    empty = (torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
+    with Engine(make_model(), loss_fn, devices=["cpu"], mode=mode, optimizer=AdamW(**OPT)) as engine:
+        before = engine.master_state_dict()
+        with pytest.raises((ValueError, WorkerError)) as info:
+            engine.fit([empty])
+        assert "a batch of 0 samples" in str(info.value) + str(info.value.__cause__)
+        assert engine.version == 0 and all(torch.equal(before[k], v) for k, v in engine.master_state_dict().items())
 
 
 @pytest.mark.parametrize("workers", [3, 1])  # 1: the lone CPU worker runs on the calling thread
@@ -633,6 +675,8 @@ def test_failing_lone_async_worker_on_the_calling_thread(rng):
     (dict(accumulate=2), r"accumulate is an async option"),
     (dict(nonfinite="ignore"), r"nonfinite must be"),
     (dict(max_staleness=-1, mode="async"), r"max_staleness must be"),
+    (dict(max_staleness=True, mode="async"), r"max_staleness must be an integer >= 0 or None; got True"),
+    (dict(accumulate=True, mode="async"), r"accumulate must be an integer >= 1; got True"),
     (dict(staleness_lr="sqrt", mode="async"), r"staleness_lr must be"),
     (dict(max_staleness=2), r"max_staleness: async option"),
     (dict(staleness_lr="inverse", mode="sync"), r"staleness_lr: async option"),
@@ -717,6 +761,26 @@ def test_state_dict_resume_is_bit_identical(rng, worker_device, dropout):
         assert engine.stats()["steps"] == 10
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_load_state_dict_checks_the_optimizer_it_was_saved_with(rng):
+    """amsgrad must match (its Adam state has one more buffer); other settings may change on resume, with a
+    warning that names them (torch.optim would silently take the saved ones)."""
+    with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+        engine.step(make_batches(rng, 1, 8)[0])
+        saved = engine.state_dict()
+    with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT)) as engine:
+        with pytest.raises(ValueError, match=r"saved with amsgrad=True and this engine has amsgrad=False"):
+            engine.load_state_dict(saved)
+        assert engine.version == 0
+    with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**{**OPT, "lr": 0.5}, amsgrad=True)) as engine:
+        with pytest.warns(UserWarning, match=r"saved with \{'lr': 0\.01\}; this engine's optimizer \(\{'lr': 0\.5\}\)"):
+            engine.load_state_dict(saved)
+        assert engine.version == 1
+    with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same optimizer: nothing to say
+            engine.load_state_dict(saved)
 
 
 def test_load_state_dict_rejects_foreign_state():
@@ -956,6 +1020,17 @@ def test_metrics_trace_and_unused_parameters(rng, tmp_path):
     rows = {e["args"]["name"] for e in events if e["ph"] == "M"}
     assert {"host", "worker0", "worker1"} <= rows
     assert any(e.get("name") == "update" for e in events)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
+def test_copy_back_is_measured(rng, mode):
+    """copy_back_s: the seconds a worker waited for the updated weights before computing (hybrid, sync: the copy
+    back not hidden behind the update; async: the snapshot's copy under the mutex). Measured, so never exactly 0
+    on a CPU worker, and part of the step's wall time."""
+    with Engine(make_model(hidden=4096), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        history = engine.fit(make_batches(rng, 4, 8))
+    for metrics in history:
+        assert 0.0 < metrics["copy_back_s"] < metrics["wall_s"], metrics
 
 
 def test_default_devices_and_public_api():
