@@ -109,6 +109,7 @@ class GradientStreamer:
         self._pending = [0] * len(self.buckets)
         self._next_launch = 0
         self.hook_calls = 0
+        self._replica = weakref.ref(replica)
         self._handles = self._register_hooks(replica)
 
     @staticmethod
@@ -231,11 +232,27 @@ class GradientStreamer:
             self._pending = [0] * len(self.buckets)
             self._launch_ready()
             self._fired = [False] * len(self._params)
+        replaced = self._replaced(never)
+        if replaced:
+            raise RuntimeError(
+                f"GradientStreamer(worker={self.worker}): replica parameter(s) {replaced[:10]} were replaced after the "
+                "streamer was built (a new nn.Parameter assigned): their gradients have no hook and their weights "
+                "no copy back; build the store and the streamer after changing the model")
         if never and self.unused == "error":
             raise RuntimeError(
                 f"GradientStreamer(worker={self.worker}): {len(never)} parameter(s) received no gradient in this "
                 f"step: {never[:10]}; pass unused='zero' to stream zeros for them, or freeze them "
                 "(requires_grad=False) so the store leaves them out")
+
+    def _replaced(self, never: list[str]) -> list[str]:
+        """Of the parameters that got no gradient, those no longer in the replica under their name (looked up only
+        when some parameter got none: the common step pays nothing)."""
+        replica = self._replica() if never else None
+        if replica is None:
+            return []
+        named = dict(replica.named_parameters())
+        index = {name: i for i, name in enumerate(self.store.names)}
+        return [name for name in never if named.get(name) is not self._params[index[name]]]
 
     def _launch_ready(self) -> None:
         """Launches, in bucket order, every bucket whose gradients are all ready."""

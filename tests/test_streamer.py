@@ -168,6 +168,17 @@ def test_a_gradient_arriving_twice_in_one_pass_is_an_error():
                 model(torch.randn(3, 5)).backward()
 
 
+def test_a_parameter_replaced_after_construction_is_an_error():
+    """Its gradient has no hook (the slot would get zeros with unused='zero') and its weights no copy back."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store) as streamer:
+        model[1].weight = torch.nn.Parameter(torch.randn(2, 4))
+        with pytest.raises(RuntimeError, match=r"\['1\.weight'\] were replaced after the streamer was built"):
+            with streamer.backward_pass():
+                model(torch.randn(3, 4)).pow(2).mean().backward()
+
+
 def test_replicas_the_store_cannot_take_are_refused_at_construction():
     double = torch.nn.Linear(3, 3).double()
     with pytest.raises(ValueError, match=r"'(weight|bias)' must be float32, bfloat16 or float16.*got torch\.float64"):
