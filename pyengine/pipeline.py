@@ -5,9 +5,10 @@ micro-batches under a GPipe (fill-drain) or 1F1B (one-forward-one-backward) sche
                              microbatches=8, schedule="1f1b", balance="params")
     metrics = engine.step((inputs, targets))
 
-- Split: the layers (an ``nn.Sequential`` or a list of modules) are cut into S contiguous groups, balanced by
-  parameter count (``balance="params"``), by forward+backward time measured on the first micro-batch
-  (``balance="time"``), or by explicit sizes (``balance=[3, 2, ...]``): see :func:`partition`.
+- Split: the layers (an ``nn.Sequential``, an ``nn.ModuleList`` or a list of modules) are cut into S contiguous
+  groups, balanced by parameter count (``balance="params"``), by forward+backward time measured on the first
+  micro-batch on stage 0's device (``balance="time"``: Note [Timing the layers on stage 0's device]), or by explicit
+  sizes (``balance=[3, 2, ...]``): see :func:`partition`.
 - Devices: S x R entries; stage s, data-parallel replica r runs on ``devices[s * R + r]``. Each (stage, replica) is one
   thread with a deep copy of its layers (on CUDA, its own stream). The batch is split across the R replicas as in
   hybrid, then each replica's shard into M micro-batches.
@@ -18,6 +19,12 @@ micro-batches under a GPipe (fill-drain) or 1F1B (one-forward-one-backward) sche
   ``loss_fn(last_stage, (activations, targets_m))``, so a loss_fn of the form ``criterion(model(x), y)`` works
   unchanged. Micro-batch losses are scaled by ``n_m / n`` (n_m samples of n in the replica's shard), so the summed
   gradient is the shard's mean gradient; replicas are then weighted by shard size (as in hybrid).
+- Batch statistics: each stage runs its layers on one micro-batch at a time, so a layer that computes statistics
+  over the batch (``BatchNorm`` in training mode) normalises each micro-batch by its own mean and variance, and
+  updates its running statistics once per micro-batch (``num_batches_tracked`` grows by M a step, the running mean
+  and variance take M momentum updates). The equality with single-device training on the whole batch holds for
+  layers that treat each sample on its own (Linear, LayerNorm, attention within a sample, ...); with BatchNorm only
+  for M = 1 and one replica (as with gradient accumulation, and data parallelism without synchronised BatchNorm).
 - Autocast (``Engine(autocast=torch.bfloat16)``): each stage's forward, the loss included, runs under
   ``torch.autocast`` on the stage's device, as hybrid workers do; backward runs outside it. Activations and their
   gradients cross stages in the autocast dtype; the store's gradient slots are in it; master weights stay fp32.
@@ -48,7 +55,22 @@ Stages block only on their input channels, and a channel ``get`` polls a stop ev
 The first stage that raises records its exception and sets the event; every other stage then leaves its wait with
 :class:`_Stopped`, so no thread is left blocked and the step raises :class:`StageError` naming the failing stage
 (its original exception as the cause). Nothing was written to the master weights; the next step starts afresh (new
-channels, gradients zeroed).
+channels, gradients zeroed). The stages' buffers are put back too: the forwards that ran before the failure moved
+BatchNorm running statistics (and ``num_batches_tracked``) of a step that never happened. So before a step every
+stage's buffers are copied (buffers only: weights come from the store anyway), and a failed step copies them back
+once every stage's thread has finished (on CUDA, after its stream did): a failed step leaves weights and buffers
+as they were, and the steps after it train as if it had never been tried (tested).
+
+Note [Timing the layers on stage 0's device]
+``balance="time"`` needs each layer's time on the device it will run on, but which device runs a layer is what the
+partition decides. The layers are timed on ``devices[0]`` (stage 0's), one deep copy of one layer at a time moved
+there (so a model that fits no single device can still be timed), with that device's autocast; not on the device
+the model or the batch was given on (the host, typically, for stages on GPUs). With stages on devices of one kind
+(all CPU workers, GPUs of one model) those are the stages' times; with devices of different kinds (a CPU and a GPU)
+the split balances stage 0's device's times, a limitation: time the layers yourself per device and pass
+``balance=[sizes]``. The timing uses the first micro-batch of replica 0's shard: the first layer gets what the batch's
+inputs hold (a tensor, or a tuple / list / dict of tensors), every later layer the output of the one before it, which
+must be one tensor.
 
 Note [CUDA ordering between stages]
 A message is (micro-batch, tensor, event). The sender moves the tensor to the receiver's device on its own stream
@@ -78,7 +100,7 @@ import weakref
 import torch
 
 from .metrics import step_metrics
-from .workers import WorkerError, batch_size, set_worker_threads, split_batch, to_device
+from .workers import WorkerError, _map, _tensors, batch_size, set_worker_threads, split_batch, to_device
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
            "schedule_actions", "split_layers", "stage_range"]
@@ -105,13 +127,15 @@ class _Stopped(Exception):
 # ---- splitting -------------------------------------------------------------------------------------------------
 
 def as_sequential(model) -> torch.nn.Sequential:
-    """``model`` as an ``nn.Sequential`` of its layers (a list or tuple of modules is wrapped; children keep names)."""
+    """``model`` as an ``nn.Sequential`` of its layers: a list or tuple of modules, or an ``nn.ModuleList``, is
+    wrapped (its layers named ``"0"``, ``"1"``, ..., as a ModuleList names them)."""
     if isinstance(model, torch.nn.Sequential):
         return model
-    if isinstance(model, (list, tuple)) and model and all(isinstance(m, torch.nn.Module) for m in model):
+    if (isinstance(model, (list, tuple, torch.nn.ModuleList)) and len(model)
+            and all(isinstance(m, torch.nn.Module) for m in model)):
         return torch.nn.Sequential(*model)
-    raise TypeError("mode='pipeline' needs the model as a sequence of layers: an nn.Sequential or a non-empty list of "
-                    f"nn.Modules; got {type(model).__name__}")
+    raise TypeError("mode='pipeline' needs the model as a sequence of layers: an nn.Sequential, an nn.ModuleList or "
+                    f"a non-empty list of nn.Modules; got {type(model).__name__}")
 
 
 def partition(costs, stages: int) -> list[int]:
@@ -122,7 +146,7 @@ def partition(costs, stages: int) -> list[int]:
     """
     costs = [float(c) for c in costs]
     layers = len(costs)
-    if not isinstance(stages, int) or not 1 <= stages <= layers:
+    if not _is_int(stages) or not 1 <= stages <= layers:
         raise ValueError(f"stages must be an int in [1, {layers}] (the number of layers); got {stages!r}")
     prefix = [0.0]
     for c in costs:
@@ -198,9 +222,14 @@ def _param_costs(layers) -> list[int]:
     return [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
 
 
+def _is_int(value) -> bool:
+    """An int and not a bool (``True`` is an int to Python, never a count of stages, layers or micro-batches)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_sizes(sizes, layers: int, stages: int) -> list[int]:
     if (not isinstance(sizes, (list, tuple)) or len(sizes) != stages
-            or not all(isinstance(n, int) and n >= 1 for n in sizes) or sum(sizes) != layers):
+            or not all(_is_int(n) and n >= 1 for n in sizes) or sum(sizes) != layers):
         raise ValueError(f"balance must be 'params', 'time' or a list of {stages} positive ints (layers per stage) "
                          f"summing to {layers}; got {sizes!r}")
     return list(sizes)
@@ -221,30 +250,64 @@ def stage_range(store, stage: int, names: list[str]) -> tuple[int, int]:
     return begin, end
 
 
-def measure_layer_times(layers, inputs, repeats: int = 3) -> list[float]:
-    """Median seconds of forward+backward of each layer on ``inputs``. Nothing is modified: the layers are deep
-    copies, and the random number generators (dropout draws from them) are restored afterwards, so a run balanced by
-    time draws the same numbers as the same partition given explicitly."""
-    layers = copy.deepcopy(torch.nn.Sequential(*layers))
-    samples = [[] for _ in layers]
-    cuda = sorted({p.device.index for p in layers.parameters() if p.device.type == "cuda"} |
-                  ({inputs.device.index} if inputs.device.type == "cuda" else set()))
+def measure_layer_times(layers, inputs, repeats: int = 3, device=None) -> list[float]:
+    """Median seconds of forward+backward of each layer, fed ``inputs`` (what the first layer takes: a tensor, or a
+    tuple / list / dict holding tensors) and then each layer's output, on ``device`` (default: the device of the first
+    tensor of ``inputs``).
+
+    Nothing is modified: each layer is timed on a deep copy of it moved to ``device``, one layer at a time (a model
+    that fits no single device can still be timed), and the random number generators (dropout draws from them) are
+    restored afterwards, so a run balanced by time draws the same numbers as the same partition given explicitly. On
+    CUDA the device is synchronized around each timing: its kernels run asynchronously to the host's clock.
+
+    Every layer but the last must return one tensor (a stage may end after any layer, and what crosses to the next
+    stage is one tensor); otherwise a TypeError names that layer.
+    """
+    layers = list(layers)
+    given = _tensors(inputs)
+    if not given:
+        raise TypeError("balance='time' feeds the first layer the first micro-batch of the inputs, which must be a "
+                        "tensor or a tuple / list / dict holding tensors; got "
+                        f"{type(inputs).__name__} without one (use balance='params' or explicit sizes)")
+    device = torch.device(device) if device is not None else given[0].device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    devices = [t.device for layer in layers for t in layer.parameters()] + [t.device for t in given] + [device]
+    cuda = sorted({d.index for d in devices if d.type == "cuda"})
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device).requires_grad_(t.is_floating_point())
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    samples = []
     with torch.random.fork_rng(devices=cuda):
-        for _ in range(repeats):
-            x = inputs
-            for i, layer in enumerate(layers):
-                if not isinstance(x, torch.Tensor):
-                    raise TypeError(f"balance='time' times the layers one by one and needs each layer before the "
-                                    f"last to return one tensor; layer {i - 1} returned {type(x).__name__} (use "
-                                    f"balance='params' or explicit sizes)")
-                x = x.detach().requires_grad_(x.is_floating_point())
+        x = _map(inputs, leaf)
+        for i, original in enumerate(layers):
+            layer = copy.deepcopy(original).to(device)
+            times = []
+            for _ in range(repeats):
+                # an in-place first op must not modify a leaf
+                fed = _map(x, lambda t: t.clone() if t.requires_grad else t)
+                sync()
                 start = time.perf_counter()
-                y = layer(x.clone() if x.requires_grad else x)  # an in-place first op must not modify a leaf
-                if isinstance(y, torch.Tensor) and y.requires_grad:
-                    y.backward(torch.ones_like(y))
-                samples[i].append(time.perf_counter() - start)
-                x = y
-    return [statistics.median(s) for s in samples]
+                y = layer(fed)
+                outputs = [t for t in _tensors(y) if t.requires_grad]
+                if outputs:
+                    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                sync()
+                times.append(time.perf_counter() - start)
+            samples.append(statistics.median(times))
+            del layer
+            if i < len(layers) - 1:
+                if not isinstance(y, torch.Tensor):
+                    raise TypeError(f"balance='time' times the layers one by one and needs each layer before the "
+                                    f"last to return one tensor; layer {i} returned {type(y).__name__} (use "
+                                    f"balance='params' or explicit sizes)")
+                x = leaf(y)
+    return samples
 
 
 # ---- schedules -------------------------------------------------------------------------------------------------
@@ -439,7 +502,8 @@ class Pipeline:
         stages: S; ``len(engine.devices)`` must be a multiple of S (R = len(devices) / S replicas per stage).
         microbatches: M >= 1 micro-batches per replica per step.
         schedule: ``"1f1b"`` or ``"gpipe"``.
-        balance: ``"params"``, ``"time"`` (measured on the first step's first micro-batch) or a list of S sizes.
+        balance: ``"params"``, ``"time"`` (measured on the first step's first micro-batch, on ``devices[0]``: Note
+            [Timing the layers on stage 0's device]) or a list of S sizes.
         unused: ``"zero"`` or ``"error"`` for parameters that got no gradient in a step.
         autocast: None, ``torch.bfloat16`` or ``torch.float16``: every stage's forward (and the loss) runs under
             ``torch.autocast`` on its device, as hybrid workers do; activations and their gradients travel between
@@ -497,32 +561,38 @@ class Pipeline:
         engine = self.engine
         start = time.perf_counter()
         inputs, targets, shard_sizes = self._split(batch)
-        if self.sizes is None:
-            with self._autocast(inputs[0][0].device):
-                times = measure_layer_times([layer for _, layer in self.layers], inputs[0][0])
+        if self.sizes is None:  # Note [Timing the layers on stage 0's device]
+            device = self.devices[0]
+            with self._autocast(device):
+                times = measure_layer_times([layer for _, layer in self.layers], inputs[0][0], device=device)
             self._build(partition(times, self.num_stages))
-        for stage in (st for row in self.stages for st in row):
-            stage.pull()
-        pulled = time.perf_counter()
-        stop, failures = threading.Event(), []
-        scale = engine.loss_scale_now()  # Note [Loss scaling]: the last stages scale their losses by it
-        channels = [[(_Channel(stop), _Channel(stop)) for _ in range(self.num_stages - 1)]
-                    for _ in range(self.replicas)]
-        futures = {}
-        for stage in (st for row in self.stages for st in row):
-            if stage.stream is not None:  # Note [CUDA ordering between stages]: after the caller's work
-                stage.stream.wait_stream(torch.cuda.current_stream(stage.device))
-        for s, row in enumerate(self.stages):
-            for r, stage in enumerate(row):
-                task = self._stage_task(stage, channels[r], inputs[r], targets[r], shard_sizes[r], scale, stop,
-                                        failures)
-                futures[(s, r)] = self._pool.submit(task)
-        concurrent.futures.wait(futures.values())
-        if failures:
-            (s, r), exc = failures[0]
-            raise StageError(s, r, self.stages[s][r].device, exc) from exc
-        results = {key: f.result() for key, f in futures.items()}
-        self._sum_tied_grads(results)
+        buffers = self._save_buffers()  # Note [Stopping a failed pipeline]: restored if the step fails
+        try:
+            for stage in (st for row in self.stages for st in row):
+                stage.pull()
+            pulled = time.perf_counter()
+            stop, failures = threading.Event(), []
+            scale = engine.loss_scale_now()  # Note [Loss scaling]: the last stages scale their losses by it
+            channels = [[(_Channel(stop), _Channel(stop)) for _ in range(self.num_stages - 1)]
+                        for _ in range(self.replicas)]
+            futures = {}
+            for stage in (st for row in self.stages for st in row):
+                if stage.stream is not None:  # Note [CUDA ordering between stages]: after the caller's work
+                    stage.stream.wait_stream(torch.cuda.current_stream(stage.device))
+            for s, row in enumerate(self.stages):
+                for r, stage in enumerate(row):
+                    task = self._stage_task(stage, channels[r], inputs[r], targets[r], shard_sizes[r], scale, stop,
+                                            failures)
+                    futures[(s, r)] = self._pool.submit(task)
+            concurrent.futures.wait(futures.values())
+            if failures:
+                (s, r), exc = failures[0]
+                raise StageError(s, r, self.stages[s][r].device, exc) from exc
+            results = {key: f.result() for key, f in futures.items()}
+            self._sum_tied_grads(results)
+        except BaseException:
+            self._restore_buffers(buffers)
+            raise
         schedule_end = max(res["end"] for res in results.values())
         engine.count("steps")
         total = sum(shard_sizes)
@@ -532,6 +602,21 @@ class Pipeline:
             applied = engine.apply_update(list(range(self.replicas)), weights, loss_scale=scale)
         end = time.perf_counter()
         return self._metrics(results, shard_sizes, start, pulled, schedule_end, updated, end, applied, scale)
+
+    def _save_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(buffer, a copy of it) for every buffer of every stage (Note [Stopping a failed pipeline]). On CUDA the
+        copies are made on the device's current stream, which every stage's stream waits for before the step."""
+        return [(b, b.detach().clone()) for row in self.stages for stage in row for b in stage.module.buffers()]
+
+    @torch.no_grad()
+    def _restore_buffers(self, saved) -> None:
+        """Every buffer back to its copy from :meth:`_save_buffers`, in place (references to it stay valid), after
+        the stages' streams finished what the failed step left on them."""
+        for stage in (st for row in self.stages for st in row):
+            if stage.stream is not None:
+                stage.stream.synchronize()
+        for buffer, copy_ in saved:
+            buffer.copy_(copy_)
 
     def _sum_tied_grads(self, results) -> None:
         """Each tied parameter's gradient in replica r's slot: the sum of its stages' contributions, in stage order
@@ -672,14 +757,14 @@ class Pipeline:
 
 def check_options(layers: int, devices: int, stages, microbatches, schedule, balance) -> None:
     """ValueErrors for pipeline options, before anything is built."""
-    if not isinstance(stages, int) or stages < 1:
+    if not _is_int(stages) or stages < 1:
         raise ValueError(f"stages must be an int >= 1; got {stages!r}")
     if stages > layers:
         raise ValueError(f"stages={stages} is more than the model's {layers} layers; each stage needs at least one")
     if devices % stages:
         raise ValueError(f"devices must hold stages x replicas entries (stage s, replica r on devices[s * R + r]); "
                          f"got {devices} devices for stages={stages}")
-    if not isinstance(microbatches, int) or microbatches < 1:
+    if not _is_int(microbatches) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1; got {microbatches!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")

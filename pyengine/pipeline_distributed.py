@@ -33,8 +33,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from . import ops
 from .metrics import step_metrics
 from .distributed import DistributedError, _collective, _FailureNaming
-from .pipeline import (StageError, _Activations, _check_sizes, _param_costs, check_options, owned_names, partition,
-                       split_layers, stage_range, stage_store_names)
+from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, owned_names,
+                       partition, split_layers, stage_range, stage_store_names)
 from .workers import batch_size
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
@@ -269,9 +269,16 @@ class DistributedPipeline(_FailureNaming):
 
     Note [Bubble across processes]
     Each rank times its own stage's compute during the schedule (forward and backward of every micro-batch, and on
-    the last stage the loss, which runs its layers: :class:`_StageMeter`) and its schedule's wall time; both are
-    summed over the ranks in the all-reduce the update already makes, and ``bubble_fraction`` = 1 - sum of busy /
-    sum of walls, the in-process definition (1 - sum of busy / (S x R x wall)) with each rank's own wall.
+    the last stage the loss, which runs its layers: :class:`_StageMeter`); the busy seconds are summed over the W = S x
+    R ranks in the all-reduce the update already makes. The wall is one for all ranks, as in process: right before the
+    schedule every rank enters a barrier over the group (:meth:`_start_clock`), so all start their clocks together,
+    within a message's latency; each counts the seconds from leaving it to the end of its own schedule, and an
+    all-reduce MAX of those gives the schedule's wall, from the common start to the last rank's end. Only durations
+    cross ranks, never clock readings, so ranks on other nodes need no agreeing clocks. ``bubble_fraction`` = 1 - sum
+    of busy / (W x wall), the in-process definition (1 - sum of busy / (S x R x the shared wall)); ``schedule_s`` is
+    that wall, the same on every rank. Each rank's own wall instead (stopping at its own last backward) missed the
+    idle time of the stages that finish first: at S = 2, M = 1 it read 0.42 in the tests, below the 0.5 that M = 1
+    cannot go under (no two stages ever compute at once, so the bubble is at least (S - 1) / S: tested).
 
     Note [Activations across processes]
     ``activation_peak`` / ``activation_peak_bytes`` of a step are this rank's stage's: the most micro-batches whose
@@ -362,8 +369,9 @@ class DistributedPipeline(_FailureNaming):
         self._gather_views = [(flat[begin:end], self._ranks_of(s, group)) for flat in flats if flat is not None
                               for s, (begin, end) in enumerate(self.ranges)]
         self._fingerprint = torch.zeros(8, dtype=torch.float64)  # _same_batch
-        # _update: squared norm, non-finite flag, loss sum, busy seconds, schedule seconds
-        self._reduced = torch.zeros(5, dtype=torch.float64)
+        # _update: squared norm, non-finite flag, loss sum, busy seconds (summed over the group)
+        self._reduced = torch.zeros(4, dtype=torch.float64)
+        self._clock = torch.zeros(1, dtype=torch.float64)  # _start_clock, then the schedule's wall (MAX)
         self._meter = _StageMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()}, self.is_last)
         begin, end = self.ranges[self.stage]
         self._stage_grad = self.store.grad_slot(0)[begin:end]  # this stage's range of the gradient slot
@@ -467,7 +475,9 @@ class DistributedPipeline(_FailureNaming):
         self._meter.start_step()
         try:
             self._share_buffers()
-            _run_schedule(self._schedule_for(inputs, targets), self.device, m, inputs if self.is_first else None,
+            schedule = self._schedule_for(inputs, targets)
+            began = self._start_clock()  # Note [Bubble across processes]
+            _run_schedule(schedule, self.device, m, inputs if self.is_first else None,
                           targets if self.is_last else None, losses)
             scheduled = time.perf_counter()
             engine.count("steps")
@@ -475,8 +485,8 @@ class DistributedPipeline(_FailureNaming):
             loss_sum = loss_sum if self._scale is None else loss_sum / self._scale
             meter = self._meter
             with engine.phase("update"):
-                applied, loss_sum, bubble = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
-                                                         scheduled - pulled, self._scale)
+                applied, loss_sum, bubble, wall = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
+                                                               scheduled - began, self._scale)
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc
@@ -485,7 +495,7 @@ class DistributedPipeline(_FailureNaming):
                             compute=scheduled - pulled, update=end - scheduled, transfer_wait=0.0,
                             copy_back=pulled - start, applied=applied, loss_scale=self._scale, stages=self.num_stages,
                             replicas=self.replicas, microbatches=m, schedule=self.schedule,
-                            stage_sizes=list(self.sizes), schedule_s=scheduled - pulled, stage=self.stage,
+                            stage_sizes=list(self.sizes), schedule_s=wall, stage=self.stage,
                             replica=self.replica, busy_s=meter.busy, bubble_fraction=bubble,
                             activation_peak=meter.memory.peak_count, activation_peak_bytes=meter.memory.peak_bytes,
                             bubble_ideal=(self.num_stages - 1) / (m + self.num_stages - 1))
@@ -542,12 +552,21 @@ class DistributedPipeline(_FailureNaming):
                 mine.copy_(exchanged)
 
     @torch.no_grad()
-    def _update(self, loss_sum: float, weight: float, busy: float, wall: float,
-                scale: float | None) -> tuple[bool, float, float]:
+    def _start_clock(self) -> float:
+        """The start of the schedule's common clock (Note [Bubble across processes]): a barrier over the group (one
+        all-reduce of a kept tensor: Note [Collective tensors outlive their work]), then this rank's time."""
+        self._clock.zero_()
+        dist.all_reduce(self._clock, group=self.group)
+        return time.perf_counter()
+
+    @torch.no_grad()
+    def _update(self, loss_sum: float, weight: float, busy: float, elapsed: float,
+                scale: float | None) -> tuple[bool, float, float, float]:
         """Gradients -> slot 0 (across replicas: their weighted mean, ``weight`` = this replica's share of the batch),
-        all-reduced norm, non-finite flag, loss, busy and schedule seconds, then the fused update of this rank's range
-        (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across
-        replicas, the bubble fraction: Note [Bubble across processes]). ``scale``: the step's loss scale."""
+        all-reduced norm, non-finite flag, loss and busy seconds, the schedule's wall (the most ``elapsed`` seconds
+        since :meth:`_start_clock` over the ranks), then the fused update of this rank's range (Note [Distributed
+        pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across replicas, the bubble
+        fraction, the wall: Note [Bubble across processes]). ``scale``: the step's loss scale."""
         _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.stage]
@@ -568,15 +587,18 @@ class DistributedPipeline(_FailureNaming):
         reduced = self._reduced  # Note [Collective tensors outlive their work]
         # every stage's squared norm once (from replica 0; the replicas hold the same mean gradient)
         reduced[0] = norm.double().square() if self.replica == 0 else 0.0
-        reduced[1], reduced[2], reduced[3], reduced[4] = nonfinite.double(), loss_sum * weight, busy, wall
+        reduced[1], reduced[2], reduced[3] = nonfinite.double(), loss_sum * weight, busy
         dist.all_reduce(reduced, group=self.group)
-        bubble = max(0.0, 1.0 - float(reduced[3]) / float(reduced[4])) if reduced[4] > 0 else 0.0
+        self._clock[0] = elapsed
+        dist.all_reduce(self._clock, op=dist.ReduceOp.MAX, group=self.group)
+        wall, ranks = float(self._clock[0]), dist.get_world_size(self.group)
+        bubble = max(0.0, 1.0 - float(reduced[3]) / (ranks * wall)) if wall > 0 else 0.0
         if not self.engine.admit_update(reduced[1].item() != 0.0, [], loss_scale=scale):
-            return False, float(reduced[2]), bubble
+            return False, float(reduced[2]), bubble, wall
         norm = reduced[0].sqrt().float().reshape(())
         for first, last in [(begin, end)] + self._tied_ranges:  # Note [Parameters tied across processes]
             self.engine.update_range(first, last, [slot], None, norm, loss_scale=scale)
-        return True, float(reduced[2]), bubble
+        return True, float(reduced[2]), bubble, wall
 
     def gather(self) -> None:
         """Brings every stage's range of the weights and Adam state into this rank's store (a collective; a no-op
@@ -611,7 +633,7 @@ def check_engine_options(model: torch.nn.Sequential, devices, stages, microbatch
     """ValueErrors for ``Engine(mode="pipeline")`` with a process group; returns S (the group's size, or ``stages``
     when R = size / stages replicas of each stage are asked for)."""
     world = dist.get_world_size(group)
-    if stages is not None and (not isinstance(stages, int) or stages < 1 or world % stages):
+    if stages is not None and (not _is_int(stages) or stages < 1 or world % stages):
         raise ValueError(f"with a process group of {world} ranks, stages must be None (one stage per rank) or a "
                          f"divisor of {world} (R = {world} / stages replicas of each stage); got stages={stages!r}")
     stages = world if stages is None else stages
