@@ -380,9 +380,11 @@ class _Stage:
     are those also held by another stage (Note [Parameters tied across stages])."""
 
     def __init__(self, index: int, replica: int, device: torch.device, module: torch.nn.Sequential, store,
-                 names: list[str], tied: set[str]):
+                 names: list[str], tied: set[str], rng=None, random_modules=()):
         self.index, self.replica, self.device = index, replica, device
         self.module = copy.deepcopy(module).to(device)  # deepcopy keeps ties inside the stage
+        if rng is not None:  # Note [Random numbers of concurrent workers] (pyengine/rng.py)
+            rng.install(self.module, random_modules)
         self.params = list(zip(names, (p for p in self.module.parameters() if p.requires_grad), strict=True))
         self.tied = tied
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -533,6 +535,9 @@ class Pipeline:
         self.tied: dict[str, list[int]] = {}  # store name -> the stages holding it
         # store names by tensor: a tied parameter is in the store once, under its first name in the model
         self._store_names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+        # stage threads run at once: each (stage, replica) draws from its own generator (Note [Random numbers of
+        # concurrent workers]), made here so that a state saved before the first step holds them all
+        self.rngs = [engine.worker_rng(d, i) if len(devices) > 1 else None for i, d in enumerate(devices)]
         if balance == "params":
             self._build(partition(_param_costs([layer for _, layer in self.layers]), stages))
         elif balance != "time":
@@ -550,7 +555,8 @@ class Pipeline:
         names, tied = stage_store_names(self._store_names, modules)
         for s in range(len(modules)):
             stage_range(self.store, s, owned_names(names[s], s, tied))
-        stages = [[_Stage(s, r, self.devices[s * self.replicas + r], module, self.store, names[s], set(tied))
+        stages = [[_Stage(s, r, self.devices[s * self.replicas + r], module, self.store, names[s], set(tied),
+                          self.rngs[s * self.replicas + r], self.engine.random_modules)
                    for r in range(self.replicas)] for s, module in enumerate(modules)]
         self.sizes, self.tied, self.stages = sizes, tied, stages
 
