@@ -434,11 +434,16 @@ class Engine:
             raise ValueError(f"the state's rng must be torch.get_rng_state()'s {expected_rng.dtype} "
                              f"{tuple(expected_rng.shape)}; got {_describe(rng)}")
         worker_rng = sd.get("worker_rng", [])  # absent in states written before workers had their own generators
-        expected = [rng.get_state() for rng in self._worker_rngs]
         found = [_describe(s) for s in worker_rng] if isinstance(worker_rng, (list, tuple)) else _describe(worker_rng)
-        if found != [_describe(e) for e in expected]:
-            raise ValueError(f"the state's worker_rng must hold the states of this engine's {len(expected)} worker "
-                             f"generator(s) (Note [Random numbers of concurrent workers]); got {found}")
+        if not isinstance(found, list) or any(not f.startswith("torch.uint8 (") for f in found):
+            raise ValueError(f"the state's worker_rng must be a list of generator states (uint8 tensors); got {found}")
+        # Another number of concurrent workers (a run moved to other devices): the weights, the Adam state and the
+        # step carry over; the workers' generators cannot, they keep their own seeding (warned below)
+        reseeded = len(worker_rng) != len(self._worker_rngs)
+        expected = [_describe(rng.get_state()) for rng in self._worker_rngs]
+        if not reseeded and found != expected:
+            raise ValueError(f"the state's worker_rng {found} do not fit this engine's worker generators {expected} "
+                             "(workers on other kinds of device?)")
         counters, staleness = sd["counters"], sd["staleness"]
         try:
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
@@ -464,8 +469,14 @@ class Engine:
             views[name].copy_(value)
         self.version = version
         torch.set_rng_state(rng)
-        for generator, state in zip(self._worker_rngs, worker_rng):
-            generator.set_state(state)
+        if reseeded:
+            warnings.warn(f"load_state_dict: the state holds {len(worker_rng)} worker generator(s) and this engine "
+                          f"has {len(self._worker_rngs)} concurrent worker(s): the workers keep their own seeding "
+                          "(seed, worker), so random layers (dropout) do not continue the saved run's draws",
+                          stacklevel=2)
+        else:
+            for generator, state in zip(self._worker_rngs, worker_rng):
+                generator.set_state(state)
         self._counters = collections.Counter(counters)
         self._staleness = staleness
         if self.scaler is not None:  # None (saved without scaling): a fresh scaler; a static one keeps its scale
