@@ -4,12 +4,15 @@ With no arguments: scikit-learn's handwritten digits (embedded in the package, n
 the hybrid schedule on every available device (2 CPU workers when there is no GPU), evaluation on a held-out split.
 A run directory (``--out``, default ``runs/<timestamp>-<mode>``) gets ``summary.json``, ``metrics.jsonl`` (one line
 per step), ``checkpoints/`` (atomic, the last ``--keep``) and ``loss.png``; ``--mode all`` trains every schedule on
-the same data and seed into ``<out>/<mode>/`` and draws ``<out>/compare.png``. ``--mode pipeline`` splits the model's
-layers (:func:`pyengine.models.as_layers`) into ``--stages`` stages fed by ``--microbatches`` micro-batches.
+the same data and seed into ``<out>/<mode>/`` and draws ``<out>/compare.png``; it writes its configuration to
+``<out>/config.json`` before the first mode trains, so ``--resume <out>`` continues an interrupted one as a whole (the
+interrupted mode from its checkpoint, then the modes not yet run, then compare.png and ``<out>/summary.json``).
+``--mode pipeline`` splits the model's layers (:func:`pyengine.models.as_layers`) into ``--stages`` stages fed by
+``--microbatches`` micro-batches.
 
 Exit codes: 0 done, 2 bad input (argparse errors and impossible combinations, reported before any work; an unusable
 checkpoint), 1 a failure while training, 130 interrupted (Ctrl-C: a checkpoint is saved and the message says how to
-resume).
+resume; before training starts there is nothing to save, and the message says so).
 """
 from __future__ import annotations
 
@@ -39,6 +42,13 @@ DATA_DEFAULTS = {
 }
 # Flags a resumed run may change; every other flag must match the checkpoint's run (or be left out).
 RESUME_OVERRIDABLE = {"steps", "epochs", "quiet", "trace", "keep", "checkpoint_every", "log_every"}
+# Output settings of one invocation, not of the run: not saved, so a resume never inherits them.
+NOT_SAVED = ("quiet",)
+# Modes whose resume may move to other --devices/--workers: their training state is the host store's (weights, Adam
+# state, step) plus whatever per-worker state Engine.load_state_dict checks. A pipeline lays its stages over the
+# devices (and --mode all runs one), so it resumes on its own.
+DEVICES_MOVABLE = ("hybrid", "sync", "async")
+ALL_CONFIG = "config.json"  # a --mode all run's configuration, written before its first mode trains
 
 
 class UsageError(Exception):
@@ -65,6 +75,7 @@ def _number(convert, ok, expected: str):
 
 
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_seed = _number(int, lambda v: 0 <= v < 2 ** 64, "an integer in [0, 2**64) (what torch.manual_seed takes)")
 
 
 def _balance(text: str):
@@ -117,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", choices=("mlp", "transformer"), default=S,
                    help="mlp for digits, transformer for tokens [chosen by --data]")
     g.add_argument("--hidden", type=_positive_int, default=S, help="MLP width / transformer d_model [512 / 128]")
-    g.add_argument("--seed", type=int, default=S, help="model init, data order and engine seed [0]")
+    g.add_argument("--seed", type=_seed, default=S,
+                   help="model init, data order and engine seed, 0 <= seed < 2**64 [0]")
     g = p.add_argument_group("workers")
     g.add_argument("--devices", default=S,
                    help="comma-separated worker devices, e.g. cpu, cuda:0,cuda:1, cuda (every GPU); one entry is "
@@ -179,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="PATH", default=S,
                    help="write a Chrome trace (chrome://tracing, Perfetto) of every worker's phases; with "
                         "--mode all, one per mode (PATH with -<mode> before the extension)")
-    g.add_argument("--quiet", action="store_true", default=S, help="no progress output")
+    g.add_argument("--quiet", action="store_true", default=S,
+                   help="no progress output (a resumed run is quiet only when given it again)")
     g.add_argument("--log-every", type=_positive_int, default=S,
                    help="steps between progress lines when stdout is not a terminal [about 20 lines a run]")
     _add_plan_parser(commands)
@@ -422,14 +435,32 @@ def check_pipeline_layers(cfg: dict, layers: int) -> None:
                              f"to the {layers} layers of --model {cfg['model']}")
 
 
-def _check_writable(directory: Path, what: str) -> None:
+def _check_writable(directory: Path, what: str) -> list[Path]:
+    """Creates ``directory`` and checks that a file can be written there. Returns the folders it created, deepest
+    first, for :func:`_remove_empty` should a later check fail; a failed check leaves none behind."""
+    created = []
+    for folder in (directory, *directory.parents):
+        if folder.exists():
+            break
+        created.append(folder)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
+        _remove_empty(created)
         raise UsageError(f"cannot write to {what} {directory}: {exc.strerror or exc}") from None
+    return created
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Removes ``folders`` (deepest first) that are still empty: what :func:`_check_writable` created."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _default_out(mode: str) -> Path:
@@ -453,7 +484,7 @@ def _agreed_out(out: Path, rank: int) -> Path:
 
 def _holds_run(directory: Path) -> bool:
     return directory.is_dir() and any((directory / name).exists() for name in
-                                      ("summary.json", "metrics.jsonl", "checkpoints", *MODES))
+                                      ("summary.json", "metrics.jsonl", "checkpoints", ALL_CONFIG, *MODES))
 
 
 def _trace_path(trace: str | None, mode: str, all_modes: bool) -> Path | None:
@@ -575,11 +606,20 @@ def _write_json(path: Path, obj) -> None:
 def _write_lines(path: Path, lines: list[str]) -> None:
     """Replaces ``path`` atomically (temporary file, fsync, rename): a crash leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # as pyengine.checkpoint.save does: no half file left beside the old one
+        raise
+
+
+def _saved_config(cfg: dict) -> dict:
+    """The run's settings as a checkpoint or config.json keeps them (:data:`NOT_SAVED` left out), JSON-safe."""
+    return _json_safe({k: v for k, v in cfg.items() if k not in NOT_SAVED})
 
 
 def _set_aside_later(out: Path, step: int) -> Path | None:
@@ -645,6 +685,15 @@ def _rank_shard(batch, rank: int, world: int):
     return tuple(torch.tensor_split(t, world)[rank] for t in batch)
 
 
+def _unfit(cfg: dict, mode: str, resume: dict, exc: Exception) -> str:
+    """Why Engine.load_state_dict refused the checkpoint, naming the devices when the resume moved the run."""
+    saved = list(resume.get("config", {}).get("devices") or cfg["devices"])
+    if saved == list(cfg["devices"]):
+        return f"checkpoint does not fit this run: {exc}"
+    return (f"--devices/--workers: the {mode} run's checkpoint (trained on {','.join(saved)}) cannot continue on "
+            f"{','.join(cfg['devices'])}: {exc}; resume on its devices (leave out --devices/--workers)")
+
+
 def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume: dict | None = None) -> dict:
     """Trains one schedule into ``out``; returns its summary (``interrupted`` set when Ctrl-C stopped it).
 
@@ -705,7 +754,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             try:
                 engine.load_state_dict(resume["engine"])
             except (ValueError, KeyError, TypeError) as exc:
-                raise UsageError(f"checkpoint does not fit this run: {exc}") from None
+                raise UsageError(_unfit(cfg, mode, resume, exc)) from None
             start_step, batches_done = int(resume["step"]), int(resume["batches_done"])
             elapsed_offset = float(resume["elapsed_s"])
         if resume is not None and primary:
@@ -734,8 +783,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
                 state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])
                 return state["last_ckpt"]
-            config = _json_safe(dict(cfg, mode=mode, out=str(out), trace=own_trace,
-                                     **({} if pipeline else {"microbatches": own_microbatches})))
+            config = _saved_config(dict(cfg, mode=mode, out=str(out), trace=own_trace,
+                                        **({} if pipeline else {"microbatches": own_microbatches})))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
                            elapsed_s=elapsed(), mode=mode, config=config,
                            engine=engine_state)
@@ -851,6 +900,18 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     return summary
 
 
+def _read_checkpoint(file: Path) -> dict:
+    """The payload of a ``pyengine train`` checkpoint file (:class:`CheckpointError` when it is not one)."""
+    from . import checkpoint as ckpt
+
+    payload = ckpt.load(file)
+    missing = {"kind", "step", "batches_done", "elapsed_s", "mode", "config", "engine"} - set(payload)
+    if payload.get("kind") != "pyengine.train" or missing:
+        raise ckpt.CheckpointError(f"{file} is a pyengine checkpoint but not of a `pyengine train` run "
+                                   f"(missing {sorted(missing)})")
+    return payload
+
+
 def _load_resume(target: str) -> tuple[dict, Path]:
     from . import checkpoint as ckpt
 
@@ -860,7 +921,8 @@ def _load_resume(target: str) -> tuple[dict, Path]:
     if path.is_dir():
         if (path / "summary.json").exists() and not (path / "checkpoints").exists() and any(
                 (path / m).is_dir() for m in MODES):
-            raise UsageError(f"--resume {target} is a --mode all directory; resume one mode's directory, "
+            raise UsageError(f"--resume {target} is a --mode all directory without its {ALL_CONFIG} (written "
+                             f"before --mode all runs could resume as a whole); resume one mode's directory, "
                              f"e.g. {path / 'hybrid'}")
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         file = ckpt.latest(folder)
@@ -868,17 +930,157 @@ def _load_resume(target: str) -> tuple[dict, Path]:
             raise UsageError(f"--resume {target}: no checkpoint (step-*.pyeckpt) in {folder}")
     else:
         file = path
-    payload = ckpt.load(file)
-    missing = {"kind", "step", "batches_done", "elapsed_s", "mode", "config", "engine"} - set(payload)
-    if payload.get("kind") != "pyengine.train" or missing:
-        raise ckpt.CheckpointError(f"{file} is a pyengine checkpoint but not of a `pyengine train` run "
-                                   f"(missing {sorted(missing)})")
+    payload = _read_checkpoint(file)
     if file.parent.name.startswith("superseded-"):
         raise ckpt.CheckpointError(f"{file} belongs to a continuation that a resume set aside (in "
                                    f"{file.parent.name}/); resume from the run's checkpoints/ instead, or copy it "
                                    "into a new run directory's checkpoints/ to continue that branch")
     run_dir = file.parent.parent if file.parent.name == "checkpoints" else file.parent
     return payload, run_dir
+
+
+def _all_config(path: Path) -> dict | None:
+    """The configuration of the --mode all run in ``path`` (its config.json), or None when ``path`` is not one."""
+    file = path / ALL_CONFIG
+    if not (path.is_dir() and file.is_file()):
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--resume {path}: cannot read {file}: {exc}") from None
+    if not isinstance(config, dict) or config.get("kind") != "pyengine.train" or config.get("mode") != "all":
+        raise UsageError(f"--resume {path}: {file} is not the configuration of a --mode all run (expected kind "
+                         "pyengine.train and mode all)")
+    missing = set(_resolve({"mode": "all"})) - set(NOT_SAVED) - set(config)
+    if missing:
+        raise UsageError(f"--resume {path}: {file} lacks the settings {sorted(missing)}")
+    config.pop("kind")
+    return config
+
+
+def _all_checkpoints(out: Path) -> dict:
+    """The newest checkpoint payload of each mode of the --mode all run in ``out`` that has one."""
+    from . import checkpoint as ckpt
+
+    found = {}
+    for mode in MODES:
+        file = ckpt.latest(out / mode / "checkpoints")
+        if file is not None:
+            found[mode] = _read_checkpoint(file)
+    return found
+
+
+def _saved_run_config(config: dict) -> dict:
+    """A checkpoint's run configuration, with the settings of flags added since it was written."""
+    base = dict(config)
+    legacy = "lr_schedule" not in config  # saved before hybrid/sync had --microbatches
+    base.setdefault("lr_schedule", "constant")  # saved before these flags existed: the constant lr it had
+    base.setdefault("warmup_steps", 0)
+    base.setdefault("loss_scale", "none")  # saved before --loss-scale: it trained unscaled
+    if base.get("mode") != "pipeline":  # a --mode all sub-run saved the pipeline defaults too: not given flags
+        for key in ("stages", *PIPELINE_DEFAULTS):
+            if key != "microbatches" or legacy:  # a hybrid/sync run saved the micro-batches it used
+                base[key] = None
+    return base
+
+
+def _resumed(given: dict) -> tuple[dict, Path, dict]:
+    """``--resume``: the run's configuration with the flags given now, its directory, and the checkpoint payload of
+    each mode to continue ({mode: payload}; a --mode all run's modes without a checkpoint start afresh)."""
+    from . import checkpoint as ckpt
+
+    if "out" in given:
+        raise UsageError("--resume continues in the run's own directory; leave out --out")
+    base = _all_config(Path(given["resume"]))
+    try:
+        if base is not None:
+            out = Path(given["resume"])
+            resumes = _all_checkpoints(out)
+        else:
+            payload, out = _load_resume(given["resume"])
+            base = _saved_run_config(payload["config"])
+            resumes = {base["mode"]: payload}
+    except ckpt.CheckpointError as exc:
+        raise UsageError(f"cannot resume: {exc}") from None
+    cfg = _apply_resume_flags(base, given)
+    cfg["out"] = str(out)
+    return cfg, out, resumes
+
+
+def _apply_resume_flags(base: dict, given: dict) -> dict:
+    cfg = dict(base)
+    for key in NOT_SAVED:  # an old checkpoint saved --quiet: a resume is quiet only when asked
+        cfg[key] = False
+    cfg["devices"] = _resume_devices(cfg, given)
+    cfg["workers"] = len(cfg["devices"])
+    for key, value in given.items():
+        if key in ("resume", "devices", "workers"):
+            continue
+        if key in RESUME_OVERRIDABLE:
+            cfg[key] = value
+            if key == "steps":
+                cfg["epochs"] = None
+            if key == "epochs":
+                cfg["steps"] = None
+        elif cfg.get(key) != value:
+            raise UsageError(f"--{key.replace('_', '-')} {value} differs from the resumed run's "
+                             f"{cfg[key]!r}; a resumed run keeps its settings (only "
+                             f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_OVERRIDABLE))} "
+                             "may change)")
+    return cfg
+
+
+def _resume_devices(cfg: dict, given: dict) -> list[str]:
+    """The devices a resumed run trains on: the checkpoint's, or (hybrid, sync, async) those of --devices/--workers
+    (--workers alone: the checkpoint's devices, cycled). Checked to exist here, before any work."""
+    from .workers import parse_devices
+
+    saved, mode = list(cfg["devices"]), cfg["mode"]
+    devices = saved
+    if "devices" in given:
+        devices = resolve_devices(given["devices"], given.get("workers"))
+    elif "workers" in given:
+        distinct = list(dict.fromkeys(saved))
+        devices = [distinct[i % len(distinct)] for i in range(given["workers"])]
+    if devices != saved and mode not in DEVICES_MOVABLE:
+        stages = "its pipeline stages are" if mode == "pipeline" else "the stages of its pipeline run are"
+        raise UsageError(f"--devices/--workers: a resumed --mode {mode} run keeps the devices it trained on "
+                         f"({','.join(saved)}: {stages} laid over them); got {','.join(devices)} "
+                         f"(only {', '.join(DEVICES_MOVABLE)} runs may change devices on resume)")
+    try:
+        parse_devices(devices)
+    except ValueError as exc:
+        how = ("continue it on others with --devices/--workers" if mode in DEVICES_MOVABLE else
+               f"a {mode} run resumes on the devices it trained on")
+        raise UsageError(f"the resumed run's {exc} (it trained on {','.join(saved)}; {how})") from None
+    return devices
+
+
+def _check_resume_steps(cfg: dict, resumes: dict, per_epoch: int) -> None:
+    """A resume trains forward: a run that ends before its checkpoint's step would do nothing but rewrite it."""
+    for mode, payload in resumes.items():
+        target, step = target_steps(cfg, mode, per_epoch), int(payload["step"])
+        if step > target:
+            length = f"--steps {cfg['steps']}" if cfg["steps"] is not None else \
+                f"--epochs {cfg['epochs']} ({target} updates)"
+            which = f" ({mode})" if cfg["mode"] == "all" else ""
+            raise UsageError(f"{length} ends before the checkpoint's step {step}{which}: a resume continues "
+                             f"forward (give --steps >= {step}, or resume an older checkpoint file to branch "
+                             "from it)")
+
+
+def _finished_before(cfg: dict, mode: str, run_dir: Path, payload: dict | None, per_epoch: int) -> dict | None:
+    """The summary of a --mode all run's mode that a resume need not train again (its checkpoint is at the run's
+    last step and its summary.json says it finished there), else None."""
+    if payload is None or int(payload["step"]) != target_steps(cfg, mode, per_epoch):
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    done = isinstance(summary, dict) and summary.get("interrupted") is False and \
+        summary.get("steps") == payload["step"]
+    return summary if done else None
 
 
 def _summarise(summary: dict) -> str:
@@ -891,19 +1093,39 @@ def _summarise(summary: dict) -> str:
             f"test accuracy {acc:.2%} ({summary['wall_s']:.1f} s)")
 
 
+def _all_summary(cfg: dict, summaries: dict) -> dict:
+    """The top summary.json of --mode all: the keys of every run's summary over the modes (dicts keyed by mode where
+    they differ), the best mode by each measure, and each mode's own summary under ``runs``."""
+    def by_mode(key):
+        return {m: s.get(key) for m, s in summaries.items()}
+
+    rates, losses, accuracy = by_mode("samples_per_s"), by_mode("final_loss"), by_mode("test_accuracy")
+    finite = {m: v for m, v in losses.items() if v is not None}
+    return dict(
+        mode="all", devices=cfg["devices"], workers=len(cfg["devices"]),
+        steps=max(s["steps"] for s in summaries.values()),  # the same for every mode (no --accumulate in all)
+        samples_per_s=rates, final_loss=losses, test_accuracy=accuracy,
+        wall_s=sum(s["wall_s"] for s in summaries.values()),  # the modes' wall_s, summed
+        best=dict(samples_per_s=max(rates, key=rates.get), test_accuracy=max(accuracy, key=accuracy.get),
+                  final_loss=min(finite, key=finite.get) if finite else None),
+        data=cfg["data"], model=cfg["model"], seed=cfg["seed"], interrupted=False, runs=summaries)
+
+
 # ---- entry point ------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)  # argparse errors exit 2 with usage
-    if args.command == "plan":
-        return _plan(args)
-    given = _given(args)
     try:
-        return _train(given)
+        parser = build_parser()
+        args = parser.parse_args(argv)  # argparse errors exit 2 with usage
+        if args.command == "plan":
+            return _plan(args)
+        return _train(_given(args))
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # before _StopFlag's handler is installed (or after it is gone): nothing to save
+        print(f"{PROG}: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
+        return 130
     finally:
         if "torch.distributed" in sys.modules:  # joined under torchrun (Note [Training under torchrun])
             import torch.distributed as dist
@@ -913,48 +1135,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(given: dict) -> int:
-    from . import checkpoint as ckpt
-
-    resume_payload, out = None, None
     if "resume" in given:
-        if "out" in given:
-            raise UsageError("--resume continues in the run's own directory; leave out --out")
-        try:
-            resume_payload, out = _load_resume(given["resume"])
-        except ckpt.CheckpointError as exc:
-            raise UsageError(f"cannot resume: {exc}") from None
-        base = dict(resume_payload["config"])
-        legacy = "lr_schedule" not in resume_payload["config"]  # saved before hybrid/sync had --microbatches
-        base.setdefault("lr_schedule", "constant")  # saved before these flags existed: the constant lr it had
-        base.setdefault("warmup_steps", 0)
-        base.setdefault("loss_scale", "none")  # saved before --loss-scale: it trained unscaled
-        if base.get("mode") != "pipeline":  # a --mode all sub-run saved the pipeline defaults too: not given flags
-            for key in ("stages", *PIPELINE_DEFAULTS):
-                if key != "microbatches" or legacy:  # a hybrid/sync run saved the micro-batches it used
-                    base[key] = None
-        if "devices" in given or "workers" in given:
-            devices = resolve_devices(given.get("devices"), given.get("workers", base["workers"]))
-            if devices != base["devices"]:
-                raise UsageError(f"the resumed run trained on {','.join(base['devices'])}; it cannot change "
-                                 f"to {','.join(devices)} (leave out --devices/--workers)")
-        for key, value in given.items():
-            if key in ("resume", "devices", "workers"):
-                continue
-            if key in RESUME_OVERRIDABLE:
-                base[key] = value
-                if key == "steps":
-                    base["epochs"] = None
-                if key == "epochs":
-                    base["steps"] = None
-            elif base.get(key) != value:
-                raise UsageError(f"--{key.replace('_', '-')} {value} differs from the resumed run's "
-                                 f"{base[key]!r}; a resumed run keeps its settings (only "
-                                 f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_OVERRIDABLE))} "
-                                 "may change)")
-        cfg = base
-        cfg["out"] = str(out)
+        cfg, out, resumes = _resumed(given)
     else:
-        cfg = _resolve(given)
+        cfg, out, resumes = _resolve(given), None, {}
         cfg["devices"] = resolve_devices(cfg["devices"], cfg["workers"])
         cfg["workers"] = len(cfg["devices"])
     rank, world = _launched()
@@ -988,9 +1172,26 @@ def _train(given: dict) -> int:
                                                                       cfg["hidden"]))))
     if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
-    if cfg["trace"] is not None and Path(cfg["trace"]).is_dir():  # before --out is created
-        raise UsageError(f"--trace {cfg['trace']} is a directory; give a file name (e.g. trace.json)")
-    if resume_payload is None:
+    _check_resume_steps(cfg, resumes, dataset.steps_per_epoch(cfg["batch_size"]))
+    out = _prepare_out(cfg, out, rank, world)
+    if cfg["mode"] == "all" and rank == 0:  # before any mode trains: --resume <out> continues it as a whole
+        _write_json(out / ALL_CONFIG, dict(kind="pyengine.train", **_saved_config(cfg)))
+    warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
+    return _train_modes(cfg, out, dataset, resumes, rank)
+
+
+def _prepare_out(cfg: dict, out: Path | None, rank: int, world: int) -> Path:
+    """Checks --trace, then creates --out (``out`` None: a new run's) and checks both are writable; a failed check
+    leaves neither behind."""
+    made = []
+    if cfg["trace"] is not None:
+        if Path(cfg["trace"]).is_dir():
+            raise UsageError(f"--trace {cfg['trace']} is a directory; give a file name (e.g. trace.json)")
+        made = _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
+    try:
+        if out is not None:
+            _check_writable(out, "the resumed run directory")
+            return out
         out = Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"])
         if world > 1:
             out = _agreed_out(out, rank)
@@ -998,15 +1199,20 @@ def _train(given: dict) -> int:
             raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
                              "another --out")
         _check_writable(out, "--out")
-        cfg["out"] = str(out)
-    else:
-        _check_writable(out, "the resumed run directory")
-    if cfg["trace"] is not None:
-        _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
+    except UsageError:
+        _remove_empty(made)
+        raise
+    cfg["out"] = str(out)
+    return out
 
 
-    warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
-    modes = MODES if cfg["mode"] == "all" else (cfg["mode"],)
+def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int:
+    """Trains the run's mode (each of them for --mode all, skipping those a resumed run finished before)."""
+    from . import checkpoint as ckpt
+
+    every = cfg["mode"] == "all"
+    modes = MODES if every else (cfg["mode"],)
+    per_epoch = dataset.steps_per_epoch(cfg["batch_size"])
     quiet = cfg["quiet"] or rank != 0
     if not quiet:
         what = f"{cfg['model']} on {cfg['data']} ({dataset.train_size} train / {dataset.x_test.shape[0]} test)"
@@ -1015,25 +1221,29 @@ def _train(given: dict) -> int:
     summaries, runs = {}, {}
     with _StopFlag() as stop:
         try:
-            for mode in modes:
-                run_dir = out / mode if cfg["mode"] == "all" else out
-                try:
-                    summary = train_one(cfg, mode, run_dir, stop, dataset, resume_payload)
-                except ckpt.CheckpointError as exc:
-                    raise UsageError(str(exc)) from None
+            for index, mode in enumerate(modes):
+                run_dir = out / mode if every else out
+                summary = _finished_before(cfg, mode, run_dir, resumes.get(mode), per_epoch) if every else None
+                if summary is None:
+                    try:
+                        summary = train_one(cfg, mode, run_dir, stop, dataset, resumes.get(mode))
+                    except ckpt.CheckpointError as exc:
+                        raise UsageError(str(exc)) from None
+                elif not quiet:
+                    print(f"[{mode}] finished before this resume", flush=True)
                 summaries[mode] = summary
                 runs[mode] = (_read_metrics(run_dir / "metrics.jsonl"), summary)
                 if summary["interrupted"]:
-                    print(f"stopped at step {summary['steps']}; checkpoint saved: {summary['checkpoint']}\n"
-                          f"resume with: python -m pyengine train --resume {run_dir}", file=sys.stderr,
+                    print(_stopped(summary, out, modes[index + 1:] if every else None), file=sys.stderr,
                           flush=True)
                     return 130
                 if not quiet:
                     print(_summarise(summary) + f" -> {run_dir}", flush=True)
         except KeyboardInterrupt:
-            last = ckpt.latest(Path(cfg["out"]) / "checkpoints") if cfg["mode"] != "all" else None
-            hint = (f"; the last checkpoint is {last}: resume with python -m pyengine train --resume {out}"
-                    if last else "")
+            last = ckpt.latest(out / "checkpoints") if not every else None
+            hint = (f"; resume with python -m pyengine train --resume {out} (the modes without a checkpoint start "
+                    "over)" if every else f"; the last checkpoint is {last}: resume with python -m pyengine train "
+                    f"--resume {out}" if last else "")
             print(f"aborted{hint}", file=sys.stderr, flush=True)
             return 130
         except Exception as exc:  # noqa: BLE001 - a failure while training: one line, the cause chained
@@ -1043,14 +1253,34 @@ def _train(given: dict) -> int:
             if os.environ.get("PYENGINE_TRACEBACK"):
                 raise
             return 1
-    if cfg["mode"] == "all":
-        from . import plots
-
-        plots.plot_compare(runs, out / "compare.png",
-                           f"pyengine: {cfg['model']} on {cfg['data']}, {len(cfg['devices'])} workers, "
-                           f"same data and seed")
-        _write_json(out / "summary.json", dict(mode="all", devices=cfg["devices"], workers=len(cfg["devices"]),
-                                               runs=summaries))
-        if not quiet:
-            print(f"comparison: {out / 'compare.png'}", flush=True)
+    if every:
+        try:
+            _finish_all(cfg, out, runs, summaries, quiet)
+        except KeyboardInterrupt:
+            print(f"aborted while writing compare.png and summary.json; every mode is trained and saved: finish "
+                  f"with python -m pyengine train --resume {out}", file=sys.stderr, flush=True)
+            return 130
     return 0
+
+
+def _stopped(summary: dict, out: Path, rest: tuple | None) -> str:
+    """The Ctrl-C message: where the checkpoint is and the command that continues the run; for --mode all (``rest``:
+    the modes after the stopped one) the whole run, in its top directory."""
+    then = ""
+    if rest is not None:
+        steps = [f"continues {summary['mode']}", *([f"then trains {', '.join(rest)}"] if rest else []),
+                 "then writes compare.png and summary.json"]
+        then = f" ({', '.join(steps)})"
+    return (f"stopped at step {summary['steps']}; checkpoint saved: {summary['checkpoint']}\n"
+            f"resume with: python -m pyengine train --resume {out}{then}")
+
+
+def _finish_all(cfg: dict, out: Path, runs: dict, summaries: dict, quiet: bool) -> None:
+    from . import plots
+
+    plots.plot_compare(runs, out / "compare.png",
+                       f"pyengine: {cfg['model']} on {cfg['data']}, {len(cfg['devices'])} workers, "
+                       f"same data and seed")
+    _write_json(out / "summary.json", _all_summary(cfg, summaries))
+    if not quiet:
+        print(f"comparison: {out / 'compare.png'}", flush=True)

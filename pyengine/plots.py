@@ -12,9 +12,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["plot_loss", "plot_compare"]
+__all__ = ["plot_loss", "plot_compare", "compare_figure", "mode_colors"]
 
-COLORS = {"hybrid": "tab:blue", "sync": "tab:orange", "async": "tab:green"}
+# One colour per mode, the same in compare.png's lines and bars.
+COLORS = {"hybrid": "tab:blue", "sync": "tab:orange", "async": "tab:green", "pipeline": "tab:red"}
+OTHER_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # modes COLORS does not name
 STYLES = {"sync": "--"}  # hybrid and sync take the same steps on the same batches: their loss curves coincide
 
 
@@ -55,13 +57,27 @@ def plot_loss(records: list[dict], path, title: str) -> None:
     plt.close(fig)
 
 
+def mode_colors(modes) -> dict[str, str]:
+    """Each of ``modes``' colour: :data:`COLORS`, then distinct others for modes it does not name."""
+    spare = iter(c for c in OTHER_COLORS if c not in COLORS.values())
+    return {mode: COLORS[mode] if mode in COLORS else next(spare, "tab:gray") for mode in modes}
+
+
 def plot_compare(runs: dict[str, tuple[list[dict], dict]], path, title: str) -> None:
     """``runs``: mode -> (metrics records, summary)."""
+    fig = compare_figure(runs, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare_figure(runs: dict[str, tuple[list[dict], dict]], title: str):
+    """compare.png's figure: loss against step and against wall time per mode, and samples/s bars."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    colors = mode_colors(runs)
     for mode, (records, _) in runs.items():
         steps, elapsed, loss = _series(records)
         window = max(1, len(loss) // 50)
-        color = COLORS.get(mode)
+        color = colors[mode]
         axes[0].plot(steps, _smooth(loss, window), label=mode, color=color, linestyle=STYLES.get(mode, "-"))
         axes[1].plot(elapsed, _smooth(loss, window), label=mode, color=color)
     for ax, label in ((axes[0], "step (optimizer update)"), (axes[1], "wall time (s)")):
@@ -72,7 +88,7 @@ def plot_compare(runs: dict[str, tuple[list[dict], dict]], path, title: str) -> 
         ax.legend()
     modes = list(runs)
     rates = [runs[m][1]["samples_per_s"] for m in modes]
-    bars = axes[2].bar(modes, rates, color=[COLORS.get(m, "tab:gray") for m in modes])
+    bars = axes[2].bar(modes, rates, color=[colors[m] for m in modes])
     for bar, mode in zip(bars, modes):
         acc = runs[mode][1].get("test_accuracy")
         text = f"{bar.get_height():,.0f}" + (f"\nacc {acc:.1%}" if acc is not None else "")
@@ -82,5 +98,4 @@ def plot_compare(runs: dict[str, tuple[list[dict], dict]], path, title: str) -> 
     axes[2].set_ylim(0, max(rates) * 1.25 if rates and max(rates) > 0 else 1)
     axes[2].grid(True, axis="y", alpha=0.3)
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

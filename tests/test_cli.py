@@ -58,7 +58,74 @@ def test_mode_all_writes_every_run_and_compare_png(tmp_path, capsys):
         assert summary["trace"].endswith(f"t-{mode}.json")
     top = json.loads((out / "summary.json").read_text())
     assert top["mode"] == "all" and set(top["runs"]) == {"hybrid", "sync", "async", "pipeline"}
+    assert SUMMARY_KEYS <= set(top) and top["steps"] == 12 and top["workers"] == 2
+    for key in ("samples_per_s", "final_loss", "test_accuracy"):  # each mode's, keyed by mode
+        assert top[key] == {m: top["runs"][m][key] for m in top["runs"]}, key
+    assert top["wall_s"] == pytest.approx(sum(r["wall_s"] for r in top["runs"].values()))
+    assert top["best"]["samples_per_s"] == max(top["samples_per_s"], key=top["samples_per_s"].get)
     assert (out / "compare.png").read_bytes().startswith(PNG)
+
+
+def test_interrupted_mode_all_resumes_as_a_whole(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the sync run of --mode all (hybrid done): the message gives `--resume <all-folder>`, which continues
+    sync from its checkpoint, trains async and pipeline, then writes compare.png and the top summary.json; hybrid,
+    finished before, is not trained again. A later --resume with more --steps continues every mode."""
+    import pyengine.cli as cli
+
+    out = tmp_path / "all"
+    original = cli.train_one
+
+    def ctrl_c_in_sync(cfg, mode, run_dir, stop, *rest):
+        stop.requested = stop.requested or mode == "sync"  # as the first Ctrl-C's handler does
+        return original(cfg, mode, run_dir, stop, *rest)
+
+    monkeypatch.setattr(cli, "train_one", ctrl_c_in_sync)
+    assert train("--mode", "all", "--steps", "4", "--quiet", "--out", str(out), *SHORT) == 130
+    err = capsys.readouterr().err
+    assert (f"resume with: python -m pyengine train --resume {out} (continues sync, then trains async, pipeline, "
+            "then writes compare.png and summary.json)") in err, err
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(out / "sync" / "checkpoints")] == [1]
+    assert json.loads((out / "config.json").read_text())["mode"] == "all" and not (out / "summary.json").exists()
+    assert not (out / "async").exists()
+    monkeypatch.setattr(cli, "train_one", original)
+    assert train("--out", str(out), "--mode", "all", "--steps", "4", *SHORT) == 2
+    assert f"already holds a run; continue it with --resume {out}" in capsys.readouterr().err
+    hybrid = (out / "hybrid" / "summary.json").read_bytes()
+    assert train("--resume", str(out), "--quiet") == 0
+    assert (out / "hybrid" / "summary.json").read_bytes() == hybrid  # finished before: not trained again
+    for mode in ("hybrid", "sync", "async", "pipeline"):
+        check_run_dir(out / mode, mode, 4)
+    assert json.loads((out / "sync" / "summary.json").read_text())["resumed_from_step"] == 1
+    top = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(top) and top["steps"] == 4 and set(top["runs"]) == set(top["test_accuracy"])
+    assert (out / "compare.png").read_bytes().startswith(PNG)
+    assert train("--resume", str(out), "--steps", "5", "--quiet") == 0
+    for mode in ("hybrid", "sync", "async", "pipeline"):
+        check_run_dir(out / mode, mode, 5)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 5
+    assert json.loads((out / "config.json").read_text())["steps"] == 5
+
+
+def test_compare_png_gives_every_mode_its_own_colour():
+    """compare.png: one colour per mode (pipeline had hybrid's), the same in the loss lines and the samples/s bars."""
+    from matplotlib.colors import to_hex
+
+    from pyengine import plots
+    from pyengine.cli import MODES
+
+    records = [{"step": s, "elapsed_s": 0.1 * s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    runs = {m: (records, {"samples_per_s": 100.0 + i, "test_accuracy": 0.5}) for i, m in enumerate(MODES)}
+    fig = plots.compare_figure(runs, "t")
+    try:
+        for ax in fig.axes[:2]:
+            lines = {line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()}
+            assert lines == {m: to_hex(plots.COLORS[m]) for m in MODES}, lines
+        bars = [to_hex(bar.get_facecolor()) for bar in fig.axes[2].patches]
+        assert bars == [to_hex(plots.COLORS[m]) for m in MODES]
+        assert len(set(bars)) == len(MODES)
+    finally:
+        plots.plt.close(fig)
+    assert len(set(plots.mode_colors([*MODES, "other", "more"]).values())) == len(MODES) + 2
 
 
 def test_default_digits_run_learns(tmp_path):
@@ -219,10 +286,12 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
     (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--balance", "1,2,2"],
      "--balance 1,2,2: expected 2 layer counts"),
     (["--mode", "hybrid", "--balance", "2,3"], "--balance: pipeline option"),
+    (["--trace", "{file}/t.json"], "cannot write to the --trace folder"),
 ], ids=["sync+accumulate", "no-such-gpu", "bad-device", "workers>samples", "batch<workers", "model/data",
         "unwritable-out", "resume-missing", "stages-in-hybrid", "pipeline-flags-default-mode",
         "microbatches-in-async", "hybrid-batch<microbatches", "sync-batch<microbatches", "stages!|workers",
-        "batch<microbatches", "stages>layers", "balance-sum", "balance-zero", "balance-count", "balance-in-hybrid"])
+        "batch<microbatches", "stages>layers", "balance-sum", "balance-zero", "balance-count", "balance-in-hybrid",
+        "unwritable-trace"])
 def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("x")
     argv = [a.format(file=tmp_path / "file", missing=tmp_path / "nope") for a in argv]
@@ -238,7 +307,9 @@ def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, messa
 @pytest.mark.parametrize("argv", [["--bogus"], ["--mode", "fast"], ["--steps", "0"], ["--steps", "3", "--epochs", "1"],
                                   ["--schedule", "zb"], ["--balance", "flops"], ["--balance", "2,x"],
                                   ["--balance", "2,,3"], ["--microbatches", "0"], ["--loss-scale", "0"],
-                                  ["--loss-scale", "often"], ["--loss-scale", "inf"], ["--loss-scale", "1e-50"]])
+                                  ["--loss-scale", "often"], ["--loss-scale", "inf"], ["--loss-scale", "1e-50"],
+                                  ["--seed", str(10 ** 23)], ["--seed", str(2 ** 64)], ["--seed", "-1"],
+                                  ["--seed", "1.5"]])
 def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         train(*argv)
@@ -248,6 +319,126 @@ def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
 def test_out_holding_a_run_is_refused(finished_run, capsys):
     assert train("--out", str(finished_run), "--steps", "2") == 2
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
+
+
+def test_largest_seed_trains_and_resumes(tmp_path):
+    """--seed takes what torch.manual_seed does, 0 <= seed < 2**64 (argparse refuses the rest)."""
+    out = tmp_path / "run"
+    assert train("--seed", str(2 ** 64 - 1), "--steps", "2", "--quiet", "--out", str(out), *SHORT) == 0
+    assert train("--resume", str(out), "--steps", "3", "--quiet") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seed"] == 2 ** 64 - 1 and summary["steps"] == 3
+
+
+def _copy_run(source: Path, run: Path, edit=None) -> Path:
+    """``source``'s metrics and newest checkpoint in ``run``; ``edit(payload)`` changes the checkpoint first."""
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text((source / "metrics.jsonl").read_text())
+    payload = ckpt.load(ckpt.latest(source / "checkpoints"))
+    if edit is not None:
+        edit(payload)
+    return ckpt.save(run / "checkpoints", payload["step"], payload)
+
+
+def _unchanged(run: Path):
+    """A snapshot of ``run``'s files, to compare after a refused resume (nothing may change)."""
+    return sorted((str(p.relative_to(run)), p.read_bytes()) for p in run.rglob("*") if p.is_file())
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(finished_run, tmp_path, capsys):
+    run = tmp_path / "copy"
+    _copy_run(finished_run, run)
+    before = _unchanged(run)
+    assert train("--resume", str(run), "--steps", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps 2 ends before the checkpoint's step 4" in err[0], err
+    assert _unchanged(run) == before
+
+
+def test_resume_is_quiet_only_when_asked(tmp_path, capsys):
+    """--quiet is output of one invocation, not a setting of the run: not saved, not inherited by a resume."""
+    out = tmp_path / "run"
+    assert train("--steps", "2", "--quiet", "--out", str(out), *SHORT) == 0
+    assert capsys.readouterr().out == ""
+    assert "quiet" not in ckpt.load(ckpt.latest(out / "checkpoints"))["config"]
+    assert train("--resume", str(out), "--steps", "3") == 0
+    assert "[hybrid] 3 steps" in capsys.readouterr().out
+    assert train("--resume", str(out), "--steps", "4", "--quiet") == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_resume_on_devices_that_do_not_exist_is_one_line_exit_2(finished_run, tmp_path, capsys):
+    run = tmp_path / "copy"
+    _copy_run(finished_run, run, lambda payload: payload["config"].update(devices=["cuda:99", "cuda:99"]))
+    before = _unchanged(run)
+    assert train("--resume", str(run), "--steps", "6") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyengine train: error: the resumed run's devices: 'cuda:99'") and \
+        "continue it on others with --devices/--workers" in err[0], err
+    assert _unchanged(run) == before
+
+
+def test_resume_may_change_the_workers_of_a_sync_run(tmp_path):
+    """A sync run's state is the host store's (weights, Adam state, step): it continues on 3 workers."""
+    out = tmp_path / "run"
+    assert train("--mode", "sync", "--steps", "2", "--quiet", "--out", str(out), *SHORT) == 0
+    assert train("--resume", str(out), "--workers", "3", "--steps", "4", "--quiet") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"] == 3 and summary["devices"] == ["cpu"] * 3 and summary["steps"] == 4
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_resume_device_changes_the_engine_or_the_mode_cannot_take(finished_run, tmp_path, capsys):
+    """A pipeline keeps its devices (its stages are laid over them): refused before any work. A hybrid run moves to 3
+    workers: weights, Adam state and step carry over; the workers' generators cannot (a warning says so)."""
+    pipe = tmp_path / "pipe"
+    assert train("--mode", "pipeline", "--steps", "2", "--quiet", "--out", str(pipe), *SHORT) == 0
+    before = _unchanged(pipe)
+    assert train("--resume", str(pipe), "--workers", "3", "--steps", "3") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a resumed --mode pipeline run keeps the devices it trained on (cpu,cpu" in err[0], err
+    assert _unchanged(pipe) == before
+    run = tmp_path / "hybrid"
+    _copy_run(finished_run, run)
+    with pytest.warns(UserWarning, match=r"state holds 2 worker generator\(s\) and this engine has 3"):
+        assert train("--resume", str(run), "--workers", "3", "--steps", "5", "--quiet") == 0
+    assert json.loads((run / "summary.json").read_text())["workers"] == 3
+
+
+def test_ctrl_c_during_start_up_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C before the run's SIGINT handler is installed (here: while the data loads): no traceback."""
+    import pyengine.data
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pyengine.data, "load", interrupted)
+    out = tmp_path / "run"
+    try:
+        code = train("--steps", "2", "--out", str(out), *SHORT)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main (a traceback)")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and err == ["pyengine train: interrupted before training started; nothing to save"], err
+    assert not out.exists()
+
+
+def test_summary_writes_leave_no_temporary_file_on_failure(tmp_path):
+    from pyengine.cli import _write_lines
+
+    path = tmp_path / "summary.json"
+    path.write_text("old\n")
+    with pytest.raises(TypeError):
+        _write_lines(path, ["new\n", 1])  # fails half-way through the write
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_unwritable_out_leaves_no_trace_folder(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert train("--steps", "2", "--out", str(tmp_path / "file" / "sub"), "--trace",
+                 str(tmp_path / "new" / "deeper" / "t.json"), *SHORT) == 2
+    assert "cannot write to --out" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def _wait_for_steps(out: Path, steps: int, timeout_s: float) -> None:
