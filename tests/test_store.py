@@ -165,6 +165,40 @@ def test_pin_auto_falls_back_and_warns_once(monkeypatch):
         pyengine.HostStore(OddNet(sizes=[3]), pin="auto")
 
 
+class _PinFails:
+    """pyengine._C as a machine where CUDA is usable but cudaHostAlloc fails (host memory exhausted)."""
+
+    def __getattr__(self, name):
+        return getattr(pyengine._C, name)
+
+    @staticmethod
+    def _pinned_allocation_available():
+        return True
+
+    @staticmethod
+    def _allocate_arena(nbytes, pinned):
+        if pinned:
+            raise RuntimeError(f"HostStore: cudaHostAlloc of {nbytes} bytes failed (out of memory); pass pin=False "
+                               "for pageable memory")
+        return pyengine._C._allocate_arena(nbytes, False)
+
+
+def test_a_failed_pinned_allocation(monkeypatch):
+    """pin=True: the allocation's error (bytes asked, the pin=False way out) reaches the caller; pin="auto": pageable
+    memory, said once."""
+    monkeypatch.setattr(store_module, "_C", _PinFails())
+    monkeypatch.setattr(store_module, "_warned_unpinned", False)
+    model = OddNet()
+    nbytes = make(model).nbytes
+    with pytest.raises(RuntimeError, match=rf"cudaHostAlloc of {nbytes} bytes failed.*pin=False"):
+        pyengine.HostStore(model, pin=True)
+    with pytest.warns(RuntimeWarning, match=r"pinned allocation failed \(HostStore: cudaHostAlloc.*pageable"):
+        store = pyengine.HostStore(model, pin="auto")
+    assert store.pinned is False and store.nbytes == nbytes
+    store.param.fill_(1.5)  # the pageable arena is usable
+    assert store.views(store.param)[store.names[0]].eq(1.5).all()
+
+
 def test_argument_errors():
     model = OddNet(sizes=[5])
     with pytest.raises(ValueError, match="workers"):

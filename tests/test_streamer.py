@@ -75,6 +75,34 @@ def test_slot_equals_param_grad(device, grad_dtype, bucket_mb, first_bucket_mb):
             assert torch.count_nonzero(store.grad_slot(0)) == 0
 
 
+@pytest.mark.parametrize("replica_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_replicas(replica_dtype, grad_dtype):
+    """A bf16/fp16 replica's gradients are converted to the slot's dtype as torch's cast does, bit for bit."""
+    model = Net(dtype=replica_dtype)
+    store = pyengine.HostStore(model, grad_dtype=grad_dtype, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001) as streamer:
+        model(batch()).backward()
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
+
+
+def test_zero_size_parameter():
+    """A parameter of no elements (a layer sized by a config to 0) takes no room and gets no copy, and breaks
+    nothing around it."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 0), torch.nn.Flatten(), torch.nn.Linear(0, 3))
+    model.append(torch.nn.Linear(3, 2))
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        for _ in range(2):
+            model.zero_grad()
+            with streamer.backward_pass():
+                model(torch.randn(4, 5)).pow(2).mean().backward()
+            streamer.wait_all()
+            assert_slots_equal_grads(store, model, 0)
+            streamer.copy_back()
+
+
 @pytest.mark.timeout(60)
 def test_first_buckets_are_copied_while_backward_still_runs():
     model = torch.nn.Sequential(torch.nn.Linear(7, 4097), torch.nn.Tanh(), torch.nn.Linear(4097, 7))
