@@ -106,6 +106,10 @@ class GradientStreamer:
         self._passes = 0  # backward passes begun, for backward_pass()
         self._fired = [False] * len(self._params)  # got a gradient in the current accumulation window
         self._fired_pass = [False] * len(self._params)  # got it in the current backward pass (Note [Hook fires once])
+        # Note [Unused parameters and overlap]
+        self._prune = False  # set once a step had parameters without a gradient (unused="zero")
+        self._unreached: list[int] = []  # this pass: parameters the loss's graph does not reach
+        self._presumed = [False] * len(self._params)  # counted ready at the pass's start (in _unreached)
         self._pending = [0] * len(self.buckets)
         self._next_launch = 0
         self.hook_calls = 0
@@ -179,9 +183,16 @@ class GradientStreamer:
             self._fired_pass[index] = True
             self.hook_calls += 1
             self._fired[index] = True
-            if self._sync and not twice:
+            hidden = self._presumed[index]
+            if self._sync and not twice and not hidden:
                 self._pending[self._bucket_of[index]] -= 1
+            if self._sync:
                 self._launch_ready()
+        if hidden:
+            raise RuntimeError(
+                f"GradientStreamer(worker={self.worker}): parameter {self.store.names[index]!r} got a gradient though "
+                "the loss's autograd graph did not reach it (Note [Unused parameters and overlap]): a custom autograd "
+                "Function uses it without taking it as an input; its bucket may have been copied without it")
         if twice:
             raise RuntimeError(
                 f"GradientStreamer(worker={self.worker}): parameter {self.store.names[index]!r} received its gradient "
@@ -193,9 +204,14 @@ class GradientStreamer:
         self._passes += 1
         self._fired_pass = [False] * len(self._params)
         self._sync = not self._no_sync and (self._backward_count + 1) % self._accumulate == 0
+        self._presumed = [False] * len(self._params)
         if self._sync:
             self._pending = [len(members) for members in self._bucket_params]
             self._next_launch = 0
+            for i in self._unreached:  # Note [Unused parameters and overlap]: no gradient will come this pass
+                self._presumed[i] = True
+                self._pending[self._bucket_of[i]] -= 1
+        self._unreached = []
         if queue_end:
             self._queue_end()
 
@@ -232,6 +248,7 @@ class GradientStreamer:
             self._pending = [0] * len(self.buckets)
             self._launch_ready()
             self._fired = [False] * len(self._params)
+            self._prune = self._prune or (bool(never) and self.unused == "zero")
         replaced = self._replaced(never)
         if replaced:
             raise RuntimeError(
@@ -267,8 +284,35 @@ class GradientStreamer:
 
     # ---- host side ----
 
+    def _unreached_by(self, loss) -> list[int]:
+        """Note [Unused parameters and overlap]
+        Buckets launch in order, and a parameter that gets no gradient in a pass is only known at the pass's end: one
+        unused parameter in the first bucket would hold every bucket back until backward ends (no overlap at all).
+        As DDP's find_unused_parameters, the loss's autograd graph is walked before backward runs and the parameters
+        it does not reach are counted ready at once (zeros, or the window's earlier gradient, as at the end). The
+        walk costs a Python visit per graph node, so it runs only once a step has shown unused parameters
+        (``unused="zero"``): a model whose parameters all train never pays. A reentrant activation checkpoint builds
+        its graph during backward, so a walk that meets one prunes nothing; any other gradient that arrives for a
+        parameter the walk did not reach is an error (its bucket may have gone without it), never a wrong slot."""
+        if not self._prune or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return []
+        index = {id(p): i for i, p in enumerate(self._params)}
+        reached, seen, stack = set(), set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "CheckpointFunctionBackward":
+                return []
+            variable = getattr(node, "variable", None)  # AccumulateGrad
+            if variable is not None and id(variable) in index:
+                reached.add(index[id(variable)])
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return [i for i in range(len(self._params)) if i not in reached]
+
     @contextlib.contextmanager
-    def backward_pass(self):
+    def backward_pass(self, loss: torch.Tensor | None = None):
         """Wrap each ``loss.backward()`` in this (optional, but :class:`~pyengine.Engine` workers always do):
 
         - a backward that reaches no trainable parameter (a loss that does not depend on the model) fires no hook;
@@ -277,8 +321,12 @@ class GradientStreamer:
         - a pass whose end was deferred by a reentrant checkpoint (Note [Reentrant backward]) ends here.
         - a backward that raises leaves no half-launched step behind (:meth:`reset`): the next backward starts a
           fresh step, and no :meth:`wait` returns on the failed one's buckets.
+        - given the ``loss`` that backward starts from, parameters it does not reach are known before backward, not
+          at its end, once a step has had unused parameters (Note [Unused parameters and overlap]).
         """
+        unreached = self._unreached_by(loss)
         with self._lock:
+            self._unreached = unreached
             passes = self._passes
         try:
             yield self
@@ -381,6 +429,8 @@ class GradientStreamer:
             self._sync = False
             self._backward_count = 0
             self._fired = [False] * len(self._params)
+            self._presumed = [False] * len(self._params)
+            self._unreached = []
             self._pending = [0] * len(self.buckets)
             self._next_launch = 0
         for k in range(len(self.buckets)):

@@ -244,9 +244,10 @@ class Worker:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
-        with self.streamer.backward_pass():  # a loss that reaches no parameter must still end the pass
-            scaled = loss if weight is None else loss * weight
-            (scaled if loss_scale is None else scaled * loss_scale).backward()  # Note [Loss scaling]
+        scaled = loss if weight is None else loss * weight
+        scaled = scaled if loss_scale is None else scaled * loss_scale  # Note [Loss scaling]
+        with self.streamer.backward_pass(scaled):  # a loss that reaches no parameter must still end the pass
+            scaled.backward()
         return float(loss.detach())
 
     def compute(self, loss_fn, batches, weights: list[float] | None = None,

@@ -312,6 +312,73 @@ def test_unused_parameter_error_names_it_and_does_not_hang():
         assert_slots_equal_grads(store, model, 0)
 
 
+class UnusedFirst(torch.nn.Module):
+    """Three layers in a chain and a head registered last (so in the first bucket) that a step may leave out."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(6, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, x, use_head=False):
+        h = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return (self.head(h) if use_head else h).pow(2).mean()
+
+
+@pytest.mark.timeout(60)
+def test_an_unused_parameter_does_not_hold_the_buckets_back():
+    """Note [Unused parameters and overlap]: once a step had an unused parameter, the next ones know it from the
+    loss's graph before backward, so bucket 0 (holding it) and the next go out while backward still runs; the slots
+    stay exact (zeros for it), and a step that uses it again streams its gradient."""
+    model = UnusedFirst()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        launched = []
+        probe = model.a.weight.register_hook(
+            lambda g: launched.append([streamer.wait(k, timeout=0) for k in range(3)]))  # near the end of backward
+        for step, use_head in enumerate((False, False, True, False)):
+            model.zero_grad(set_to_none=True)
+            loss = model(torch.randn(5, 6), use_head)
+            with streamer.backward_pass(loss):
+                loss.backward()
+            streamer.wait_all()
+            assert_slots_equal_grads(store, model, 0)
+            streamer.copy_back()
+        probe.remove()
+    # buckets 0, 1 = head.bias, head.weight (unused in steps 0, 1, 3), 2 = c.bias: out before a's gradient from step 1
+    assert launched[0] == [False, False, False], "the first step cannot know: the end of backward launches"
+    assert launched[1] == [True, True, True] and launched[3] == [True, True, True], launched
+    assert launched[2] == [True, True, True], "the head used again: its own gradient, in order"
+
+
+def test_a_gradient_the_graph_walk_missed_is_an_error():
+    """A custom autograd Function that uses a parameter without taking it as an input hides it from the walk: its
+    gradient then arrives for a bucket counted ready without it, an error rather than a wrong slot."""
+    class Hidden(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer):
+            ctx.layer = layer
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.enable_grad():
+                ctx.layer(torch.ones(1, 3)).sum().backward()  # the parameter's gradient, from a graph of its own
+            return g, None
+
+    model = UnusedFirst()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store) as streamer:
+        loss = model(torch.randn(5, 6))
+        with streamer.backward_pass(loss):  # the head unused: from now on the walk prunes
+            loss.backward()
+        streamer.copy_back()
+        loss = Hidden.apply(model(torch.randn(5, 6)), model.head)
+        with pytest.raises(RuntimeError, match=r"'head\.(weight|bias)' got a gradient though the loss's autograd graph"):
+            with streamer.backward_pass(loss):
+                loss.backward()
+
+
 class Checkpointed(torch.nn.Module):
     """``a`` then ``b``; ``b`` (or both, ``whole=True``) under a reentrant activation checkpoint."""
 
