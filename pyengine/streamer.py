@@ -365,6 +365,10 @@ class GradientStreamer:
     def wait(self, k: int, timeout: float | None = None) -> bool:
         """Block until bucket ``k``'s gradients of this step are in the worker's slot (its backward may still run).
 
+        A delivered bucket counts as this step's until it is consumed: :meth:`copy_back` (or
+        :func:`pipelined_update`) consumes it; a caller that uses the slot another way (say, its own update and
+        ``store.copy_to``) calls :meth:`reset` after, or the next step's waits return at once on the old data.
+
         ``timeout`` (seconds) bounds the wait for the bucket's copy to be launched, i.e. for the backward that
         produces it (which may have failed, or touch no parameter of the bucket until it ends): returns False when
         it ran out, True once the bucket is in the slot. Without a timeout it waits as long as it takes.
