@@ -110,6 +110,7 @@ class GradientStreamer:
         self._prune = False  # set once a step had parameters without a gradient (unused="zero")
         self._unreached: list[int] = []  # this pass: parameters the loss's graph does not reach
         self._presumed = [False] * len(self._params)  # counted ready at the pass's start (in _unreached)
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}  # the graph walk's AccumulateGrad variables
         self._pending = [0] * len(self.buckets)
         self._next_launch = 0
         self.hook_calls = 0
@@ -267,9 +268,9 @@ class GradientStreamer:
         replica = self._replica() if never else None
         if replica is None:
             return []
-        named = dict(replica.named_parameters())
-        index = {name: i for i, name in enumerate(self.store.names)}
-        return [name for name in never if named.get(name) is not self._params[index[name]]]
+        named, missing = dict(replica.named_parameters()), set(never)
+        return [name for i, name in enumerate(self.store.names)
+                if name in missing and named.get(name) is not self._params[i]]
 
     def _launch_ready(self) -> None:
         """Launches, in bucket order, every bucket whose gradients are all ready."""
@@ -296,7 +297,7 @@ class GradientStreamer:
         parameter the walk did not reach is an error (its bucket may have gone without it), never a wrong slot."""
         if not self._prune or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             return []
-        index = {id(p): i for i, p in enumerate(self._params)}
+        index = self._index_of
         reached, seen, stack = set(), set(), [loss.grad_fn]
         while stack:
             node = stack.pop()
