@@ -28,8 +28,10 @@ import torch
 
 __all__ = ["RANDOM_MODULES", "WorkerRNG", "worker_seed"]
 
-# Module classes whose forward draws random numbers in training (p > 0); each is routed when it would draw.
-RANDOM_MODULES = (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU, torch.nn.MultiheadAttention)
+_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+             torch.nn.FeatureAlphaDropout)
+# Module classes whose forward draws random numbers in training; each is routed when it would draw.
+RANDOM_MODULES = (*_DROPOUTS, torch.nn.RReLU, torch.nn.MultiheadAttention)
 
 _SWAP = threading.Lock()  # Note [Random numbers of concurrent workers]
 _ACTIVE = threading.local()  # .rng: the WorkerRNG whose state is swapped in on this thread, if any
@@ -44,7 +46,7 @@ def _draws(module: torch.nn.Module) -> bool:
     """Whether ``module``'s next forward draws random numbers (a known random module with nothing to draw does not)."""
     if not module.training:
         return False
-    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+    if isinstance(module, _DROPOUTS):
         return module.p > 0
     if isinstance(module, torch.nn.MultiheadAttention):
         return module.dropout > 0
