@@ -1,6 +1,6 @@
 """Small models for ``python -m pyengine train``: an MLP for digits and a small causal transformer for the token
-workload. Neither has dropout or buffers: every run is a pure function of the seed (the engine trains parameters;
-there is no RNG to share between worker threads)."""
+workload. Neither has dropout or buffers: every run is a pure function of the seed and the data (a model with dropout
+would be too: concurrent workers draw from generators of their own, Note [Random numbers of concurrent workers])."""
 from __future__ import annotations
 
 import torch
