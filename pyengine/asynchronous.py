@@ -92,6 +92,8 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         the copy of the weights took (the push reports it as its copy back)."""
         with engine.mutex, engine.phase("pull", worker.index):
             start = time.perf_counter()
+            if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
+                worker.rng.begin_step(engine._counters["pushes"])
             worker.pull(wait=True)
             return engine.version, engine.loss_scale_now(), time.perf_counter() - start
 

@@ -1219,6 +1219,9 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
         print(f"pyengine train: {', '.join(modes)} | {what} | workers: {', '.join(cfg['devices'])} | out: {out}",
               flush=True)
     summaries, runs = {}, {}
+    if every and rank == 0:  # the run goes on: its old result files would describe a run that is no longer there
+        for stale in ("summary.json", "compare.png"):
+            (out / stale).unlink(missing_ok=True)
     with _StopFlag() as stop:
         try:
             for index, mode in enumerate(modes):

@@ -1075,6 +1075,7 @@ class _AsyncClient:
                 return
             for worker in engine.workers:
                 worker.pull(wait=True)
+            engine.begin_rng_step(engine._counters["pushes"])  # Note [Random numbers of concurrent workers]
             loss, samples = _client_gradient(engine, minibatches, slots, self.reduced, scale)
             norm, nonfinite = ops.mean_grad_norm([self.reduced])
             push_id += 1 if decision == _GO else 0

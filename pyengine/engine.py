@@ -70,9 +70,10 @@ class Engine:
             ``ValueError`` before that step changes anything (async: the push is neither applied nor counted, and
             the :class:`WorkerError` that stops ``fit`` has the ``ValueError`` as its cause).
         seed: seeds torch's RNG before the replicas are made, and the workers' own generators: workers that
-            compute at the same time (hybrid and async with more than one worker, pipeline stages) draw dropout
-            masks and the like from a generator each, so runs with the same seed are bit-identical (Note [Random
-            numbers of concurrent workers] in :mod:`pyengine.rng`).
+            compute at the same time (hybrid and async with more than one worker or a process group, pipeline
+            stages) draw dropout masks and the like from a generator each, seeded per step from (seed, worker,
+            step), so runs with the same seed are bit-identical and resume bit-identically (Note [Random numbers of
+            concurrent workers] in :mod:`pyengine.rng`).
         random_modules: module classes (besides dropout, RReLU and MultiheadAttention) whose forward draws random
             numbers, to be routed to the workers' own generators too.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
@@ -169,7 +170,7 @@ class Engine:
         self.seed = seed
         torch.manual_seed(seed)
         self.random_modules = _module_classes(random_modules)
-        self._worker_rngs: list[WorkerRNG] = []  # in creation order: workers, or pipeline stages (state_dict)
+        self._worker_rngs: list[WorkerRNG] = []  # the workers' or pipeline stages' own generators (begin_rng_step)
         if self.optimizer.no_decay and shard_update:
             raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
                              "one weight decay over each rank's ranges; leave out one of them")
@@ -183,7 +184,8 @@ class Engine:
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
             Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
                    autocast_dtype=autocast, random_modules=self.random_modules,
-                   rng=self.worker_rng(d, i) if mode != "sync" and len(self.devices) > 1 else None)
+                   rng=self.worker_rng(d, i) if mode != "sync" and (len(self.devices) > 1 or group is not None)
+                   else None)
             for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
         self.mutex = threading.Lock()  # the store's mutex: async pulls and pushes hold it
@@ -238,6 +240,11 @@ class Engine:
         self._worker_rngs.append(rng)
         return rng
 
+    def begin_rng_step(self, step: int) -> None:
+        """Seeds every worker's own generator for ``step`` (Note [Random numbers of concurrent workers])."""
+        for rng in self._worker_rngs:
+            rng.begin_step(step)
+
     # ---- public API ------------------------------------------------------------------------------------------
 
     @property
@@ -254,6 +261,7 @@ class Engine:
         # A bad schedule value raises before any work or count. Every rank of a process group asks the same (its
         # version is the same on all), so all raise here and none leaves the others inside a collective.
         self.lr_at(self.version + 1)
+        self.begin_rng_step(self._counters["steps"])  # the step's number: restored on resume, skipped steps too
         with deferred_interrupt(f"step {self.version + 1}", self._abandon):  # Note [Ctrl-C inside a step]
             if self.mode == "pipeline":
                 self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data replicas
@@ -378,7 +386,7 @@ class Engine:
             "optimizer": self.optimizer_state_dict(),
             "optimizer_config": self.optimizer.config(),
             "rng": torch.get_rng_state(),
-            "worker_rng": [rng.get_state() for rng in self._worker_rngs],
+            "seed": self.seed,  # the workers' generators are seeded per step from it (pyengine/rng.py)
             "counters": dict(self._counters),
             "staleness": dict(self._staleness),
             "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -433,17 +441,9 @@ class Engine:
         if not isinstance(rng, torch.Tensor) or rng.dtype != expected_rng.dtype or rng.shape != expected_rng.shape:
             raise ValueError(f"the state's rng must be torch.get_rng_state()'s {expected_rng.dtype} "
                              f"{tuple(expected_rng.shape)}; got {_describe(rng)}")
-        worker_rng = sd.get("worker_rng", [])  # absent in states written before workers had their own generators
-        found = [_describe(s) for s in worker_rng] if isinstance(worker_rng, (list, tuple)) else _describe(worker_rng)
-        if not isinstance(found, list) or any(not f.startswith("torch.uint8 (") for f in found):
-            raise ValueError(f"the state's worker_rng must be a list of generator states (uint8 tensors); got {found}")
-        # Another number of concurrent workers (a run moved to other devices): the weights, the Adam state and the
-        # step carry over; the workers' generators cannot, they keep their own seeding (warned below)
-        reseeded = len(worker_rng) != len(self._worker_rngs)
-        expected = [_describe(rng.get_state()) for rng in self._worker_rngs]
-        if not reseeded and found != expected:
-            raise ValueError(f"the state's worker_rng {found} do not fit this engine's worker generators {expected} "
-                             "(workers on other kinds of device?)")
+        seed = sd.get("seed", self.seed)  # absent in states written before workers had their own generators
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"the state's seed must be an int; got {seed!r}")
         counters, staleness = sd["counters"], sd["staleness"]
         try:
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
@@ -469,14 +469,9 @@ class Engine:
             views[name].copy_(value)
         self.version = version
         torch.set_rng_state(rng)
-        if reseeded:
-            warnings.warn(f"load_state_dict: the state holds {len(worker_rng)} worker generator(s) and this engine "
-                          f"has {len(self._worker_rngs)} concurrent worker(s): the workers keep their own seeding "
-                          "(seed, worker), so random layers (dropout) do not continue the saved run's draws",
-                          stacklevel=2)
-        else:
-            for generator, state in zip(self._worker_rngs, worker_rng):
-                generator.set_state(state)
+        self.seed = seed  # the run continues the saved run's draws (Note [Random numbers of concurrent workers])
+        for generator in self._worker_rngs:
+            generator.seed = seed
         self._counters = collections.Counter(counters)
         self._staleness = staleness
         if self.scaler is not None:  # None (saved without scaling): a fresh scaler; a static one keeps its scale

@@ -2,27 +2,43 @@
 
 Note [Random numbers of concurrent workers]
 torch has one default generator per device, shared by every thread. Workers that compute at the same time (hybrid
-and async with G > 1, pipeline stages in threads) would draw their dropout masks from it in an order set by thread
-timing, and two runs with the same seed would differ. So each such worker owns a ``torch.Generator`` on its device,
-seeded from (seed, worker), and the modules of its replica that draw random numbers (:data:`RANDOM_MODULES`: the
-dropout family, RReLU, MultiheadAttention) run with the device's default generator swapped for the worker's: under
-one process-wide lock, the default generator's state is saved, the worker's state put in, the module's forward run,
-and the states swapped back. The lock is held for those modules' forwards only (a dropout is a small op next to the
-matmuls around it; a MultiheadAttention with dropout > 0 is serialised across workers whole, its price), and a module
-in eval mode or with p = 0 draws nothing and takes no lock. CUDA kernels take their random offsets from the generator
-when they are launched, on the host, so the swap orders them as well. A random module inside another (a
-MultiheadAttention inside a layer listed by the user) runs on the state already swapped in.
+and async with G > 1, pipeline stages in threads, every worker of a process group) would draw their dropout masks
+from it in an order set by thread timing, and two runs with the same seed would differ. So each such worker owns a
+``torch.Generator`` on its device, and the modules of its replica that draw random numbers (:data:`RANDOM_MODULES`:
+the dropout family, RReLU, MultiheadAttention, and the classes given as ``Engine(random_modules=...)``) run with the
+device's default generator swapped for the worker's: under one process-wide lock, the default generator's state is
+saved, the worker's put in, the module's forward run, and the states swapped back. The lock is held for those
+modules' forwards only (a dropout is a small op next to the matmuls around it; a MultiheadAttention with dropout > 0
+is serialised across workers whole, its price); a module in eval mode or with p = 0 draws nothing and takes no lock.
+CUDA kernels take their random offsets from the generator when they are launched, on the host, so the swap orders
+them as well. A random module inside another runs on the state already swapped in.
 
-What stays on the shared generator: random numbers drawn outside these modules (``torch.rand`` or
-``F.dropout`` called in a ``forward`` or a ``loss_fn``). With concurrent workers those are not reproducible across
-runs; list the module classes that draw them in ``Engine(random_modules=...)`` to route them too. A lone worker
-(G = 1) and sync mode (one worker at a time) keep drawing from torch's default generator, exactly as single-device
-training with the same seed would.
+The worker's generator is seeded afresh at the start of every step (or async push) from (seed, global worker index,
+step): the draws are a pure function of those, so a run resumed from a checkpoint draws what the uninterrupted run
+drew with no generator state saved, whatever devices or how many workers it resumes on, on every rank of a process
+group alike.
+
+An activation checkpoint (``torch.utils.checkpoint``) recomputes its region's forward during backward and restores
+torch's default generator first so that the recomputed masks equal the forward's; a routed module would instead
+draw the worker's generator's next numbers. So every routed forward records the worker's state it started from, and
+a routed forward that runs inside backward (a recomputation) replays the oldest recorded state of that module in
+this step: forwards and their recomputations come in the same order for a module called once per micro-batch (in a
+GPipe stage, M forwards then M backwards in micro-batch order). A module called several times in one forward inside
+checkpointed regions recomputed in another order would replay the wrong state: checkpoint such a module outside
+the concurrent workers, or give it no randomness.
+
+What stays on the shared generator: random numbers drawn outside routed modules (``torch.rand`` or ``F.dropout``
+called in a ``forward`` or a ``loss_fn``). With concurrent workers such a draw can land while another worker's state
+is swapped in, so it takes numbers from that worker's stream too: a model with unrouted randomness is not
+reproducible with concurrent workers; list the module classes that draw in ``random_modules``. A lone worker (G = 1,
+no process group) and sync mode (one worker at a time) draw from torch's default generator, as single-device
+training with the same seed does.
 """
 from __future__ import annotations
 
-import functools
+import collections
 import threading
+import weakref
 
 import torch
 
@@ -37,9 +53,13 @@ _SWAP = threading.Lock()  # Note [Random numbers of concurrent workers]
 _ACTIVE = threading.local()  # .rng: the WorkerRNG whose state is swapped in on this thread, if any
 
 
-def worker_seed(seed: int, worker: int) -> int:
-    """The seed of worker ``worker``'s generator: distinct per worker, a pure function of (seed, worker)."""
-    return (seed * 1_000_003 + (worker + 1) * 0x9E3779B97F4A7C15) % 2**63
+def worker_seed(seed: int, worker: int, step: int) -> int:
+    """The seed of worker ``worker``'s generator at step ``step``: a pure function of the three, distinct per worker
+    and per step (a 64-bit mix, so that nearby seeds, workers and steps give unrelated streams)."""
+    x = (seed * 0x9E3779B97F4A7C15 + worker * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) % 2**64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):  # splitmix64's finaliser
+        x = ((x ^ (x >> shift)) * mult) % 2**64
+    return (x ^ (x >> 31)) % 2**63
 
 
 def _draws(module: torch.nn.Module) -> bool:
@@ -53,58 +73,78 @@ def _draws(module: torch.nn.Module) -> bool:
     return True
 
 
+class _Routed:
+    """A module's ``forward`` attribute while routed: the class's forward through :meth:`WorkerRNG.run`. It holds the
+    module weakly (a strong reference would make every routed module a reference cycle, freed only by the garbage
+    collector, and a dropped engine's replicas with it)."""
+
+    def __init__(self, rng: "WorkerRNG", module: torch.nn.Module):
+        own = module.__dict__.get("forward")  # a forward set on the instance (rare) is kept, strongly
+        self.rng, self.module = rng, weakref.ref(module)
+        self.forward = type(module).forward if own is None else (lambda _, *args, **kwargs: own(*args, **kwargs))
+
+    def __call__(self, *args, **kwargs):
+        module = self.module()
+        if not _draws(module):
+            return self.forward(module, *args, **kwargs)
+        return self.rng.run(module, self.forward, *args, **kwargs)
+
+
 class WorkerRNG:
-    """The generator of one concurrent worker on ``device``, seeded with :func:`worker_seed` ``(seed, worker)``."""
+    """The generator of one concurrent worker on ``device``; :meth:`begin_step` seeds it for a step."""
 
     def __init__(self, device: torch.device, seed: int, worker: int):
         self.device = torch.device(device)
+        self.seed, self.worker = seed, worker
         self.generator = torch.Generator(self.device)
-        self.generator.manual_seed(worker_seed(seed, worker))
+        self._replay: dict[int, collections.deque] = {}  # id(module) -> states its forwards started from
+        self.begin_step(0)
+
+    def begin_step(self, step: int) -> None:
+        """Seeds the generator for step ``step`` (hybrid, sync, pipeline: the step count; async: a push's key) and
+        forgets the previous step's recorded states."""
+        self.generator.manual_seed(worker_seed(self.seed, self.worker, step))
+        self._replay.clear()
 
     def _default(self) -> torch.Generator:
         if self.device.type == "cuda":
             return torch.cuda.default_generators[self.device.index]
         return torch.default_generator
 
-    def run(self, forward, *args, **kwargs):
-        """``forward(*args, **kwargs)`` drawing from this worker's generator instead of the device's default."""
+    def run(self, module: torch.nn.Module, forward, *args, **kwargs):
+        """``forward(module, *args, **kwargs)`` drawing from this worker's generator instead of the device's default
+        (a recomputation inside backward replays the state the module's forward started from)."""
         if getattr(_ACTIVE, "rng", None) is self:  # inside another of this worker's random modules: swapped in
-            return forward(*args, **kwargs)
+            return forward(module, *args, **kwargs)
+        recompute = torch._C._current_graph_task_id() != -1
+        records = self._replay.setdefault(id(module), collections.deque())
+        if recompute and not records:
+            raise RuntimeError(f"{type(module).__name__} ran inside backward with no forward of this step to replay "
+                               "(Note [Random numbers of concurrent workers] in pyengine/rng.py)")
         default = self._default()
         with _SWAP:
             saved = default.get_state()
-            default.set_state(self.generator.get_state())
+            if recompute:
+                default.set_state(records.popleft())
+            else:
+                records.append(self.generator.get_state())
+                default.set_state(records[-1])
             _ACTIVE.rng = self
             try:
-                return forward(*args, **kwargs)
+                return forward(module, *args, **kwargs)
             finally:
                 _ACTIVE.rng = None
-                self.generator.set_state(default.get_state())
+                if not recompute:
+                    self.generator.set_state(default.get_state())
                 default.set_state(saved)
 
     def install(self, model: torch.nn.Module, classes=()) -> int:
         """Routes the random modules of ``model`` (:data:`RANDOM_MODULES` and ``classes``) through :meth:`run`;
-        returns how many. The wrapper is an instance attribute ``forward`` of each module (``model`` must be this
-        worker's own replica)."""
-        classes = tuple(classes)
+        returns how many. ``model`` must be this worker's own replica; a module is routed once."""
         count = 0
         for module in model.modules():
-            if isinstance(module, classes):
-                module.forward = functools.partial(self.run, module.forward)
-            elif isinstance(module, RANDOM_MODULES):
-                module.forward = functools.partial(self._maybe_run, module, module.forward)
-            else:
-                continue
-            count += 1
+            if isinstance(module, (*RANDOM_MODULES, *classes)) and not isinstance(module.__dict__.get("forward"),
+                                                                                   _Routed):
+                module.forward = _Routed(self, module)
+                count += 1
         return count
-
-    def _maybe_run(self, module, forward, *args, **kwargs):
-        if not _draws(module):
-            return forward(*args, **kwargs)
-        return self.run(forward, *args, **kwargs)
-
-    def get_state(self) -> torch.Tensor:
-        return self.generator.get_state()
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)

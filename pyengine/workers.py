@@ -217,6 +217,7 @@ class Worker:
         self.index = index
         self.device = device
         self.replica = copy.deepcopy(model).to(device)
+        self.rng = rng
         if rng is not None:  # Note [Random numbers of concurrent workers] (pyengine/rng.py)
             rng.install(self.replica, random_modules)
         self.streamer = GradientStreamer(self.replica, store, worker=index, bucket_mb=bucket_mb,

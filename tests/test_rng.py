@@ -1,8 +1,12 @@
-"""pyengine.rng: a concurrent worker's random modules draw from its own generator (Note [Random numbers of concurrent
-workers]); the default generator is left exactly as it was."""
+"""pyengine.rng: a concurrent worker's random modules draw from its own generator, seeded per step (Note [Random
+numbers of concurrent workers]); the default generator is left exactly as it was."""
+import gc
 import threading
+import weakref
 
+import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from pyengine.rng import WorkerRNG, worker_seed
 
@@ -11,27 +15,34 @@ def routed_model(rng):
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.RReLU(),
                                 torch.nn.AlphaDropout(0.0), torch.nn.Linear(32, 4))
     assert rng.install(model) == 3  # the dropouts and RReLU; Linear draws nothing
+    assert rng.install(model) == 0, "a module is routed once"
     return model
 
 
-def test_routed_draws_leave_the_default_generator_alone_and_follow_the_seed():
+def test_routed_draws_leave_the_default_generator_alone_and_follow_the_step():
     x = torch.randn(16, 8)
     torch.manual_seed(1)
     before = torch.get_rng_state()
     outs = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = routed_model(WorkerRNG(torch.device("cpu"), seed=5, worker=1))
+        rng = WorkerRNG(torch.device("cpu"), seed=5, worker=1)
+        model = routed_model(rng)
         torch.set_rng_state(before)
+        rng.begin_step(7)
         outs.append([model(x) for _ in range(3)])
         assert torch.equal(torch.get_rng_state(), before), "the default generator must not move"
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert not torch.equal(outs[0][0], outs[0][1]), "each call draws new masks"
+    rng.begin_step(7)
+    assert torch.equal(model(x), outs[0][0]), "a step's draws are a function of (seed, worker, step)"
+    rng.begin_step(8)
+    assert not torch.equal(model(x), outs[0][0])
 
 
 def test_workers_draw_the_same_masks_whatever_the_thread_timing():
-    """Two workers in threads, each with its own generator: the masks of worker g depend on (seed, g) only."""
+    """Two workers in threads, each with its own generator: the masks of worker g depend on (seed, g, step) only."""
     x = torch.randn(64, 8)
 
     def run(order):
@@ -54,10 +65,43 @@ def test_workers_draw_the_same_masks_whatever_the_thread_timing():
     assert not torch.equal(first[0][0], first[1][0]), "workers draw different masks"
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_recomputes_the_masks_its_forward_drew(reentrant):
+    """torch.utils.checkpoint recomputes the region's forward in backward: the routed dropout replays the state its
+    forward started from, so the gradients equal those of the same step without the checkpoint."""
+    x = torch.randn(16, 8)
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(0)
+        rng = WorkerRNG(torch.device("cpu"), 2, 0)
+        model = routed_model(rng)
+        rng.begin_step(3)
+        for _ in range(2):  # two micro-batches: forward, backward, forward, backward
+            inputs = x.clone().requires_grad_(reentrant)
+            out = checkpoint(model, inputs, use_reentrant=reentrant) if use_checkpoint else model(inputs)
+            out.pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_routing_makes_no_reference_cycle():
+    """A routed module's forward holds it weakly: a dropped replica is freed at once, not by the collector."""
+    gc.disable()
+    try:
+        model = routed_model(WorkerRNG(torch.device("cpu"), 0, 0))
+        ref = weakref.ref(model[1])
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_eval_mode_and_p_zero_draw_nothing():
     rng = WorkerRNG(torch.device("cpu"), 0, 0)
     model = routed_model(rng).eval()
-    state = rng.get_state()
+    state = rng.generator.get_state()
     model(torch.randn(4, 8))
-    assert torch.equal(rng.get_state(), state)
-    assert worker_seed(0, 0) != worker_seed(0, 1) and worker_seed(1, 0) != worker_seed(0, 0)
+    assert torch.equal(rng.generator.get_state(), state)
+    seeds = {worker_seed(s, w, t) for s in range(3) for w in range(3) for t in range(3)}
+    assert len(seeds) == 27 and all(0 <= v < 2**63 for v in seeds)
