@@ -442,6 +442,42 @@ def overlap(seed, rank, world):
     return out
 
 
+def dropout_resume(seed, rank, world):
+    """One worker per rank (the torchrun layout), a model with dropout: the first step's masks of each rank, and the
+    weights of 3 straight steps against 1 step, rank 0's state loaded on every rank (as the CLI's checkpoint), then
+    2 more steps (Note [Random numbers of concurrent workers])."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
+    masks = []
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(D_IN, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, CLASSES))
+
+    def recording_loss(m, batch):
+        hidden = m[1](m[0](batch[0]))
+        masks.append(hidden == 0)
+        return torch.nn.functional.cross_entropy(m[2](hidden), batch[1])
+
+    def engine():
+        return pyengine.Engine(model(), recording_loss, devices=["cpu"], pin=False, seed=seed)
+
+    with engine() as straight:
+        for b in batches:
+            straight.step(b)
+        expected = straight.master_state_dict()
+    first_mask = masks[0]
+    with engine() as first:
+        first.step(batches[0])
+        state = [first.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(state, src=0)
+    with engine() as resumed:
+        resumed.load_state_dict(state[0])
+        for b in batches[1:]:
+            resumed.step(b)
+        got = resumed.master_state_dict()
+    return dict(first_mask=first_mask, resumed_equal=all(torch.equal(expected[k], got[k]) for k in expected))
+
+
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
@@ -465,7 +501,7 @@ def main():
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
-                 "overlap": overlap, "bad-local-batch": bad_local_batch, "hybrid-fp16": hybrid_fp16,
+                 "overlap": overlap, "bad-local-batch": bad_local_batch, "dropout-resume": dropout_resume, "hybrid-fp16": hybrid_fp16,
                  "async-fp16": async_fp16,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}

@@ -161,6 +161,17 @@ def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, see
 
 
 @pytest.mark.timeout(90)
+def test_dropout_masks_differ_across_ranks_and_resume_from_rank_0s_state(tmp_path, seed):
+    """Note [Random numbers of concurrent workers]: each rank's worker has its own generator (with one worker per
+    rank too: not the same masks on every rank), seeded per step, so every rank resumed from rank 0's state draws
+    what it drew in the uninterrupted run."""
+    codes, logs, _ = launch("dropout-resume", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    assert all(r["resumed_equal"] for r in ranks), [r["resumed_equal"] for r in ranks]
+    assert not torch.equal(ranks[0]["first_mask"], ranks[1]["first_mask"])
+
+
 def test_hybrid_fp16_loss_scaling_equals_grad_scaler(tmp_path, seed):
     """Float16 autocast with dynamic loss scaling across 2 processes x 2 workers, replicated and sharded: every rank
     takes GradScaler's decisions step for step (backoffs from a scale that overflows, growth, a poisoned batch
