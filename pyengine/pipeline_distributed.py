@@ -328,6 +328,9 @@ class DistributedPipeline(_FailureNaming):
             raise ValueError(f"stage {self.stage} has no trainable parameters; choose another balance")
         self.device = engine.devices[0]
         self.module = copy.deepcopy(modules[self.stage]).to(self.device)
+        # each rank its own generator (global index = rank), seeded per step: the data-parallel replicas of a stage
+        # draw different masks (Note [Random numbers of concurrent workers] in pyengine/rng.py)
+        engine.worker_rng(self.device, 0).install(self.module, engine.random_modules)
         # (store name, this rank's copy): a tied parameter's store name is its first name in the model
         self.params = list(zip(names[self.stage], (p for p in self.module.parameters() if p.requires_grad)))
         self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))

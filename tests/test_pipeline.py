@@ -1168,6 +1168,31 @@ def _tied_worker(rank, world, init_file, seed, out_dir):
         dist.destroy_process_group()
 
 
+def _dropout_replicas_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 3))
+        masks = []
+        with Engine(model, loss_fn, devices=["cpu"], mode="pipeline", stages=1, pin=False, seed=3) as engine:
+            engine.pipeline.module[1].register_forward_hook(lambda m, i, o: masks.append(o == 0))
+            engine.step((torch.ones(8, 8), torch.zeros(8, dtype=torch.long)))
+        torch.save(masks[-1], f"{out_dir}/mask-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_replicas_of_a_stage_across_processes_draw_their_own_masks(tmp_path):
+    """Two ranks, one stage of two data-parallel replicas, the same input: each rank's stage draws from its own
+    generator (Note [Random numbers of concurrent workers]), not the same masks from the same seed."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dropout_replicas_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    masks = [torch.load(tmp_path / f"mask-{r}.pt") for r in range(2)]
+    assert masks[0].shape == masks[1].shape and not torch.equal(masks[0], masks[1])
+
+
 @pytest.mark.timeout(120)
 def test_tied_parameters_across_processes_equal_single_device(rng, tmp_path):
     """An embedding tied to the output layer, and one Linear used in both stages, on 2 gloo ranks (one stage each,
