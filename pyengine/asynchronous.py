@@ -107,9 +107,10 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
                 minibatches = source.take(k)
                 if not minibatches:
                     return
-                samples = sum(batch_size(b) for b in minibatches)
-                if any(batch_size(b) == 0 for b in minibatches):
+                sizes = [batch_size(b) for b in minibatches]
+                if 0 in sizes:
                     raise ValueError("a batch of 0 samples: a push needs at least one sample in every mini-batch")
+                samples = sum(sizes)
                 while not stop.is_set():
                     with engine.phase("forward_backward+transfer", worker.index):
                         loss, compute, wait, _ = worker.compute(engine.loss_fn, minibatches, loss_scale=scale)

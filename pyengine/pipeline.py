@@ -536,7 +536,7 @@ class Pipeline:
         # store names by tensor: a tied parameter is in the store once, under its first name in the model
         self._store_names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
         # stage threads run at once: each (stage, replica) draws from its own generator (Note [Random numbers of
-        # concurrent workers]), made here so that a state saved before the first step holds them all
+        # concurrent workers]), made here, once: the stages are built at the first step with balance="time"
         self.rngs = [engine.worker_rng(d, i) if len(devices) > 1 else None for i, d in enumerate(devices)]
         if balance == "params":
             self._build(partition(_param_costs([layer for _, layer in self.layers]), stages))
