@@ -4,13 +4,25 @@ The master fp32 weights and the Adam state live in host memory (:class:`HostStor
 gradients stream to the host while backward runs (:class:`GradientStreamer`); one fused kernel averages the G
 gradients and applies AdamW (:mod:`pyengine.ops`). :class:`Engine` runs the hybrid, sync, async and pipeline schedules.
 """
-from . import ops
-from ._C import with_cuda
-from .engine import Engine, StageError, WorkerError
-from .optim import AdamW, WarmupCosine
-from .scaler import LossScaler
-from .store import HostStore
-from .streamer import GradientStreamer, pipelined_update
+import sys as _sys
+
+try:
+    from . import ops
+    from ._C import with_cuda
+    from .engine import Engine, StageError, WorkerError
+    from .optim import AdamW, WarmupCosine
+    from .scaler import LossScaler
+    from .store import HostStore
+    from .streamer import GradientStreamer, pipelined_update
+except KeyboardInterrupt:
+    # `python -m pyengine ...` imports this package (torch with it: seconds) before its main() can catch a Ctrl-C.
+    # Started that way, an interrupt here is the command's own start-up: one line and exit 130, as main() does.
+    # Imported by anything else, the interrupt is the importer's.
+    _argv = getattr(_sys, "orig_argv", [])
+    if any(a == "-m" and b.split(".")[0] == "pyengine" for a, b in zip(_argv, _argv[1:])):
+        print("pyengine: interrupted while starting; nothing was written", file=_sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    raise
 
 __all__ = ["AdamW", "Engine", "GradientStreamer", "HostStore", "LossScaler", "StageError", "WorkerError",
            "WarmupCosine", "ops", "pipelined_update", "with_cuda"]

@@ -425,6 +425,31 @@ def test_ctrl_c_during_start_up_is_one_line_exit_130(tmp_path, capsys, monkeypat
     assert not out.exists()
 
 
+def test_ctrl_c_while_python_m_pyengine_imports_the_package_is_one_line_exit_130(tmp_path):
+    """Ctrl-C while `python -m pyengine` imports the package (torch with it), before main() runs: one line, exit 130.
+    The interrupt is raised by an import hook (a sitecustomize) at the import of pyengine.engine; imported by
+    anything else, the package lets the interrupt through."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'pyengine.engine':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "pyengine", "train", "--steps", "2", "--out", str(out)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 130 and run.stderr.splitlines() == [
+        "pyengine: interrupted while starting; nothing was written"], (run.returncode, run.stderr)
+    assert not out.exists()
+    other = subprocess.run([sys.executable, "-c", "import pyengine"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode != 0 and "KeyboardInterrupt" in other.stderr, (other.returncode, other.stderr)
+
+
 def test_summary_writes_leave_no_temporary_file_on_failure(tmp_path):
     from pyengine.cli import _write_lines
 
