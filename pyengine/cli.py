@@ -233,6 +233,8 @@ def _add_plan_parser(commands) -> None:
 def _plan(args) -> int:
     from . import comm
 
+    if args.plot:  # its folder is made (as --out's and --trace's are) and checked before any output
+        _check_writable(Path(args.plot).resolve().parent, "the --plot folder")
     network = comm.Network(args.latency, args.bandwidth)
     compute_s = args.compute_ms / 1e3
     rows = comm.plan(args.nodes, args.params, args.grad_dtype, network, compute_s, servers=args.servers,
@@ -245,11 +247,14 @@ def _plan(args) -> int:
     print(comm.format_plan(rows, args.servers))
     if args.plot:
         counts = sorted({2 ** i for i in range(args.nodes.bit_length())} | {args.nodes})
-        comm.plot_efficiency(args.plot, counts, args.params, args.grad_dtype, network, compute_s,
-                             servers=args.servers, overlap=args.overlap,
-                             title=f"{args.params:.3g} params, {dtype} gradients, "
-                             f"{args.bandwidth * 8 / 1e9:.3g} Gbit/s, {args.latency * 1e6:.3g} us, "
-                             f"{args.compute_ms:.3g} ms compute, overlap {args.overlap:.0%}")
+        try:
+            comm.plot_efficiency(args.plot, counts, args.params, args.grad_dtype, network, compute_s,
+                                 servers=args.servers, overlap=args.overlap,
+                                 title=f"{args.params:.3g} params, {dtype} gradients, "
+                                 f"{args.bandwidth * 8 / 1e9:.3g} Gbit/s, {args.latency * 1e6:.3g} us, "
+                                 f"{args.compute_ms:.3g} ms compute, overlap {args.overlap:.0%}")
+        except OSError as exc:  # a folder of that name, say
+            raise UsageError(f"cannot write the --plot file {args.plot}: {exc.strerror or exc}") from None
         print(f"plot: {args.plot}")
     return 0
 
@@ -896,7 +901,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     _write_json(out / "summary.json", summary)
     if records:
         plots.plot_loss(records, out / "loss.png", f"pyengine {mode}: {cfg['model']} on {cfg['data']}, "
-                        f"{len(devices)} workers ({', '.join(sorted(set(devices)))})")
+                        f"{_plural(len(devices), 'worker')} ({', '.join(sorted(set(devices)))})")
     return summary
 
 
@@ -1026,7 +1031,7 @@ def _apply_resume_flags(base: dict, given: dict) -> dict:
             raise UsageError(f"--{key.replace('_', '-')} {value} differs from the resumed run's "
                              f"{cfg[key]!r}; a resumed run keeps its settings (only "
                              f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_OVERRIDABLE))} "
-                             "may change)")
+                             f"may change, and --devices/--workers for --mode {'/'.join(DEVICES_MOVABLE)})")
     return cfg
 
 
@@ -1083,13 +1088,17 @@ def _finished_before(cfg: dict, mode: str, run_dir: Path, payload: dict | None, 
     return summary if done else None
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
 def _summarise(summary: dict) -> str:
     acc, loss = summary["test_accuracy"], summary["final_loss"]
-    where = f"{summary['workers']} workers" if summary.get("processes", 1) == 1 else \
-        f"{summary['processes']} processes x {summary['workers']} workers"
+    workers = _plural(summary["workers"], "worker")
+    where = workers if summary.get("processes", 1) == 1 else f"{_plural(summary['processes'], 'process')} x {workers}"
     return (f"[{summary['mode']}] {summary['steps']} steps on {where}: "
             f"{summary['samples_per_s']:,.0f} samples/s, final loss "
-            f"{'n/a' if loss is None else format(loss, '.4f')}, "
+            f"{'n/a' if loss is None else format(loss, '.4g')}, "
             f"test accuracy {acc:.2%} ({summary['wall_s']:.1f} s)")
 
 
@@ -1114,17 +1123,21 @@ def _all_summary(cfg: dict, summaries: dict) -> dict:
 # ---- entry point ------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
+    prog = PROG
     try:
         parser = build_parser()
         args = parser.parse_args(argv)  # argparse errors exit 2 with usage
         if args.command == "plan":
+            prog = "pyengine plan"
             return _plan(args)
         return _train(_given(args))
     except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # before _StopFlag's handler is installed (or after it is gone): nothing to save
-        print(f"{PROG}: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
+        message = ("interrupted before training started; nothing to save" if prog == PROG else
+                   "interrupted; nothing was written")
+        print(f"{prog}: {message}", file=sys.stderr, flush=True)
         return 130
     finally:
         if "torch.distributed" in sys.modules:  # joined under torchrun (Note [Training under torchrun])

@@ -311,10 +311,12 @@ class Engine:
         return self._stop.is_set()
 
     def master_state_dict(self) -> dict:
-        """The fp32 master weights, keys as ``model.state_dict()`` (trainable parameters only). Pipeline stages
-        across processes: a collective (Note [Distributed pipeline store])."""
+        """The fp32 master weights, keys as ``model.state_dict()`` and in its order (trainable parameters only; the
+        store holds them in reverse). Pipeline stages across processes: a collective (Note [Distributed pipeline
+        store])."""
         self._gather_stages()
-        return {name: view.detach().clone() for name, view in self.store.views(self.store.param).items()}
+        views = self.store.views(self.store.param)
+        return {name: views[name].detach().clone() for name in reversed(self.store.names)}
 
     def copy_to(self, model: torch.nn.Module) -> None:
         """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers.

@@ -358,6 +358,27 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(finished_run, tm
     assert _unchanged(run) == before
 
 
+def test_resume_with_another_setting_is_refused_naming_what_may_change(finished_run, tmp_path, capsys):
+    run = tmp_path / "copy"
+    _copy_run(finished_run, run)
+    before = _unchanged(run)
+    assert train("--resume", str(run), "--steps", "6", "--batch-size", "16") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--batch-size 16 differs from the resumed run's 32" in err[0], err
+    assert "--steps" in err[0] and "--devices/--workers for --mode hybrid/sync/async" in err[0], err
+    assert _unchanged(run) == before
+
+
+def test_summary_line_formats():
+    from pyengine.cli import _summarise
+    summary = dict(mode="hybrid", steps=3, workers=1, samples_per_s=1234.5, final_loss=3.1e-5, test_accuracy=0.975,
+                   wall_s=2.0)
+    assert _summarise(summary) == ("[hybrid] 3 steps on 1 worker: 1,234 samples/s, final loss 3.1e-05, test "
+                                   "accuracy 97.50% (2.0 s)")
+    summary.update(workers=2, processes=2, final_loss=0.25)
+    assert "on 2 processes x 2 workers: " in _summarise(summary) and "final loss 0.25," in _summarise(summary)
+
+
 def test_resume_is_quiet_only_when_asked(tmp_path, capsys):
     """--quiet is output of one invocation, not a setting of the run: not saved, not inherited by a resume."""
     out = tmp_path / "run"

@@ -149,6 +149,26 @@ def test_plan_plot_draws_what_the_table_says_with_overlap(tmp_path, monkeypatch)
     assert rows["ring"] > no_overlap["ring"] * 1.1  # the case tells overlap 0.5 from 0
 
 
+def test_plan_plot_into_a_new_folder_or_onto_a_folder(tmp_path, capsys):
+    """--plot runs/eff.png makes runs/ (as --out does); a --plot that names a folder, or a folder that cannot be
+    made, is one line and exit 2, not a traceback."""
+    base = ["plan", "--nodes", "8", "--params", "1e9", "--bandwidth", "25Gbit", "--compute-ms", "100"]
+    png = tmp_path / "runs" / "deeper" / "eff.png"
+    assert main([*base, "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    capsys.readouterr()
+    folder = tmp_path / "runs" / "folder.png"
+    folder.mkdir()
+    assert main([*base, "--plot", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pyengine plan: error: cannot write the --plot file {folder}: Is a directory"], err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main([*base, "--plot", str(blocker / "eff.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "cannot write to the --plot folder" in captured.err, captured
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--nodes", "0"], "--nodes: expected a positive integer"),
     (["--bandwidth", "25Gbiz"], "--bandwidth: expected a bandwidth"),

@@ -49,6 +49,7 @@ class TorchReference:
 
 def assert_matches(engine, reference, rtol=1e-5):
     master = engine.master_state_dict()
+    assert list(master) == [n for n, p in reference.model.named_parameters() if p.requires_grad]  # the model's order
     for name, p in reference.model.named_parameters():
         scale = p.detach().abs().max().item()
         torch.testing.assert_close(master[name].double(), p.detach(), rtol=rtol, atol=rtol * scale, msg=name)
