@@ -59,6 +59,23 @@ class Interrupted(Exception):
     """Raised from a step callback when Ctrl-C asked the run to stop after the current step."""
 
 
+class TrainingFailed(Exception):
+    """A failure while training (the cause is ``__cause__``) after ``step`` complete steps; ``checkpoint``: the
+    newest checkpoint (None when there is none), of that very step when ``complete``. Note [A failed run keeps its
+    last step]."""
+
+    def __init__(self, step: int, checkpoint: Path | None, complete: bool):
+        super().__init__(f"training failed after step {step}")
+        self.step, self.checkpoint, self.complete = step, checkpoint, complete
+
+    def resume_hint(self, out: Path) -> str | None:
+        if self.checkpoint is None:
+            return None
+        saved = f"step {self.step}, the last complete one, is saved" if self.complete else \
+            "the last checkpoint is"
+        return f"{saved} in {self.checkpoint}: resume with python -m pyengine train --resume {out}"
+
+
 # ---- arguments ------------------------------------------------------------------------------------------------
 
 def _number(convert, ok, expected: str):
@@ -796,6 +813,25 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"])
             return state["last_ckpt"]
 
+        def failed_run_checkpoint() -> tuple[Path | None, bool]:
+            """Note [A failed run keeps its last step]
+            A step that raises (a worker's error, a non-finite loss with nonfinite="raise", a failed transfer) is
+            never half applied: the engine's host store still holds the last complete update, and ``state`` counts
+            exactly the steps (async: the pushes) applied. That state is saved as a checkpoint like any other, so the
+            steps since the last periodic checkpoint are not lost and ``--resume`` continues from it (bit-identical
+            when the failure does not recur: tested). Under torchrun nothing is saved (``state_dict`` may be a
+            collective and another rank may be the one that died): the last periodic checkpoint is named instead."""
+            this_step = ckpt.path_for(ckpt_dir, state["step"])
+            if primary and this_step.exists():  # saved already: a periodic checkpoint, or the one resumed from (a
+                return this_step, True          # resume sets later ones aside, so what is there is this run's)
+            if world == 1 and state["step"] > start_step:
+                try:
+                    return save_checkpoint(), True
+                except Exception as exc:  # noqa: BLE001 - say so; the training error stays the one raised
+                    print(f"{PROG}: could not save step {state['step']} ({type(exc).__name__}: {exc})",
+                          file=sys.stderr, flush=True)
+            return (ckpt.latest(ckpt_dir) if primary else None), False
+
         def on_step(_engine, metrics: dict) -> None:
             """After every update (async: under the store's mutex, so the state is consistent)."""
             state["step"] += 1
@@ -850,6 +886,12 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                     on_step(engine, engine.step(_rank_shard(batch, rank, world) if shard else batch))
         except Interrupted:
             interrupted = True
+        except Exception as exc:
+            if isinstance(exc, UsageError):
+                raise
+            progress.close()
+            metrics_file.close()
+            raise TrainingFailed(state["step"], *failed_run_checkpoint()) from exc
         train_s = time.perf_counter() - train_start
         progress.close()
         metrics_file.close()
@@ -1265,9 +1307,14 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
         except Exception as exc:  # noqa: BLE001 - a failure while training: one line, the cause chained
             if isinstance(exc, UsageError):
                 raise
-            print(f"{PROG}: training failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failed = exc if isinstance(exc, TrainingFailed) else None
+            cause = failed.__cause__ if failed is not None else exc
+            print(f"{PROG}: training failed: {type(cause).__name__}: {cause}", file=sys.stderr, flush=True)
+            hint = failed.resume_hint(out) if failed is not None else None
+            if hint is not None:
+                print(f"{PROG}: {hint}", file=sys.stderr, flush=True)
             if os.environ.get("PYENGINE_TRACEBACK"):
-                raise
+                raise cause
             return 1
     if every:
         try:

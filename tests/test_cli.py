@@ -183,6 +183,71 @@ def test_resume_is_bit_identical(tmp_path, mode):
     assert steps == list(range(1, 21))  # steps 16..20 were redone, not duplicated
 
 
+def _failing_loss(monkeypatch, at_call: int):
+    """models.loss_fn raising RuntimeError('boom') from its ``at_call``-th call on (counted over the workers)."""
+    import threading
+
+    from pyengine import models
+    real, calls, lock = models.loss_fn, [0], threading.Lock()
+
+    def loss_fn(model, batch):
+        with lock:
+            calls[0] += 1
+            fail = calls[0] >= at_call
+        if fail:
+            raise RuntimeError("boom")
+        return real(model, batch)
+
+    monkeypatch.setattr(models, "loss_fn", loss_fn)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "pipeline", "async"])
+def test_a_failed_run_keeps_its_last_step_and_resumes_from_it(tmp_path, capsys, monkeypatch, mode):
+    """Note [A failed run keeps its last step]: a worker's error at step 4 (no periodic checkpoint since the start)
+    exits 1 with the error and a second line naming the checkpoint of step 3, saved on the way out; --resume from it
+    ends where an uninterrupted run ends (bit-identical; async: every applied push counted once)."""
+    common = ["--mode", mode, "--quiet", "--checkpoint-every", "100", *SHORT]
+    full, part = tmp_path / "full", tmp_path / "part"
+    if mode != "async":
+        assert train("--steps", "6", "--out", str(full), *common) == 0
+    calls_per_step = 2 if mode == "hybrid" else 1  # hybrid: one call per worker; the pipeline's loss: last stage
+    if mode == "pipeline":
+        calls_per_step = 4  # --microbatches 4 (the CLI's default), one loss call each
+    with monkeypatch.context() as patch:
+        _failing_loss(patch, at_call=3 * calls_per_step + 1)
+        capsys.readouterr()
+        assert train("--steps", "6", "--out", str(part), *common) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    steps = len((part / "metrics.jsonl").read_text().splitlines())
+    assert steps == 3 if mode != "async" else 1 <= steps <= 3, steps
+    saved = ckpt.path_for(part / "checkpoints", steps)
+    assert err[-2].startswith("pyengine train: training failed: ") and "RuntimeError: boom" in err[-2], err
+    assert err[-1] == (f"pyengine train: step {steps}, the last complete one, is saved in {saved}: resume with "
+                       f"python -m pyengine train --resume {part}"), err
+    assert ckpt.list_checkpoints(part / "checkpoints") == [saved]
+    assert train("--resume", str(part), "--steps", "6", "--quiet") == 0
+    b = master(part)
+    if mode == "async":
+        assert b["version"] == 6 and b["counters"]["pushes"] == 6
+        return
+    a = master(full)
+    assert a["version"] == b["version"] == 6
+    for name in a["master"]:
+        assert torch.equal(a["master"][name], b["master"][name]), name
+    for index, entry in a["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], b["optimizer"]["state"][index][key]), (index, key)
+
+
+def test_a_run_that_fails_at_its_first_step_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    _failing_loss(monkeypatch, at_call=1)
+    out = tmp_path / "run"
+    assert train("--steps", "3", "--quiet", "--out", str(out), *SHORT) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyengine train: training failed: ") and "boom" in err[0], err
+    assert ckpt.list_checkpoints(out / "checkpoints") == []
+
+
 def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, capsys):
     """Resuming from a checkpoint file older than the run's newest forks the run: the later checkpoints and metrics
     lines move to a superseded-* folder (nothing deleted), and the next `--resume DIR` continues the fork."""
