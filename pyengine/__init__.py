@@ -17,9 +17,11 @@ try:
 except KeyboardInterrupt:
     # `python -m pyengine ...` imports this package (torch with it: seconds) before its main() can catch a Ctrl-C.
     # Started that way, an interrupt here is the command's own start-up: one line and exit 130, as main() does.
-    # Imported by anything else, the interrupt is the importer's.
+    # Imported by anything else, the interrupt is the importer's. While runpy locates the module of `-m`, sys.argv[0]
+    # is "-m"; the module is the word after the interpreter's first "-m" (later ones are the program's arguments).
     _argv = getattr(_sys, "orig_argv", [])
-    if any(a == "-m" and b.split(".")[0] == "pyengine" for a, b in zip(_argv, _argv[1:])):
+    _module = _argv[_argv.index("-m") + 1] if "-m" in _argv[:-1] else ""
+    if _sys.argv[:1] == ["-m"] and _module.split(".")[0] == "pyengine":
         print("pyengine: interrupted while starting; nothing was written", file=_sys.stderr, flush=True)
         raise SystemExit(130) from None
     raise

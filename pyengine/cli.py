@@ -61,19 +61,25 @@ class Interrupted(Exception):
 
 class TrainingFailed(Exception):
     """A failure while training (the cause is ``__cause__``) after ``step`` complete steps; ``checkpoint``: the
-    newest checkpoint (None when there is none), of that very step when ``complete``. Note [A failed run keeps its
-    last step]."""
+    newest checkpoint (None when there is none), of that very step when ``complete``; ``not_saved``: why the step
+    could not be saved, if it could not. Note [A failed run keeps its last step]."""
 
-    def __init__(self, step: int, checkpoint: Path | None, complete: bool):
+    def __init__(self, step: int, checkpoint: Path | None, complete: bool, not_saved: str | None = None):
         super().__init__(f"training failed after step {step}")
-        self.step, self.checkpoint, self.complete = step, checkpoint, complete
+        self.step, self.checkpoint, self.complete, self.not_saved = step, checkpoint, complete, not_saved
 
-    def resume_hint(self, out: Path) -> str | None:
-        if self.checkpoint is None:
-            return None
-        saved = f"step {self.step}, the last complete one, is saved" if self.complete else \
-            "the last checkpoint is"
-        return f"{saved} in {self.checkpoint}: resume with python -m pyengine train --resume {out}"
+    def lines(self, out: Path, whole_run: bool) -> list[str]:
+        """What follows the failure's own line: why the step was not saved, and how to resume (``whole_run``: a
+        --mode all run, which resumes as a whole even when the failed mode has no checkpoint)."""
+        lines = [] if self.not_saved is None else [f"step {self.step} could not be saved: {self.not_saved}"]
+        resume = f"resume with python -m pyengine train --resume {out}"
+        if self.checkpoint is not None:
+            saved = f"step {self.step}, the last complete one, is saved" if self.complete else \
+                "the last checkpoint is"
+            lines.append(f"{saved} in {self.checkpoint}: {resume}")
+        elif whole_run:
+            lines.append(f"{resume} (the modes trained so far are kept)")
+        return lines
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------
@@ -250,8 +256,14 @@ def _add_plan_parser(commands) -> None:
 def _plan(args) -> int:
     from . import comm
 
-    if args.plot:  # its folder is made (as --out's and --trace's are) and checked before any output
-        _check_writable(Path(args.plot).resolve().parent, "the --plot folder")
+    made = []
+    if args.plot:  # a file type matplotlib writes; its folder is made (as --out's is) and checked before any output
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kinds = sorted(FigureCanvasAgg.get_supported_filetypes())
+        if args.plot.endswith(("/", os.sep)) or Path(args.plot).suffix.lower().lstrip(".") not in kinds:
+            raise UsageError(f"--plot {args.plot}: expected a file name ending in .png (or {', '.join(kinds)})")
+        made = _check_writable(Path(args.plot).resolve().parent, "the --plot folder")
     network = comm.Network(args.latency, args.bandwidth)
     compute_s = args.compute_ms / 1e3
     rows = comm.plan(args.nodes, args.params, args.grad_dtype, network, compute_s, servers=args.servers,
@@ -270,8 +282,10 @@ def _plan(args) -> int:
                                  title=f"{args.params:.3g} params, {dtype} gradients, "
                                  f"{args.bandwidth * 8 / 1e9:.3g} Gbit/s, {args.latency * 1e6:.3g} us, "
                                  f"{args.compute_ms:.3g} ms compute, overlap {args.overlap:.0%}")
-        except OSError as exc:  # a folder of that name, say
-            raise UsageError(f"cannot write the --plot file {args.plot}: {exc.strerror or exc}") from None
+        except (OSError, ValueError) as exc:  # a folder of that name, say
+            _remove_empty(made)
+            raise UsageError(f"cannot write the --plot file {args.plot}: {getattr(exc, 'strerror', None) or exc}") \
+                from None
         print(f"plot: {args.plot}")
     return 0
 
@@ -463,6 +477,8 @@ def _check_writable(directory: Path, what: str) -> list[Path]:
     created = []
     for folder in (directory, *directory.parents):
         if folder.exists():
+            if not folder.is_dir():
+                raise UsageError(f"cannot write to {what} {directory}: {folder} is a file, not a folder")
             break
         created.append(folder)
     try:
@@ -813,24 +829,32 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"])
             return state["last_ckpt"]
 
-        def failed_run_checkpoint() -> tuple[Path | None, bool]:
+        def failed_run_checkpoint() -> tuple[Path | None, bool, str | None]:
             """Note [A failed run keeps its last step]
-            A step that raises (a worker's error, a non-finite loss with nonfinite="raise", a failed transfer) is
-            never half applied: the engine's host store still holds the last complete update, and ``state`` counts
-            exactly the steps (async: the pushes) applied. That state is saved as a checkpoint like any other, so the
+            A step whose worker raises (its forward, loss or backward; a failed transfer) is never half applied: the
+            engine's host store still holds the last complete update (its buffers too: Note [A failed step leaves
+            the buffers alone]), and ``state`` counts exactly the steps (async: the pushes) done. That state is saved as a checkpoint like any other, so the
             steps since the last periodic checkpoint are not lost and ``--resume`` continues from it (bit-identical
             when the failure does not recur: tested). Under torchrun nothing is saved (``state_dict`` may be a
-            collective and another rank may be the one that died): the last periodic checkpoint is named instead."""
+            collective and another rank may be the one that died): the last periodic checkpoint is named instead.
+            Saved only when the engine's own count agrees with ``state`` (a failure after an update was applied but
+            before ``on_step`` counted it would otherwise save that update under the step before)."""
             this_step = ckpt.path_for(ckpt_dir, state["step"])
             if primary and this_step.exists():  # saved already: a periodic checkpoint, or the one resumed from (a
-                return this_step, True          # resume sets later ones aside, so what is there is this run's)
+                return this_step, True, None    # resume sets later ones aside, so what is there is this run's)
+            not_saved = None
             if world == 1 and state["step"] > start_step:
-                try:
-                    return save_checkpoint(), True
-                except Exception as exc:  # noqa: BLE001 - say so; the training error stays the one raised
-                    print(f"{PROG}: could not save step {state['step']} ({type(exc).__name__}: {exc})",
-                          file=sys.stderr, flush=True)
-            return (ckpt.latest(ckpt_dir) if primary else None), False
+                counted = engine.stats()["pushes" if mode == "async" else "steps"]
+                if counted != state["step"]:
+                    not_saved = f"the engine counts {counted} steps there (the last periodic checkpoint stands)"
+                else:
+                    try:
+                        return save_checkpoint(), True, None
+                    except Exception as exc:  # noqa: BLE001 - reported after the training error, which stays first
+                        not_saved = f"{type(exc).__name__}: {exc}"
+                    except KeyboardInterrupt:
+                        not_saved = "interrupted"
+            return (ckpt.latest(ckpt_dir) if primary else None), False, not_saved
 
         def on_step(_engine, metrics: dict) -> None:
             """After every update (async: under the store's mutex, so the state is consistent)."""
@@ -1310,9 +1334,8 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
             failed = exc if isinstance(exc, TrainingFailed) else None
             cause = failed.__cause__ if failed is not None else exc
             print(f"{PROG}: training failed: {type(cause).__name__}: {cause}", file=sys.stderr, flush=True)
-            hint = failed.resume_hint(out) if failed is not None else None
-            if hint is not None:
-                print(f"{PROG}: {hint}", file=sys.stderr, flush=True)
+            for line in failed.lines(out, every) if failed is not None else []:
+                print(f"{PROG}: {line}", file=sys.stderr, flush=True)
             if os.environ.get("PYENGINE_TRACEBACK"):
                 raise cause
             return 1
@@ -1342,7 +1365,7 @@ def _finish_all(cfg: dict, out: Path, runs: dict, summaries: dict, quiet: bool) 
     from . import plots
 
     plots.plot_compare(runs, out / "compare.png",
-                       f"pyengine: {cfg['model']} on {cfg['data']}, {len(cfg['devices'])} workers, "
+                       f"pyengine: {cfg['model']} on {cfg['data']}, {_plural(len(cfg['devices']), 'worker')}, "
                        f"same data and seed")
     _write_json(out / "summary.json", _all_summary(cfg, summaries))
     if not quiet:

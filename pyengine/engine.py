@@ -201,6 +201,7 @@ class Engine:
             initializer=set_worker_threads, initargs=(self.devices,))
         self.buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
+        self._buffers_before = None  # Note [A failed step leaves the buffers alone]
         self._stop = threading.Event()
         if mode == "pipeline" and group is not None:
             self.pipeline = DistributedPipeline(self, model, stages=stages, microbatches=microbatches,
@@ -557,6 +558,7 @@ class Engine:
         overlaps with a lone CPU worker anyway: the gradient copies still run on the streamer's copy thread, and
         the host's per-bucket work simply finds every bucket ready.
         """
+        self._buffers_before = self._snapshot_source_buffers(tasks)
         if not self.inline_worker:
             return {i: self._pool.submit(fn) for i, fn in tasks.items()}
         futures = {}
@@ -577,13 +579,39 @@ class Engine:
         :class:`WorkerError` for the first failed worker after all have finished. After a failure every worker's
         streamer is reset, so the engine can go on with the next step from the last complete update."""
         concurrent.futures.wait(futures.values())
+        saved, self._buffers_before = self._buffers_before, None
         for i, future in futures.items():
             exc = future.exception()
             if exc is not None:
                 for worker in self.workers:
                     worker.streamer.reset()
+                self._restore_source_buffers(saved)
                 raise WorkerError(i, self.devices[i], exc) from exc
         return {i: f.result() for i, f in futures.items()}
+
+    def _snapshot_source_buffers(self, tasks: dict) -> list | None:
+        """Note [A failed step leaves the buffers alone]
+        A worker's forward moves its replica's buffers (BatchNorm's running statistics count the batch) before any
+        worker fails. If that replica is the buffers' source (hybrid: worker 0; sync with one worker), a failed step
+        would leave them one batch ahead of the weights, and :meth:`state_dict` would save them so: the state would
+        no longer be that of the last complete step. So the source's buffers are copied before its task runs and
+        copied back when a worker fails (the pipeline does the same for its stages: Note [Stopping a failed
+        pipeline]). A step that completes but is skipped or raises for a non-finite gradient keeps its statistics,
+        as a step skipped by torch's GradScaler does."""
+        if not self.buffer_names or self.buffer_source not in tasks:
+            return None
+        named = self._replica_buffers(self.buffer_source)
+        return [(named[name], named[name].detach().clone()) for name in self.buffer_names]
+
+    @torch.no_grad()
+    def _restore_source_buffers(self, saved: list | None) -> None:
+        if saved is None:
+            return
+        stream = self.workers[self.buffer_source].stream
+        if stream is not None:
+            stream.synchronize()  # what the failed task left on the worker's stream has run
+        for buffer, copy_ in saved:
+            buffer.copy_(copy_)
 
     def wait_bucket(self, k: int, futures: dict) -> bool:
         """Blocks until bucket ``k`` of every worker in ``futures`` is in its slot; False as soon as one of those

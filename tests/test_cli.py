@@ -239,6 +239,39 @@ def test_a_failed_run_keeps_its_last_step_and_resumes_from_it(tmp_path, capsys, 
             assert torch.equal(entry[key], b["optimizer"]["state"][index][key]), (index, key)
 
 
+def test_a_failure_after_an_update_but_before_its_count_saves_nothing_wrong(tmp_path, capsys, monkeypatch):
+    """Step 4's update is applied, then its metrics fail: the CLI has counted 3 steps, the engine 4. Saving the
+    store as step 3 would put step 4's update under step 3's name; the last periodic checkpoint is named instead."""
+    from pyengine import hybrid
+    real, calls = hybrid.step_metrics, [0]
+
+    def metrics(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("metrics")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "step_metrics", metrics)
+    out = tmp_path / "run"
+    assert train("--steps", "6", "--quiet", "--checkpoint-every", "2", "--out", str(out), *SHORT) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    periodic = ckpt.path_for(out / "checkpoints", 2)
+    assert err[-2:] == [
+        "pyengine train: step 3 could not be saved: the engine counts 4 steps there (the last periodic checkpoint "
+        "stands)",
+        f"pyengine train: the last checkpoint is in {periodic}: resume with python -m pyengine train --resume {out}"], err
+    assert ckpt.list_checkpoints(out / "checkpoints") == [periodic]
+
+
+def test_mode_all_failing_before_a_checkpoint_still_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "all"
+    _failing_loss(monkeypatch, at_call=1)
+    assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), *SHORT) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"pyengine train: resume with python -m pyengine train --resume {out} (the modes trained so "
+                       "far are kept)"), err
+
+
 def test_a_run_that_fails_at_its_first_step_says_so_in_one_line(tmp_path, capsys, monkeypatch):
     _failing_loss(monkeypatch, at_call=1)
     out = tmp_path / "run"
@@ -531,9 +564,10 @@ def test_ctrl_c_while_python_m_pyengine_imports_the_package_is_one_line_exit_130
     assert run.returncode == 130 and run.stderr.splitlines() == [
         "pyengine: interrupted while starting; nothing was written"], (run.returncode, run.stderr)
     assert not out.exists()
-    other = subprocess.run([sys.executable, "-c", "import pyengine"], env=env, capture_output=True, text=True,
-                           timeout=120)
-    assert other.returncode != 0 and "KeyboardInterrupt" in other.stderr, (other.returncode, other.stderr)
+    # imported by another program, even one whose own arguments say "-m pyengine": the interrupt goes through
+    other = subprocess.run([sys.executable, "-c", "import pyengine", "-m", "pyengine"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert other.returncode != 130 and "KeyboardInterrupt" in other.stderr, (other.returncode, other.stderr)
 
 
 def test_summary_writes_leave_no_temporary_file_on_failure(tmp_path):

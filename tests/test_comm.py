@@ -166,7 +166,13 @@ def test_plan_plot_into_a_new_folder_or_onto_a_folder(tmp_path, capsys):
     blocker.write_text("")
     assert main([*base, "--plot", str(blocker / "eff.png")]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and "cannot write to the --plot folder" in captured.err, captured
+    assert captured.out == "" and captured.err.strip() == (f"pyengine plan: error: cannot write to the --plot folder "
+                                                           f"{blocker}: {blocker} is a file, not a folder"), captured
+    for bad in ("new/eff.xyz", "new/eff", "new/"):  # no file type matplotlib writes: refused before any output
+        assert main([*base, "--plot", str(tmp_path / bad)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "expected a file name ending in .png" in captured.err, (bad, captured)
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("argv,message", [

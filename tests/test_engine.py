@@ -1061,6 +1061,39 @@ def make_bn_model(seed=0, d_in=10, hidden=24, d_out=3):
                                torch.nn.Linear(hidden, d_out))
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 1)])
+def test_a_failed_step_leaves_the_buffers_alone(rng, mode, workers, worker_device):
+    """Note [A failed step leaves the buffers alone]: every worker's forward of step 2 runs (BatchNorm counts its
+    batch), then its loss raises. The engine's buffers and weights are those of step 1, and the run goes on exactly
+    as one that never saw step 2's batch: bit-identical weights and buffers."""
+    batches = make_batches(rng, 3, 12)
+    failing = {"on": False}
+
+    def loss_then_fail(model, batch):
+        loss = loss_fn(model, batch)
+        if failing["on"]:
+            raise RuntimeError("after the forward")
+        return loss
+
+    kw = dict(devices=[worker_device] * workers, mode=mode, optimizer=AdamW(**OPT))
+    with Engine(make_bn_model(), loss_then_fail, **kw) as engine, Engine(make_bn_model(), loss_fn, **kw) as clean:
+        engine.step(batches[0])
+        clean.step(batches[0])
+        before = engine.state_dict()
+        failing["on"] = True
+        with pytest.raises(WorkerError, match="after the forward"):
+            engine.step(batches[1])
+        failing["on"] = False
+        for name, value in engine.buffers_state_dict().items():
+            assert torch.equal(value, before["buffers"][name]), name
+        engine.step(batches[2])
+        clean.step(batches[2])
+        for name, value in clean.master_state_dict().items():
+            assert torch.equal(engine.master_state_dict()[name], value), name
+        for name, value in clean.buffers_state_dict().items():
+            assert torch.equal(engine.buffers_state_dict()[name], value), name
+
+
 def assert_buffers_match(buffers, reference_model, rtol=1e-5):
     expected = dict(reference_model.named_buffers())
     assert sorted(buffers) == sorted(expected)
