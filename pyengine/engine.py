@@ -23,6 +23,7 @@ updates; it is torch's ``step`` for bias correction.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import concurrent.futures
 import threading
 import warnings
@@ -135,6 +136,12 @@ class Engine:
             model = as_sequential(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+        for name, param in model.named_parameters():  # before the host store is allocated
+            if param.requires_grad and not param.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not contiguous (shape {tuple(param.shape)}, strides "
+                                 f"{param.stride()}; channels_last, say): gradients and weights travel as flat "
+                                 "buffers; give the engine the model after "
+                                 "model.to(memory_format=torch.contiguous_format)")
         self.devices = parse_devices(devices)
         slots = len(self.devices)
         group = distributed.resolve_group(process_group, shard_update, mode)
@@ -285,6 +292,23 @@ class Engine:
         for name, value, least in (("steps", steps, 0), ("epochs", epochs, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
                 raise ValueError(f"fit: {name} must be an int >= {least} or None; got {value!r}")
+        if callable(callbacks) or isinstance(callbacks, (str, bytes)):
+            raise ValueError("fit: callbacks must be a list (or other iterable) of callables; got one "
+                             f"{type(callbacks).__name__}: pass callbacks=[f]")
+        try:
+            callbacks = list(callbacks)
+        except TypeError:
+            raise ValueError(f"fit: callbacks must be an iterable of callables; got {type(callbacks).__name__}") \
+                from None
+        if not all(callable(c) for c in callbacks):
+            raise ValueError(f"fit: every callback must be callable; got {[type(c).__name__ for c in callbacks]}")
+        # A one-shot iterator (a generator, iter(list)) is used up by its first pass: what it cannot give is said,
+        # not silently skipped (a list or a DataLoader is iterated again for each epoch).
+        one_shot = isinstance(batches, collections.abc.Iterator)
+        if one_shot and epochs is not None and epochs > 1:
+            warnings.warn(f"fit: epochs={epochs} over a one-shot iterator ({type(batches).__name__}): its first "
+                          "pass uses it up, so later epochs get no batches; pass a list or a re-iterable (a "
+                          "DataLoader)", RuntimeWarning, stacklevel=2)
         start = len(self.history)
         if steps == 0:
             return []
@@ -301,6 +325,11 @@ class Engine:
                     callback(self, metrics)
                 if self._stop.is_set():
                     break
+        done = len(self.history) - start
+        if steps is not None and done < steps and not self._stop.is_set():
+            warnings.warn(f"fit: the batches ran out after {done} of the {steps} steps asked"
+                          + (" (a one-shot iterator is not iterated again: pass a list or a DataLoader)" if one_shot
+                             else ""), RuntimeWarning, stacklevel=2)
         return self.history[start:]
 
     def stop(self) -> None:
@@ -419,7 +448,7 @@ class Engine:
             raise ValueError(f"the state's master weights {found} do not match this model's {sorted(views)}")
         for name, value in master.items():
             if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(views[name].shape)
-                    or value.dtype != torch.float32):
+                    or value.dtype != torch.float32 or value.is_meta):
                 raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
                                  f"{_describe(value)}")
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
@@ -429,7 +458,7 @@ class Engine:
             raise ValueError(f"the state's buffers {sorted(buffers)} do not match this model's {sorted(current)}")
         for name, value in buffers.items():
             if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(current[name].shape)
-                    or value.dtype != current[name].dtype):
+                    or value.dtype != current[name].dtype or value.is_meta):
                 raise ValueError(f"buffer {name!r}: expected {current[name].dtype} {tuple(current[name].shape)}; got "
                                  f"{_describe(value)}")
         differing = self._optimizer_differences(sd.get("optimizer_config"))
@@ -444,6 +473,10 @@ class Engine:
         if not isinstance(rng, torch.Tensor) or rng.dtype != expected_rng.dtype or rng.shape != expected_rng.shape:
             raise ValueError(f"the state's rng must be torch.get_rng_state()'s {expected_rng.dtype} "
                              f"{tuple(expected_rng.shape)}; got {_describe(rng)}")
+        try:  # its contents too: a scratch generator takes it or refuses it, before anything is written
+            torch.Generator().set_state(rng)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"the state's rng is not a generator state: {exc}") from None
         seed = sd.get("seed", self.seed)  # absent in states written before workers had their own generators
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"the state's seed must be an int; got {seed!r}")
@@ -468,8 +501,9 @@ class Engine:
                 if buffer is not None:
                     buffer.zero_()
         self.optimizer.load_torch_state_dict(self.store, sd["optimizer"], self.param_names)
-        for name, value in master.items():
-            views[name].copy_(value)
+        with torch.no_grad():  # values that require grad (a model's parameters, say) must not tie the store to autograd
+            for name, value in master.items():
+                views[name].copy_(value.detach())
         self.version = version
         torch.set_rng_state(rng)
         self.seed = seed  # the run continues the saved run's draws (Note [Random numbers of concurrent workers])
@@ -846,7 +880,9 @@ def _decay_runs(store: HostStore, optimizer: AdamW) -> list[tuple[int, int, bool
 
 def _describe(value) -> str:
     """What a state entry is, for an error message: a tensor's dtype and shape, else its type."""
-    return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    return f"{value.dtype} {tuple(value.shape)}{' on the meta device' if value.is_meta else ''}"
 
 
 def _batches(batches, steps, epochs):

@@ -141,7 +141,8 @@ class AdamW:
             full = flat if store.state_ranges is None else torch.zeros(store.numel)
             views = store.views(full)
             for index, name in enumerate(names):
-                views[name].copy_(state[index][key])
+                with torch.no_grad():  # a state tensor that requires grad must not tie the store to autograd
+                    views[name].copy_(state[index][key].detach())
             if full is not flat:
                 store.load_state_from_full(flat, full)
         return step
@@ -184,10 +185,10 @@ class AdamW:
                 raise ValueError(f"optimizer state[{index}] (param {name!r}) lacks {missing}")
             for key in keys[1:]:
                 value = entry[key]
-                if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.is_meta \
                         or tuple(value.shape) != tuple(views[name].shape):
-                    found = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-                             else type(value).__name__)
+                    found = (f"{value.dtype} {tuple(value.shape)}{' on meta' if value.is_meta else ''}"
+                             if isinstance(value, torch.Tensor) else type(value).__name__)
                     raise ValueError(f"optimizer state[{index}][{key!r}]: expected a floating tensor of shape "
                                      f"{tuple(views[name].shape)} (param {name!r}); got {found}")
         try:

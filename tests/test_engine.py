@@ -834,6 +834,10 @@ def _corruptions():
         ("version ahead of the Adam step", spoil(("version",), 7), "does not match"),
         ("version not an int", spoil(("version",), "three"), "version must be an int"),
         ("rng of the wrong kind", spoil(("rng",), torch.zeros(3)), "rng"),
+        ("rng of the right size, not a generator state", spoil(("rng",), torch.zeros_like), "not a generator state"),
+        ("master weight on the meta device", spoil(("master", "0.bias"), lambda t: t.to("meta")), "meta device"),
+        ("Adam state on the meta device", spoil(("optimizer", "state", 3, "exp_avg"), lambda t: t.to("meta")),
+         "on meta"),
         ("no counters", spoil(("counters",), KeyError), "lacks"),
         ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
     ]
@@ -863,6 +867,50 @@ def test_invalid_state_changes_nothing(rng, what, corrupt, error):
         for index, entry in before["optimizer"]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+
+
+def test_a_state_built_from_tensors_that_require_grad_loads_as_values(rng):
+    """A state whose weights and Adam state require grad (say, built from a model's parameters) loads their values:
+    the host store is not tied to autograd."""
+    batches = make_batches(rng, 3, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as source:
+        source.fit(batches[:2])
+        state = source.state_dict()
+    state["master"] = {k: torch.nn.Parameter(v) for k, v in state["master"].items()}
+    for entry in state["optimizer"]["state"].values():
+        entry["exp_avg"].requires_grad_(True)
+    with Engine(make_model(seed=1), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.load_state_dict(state)
+        assert not engine.store.param.requires_grad and engine.store.param.grad_fn is None
+        assert not engine.store.exp_avg.requires_grad and engine.store.exp_avg.grad_fn is None
+        for name, value in engine.master_state_dict().items():
+            assert torch.equal(value, state["master"][name].detach()), name
+        engine.step(batches[2])
+
+
+def test_fit_says_what_a_one_shot_iterator_cannot_give_and_checks_callbacks(rng):
+    batches = make_batches(rng, 3, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        with pytest.warns(RuntimeWarning, match="ran out after 3 of the 5 steps asked .*one-shot iterator"):
+            assert len(engine.fit(iter(batches), steps=5)) == 3
+        with pytest.warns(RuntimeWarning, match="epochs=2 over a one-shot iterator"):
+            assert len(engine.fit((b for b in batches), epochs=2)) == 3
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len(engine.fit(batches, steps=5)) == 5  # a list is iterated again: no warning
+            assert len(engine.fit(batches, epochs=2)) == 6
+        version = engine.version
+        for bad, message in ((print, "got one builtin_function_or_method"), (3, "iterable of callables"),
+                             ([print, 3], "every callback must be callable")):
+            with pytest.raises(ValueError, match=message):
+                engine.fit(batches, callbacks=bad)
+        assert engine.version == version  # refused before any step
+
+
+def test_a_channels_last_model_is_refused_before_the_store_is_made():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3)).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is not contiguous .*contiguous_format"):
+        Engine(model, loss_fn, devices=["cpu"] * 2)
 
 
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 2), ("hybrid", 1), ("pipeline", 2)])
