@@ -250,9 +250,13 @@ class WarmupCosine:
             raise ValueError(f"WarmupCosine: min_factor must be a number in [0, 1]; got {self.min_factor!r}")
 
     def __call__(self, step: int) -> float:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"WarmupCosine: step (updates applied so far) must be an integer >= 0; got {step!r}")
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.total_steps is None:
             return 1.0
+        if step >= self.total_steps:  # also when the warmup takes every step: no cosine then, min_factor after
+            return float(self.min_factor)
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         return self.min_factor + (1.0 - self.min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))

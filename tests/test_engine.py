@@ -311,6 +311,12 @@ def test_lr_schedule_and_warmup_cosine_arguments_are_checked():
             pyengine.WarmupCosine(**kwargs)
     assert [pyengine.WarmupCosine(warmup_steps=2)(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert pyengine.WarmupCosine(total_steps=4)(2) == pytest.approx(0.5)
+    # a warmup over every step: min_factor from step == total_steps on, as the docstring says (was 1.0 there)
+    assert [pyengine.WarmupCosine(warmup_steps=3, total_steps=3, min_factor=0.1)(s) for s in range(5)] == \
+        pytest.approx([1 / 3, 2 / 3, 1.0, 0.1, 0.1])
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="step .* must be an integer >= 0"):
+            pyengine.WarmupCosine(total_steps=3)(bad)
 
 
 def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng, worker_device):
