@@ -168,6 +168,9 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         index, exc = errors[0]
         if not isinstance(exc, Exception):  # KeyboardInterrupt on the calling thread: as itself
             raise exc
+        if engine._closed:  # close() from another thread: the workers' transfers were shut under them
+            raise RuntimeError("this Engine was closed while fit() was running (every push before is applied); "
+                               "call engine.stop() first to end fit after the pushes in flight") from exc
         raise WorkerError(index, engine.devices[index], exc) from exc
     if steps and not source.taken:  # as hybrid and sync: steps asked for, none possible
         raise ValueError("batches is empty")

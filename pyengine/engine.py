@@ -454,8 +454,9 @@ class Engine:
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
         source = self._replica_buffers(self.buffer_source)  # shapes and dtypes only: no gather (a collective)
         current = {name: source[name] for name in self.buffer_names}
-        if buffers and sorted(buffers) != sorted(current):
-            raise ValueError(f"the state's buffers {sorted(buffers)} do not match this model's {sorted(current)}")
+        if not isinstance(buffers, dict) or ("buffers" in sd and sorted(buffers) != sorted(current)):
+            found = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
+            raise ValueError(f"the state's buffers {found} do not match this model's {sorted(current)}")
         for name, value in buffers.items():
             if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(current[name].shape)
                     or value.dtype != current[name].dtype or value.is_meta):

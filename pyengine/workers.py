@@ -60,12 +60,19 @@ def parse_devices(devices) -> list[torch.device]:
 
 def batch_size(batch) -> int:
     """Size of dim 0, the same for every tensor of a tensor / tuple / list / dict batch."""
-    tensors = _tensors(batch)
-    if not tensors:
+    named = _named_tensors(batch, "batch")
+    if not named:
         raise ValueError("a batch must contain at least one tensor")
-    sizes = {t.shape[0] if t.dim() > 0 else None for t in tensors}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"every tensor of a batch must have the same size along dim 0; got sizes {sorted(map(str, sizes))}")
+    for where, t in named:
+        if t.dim() == 0:
+            raise ValueError(f"{where} is a 0-dim tensor: every tensor of a batch is split along dim 0 among the "
+                             "workers (give it a batch dimension, or keep it out of the batch)")
+    sizes = {t.shape[0] for _, t in named}
+    if len(sizes) != 1:
+        first = named[0]
+        other = next((w, t) for w, t in named if t.shape[0] != first[1].shape[0])
+        raise ValueError(f"every tensor of a batch must have the same size along dim 0; {first[0]} has "
+                         f"{first[1].shape[0]}, {other[0]} has {other[1].shape[0]}")
     return sizes.pop()
 
 
@@ -92,6 +99,17 @@ def split_microbatches(batch, parts: int, what: str = "a batch") -> tuple[list, 
 
 def to_device(batch, device: torch.device):
     return _map(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def _named_tensors(batch, where: str) -> list[tuple[str, torch.Tensor]]:
+    """(where, tensor) for every tensor of a batch, ``where`` as an expression: batch[0], batch['x'][1]..."""
+    if isinstance(batch, torch.Tensor):
+        return [(where, batch)]
+    if isinstance(batch, Mapping):
+        return [item for k, v in batch.items() for item in _named_tensors(v, f"{where}[{k!r}]")]
+    if isinstance(batch, (tuple, list)):
+        return [item for i, v in enumerate(batch) for item in _named_tensors(v, f"{where}[{i}]")]
+    return []
 
 
 def _tensors(batch) -> list[torch.Tensor]:

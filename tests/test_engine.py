@@ -627,6 +627,22 @@ def test_interrupt_of_a_lone_cpu_worker_leaves_nothing_behind(rng):
         assert_matches(engine, reference)
 
 
+def test_close_from_another_thread_during_async_fit_says_so(rng):
+    batches = make_batches(rng, 4, 8)
+    engine = Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT))
+    closer = []
+
+    def close_once(engine_, metrics):
+        if not closer:  # after the first push, from another thread
+            closer.append(threading.Thread(target=engine_.close))
+            closer[0].start()
+
+    with pytest.raises(RuntimeError, match=r"closed while fit\(\) was running"):
+        engine.fit(batches, steps=10 ** 6, callbacks=[close_once])
+    closer[0].join()
+    assert engine.stats()["pushes"] >= 1
+
+
 def test_failing_async_worker_stops_everyone(rng, worker_device):
     batches = make_batches(rng, 400, 4)
     calls = threading.local()
@@ -743,6 +759,17 @@ def test_batch_smaller_than_workers_and_non_scalar_loss(rng):
     with Engine(make_model(), per_sample, devices=["cpu"] * 2) as engine:
         with pytest.raises(WorkerError, match="loss_fn must return a scalar"):
             engine.step(make_batches(rng, 1, 8)[0])
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
+    x, y = make_batches(rng, 1, 8)[0]
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode) as engine:
+        with pytest.raises(ValueError, match=r"batch\['w'\] is a 0-dim tensor"):
+            engine.step({"x": x, "y": y, "w": torch.tensor(1.0)})
+        with pytest.raises(ValueError, match=r"dim 0; batch\[0\] has 8, batch\[1\] has 7"):
+            engine.step((x, y[:7]))
+        assert engine.version == 0
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["deterministic-model", "dropout"])
@@ -873,6 +900,18 @@ def test_invalid_state_changes_nothing(rng, what, corrupt, error):
         for index, entry in before["optimizer"]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+
+
+def test_a_state_without_the_models_buffers_is_refused(rng):
+    """A BatchNorm model's state with ``"buffers": {}`` would leave the statistics as they are: refused (a state
+    written before buffers were saved has no "buffers" key at all, and loads)."""
+    with Engine(make_bn_model(), loss_fn, devices=["cpu"] * 2) as engine:
+        engine.step(make_batches(rng, 1, 8)[0])
+        state = engine.state_dict()
+        with pytest.raises(ValueError, match=r"the state's buffers \[\] do not match"):
+            engine.load_state_dict(dict(state, buffers={}))
+        del state["buffers"]
+        engine.load_state_dict(state)
 
 
 def test_a_state_built_from_tensors_that_require_grad_loads_as_values(rng):
