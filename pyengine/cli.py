@@ -1201,8 +1201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # before _StopFlag's handler is installed (or after it is gone): nothing to save
-        message = ("interrupted before training started; nothing to save" if prog == PROG else
-                   "interrupted; nothing was written")
+        message = "interrupted before training started; nothing to save" if prog == PROG else "interrupted"
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
         return 130
     finally:
