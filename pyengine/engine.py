@@ -787,9 +787,12 @@ class Engine:
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based: the optimizer's step count after it): ``optimizer.lr``
         times ``lr_schedule(step - 1)``, or ``optimizer.lr`` without a schedule. The schedule is asked once per
-        update (the last answer is kept); its value is checked (:func:`pyengine.optim.check_lr_factor`)."""
+        update (the last answer is kept); its value is checked (:func:`pyengine.optim.check_lr_factor`). Updates
+        count from 1: a step below (a shard server's check of a push that makes no Adam step passes 0) asks for the
+        first update's value, so a schedule is never called with a negative step (LambdaLR never does that)."""
         if self.lr_schedule is None:
             return self.optimizer.lr
+        step = max(1, step)
         key = (step, self.lr_schedule, self.optimizer.lr)
         if self._lr[0] != key:
             self._lr = (key, self.optimizer.lr * check_lr_factor(self.lr_schedule(step - 1), step - 1))

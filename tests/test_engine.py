@@ -317,6 +317,12 @@ def test_lr_schedule_and_warmup_cosine_arguments_are_checked():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="step .* must be an integer >= 0"):
             pyengine.WarmupCosine(total_steps=3)(bad)
+    # the engine never asks a schedule for a negative step (a shard server checks a push with no Adam step as 0)
+    asked = []
+    with Engine(make_model(), loss_fn, devices=["cpu"], lr_schedule=lambda k: asked.append(k) or 1.0) as engine:
+        engine.lr_at(0)
+        engine.lr_at(1)
+    assert asked and min(asked) == 0, asked
 
 
 def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng, worker_device):
