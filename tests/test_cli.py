@@ -151,6 +151,15 @@ def master(run: Path) -> dict:
     return payload["engine"]
 
 
+def assert_same_weights_and_adam_state(a: dict, b: dict):
+    """Two engine states (:func:`master`) hold bit-identical master weights and Adam moments."""
+    for name in a["master"]:
+        assert torch.equal(a["master"][name], b["master"][name]), name
+    for index, entry in a["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], b["optimizer"]["state"][index][key]), (index, key)
+
+
 def test_async_resume_runs_the_remaining_pushes(tmp_path):
     run = tmp_path / "run"
     common = ["--mode", "async", "--quiet", "--checkpoint-every", "5", "--out", str(run), *SHORT]
@@ -174,11 +183,7 @@ def test_resume_is_bit_identical(tmp_path, mode):
     assert train("--resume", str(part), "--steps", "20", "--quiet") == 0
     a, b = master(tmp_path / "full"), master(part)
     assert a["version"] == b["version"] == 20
-    for name in a["master"]:
-        assert torch.equal(a["master"][name], b["master"][name]), name
-    for index, entry in a["optimizer"]["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(entry[key], b["optimizer"]["state"][index][key]), (index, key)
+    assert_same_weights_and_adam_state(a, b)
     steps = [json.loads(line)["step"] for line in (part / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 21))  # steps 16..20 were redone, not duplicated
 
@@ -232,11 +237,7 @@ def test_a_failed_run_keeps_its_last_step_and_resumes_from_it(tmp_path, capsys, 
         return
     a = master(full)
     assert a["version"] == b["version"] == 6
-    for name in a["master"]:
-        assert torch.equal(a["master"][name], b["master"][name]), name
-    for index, entry in a["optimizer"]["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(entry[key], b["optimizer"]["state"][index][key]), (index, key)
+    assert_same_weights_and_adam_state(a, b)
 
 
 def test_a_failure_after_an_update_but_before_its_count_saves_nothing_wrong(tmp_path, capsys, monkeypatch):
