@@ -41,7 +41,8 @@ def hybrid_step(engine, batch) -> dict:
     engine.share_buffers(workers)  # DDP's broadcast_buffers: worker 0's buffers go to every replica
     futures = engine.submit_workers({w.index: task(w, p) for w, p in zip(engine.workers, parts)})
     squares, nonfinite = 0.0, False
-    with host_threads(engine.devices):  # Note [Host threads beside CPU workers] in workers.py
+    # Note [Host threads beside CPU workers] in workers.py
+    with host_threads(engine.devices, inline_worker=engine.inline_worker):
         for b in buckets:
             if not engine.wait_bucket(b.index, futures):
                 break  # a worker failed: gather_workers raises
@@ -52,7 +53,7 @@ def hybrid_step(engine, batch) -> dict:
     results = engine.gather_workers(futures)
     engine.count("steps")
     updated = time.perf_counter()
-    with engine.phase("update"), host_threads(engine.devices, engine.store.numel):
+    with engine.phase("update"), host_threads(engine.devices, engine.store.numel, engine.inline_worker):
         try:
             applied = engine.admit_update(nonfinite or not math.isfinite(squares), workers, loss_scale=scale)
         except BaseException:

@@ -151,10 +151,11 @@ HOST_PARALLEL_MIN_NUMEL = 1 << 23
 
 
 @contextlib.contextmanager
-def host_threads(devices: list[torch.device], numel: int | None = None):
+def host_threads(devices: list[torch.device], numel: int | None = None, inline_worker: bool = False):
     """Within: with CPU workers among ``devices``, pyengine's CPU ops on the calling (host) thread run on that thread
     alone while the workers compute (``numel`` None) or for host-only work over fewer than
-    ``HOST_PARALLEL_MIN_NUMEL`` elements; otherwise, and without CPU workers, they use every intra-op thread.
+    ``HOST_PARALLEL_MIN_NUMEL`` elements; otherwise, without CPU workers, and when the lone CPU worker runs on the
+    calling thread itself (``inline_worker``), they use every intra-op thread.
 
     Note [Host threads beside CPU workers]
     CPU workers already hold every core (:func:`set_worker_threads`). Host work overlapped with their backward (the
@@ -165,9 +166,13 @@ def host_threads(devices: list[torch.device], numel: int | None = None):
     This is a per-thread switch inside pyengine's ops (``_C._set_serial_on_this_thread``), not
     ``torch.set_num_threads``: toggling that on the host thread every step made a G=1 worker's backward up to
     1.6x slower (it is not a purely thread-local knob; which process-wide state it disturbs was not pinned down).
+    A lone CPU worker runs on the host thread (Note [One CPU worker runs on the calling thread] in engine.py): its
+    team is the host's own, nothing computes beside the host's ops, and the team that spins after them is the one the
+    next forward uses; there the ops keep every thread (a 1.3M-parameter MLP's hybrid step: 1.16x faster).
     Measured on 2 vCPUs in bench/RESULTS.md.
     """
-    if not any(d.type == "cpu" for d in devices) or (numel is not None and numel >= HOST_PARALLEL_MIN_NUMEL):
+    if (inline_worker or not any(d.type == "cpu" for d in devices)
+            or (numel is not None and numel >= HOST_PARALLEL_MIN_NUMEL)):
         yield
         return
     previous = _C._set_serial_on_this_thread(True)

@@ -1060,6 +1060,30 @@ def test_close_gives_later_threads_the_callers_thread_count(rng, mode):
     assert _new_thread_count() == share + 1
 
 
+@pytest.mark.parametrize("workers,serial", [(2, True), (1, False)])
+def test_hybrid_host_ops_beside_cpu_workers_run_on_the_host_thread_alone(rng, monkeypatch, workers, serial):
+    """Note [Host threads beside CPU workers]: the per-bucket norm and a small update run on the host thread alone
+    while CPU workers hold the cores on their own threads; a lone CPU worker runs on the host thread itself, so its
+    norm and update keep every thread. Seen from inside the ops' calls."""
+    from pyengine import _C, ops
+    seen = []
+
+    def is_serial():
+        previous = _C._set_serial_on_this_thread(True)
+        _C._set_serial_on_this_thread(previous)
+        return previous
+
+    norm, update = ops.mean_grad_norm, Engine.update_range
+    monkeypatch.setattr(ops, "mean_grad_norm", lambda *a, **k: (seen.append(("norm", is_serial())), norm(*a, **k))[1])
+    monkeypatch.setattr(Engine, "update_range",
+                        lambda *a, **k: (seen.append(("update", is_serial())), update(*a, **k))[1])
+    with Engine(make_model(), loss_fn, devices=["cpu"] * workers, pin=False, **TINY_BUCKETS) as engine:
+        engine.fit(make_batches(rng, 2, 8))
+    assert {kind for kind, _ in seen} == {"norm", "update"} and len(seen) == 2 * 2 * 4  # 2 steps x 4 buckets
+    assert all(s is serial for _, s in seen), seen
+    assert is_serial() is False  # left as found
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
 def test_a_dropped_engine_is_freed_by_reference_counting(rng, mode):
     """No reference cycle runs through an engine (Note [No reference cycle through the engine]): once closed and
