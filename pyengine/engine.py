@@ -419,6 +419,8 @@ class Engine:
             "optimizer": self.optimizer_state_dict(),
             "optimizer_config": self.optimizer.config(),
             "rng": torch.get_rng_state(),
+            # the CUDA generators that a lone worker, sync mode or a one-device pipeline draws from, by device index
+            "cuda_rng": {i: torch.cuda.get_rng_state(i) for i in self._cuda_indices()},
             "seed": self.seed,  # the workers' generators are seeded per step from it (pyengine/rng.py)
             "counters": dict(self._counters),
             "staleness": dict(self._staleness),
@@ -479,6 +481,7 @@ class Engine:
             torch.Generator().set_state(rng)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"the state's rng is not a generator state: {exc}") from None
+        cuda_rng = self._checked_cuda_rng(sd.get("cuda_rng", {}))  # absent in states written before it was saved
         seed = sd.get("seed", self.seed)  # absent in states written before workers had their own generators
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"the state's seed must be an int; got {seed!r}")
@@ -508,6 +511,8 @@ class Engine:
                 views[name].copy_(value.detach())
         self.version = version
         torch.set_rng_state(rng)
+        for index, state in cuda_rng.items():
+            torch.cuda.set_rng_state(state, index)
         self.seed = seed  # the run continues the saved run's draws (Note [Random numbers of concurrent workers])
         for generator in self._worker_rngs:
             generator.seed = seed
@@ -522,6 +527,27 @@ class Engine:
                 mine = self._replica_buffers(index)
                 for name, value in buffers.items():
                     mine[name].copy_(value)
+
+    def _cuda_indices(self) -> list[int]:
+        return sorted({d.index for d in self.devices if d.type == "cuda"})
+
+    def _checked_cuda_rng(self, saved) -> dict:
+        """The saved CUDA generator states (``{device index: state}``) that this engine's devices take, validated:
+        ValueError unless it is such a dict and every state this engine takes is one its device's generator accepts.
+        States of devices this engine does not use are left out (a run moved to other devices draws anew there)."""
+        if not isinstance(saved, dict) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 and isinstance(v, torch.Tensor)
+                and v.dtype == torch.uint8 and v.dim() == 1 for i, v in saved.items()):
+            got = {k: _describe(v) for k, v in saved.items()} if isinstance(saved, dict) else _describe(saved)
+            raise ValueError(f"the state's cuda_rng must be {{device index: torch.cuda.get_rng_state(index)}} (uint8 "
+                             f"1-D tensors); got {got}")
+        taken = {i: saved[i] for i in self._cuda_indices() if i in saved}
+        for index, state in taken.items():
+            try:  # a scratch generator on that device takes it or refuses it, before anything is written
+                torch.Generator(device=f"cuda:{index}").set_state(state)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"the state's cuda_rng[{index}] is not a CUDA generator state: {exc}") from None
+        return taken
 
     def stats(self) -> dict:
         """Counters: steps, pushes, applied updates, skipped steps, steps that raised (``nonfinite="raise"``),

@@ -779,20 +779,25 @@ def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["deterministic-model", "dropout"])
-def test_state_dict_resume_is_bit_identical(rng, worker_device, dropout):
-    """With dropout the state carries each worker's generator: the resumed run draws the masks the straight one
-    drew (the engine that loads is built with another seed, so nothing but the state can make them equal)."""
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 2)])
+def test_state_dict_resume_is_bit_identical(rng, worker_device, dropout, mode, workers):
+    """With dropout the state carries the generators the workers draw from: concurrent workers' own (seeded per step
+    from the state's seed), and for a lone worker or sync mode torch's own, on the CPU and on each CUDA device
+    (``cuda_rng``). The resumed run draws the masks the straight one drew (the engine that loads is built with
+    another seed, which reseeds torch's generators, so nothing but the state can make them equal)."""
     batches = make_batches(rng, 10, 24)
     model = make_model(dropout=dropout)
-    with Engine(model, loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    devices = [worker_device] * workers
+    with Engine(model, loss_fn, devices=devices, mode=mode, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
         for b in batches:
             engine.step(b)
         straight = engine.master_state_dict()
-    with Engine(model, loss_fn, devices=[worker_device] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+    with Engine(model, loss_fn, devices=devices, mode=mode, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
         for b in batches[:4]:
             engine.step(b)
         saved = copy.deepcopy(engine.state_dict())
-    with Engine(make_model(seed=1, dropout=dropout), loss_fn, devices=[worker_device] * 2,
+    assert list(saved["cuda_rng"]) == ([0] if worker_device.startswith("cuda") else [])
+    with Engine(make_model(seed=1, dropout=dropout), loss_fn, devices=devices, mode=mode,
                 optimizer=AdamW(**OPT, amsgrad=True), seed=99) as engine:
         engine.load_state_dict(saved)
         for b in batches[4:]:
@@ -874,6 +879,10 @@ def _corruptions():
         ("version not an int", spoil(("version",), "three"), "version must be an int"),
         ("rng of the wrong kind", spoil(("rng",), torch.zeros(3)), "rng"),
         ("rng of the right size, not a generator state", spoil(("rng",), torch.zeros_like), "not a generator state"),
+        ("cuda_rng not a dict", spoil(("cuda_rng",), [0]), "cuda_rng must be"),
+        ("cuda_rng state not a byte tensor", spoil(("cuda_rng",), {0: torch.zeros(16)}), "cuda_rng must be"),
+        ("cuda_rng keyed by a name", spoil(("cuda_rng",), {"cuda:0": torch.zeros(16, dtype=torch.uint8)}),
+         "cuda_rng must be"),
         ("master weight on the meta device", spoil(("master", "0.bias"), lambda t: t.to("meta")), "meta device"),
         ("Adam state on the meta device", spoil(("optimizer", "state", 3, "exp_avg"), lambda t: t.to("meta")),
          "on meta"),
@@ -918,6 +927,16 @@ def test_a_state_without_the_models_buffers_is_refused(rng):
             engine.load_state_dict(dict(state, buffers={}))
         del state["buffers"]
         engine.load_state_dict(state)
+
+
+def test_a_state_written_before_cuda_rng_was_saved_loads(rng):
+    """States (and checkpoints) from before the CUDA generators were saved have no "cuda_rng": they load."""
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.step(make_batches(rng, 1, 8)[0])
+        state = engine.state_dict()
+        del state["cuda_rng"]
+        engine.load_state_dict(state)
+        assert engine.version == 1
 
 
 def test_a_state_built_from_tensors_that_require_grad_loads_as_values(rng):
