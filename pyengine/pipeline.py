@@ -681,7 +681,7 @@ class Pipeline:
         downstream = self.stages[s + 1][stage.replica].device if not last else None
         clock, memory = _BusyClock(stage.stream), _Activations(stage.param_ptrs)
         who, tid = f"stage{s}.r{stage.replica}", 1 + s * self.replicas + stage.replica
-        stored, loss_sum = {}, 0.0
+        stored, losses = {}, []  # the last stage's (loss, samples): read once the schedule is done, no sync inside
         stage.module.zero_grad(set_to_none=True)
         for kind, m in schedule_actions(self.schedule, s, self.num_stages, self.microbatches):
             if kind == "F":
@@ -698,7 +698,7 @@ class Pipeline:
                         out = self._forward(stage, given, targets[m] if last else None)
                     if last:
                         samples = batch_size(targets[m])
-                        loss_sum += float(out.detach()) * samples
+                        losses.append((out.detach(), samples))
                         out = out * (samples / shard_size)
                         if scale is not None:  # Note [Loss scaling]
                             out = out * scale
@@ -717,6 +717,9 @@ class Pipeline:
                 memory.released(nbytes)
         end = time.perf_counter()
         busy = clock.total()
+        loss_sum = 0.0
+        for loss, samples in losses:
+            loss_sum += float(loss) * samples
         tied_grads = stage.push_grads(self.unused)
         return dict(busy=busy, end=end, pushed=time.perf_counter() - end, loss_sum=loss_sum,
                     peak_count=memory.peak_count, peak_bytes=memory.peak_bytes, tied_grads=tied_grads)

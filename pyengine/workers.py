@@ -259,9 +259,11 @@ class Worker:
             for k in range(len(self.streamer.buckets)):
                 self.streamer.wait_weights(k)
 
-    def forward_backward(self, loss_fn, batch, weight: float | None = None, loss_scale: float | None = None) -> float:
+    def forward_backward(self, loss_fn, batch, weight: float | None = None,
+                         loss_scale: float | None = None) -> torch.Tensor:
         """One forward and backward on ``batch`` (of the loss times ``weight``, then times ``loss_scale``, when
-        given); returns the loss. Gradients stream to the host as they are ready."""
+        given); returns the loss, detached, on the device (reading it would make the host wait for the device: the
+        caller reads it after its last micro-batch). Gradients stream to the host as they are ready."""
         batch = to_device(batch, self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             loss = loss_fn(self.replica, batch)
@@ -272,7 +274,7 @@ class Worker:
         scaled = scaled if loss_scale is None else scaled * loss_scale  # Note [Loss scaling]
         with self.streamer.backward_pass(scaled):  # a loss that reaches no parameter must still end the pass
             scaled.backward()
-        return float(loss.detach())
+        return loss.detach()
 
     def compute(self, loss_fn, batches, weights: list[float] | None = None,
                 loss_scale: float | None = None) -> "Computed":
@@ -299,6 +301,7 @@ class Worker:
             self.streamer.accumulate(len(batches))
             scale = [None] * len(batches) if weights is None else weights
             losses = [self.forward_backward(loss_fn, b, w, loss_scale) for b, w in zip(batches, scale)]
+            losses = [float(x) for x in losses]  # on CUDA the host waits here, once, for the last backward
             computed = time.perf_counter()
             self.streamer.wait_all()
             waited = time.perf_counter()
