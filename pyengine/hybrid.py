@@ -69,7 +69,7 @@ def hybrid_step(engine, batch) -> dict:
             if applied:
                 engine.update_range(b.begin, b.end, slots, weights, norm, loss_scale=scale)
             for w in engine.workers:
-                w.streamer.copy_back(buckets=[b.index])
+                w.copy_back(buckets=[b.index])
     end = time.perf_counter()
     loss = sum(results[i][0] * n for i, n in enumerate(sizes)) / total
     return step_metrics(engine, loss=loss, samples=total, wall=end - start,

@@ -388,7 +388,8 @@ class GradientStreamer:
         ``source`` is a flat store buffer (default: ``store.shadow`` if the store has one, else ``store.param``).
         This also marks the buckets' gradients as consumed: the next :meth:`wait` waits for the next backward. The
         replica's next forward waits for the copies (a forward pre-hook: on CUDA its stream waits on the events, on
-        CPU the host waits).
+        CPU the host waits). On CUDA the copies start after the work enqueued so far on the calling thread's current
+        stream: call this with the replica's compute stream current when another stream may still read the weights.
         """
         source = self._source(source)
         buckets = range(len(self.buckets)) if buckets is None else list(buckets)

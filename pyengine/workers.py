@@ -254,10 +254,17 @@ class Worker:
         The replica's next forward waits for the copies by itself. ``wait=True`` also blocks the host until they
         are done, so the store may be written right after (async pulls under the mutex need this).
         """
-        self.streamer.copy_back()
+        self.copy_back()
         if wait:
             for k in range(len(self.streamer.buckets)):
                 self.streamer.wait_weights(k)
+
+    def copy_back(self, buckets: Sequence[int] | None = None) -> None:
+        """Starts the copy of the store's weights into the replica (``buckets``: those only; default: all). On CUDA
+        the copies start after the work enqueued so far on the replica's compute stream, which reads the weights
+        they overwrite, whichever thread launches them (the host thread's current stream is another one)."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.streamer.copy_back(buckets=buckets)
 
     def forward_backward(self, loss_fn, batch, weight: float | None = None,
                          loss_scale: float | None = None) -> torch.Tensor:

@@ -9,6 +9,9 @@ import torch
 # Every process a test starts (mp.spawn workers, torchrun-like jobs, CLI runs) inherits this: a crash in native code
 # (SIGSEGV, SIGABRT: "terminate called ...") then prints each Python thread's stack, so a rare one can be placed.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# The CUDA twins compare runs bit for bit with several workers' streams busy on one GPU: cuBLAS promises the same bits
+# with more than one active stream only with a fixed workspace (read when its first handle is made, after this).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]

@@ -64,6 +64,14 @@ class CudaTransfer final : public BucketTransfer {
     at::cuda::CUDAEvent& ready = ready_[bucket];
     ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
     ready.block(copy_stream_);
+    for (size_t i = 0; i < job.dsts.size(); ++i) {
+      if (!job.srcs[i].defined() && !job.dsts[i].is_cuda()) {
+        // A host slot is zeroed by the host, now (copy_pair): this bucket's previous copy into it may still be in
+        // flight on the copy stream and would land after the zeros (the CPU transfer orders both on its thread).
+        done_[channel * num_buckets_ + bucket].synchronize();
+        break;
+      }
+    }
     c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
     for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
     done_[channel * num_buckets_ + bucket].record(copy_stream_);
