@@ -1212,6 +1212,10 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
 
 
+# Settings that may differ between the processes of one run under torchrun: each process's own devices and output.
+_PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out")
+
+
 def _train(given: dict) -> int:
     if "resume" in given:
         cfg, out, resumes = _resumed(given)
@@ -1239,6 +1243,12 @@ def _train(given: dict) -> int:
 
         if not dist.is_initialized():
             distributed.init_process_group("gloo")
+        try:  # Note [Every rank's engine alike], for the whole command line: one error on every rank, before any work
+            distributed.check_same_config(dist.group.WORLD, {k: v for k, v in cfg.items() if k not in _PER_RANK},
+                                          "command lines differ (only --devices, --workers, --quiet, --log-every, "
+                                          "--trace and --out may)")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     from . import data as data_mod
 
     dataset = data_mod.load(cfg["data"], seed=cfg["seed"])

@@ -73,8 +73,8 @@ from .store import layout_of
 from .streamer import make_buckets
 from .workers import WorkerError, batch_size, split_batch, split_microbatches
 
-__all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "run_async",
-           "gather_optimizer_state", "shard_ranges", "owned_state_ranges", "check_servers", "shard_spans"]
+__all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "check_same_config",
+           "run_async", "gather_optimizer_state", "shard_ranges", "owned_state_ranges", "check_servers", "shard_spans"]
 
 
 class DistributedError(RuntimeError):
@@ -117,6 +117,60 @@ def resolve_group(process_group, shard_update: bool, mode: str):
     if mode == "async" and dist.get_world_size(process_group) < 2:
         raise ValueError("multi-node async needs at least 2 ranks (rank 0 serves, the others compute)")
     return process_group
+
+
+_ENGINES_ALIKE = ("engines are not configured alike (every rank builds its Engine from the same model and options; "
+                  "the devices may differ)")
+
+
+def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE) -> None:
+    """Raises ValueError on every rank unless every rank of ``group`` passed an equal ``config`` (a dict of picklable
+    values: what this rank's Engine was built with): "rank r: the P ranks' <what>: <each difference>". A collective:
+    every rank calls it, before any other.
+
+    Note [Every rank's engine alike]
+    The ranks of a group run one training: their collectives pair up by order and size, and each rank applies the
+    same reduced gradient with its own copy of the optimizer. Ranks built differently fail far from the cause or not
+    at all: a model of other shapes or other buckets makes gloo abort the process with a size mismatch in native code
+    (no Python error) and the other ranks blame the wrong one; another mode or ``shard_update`` pairs a collective
+    with a different one and every rank hangs until the timeout; another lr, weight decay, clipping, schedule or seed
+    trains on with ranks whose weights drift apart, silently. So the Engine gathers every rank's configuration once,
+    before its first collective, and every rank raises the same error naming what differs and on which ranks. What may
+    differ by rank is left out: the local devices (their number included: each rank's local batch is split among its
+    workers and weighted by samples), ``pin``, ``loss_fn`` and the process group itself.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    gathered: list = [None] * world
+    with _collective("the check that every rank's engine is configured alike", rank):
+        dist.all_gather_object(gathered, config, group=group)
+    differences = []
+    for key in config:
+        values = [c.get(key, "<missing>") if isinstance(c, dict) else "<missing>" for c in gathered]
+        if any(v != values[0] for v in values[1:]):
+            differing = [r for r, v in enumerate(values) if v != values[0]]
+            first, other = _first_difference(values[0], values[differing[0]])
+            differences.append(f"{key}: rank 0 has {first}, rank{'s' if len(differing) > 1 else ''} "
+                               f"{', '.join(map(str, differing))} {other}")
+    if differences:
+        raise ValueError(f"rank {rank}: the {world} ranks' {what}: " + "; ".join(differences))
+
+
+def _first_difference(a, b) -> tuple[str, str]:
+    """Where two values differ, short: a list's first differing entry (or its length), else the values."""
+    def short(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 120 else text[:117] + "..."
+
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"[{i}] = {short(x)}", f"[{i}] = {short(y)}"
+        return f"{len(a)} entries", f"{len(b)} entries"
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = [k for k in {**a, **b} if a.get(k, "<missing>") != b.get(k, "<missing>")]
+        return (", ".join(f"{k}={short(a.get(k, '<missing>'))}" for k in keys),
+                ", ".join(f"{k}={short(b.get(k, '<missing>'))}" for k in keys))
+    return short(a), short(b)
 
 
 def _part(bucket, world: int) -> int:

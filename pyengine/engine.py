@@ -183,6 +183,17 @@ class Engine:
                              "one weight decay over each rank's ranges; leave out one of them")
         self.scaler: LossScaler | None = make_scaler(loss_scale, autocast)
         grad_dtype = autocast if autocast is not None else torch.float32
+        if group is not None:  # Note [Every rank's engine alike]: before any collective and any allocation
+            distributed.check_same_config(group, dict(
+                mode=mode, shard_update=shard_update, servers=servers, stages=stages, microbatches=microbatches,
+                schedule=schedule, balance=balance if isinstance(balance, str) else repr(balance),
+                parameters=[(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
+                buffers=[(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+                bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused, autocast=str(autocast),
+                optimizer=self.optimizer.config(), loss_scale=repr(self.scaler), nonfinite=nonfinite,
+                accumulate=accumulate, max_staleness=max_staleness, staleness_lr=staleness_lr, seed=seed,
+                lr_schedule=_samples(lr_schedule), batch_schedule=_samples(batch_schedule),
+                random_modules=[c.__qualname__ for c in self.random_modules]))
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
                                                                            first_bucket_mb, group)
@@ -921,6 +932,20 @@ def _decay_runs(store: HostStore, optimizer: AdamW) -> list[tuple[int, int, bool
         else:
             runs.append((lo, hi, decays))
     return runs
+
+
+def _samples(schedule) -> list | None:
+    """A schedule (callable of the step) as what it gives at a few steps, for comparing ranks' engines: its value,
+    or the type of what it raised. None for no schedule."""
+    if schedule is None:
+        return None
+    values = []
+    for step in (0, 1, 2, 3, 10, 100, 1000, 10 ** 4, 10 ** 5):
+        try:
+            values.append(repr(schedule(step)))
+        except Exception as exc:  # noqa: BLE001 - compared, not raised: the schedule's own checks come later
+            values.append(f"raises {type(exc).__name__}")
+    return values
 
 
 def _describe(value) -> str:

@@ -478,6 +478,37 @@ def dropout_resume(seed, rank, world):
     return dict(first_mask=first_mask, resumed_equal=all(torch.equal(expected[k], got[k]) for k in expected))
 
 
+MISMATCHES = {  # Note [Every rank's engine alike]: what rank 1 changes, one case at a time
+    "lr": lambda rank: dict(optimizer=pyengine.AdamW(**{**OPT, "lr": OPT["lr"] * (1 + rank)})),
+    "shape": lambda rank: dict(model=torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN + rank), torch.nn.Tanh(),
+                                                          torch.nn.Linear(HIDDEN + rank, CLASSES))),
+    "shard_update": lambda rank: dict(shard_update=rank == 1),
+    "mode": lambda rank: dict(mode="async" if rank == 1 else "hybrid"),
+    "seed": lambda rank: dict(seed=rank),
+}
+
+
+def mismatch(seed, rank, world):
+    """Engines built differently on rank 1, one case at a time: every rank must raise the same ValueError at once.
+    Then engines built alike (rank 1 with another number of local workers, which may differ) train a step."""
+    out = {"errors": {}}
+    for case, change in MISMATCHES.items():
+        options = dict(model=make_model(), devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False)
+        options.update(change(rank))
+        start = time.monotonic()
+        try:
+            pyengine.Engine(options.pop("model"), loss_fn, **options).close()
+            out["errors"][case] = None
+        except ValueError as exc:
+            out["errors"][case] = (str(exc), time.monotonic() - start)
+    batch = rank_slice(global_batches(seed, 1, 12)[0], rank, world)
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * (1 + rank), optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        out["applied"] = engine.step(batch)["applied"]
+        out["master"] = engine.master_state_dict()
+    return out
+
+
 def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
@@ -501,7 +532,7 @@ def main():
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
-                 "overlap": overlap, "bad-local-batch": bad_local_batch, "dropout-resume": dropout_resume, "hybrid-fp16": hybrid_fp16,
+                 "overlap": overlap, "bad-local-batch": bad_local_batch, "mismatch": mismatch, "dropout-resume": dropout_resume, "hybrid-fp16": hybrid_fp16,
                  "async-fp16": async_fp16,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}

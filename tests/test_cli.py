@@ -691,6 +691,37 @@ def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.timeout(120)
+def test_under_torchrun_command_lines_that_differ_are_one_line_exit_2_on_every_rank(tmp_path):
+    """Note [Every rank's engine alike] for the command line: ranks launched with another --lr (or --steps, which
+    used to end in a timeout at the step the shorter run never reached) each say so in one line before any work;
+    their own devices and output may differ."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE="2")
+    differ = (["--lr", "0.01", "--steps", "3"], ["--lr", "0.02", "--steps", "4"])
+    procs = [subprocess.Popen([sys.executable, "-m", "pyengine", "train", *SHORT[:4], "--devices", "cpu",
+                               "--workers", str(1 + rank), *differ[rank], "--out", str(tmp_path / f"out{rank}")],
+                              cwd=tmp_path, env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        results = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, (_, err)) in enumerate(zip(procs, results)):
+        lines = err.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1, err
+        assert lines[0].startswith(f"pyengine train: error: rank {rank}: the 2 ranks' command lines differ (only "
+                                   "--devices, --workers"), lines[0]
+        assert "lr: rank 0 has 0.01, rank 1 0.02" in lines[0] and "steps: rank 0 has 3, rank 1 4" in lines[0]
+    assert not (tmp_path / "out0" / "checkpoints").exists()
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):

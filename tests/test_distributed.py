@@ -362,6 +362,31 @@ def test_a_failing_rank_ends_the_run_with_an_error(tmp_path, seed, scenario, wor
     assert noticed_after(logs, 1, survivors=[0]) < 15
 
 
+@pytest.mark.timeout(90)
+def test_ranks_whose_engines_differ_all_refuse_at_construction(tmp_path, seed):
+    """Note [Every rank's engine alike]: another lr or seed would train on with drifting weights, another shape made
+    gloo abort the process in native code, another mode or shard_update hung until the timeout. Each is one
+    ValueError on every rank, at once, naming what differs; the group still serves engines built alike."""
+    codes, logs, _ = launch("mismatch", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    named = {"lr": "optimizer: rank 0 has lr=0.01, rank 1 lr=0.02",
+             "shape": "parameters: rank 0 has [0] = ('0.weight', (24, 10), 'torch.float32', True), rank 1 [0] = "
+                      "('0.weight', (25, 10), 'torch.float32', True)",
+             "shard_update": "shard_update: rank 0 has False, rank 1 True",
+             "mode": "mode: rank 0 has 'hybrid', rank 1 'async'",
+             "seed": "seed: rank 0 has 0, rank 1 1"}
+    for r, rank in enumerate(ranks):
+        for case, text in named.items():
+            assert rank["errors"][case] is not None, (r, case)
+            message, seconds = rank["errors"][case]
+            assert f"rank {r}: the 2 ranks' engines are not configured alike" in message and text in message, message
+            assert seconds < 5, (r, case, seconds)  # at once, not after the group's timeout (20 s here)
+        assert rank["applied"]
+    for name, value in ranks[0]["master"].items():
+        assert torch.equal(value, ranks[1]["master"][name]), name
+
+
 def test_option_errors():
     model = dist_job.make_model()
     with pytest.raises(ValueError, match="shard_update=True .* needs a process group"):
