@@ -72,7 +72,7 @@ class TrainingFailed(Exception):
         """What follows the failure's own line: why the step was not saved, and how to resume (``whole_run``: a
         --mode all run, which resumes as a whole even when the failed mode has no checkpoint)."""
         lines = [] if self.not_saved is None else [f"step {self.step} could not be saved: {self.not_saved}"]
-        resume = f"resume with python -m pyengine train --resume {out}"
+        resume = f"resume with {_resume_command(out)}"
         if self.checkpoint is not None:
             saved = f"step {self.step}, the last complete one, is saved" if self.complete else \
                 "the last checkpoint is"
@@ -80,6 +80,14 @@ class TrainingFailed(Exception):
         elif whole_run:
             lines.append(f"{resume} (the modes trained so far are kept)")
         return lines
+
+
+def _resume_command(out: Path) -> str:
+    """The command that continues the run in ``out``: under torchrun, the same launch (a run resumed in another
+    number of processes is not bit-identical: its reductions group the gradients otherwise)."""
+    if _launched()[1] > 1:
+        return f"torchrun <the same launch options> -m pyengine train --resume {out}"
+    return f"python -m pyengine train --resume {out}"
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------
@@ -808,7 +816,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         progress = Progress(mode, target, start_step, cfg["quiet"] or not primary, cfg["log_every"])
         if resume is not None:
             progress.write(f"[{mode}] resuming {out} at step {start_step} of {target}")
-        state = dict(step=start_step, batches=batches_done, last_ckpt=None, t0=time.perf_counter())
+        state = dict(step=start_step, batches=batches_done, last_ckpt=None, agreed_ckpt=None, t0=time.perf_counter())
 
         def elapsed() -> float:
             return elapsed_offset + time.perf_counter() - state["t0"]
@@ -819,7 +827,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         def save_checkpoint() -> Path:
             engine_state = engine.state_dict() if primary or pipeline else None  # a collective in a pipeline
             if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
-                state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])
+                state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])  # rank 0's, once the next agreement passed
                 return state["last_ckpt"]
             config = _saved_config(dict(cfg, mode=mode, out=str(out), trace=own_trace,
                                         **({} if pipeline else {"microbatches": own_microbatches})))
@@ -854,7 +862,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                         not_saved = f"{type(exc).__name__}: {exc}"
                     except KeyboardInterrupt:
                         not_saved = "interrupted"
-            return (ckpt.latest(ckpt_dir) if primary else None), False, not_saved
+            # another rank: the last checkpoint that rank 0 had written when the ranks last agreed (stop_agreed
+            # follows each save, so a rank past it knows rank 0's save returned)
+            return (ckpt.latest(ckpt_dir) if primary else state["agreed_ckpt"]), False, not_saved
 
         def on_step(_engine, metrics: dict) -> None:
             """After every update (async: under the store's mutex, so the state is consistent)."""
@@ -867,12 +877,14 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
             progress.update(rec)
-            if state["step"] % every == 0 and state["step"] < target:
+            saving = state["step"] % every == 0 and state["step"] < target
+            if saving:
                 save_checkpoint()
-            if stop_agreed():
+            if stop_agreed(saving):
                 raise Interrupted
+            state["agreed_ckpt"] = state["last_ckpt"]
 
-        def stop_agreed() -> bool:
+        def stop_agreed(saved: bool) -> bool:
             """Whether to stop after this step. Note [Stopping together under torchrun]: a SIGINT may reach some ranks
             and not others, or reach them between their checks (sent by a scheduler to the processes, not through
             torchrun's agent). Ranks that decided apart would run different collectives next (one the final
@@ -883,8 +895,13 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                 return stop.requested
             import torch.distributed as dist
 
+            from .distributed import _collective
+
             flag = torch.tensor([1.0 if stop.requested else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            late = (f"rank 0 wrote the checkpoint of step {state['step']} before it: a write longer than the "
+                    "group's timeout ends the run here; else a peer rank died, raised or timed out") if saved else None
+            with _collective(f"the agreement after step {state['step']} whether to stop", rank, lambda: late):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:
                 stop.requested = True  # the summary then says "interrupted" on every rank
             return flag.item() > 0
@@ -913,6 +930,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         except Exception as exc:
             if isinstance(exc, UsageError):
                 raise
+            engine.record_failure(exc)  # under torchrun: the peers' errors name this rank (its data, say)
             progress.close()
             metrics_file.close()
             raise TrainingFailed(state["step"], *failed_run_checkpoint()) from exc
@@ -1325,16 +1343,16 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
                 summaries[mode] = summary
                 runs[mode] = (_read_metrics(run_dir / "metrics.jsonl"), summary)
                 if summary["interrupted"]:
-                    print(_stopped(summary, out, modes[index + 1:] if every else None), file=sys.stderr,
-                          flush=True)
+                    if rank == 0:  # the checkpoint is rank 0's to write (Note [Training under torchrun])
+                        print(_stopped(summary, out, modes[index + 1:] if every else None), file=sys.stderr,
+                              flush=True)
                     return 130
                 if not quiet:
                     print(_summarise(summary) + f" -> {run_dir}", flush=True)
         except KeyboardInterrupt:
             last = ckpt.latest(out / "checkpoints") if not every else None
-            hint = (f"; resume with python -m pyengine train --resume {out} (the modes without a checkpoint start "
-                    "over)" if every else f"; the last checkpoint is {last}: resume with python -m pyengine train "
-                    f"--resume {out}" if last else "")
+            hint = (f"; resume with {_resume_command(out)} (the modes without a checkpoint start over)" if every
+                    else f"; the last checkpoint is {last}: resume with {_resume_command(out)}" if last else "")
             print(f"aborted{hint}", file=sys.stderr, flush=True)
             return 130
         except Exception as exc:  # noqa: BLE001 - a failure while training: one line, the cause chained
@@ -1353,7 +1371,7 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
             _finish_all(cfg, out, runs, summaries, quiet)
         except KeyboardInterrupt:
             print(f"aborted while writing compare.png and summary.json; every mode is trained and saved: finish "
-                  f"with python -m pyengine train --resume {out}", file=sys.stderr, flush=True)
+                  f"with {_resume_command(out)}", file=sys.stderr, flush=True)
             return 130
     return 0
 
@@ -1367,7 +1385,7 @@ def _stopped(summary: dict, out: Path, rest: tuple | None) -> str:
                  "then writes compare.png and summary.json"]
         then = f" ({', '.join(steps)})"
     return (f"stopped at step {summary['steps']}; checkpoint saved: {summary['checkpoint']}\n"
-            f"resume with: python -m pyengine train --resume {out}{then}")
+            f"resume with: {_resume_command(out)}{then}")
 
 
 def _finish_all(cfg: dict, out: Path, runs: dict, summaries: dict, quiet: bool) -> None:

@@ -338,7 +338,11 @@ class Engine:
                 if self._stop.is_set():
                     break
         done = len(self.history) - start
-        if steps is not None and done < steps and not self._stop.is_set():
+        # across processes an async client's history holds its own pushes, the servers' the run's (which `steps`
+        # counts): a server says when the clients' batches ran out
+        client = (self.mode == "async" and self.process_group is not None
+                  and torch.distributed.get_rank(self.process_group) >= self.servers)
+        if steps is not None and done < steps and not self._stop.is_set() and not client:
             warnings.warn(f"fit: the batches ran out after {done} of the {steps} steps asked"
                           + (" (a one-shot iterator is not iterated again: pass a list or a DataLoader)" if one_shot
                              else ""), RuntimeWarning, stacklevel=2)
@@ -559,6 +563,14 @@ class Engine:
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(f"the state's cuda_rng[{index}] is not a CUDA generator state: {exc}") from None
         return taken
+
+    def record_failure(self, exc: BaseException) -> None:
+        """Across processes: tells the other ranks that this one failed with ``exc`` outside a step (its data, say),
+        so that their errors name it at once (Note [Naming the rank that failed] in :mod:`pyengine.distributed`);
+        a failure inside :meth:`step` is recorded by the step itself. Best effort; nothing in one process."""
+        for part in (self.dist, self.pipeline):
+            if isinstance(part, distributed._FailureNaming):
+                part._record_failure(exc)
 
     def stats(self) -> dict:
         """Counters: steps, pushes, applied updates, skipped steps, steps that raised (``nonfinite="raise"``),

@@ -722,6 +722,54 @@ def test_under_torchrun_command_lines_that_differ_are_one_line_exit_2_on_every_r
     assert not (tmp_path / "out0" / "checkpoints").exists()
 
 
+_FAILING_RANK = """
+import os, sys
+import pyengine.data, pyengine.cli
+batch = pyengine.data.Dataset.batch
+def failing(self, step, *args):
+    if os.environ["RANK"] == "1" and step == 3:
+        raise RuntimeError("injected data failure on rank 1")
+    return batch(self, step, *args)
+pyengine.data.Dataset.batch = failing
+sys.exit(pyengine.cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_a_rank_whose_data_fails_is_named_and_both_say_how_to_resume(tmp_path):
+    """A rank that fails outside a step (its data) records its error for the others (Note [Naming the rank that
+    failed]): rank 0's error names it at once, not after the 5 s wait for ranks that are only slow (torchrun would
+    stop rank 0 before it said anything); each rank names the checkpoint rank 0 wrote last and the torchrun resume."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE="2")
+    out = tmp_path / "run"
+    argv = ["train", *SHORT[:4], "--devices", "cpu", "--workers", "1", "--steps", "8", "--checkpoint-every", "2",
+            "--quiet", "--out", str(out)]
+    procs = [subprocess.Popen([sys.executable, "-c", _FAILING_RANK, *argv], cwd=tmp_path, env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    start = time.monotonic()
+    try:
+        results = [p.communicate(timeout=90) for p in procs]
+        seconds = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.kill()
+    (_, err0), (_, err1) = results
+    assert [p.returncode for p in procs] == [1, 1], (err0, err1)
+    resume = f"resume with torchrun <the same launch options> -m pyengine train --resume {out}"
+    saved = out / "checkpoints" / "step-00000002.pyeckpt"
+    assert "training failed: RuntimeError: injected data failure on rank 1" in err1, err1
+    assert f"the last checkpoint is in {saved}: {resume}" in err1, err1
+    assert "rank 1 failed: RuntimeError: injected data failure on rank 1" in err0, err0
+    assert f"the last checkpoint is in {saved}: {resume}" in err0, err0
+    assert saved.exists() and seconds < 30
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -767,6 +815,9 @@ def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp
     finally:
         proc.kill()
     assert "Timed out" not in stderr and "DistributedError" not in stderr, stderr[-3000:]
+    # rank 0 alone, which writes the checkpoint, says where it is and how to resume: under torchrun
+    assert stderr.count("stopped at step") == 1, stderr[-3000:]
+    assert f"resume with: torchrun <the same launch options> -m pyengine train --resume {out}" in stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and summary["steps"] >= 5 and summary["processes"] == 2
     assert ckpt.latest(out / "checkpoints").name == f"step-{summary['steps']:08d}.pyeckpt"
