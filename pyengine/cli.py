@@ -816,7 +816,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         progress = Progress(mode, target, start_step, cfg["quiet"] or not primary, cfg["log_every"])
         if resume is not None:
             progress.write(f"[{mode}] resuming {out} at step {start_step} of {target}")
-        state = dict(step=start_step, batches=batches_done, last_ckpt=None, agreed_ckpt=None, t0=time.perf_counter())
+        state = dict(step=start_step, batches=batches_done, last_ckpt=None, t0=time.perf_counter(),
+                     agreed_ckpt=ckpt.path_for(ckpt_dir, start_step) if resume is not None else None)
 
         def elapsed() -> float:
             return elapsed_offset + time.perf_counter() - state["t0"]
@@ -882,7 +883,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                 save_checkpoint()
             if stop_agreed(saving):
                 raise Interrupted
-            state["agreed_ckpt"] = state["last_ckpt"]
+            if state["last_ckpt"] is not None:
+                state["agreed_ckpt"] = state["last_ckpt"]
 
         def stop_agreed(saved: bool) -> bool:
             """Whether to stop after this step. Note [Stopping together under torchrun]: a SIGINT may reach some ranks
@@ -900,7 +902,13 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             flag = torch.tensor([1.0 if stop.requested else 0.0])
             late = (f"rank 0 wrote the checkpoint of step {state['step']} before it: a write longer than the "
                     "group's timeout ends the run here; else a peer rank died, raised or timed out") if saved else None
-            with _collective(f"the agreement after step {state['step']} whether to stop", rank, lambda: late):
+            naming = engine.dist if engine.dist is not None else engine.pipeline
+            recorded = getattr(getattr(naming, "rendezvous", None), "recorded", lambda key: None)
+
+            def explain():  # a peer that failed in this step's callback (its data, say) recorded its error
+                return recorded("failed") or late
+
+            with _collective(f"the agreement after step {state['step']} whether to stop", rank, explain):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:
                 stop.requested = True  # the summary then says "interrupted" on every rank
@@ -1262,7 +1270,9 @@ def _train(given: dict) -> int:
         if not dist.is_initialized():
             distributed.init_process_group("gloo")
         try:  # Note [Every rank's engine alike], for the whole command line: one error on every rank, before any work
-            distributed.check_same_config(dist.group.WORLD, {k: v for k, v in cfg.items() if k not in _PER_RANK},
+            resumed = {m: (p["step"], p["batches_done"], p["elapsed_s"]) for m, p in resumes.items()}  # same state
+            distributed.check_same_config(dist.group.WORLD, {**{k: v for k, v in cfg.items() if k not in _PER_RANK},
+                                                             "resumed at (step, batches, seconds)": resumed},
                                           "command lines differ (only --devices, --workers, --quiet, --log-every, "
                                           "--trace and --out may)")
         except ValueError as exc:

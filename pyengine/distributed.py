@@ -74,7 +74,8 @@ from .streamer import make_buckets
 from .workers import WorkerError, batch_size, split_batch, split_microbatches
 
 __all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "check_same_config",
-           "run_async", "gather_optimizer_state", "shard_ranges", "owned_state_ranges", "check_servers", "shard_spans"]
+           "report_failed_config", "run_async", "gather_optimizer_state", "shard_ranges", "owned_state_ranges",
+           "check_servers", "shard_spans"]
 
 
 class DistributedError(RuntimeError):
@@ -126,33 +127,72 @@ _ENGINES_ALIKE = ("engines are not configured alike (every rank builds its Engin
 def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE) -> None:
     """Raises ValueError on every rank unless every rank of ``group`` passed an equal ``config`` (a dict of picklable
     values: what this rank's Engine was built with): "rank r: the P ranks' <what>: <each difference>". A collective:
-    every rank calls it, before any other.
+    every rank calls it, before any other. A rank whose own checks failed first calls :func:`report_failed_config`
+    instead: the others then raise naming it and its error.
 
     Note [Every rank's engine alike]
     The ranks of a group run one training: their collectives pair up by order and size, and each rank applies the
     same reduced gradient with its own copy of the optimizer. Ranks built differently fail far from the cause or not
     at all: a model of other shapes or other buckets makes gloo abort the process with a size mismatch in native code
     (no Python error) and the other ranks blame the wrong one; another mode or ``shard_update`` pairs a collective
-    with a different one and every rank hangs until the timeout; another lr, weight decay, clipping, schedule or seed
-    trains on with ranks whose weights drift apart, silently. So the Engine gathers every rank's configuration once,
-    before its first collective, and every rank raises the same error naming what differs and on which ranks. What may
-    differ by rank is left out: the local devices (their number included: each rank's local batch is split among its
-    workers and weighted by samples), ``pin``, ``loss_fn`` and the process group itself.
+    with a different one and every rank hangs until the timeout; another lr, weight decay, clipping or schedule trains
+    on with ranks whose weights drift apart, silently; another seed trains alike but cannot resume alike (the state
+    keeps rank 0's seed, from which every rank's generators are seeded). So the Engine gathers every rank's
+    configuration once, before its first collective, and every rank raises the same error naming what differs and on
+    which ranks. A rank that fails its own checks before that point (its devices, say) joins the same exchange with
+    its error, so the others name it at once instead of failing in their next collective. What may differ by rank is
+    left out: the local devices (their number included: each rank's local batch is split among its workers and
+    weighted by samples), hybrid's ``microbatches`` (a memory setting of the local workers: the same step), an async
+    client's ``accumulate`` and ``batch_schedule`` (what it computes before a push), ``pin``, ``loss_fn`` and the
+    process group itself. Schedules are compared by their values at a few steps (they are called there once, at
+    construction), floats by their bits (NaN equals NaN).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    gathered: list = [None] * world
-    with _collective("the check that every rank's engine is configured alike", rank):
-        dist.all_gather_object(gathered, config, group=group)
+    gathered = _gather_configs(group, rank, config)
+    failed = [(r, c[_FAILED_KEY]) for r, c in enumerate(gathered) if isinstance(c, dict) and _FAILED_KEY in c]
+    if failed:
+        raise ValueError(f"rank {rank}: " + "; ".join(f"rank {r} could not build its Engine: {text}"
+                                                      for r, text in failed))
+    keys = list(dict.fromkeys(k for c in gathered if isinstance(c, dict) for k in c))  # every rank's, in order
     differences = []
-    for key in config:
+    for key in keys:
         values = [c.get(key, "<missing>") if isinstance(c, dict) else "<missing>" for c in gathered]
-        if any(v != values[0] for v in values[1:]):
-            differing = [r for r, v in enumerate(values) if v != values[0]]
+        differing = [r for r, v in enumerate(values) if not _same(v, values[0])]
+        if differing:
             first, other = _first_difference(values[0], values[differing[0]])
             differences.append(f"{key}: rank 0 has {first}, rank{'s' if len(differing) > 1 else ''} "
                                f"{', '.join(map(str, differing))} {other}")
     if differences:
         raise ValueError(f"rank {rank}: the {world} ranks' {what}: " + "; ".join(differences))
+
+
+_FAILED_KEY = "<this rank failed>"
+
+
+def report_failed_config(process_group, exc: BaseException) -> None:
+    """For a rank whose Engine failed its own checks before :func:`check_same_config`: joins that exchange with its
+    error, so that the other ranks raise naming it (Note [Every rank's engine alike]). Best effort: nothing when no
+    group is resolved (``process_group`` as the Engine takes it) or the exchange itself fails; the caller re-raises
+    its own error."""
+    if isinstance(process_group, str) and process_group == "auto":
+        initialized = dist.is_available() and dist.is_initialized()
+        process_group = dist.group.WORLD if initialized and dist.get_world_size() > 1 else None
+    if not isinstance(process_group, dist.ProcessGroup):
+        return
+    with contextlib.suppress(DistributedError, RuntimeError):
+        _gather_configs(process_group, dist.get_rank(process_group), {_FAILED_KEY: _short_error(exc)})
+
+
+def _gather_configs(group, rank: int, config: dict) -> list:
+    gathered: list = [None] * dist.get_world_size(group)
+    with _collective("the check that every rank's engine is configured alike", rank):
+        dist.all_gather_object(gathered, config, group=group)
+    return gathered
+
+
+def _same(a, b) -> bool:
+    """Equal, or alike to the bit (``repr``: a NaN equals a NaN, which ``==`` denies)."""
+    return a == b or repr(a) == repr(b)
 
 
 def _first_difference(a, b) -> tuple[str, str]:
@@ -163,11 +203,11 @@ def _first_difference(a, b) -> tuple[str, str]:
 
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
+            if not _same(x, y):
                 return f"[{i}] = {short(x)}", f"[{i}] = {short(y)}"
         return f"{len(a)} entries", f"{len(b)} entries"
     if isinstance(a, dict) and isinstance(b, dict):
-        keys = [k for k in {**a, **b} if a.get(k, "<missing>") != b.get(k, "<missing>")]
+        keys = [k for k in {**a, **b} if not _same(a.get(k, "<missing>"), b.get(k, "<missing>"))]
         return (", ".join(f"{k}={short(a.get(k, '<missing>'))}" for k in keys),
                 ", ".join(f"{k}={short(b.get(k, '<missing>'))}" for k in keys))
     return short(a), short(b)

@@ -129,70 +129,74 @@ class Engine:
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
                  schedule: str = "1f1b", balance="params", loss_scale="auto", random_modules=()):
-        self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
-                            loss_fn)
-        check_mode_options(mode, stages, microbatches, schedule, balance)
-        if mode == "pipeline":
-            model = as_sequential(model)
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
-        for name, param in model.named_parameters():  # before the host store is allocated
-            if param.requires_grad and not param.is_contiguous():
-                raise ValueError(f"parameter {name!r} is not contiguous (shape {tuple(param.shape)}, strides "
-                                 f"{param.stride()}; channels_last, say): gradients and weights travel as flat "
-                                 "buffers; give the engine the model after "
-                                 "model.to(memory_format=torch.contiguous_format)")
-        self.devices = parse_devices(devices)
-        slots = len(self.devices)
-        group = distributed.resolve_group(process_group, shard_update, mode)
-        self.process_group = group
-        if mode == "pipeline" and group is not None:  # rank s runs stage s (pyengine.pipeline_distributed)
-            stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
-                                                        balance, group), 1
-        elif mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
-            stages = len(self.devices) if stages is None else stages
-            check_pipeline(len(model), len(self.devices), stages, microbatches, schedule, balance)
-            slots = len(self.devices) // stages
-        # model.parameters() order (shared parameters once): how torch.optim indexes its state
-        self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.mode = mode
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer if optimizer is not None else AdamW()
-        if not isinstance(self.optimizer, AdamW):
-            raise TypeError(f"optimizer must be a pyengine.AdamW; got {type(self.optimizer).__name__}")
-        self.nonfinite = nonfinite
-        self.accumulate = accumulate
-        self.max_staleness = max_staleness
-        self.staleness_lr = staleness_lr
-        self.batch_schedule = batch_schedule
-        self.microbatches = microbatches
-        if lr_schedule is not None and not callable(lr_schedule):
-            raise TypeError(f"lr_schedule must be callable as lr_schedule(step) -> factor on the lr; "
-                            f"got {type(lr_schedule).__name__}")
-        self.lr_schedule = lr_schedule
-        # ((update, schedule, base lr), lr): lr_at's last answer, so a per-bucket update asks the schedule once
-        self._lr = (None, None)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an int; got {seed!r}")
-        self.seed = seed
-        torch.manual_seed(seed)
-        self.random_modules = _module_classes(random_modules)
-        self._worker_rngs: list[WorkerRNG] = []  # the workers' or pipeline stages' own generators (begin_rng_step)
-        if self.optimizer.no_decay and shard_update:
-            raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
-                             "one weight decay over each rank's ranges; leave out one of them")
-        self.scaler: LossScaler | None = make_scaler(loss_scale, autocast)
-        grad_dtype = autocast if autocast is not None else torch.float32
+        try:  # this rank's own checks; a failure is reported to the other ranks (Note [Every rank's engine alike])
+            self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
+                                loss_fn)
+            check_mode_options(mode, stages, microbatches, schedule, balance)
+            if mode == "pipeline":
+                model = as_sequential(model)
+            if not any(p.requires_grad for p in model.parameters()):
+                raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+            for name, param in model.named_parameters():  # before the host store is allocated
+                if param.requires_grad and not param.is_contiguous():
+                    raise ValueError(f"parameter {name!r} is not contiguous (shape {tuple(param.shape)}, strides "
+                                     f"{param.stride()}; channels_last, say): gradients and weights travel as flat "
+                                     "buffers; give the engine the model after "
+                                     "model.to(memory_format=torch.contiguous_format)")
+            self.devices = parse_devices(devices)
+            slots = len(self.devices)
+            group = distributed.resolve_group(process_group, shard_update, mode)
+            self.process_group = group
+            if mode == "pipeline" and group is not None:  # rank s runs stage s (pyengine.pipeline_distributed)
+                stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
+                                                            balance, group), 1
+            elif mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
+                stages = len(self.devices) if stages is None else stages
+                check_pipeline(len(model), len(self.devices), stages, microbatches, schedule, balance)
+                slots = len(self.devices) // stages
+            # model.parameters() order (shared parameters once): how torch.optim indexes its state
+            self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]
+            self.mode = mode
+            self.loss_fn = loss_fn
+            self.optimizer = optimizer if optimizer is not None else AdamW()
+            if not isinstance(self.optimizer, AdamW):
+                raise TypeError(f"optimizer must be a pyengine.AdamW; got {type(self.optimizer).__name__}")
+            self.nonfinite = nonfinite
+            self.accumulate = accumulate
+            self.max_staleness = max_staleness
+            self.staleness_lr = staleness_lr
+            self.batch_schedule = batch_schedule
+            self.microbatches = microbatches
+            if lr_schedule is not None and not callable(lr_schedule):
+                raise TypeError(f"lr_schedule must be callable as lr_schedule(step) -> factor on the lr; "
+                                f"got {type(lr_schedule).__name__}")
+            self.lr_schedule = lr_schedule
+            # ((update, schedule, base lr), lr): lr_at's last answer, so a per-bucket update asks the schedule once
+            self._lr = (None, None)
+            if not isinstance(seed, int) or isinstance(seed, bool):
+                raise TypeError(f"seed must be an int; got {seed!r}")
+            self.seed = seed
+            torch.manual_seed(seed)
+            self.random_modules = _module_classes(random_modules)
+            self._worker_rngs: list[WorkerRNG] = []  # the workers' or pipeline stages' own generators (begin_rng_step)
+            if self.optimizer.no_decay and shard_update:
+                raise ValueError("AdamW(no_decay=...) with shard_update=True is not supported: the sharded update runs "
+                                 "one weight decay over each rank's ranges; leave out one of them")
+            self.scaler: LossScaler | None = make_scaler(loss_scale, autocast)
+            grad_dtype = autocast if autocast is not None else torch.float32
+        except Exception as exc:
+            distributed.report_failed_config(process_group, exc)
+            raise
         if group is not None:  # Note [Every rank's engine alike]: before any collective and any allocation
             distributed.check_same_config(group, dict(
-                mode=mode, shard_update=shard_update, servers=servers, stages=stages, microbatches=microbatches,
+                mode=mode, shard_update=shard_update, servers=servers, stages=stages,
+                microbatches=microbatches if mode == "pipeline" else None,
                 schedule=schedule, balance=balance if isinstance(balance, str) else repr(balance),
                 parameters=[(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
                 buffers=[(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
                 bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused, autocast=str(autocast),
                 optimizer=self.optimizer.config(), loss_scale=repr(self.scaler), nonfinite=nonfinite,
-                accumulate=accumulate, max_staleness=max_staleness, staleness_lr=staleness_lr, seed=seed,
-                lr_schedule=_samples(lr_schedule), batch_schedule=_samples(batch_schedule),
+                max_staleness=max_staleness, staleness_lr=staleness_lr, seed=seed, lr_schedule=_samples(lr_schedule),
                 random_modules=[c.__qualname__ for c in self.random_modules]))
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
@@ -954,9 +958,14 @@ def _samples(schedule) -> list | None:
     values = []
     for step in (0, 1, 2, 3, 10, 100, 1000, 10 ** 4, 10 ** 5):
         try:
-            values.append(repr(schedule(step)))
+            value = schedule(step)
         except Exception as exc:  # noqa: BLE001 - compared, not raised: the schedule's own checks come later
             values.append(f"raises {type(exc).__name__}")
+            continue
+        try:  # a number (or a one-element tensor, on any device) by its bits; anything else as it prints
+            values.append(float(value).hex())
+        except (TypeError, ValueError, RuntimeError):
+            values.append(repr(value))
     return values
 
 

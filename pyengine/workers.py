@@ -262,8 +262,13 @@ class Worker:
     def copy_back(self, buckets: Sequence[int] | None = None) -> None:
         """Starts the copy of the store's weights into the replica (``buckets``: those only; default: all). On CUDA
         the copies start after the work enqueued so far on the replica's compute stream, which reads the weights
-        they overwrite, whichever thread launches them (the host thread's current stream is another one)."""
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        they overwrite, and on the calling thread's current stream (the replica's construction, a state loaded into
+        it), whichever thread launches them."""
+        if self.stream is None:
+            self.streamer.copy_back(buckets=buckets)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
             self.streamer.copy_back(buckets=buckets)
 
     def forward_backward(self, loss_fn, batch, weight: float | None = None,

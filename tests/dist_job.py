@@ -493,6 +493,11 @@ MISMATCHES = {  # Note [Every rank's engine alike]: what rank 1 changes, one cas
     "shard_update": lambda rank: dict(shard_update=rank == 1),
     "mode": lambda rank: dict(mode="async" if rank == 1 else "hybrid"),
     "seed": lambda rank: dict(seed=rank),
+    # what may differ, or is alike: accepted by the check
+    "microbatches": lambda rank: dict(microbatches=1 + 3 * rank),  # hybrid: a local memory setting
+    "nan": lambda rank: dict(bucket_mb=float("nan")),  # alike (NaN equals NaN): the bucket check then refuses it
+    # rank 1 fails its own checks first: rank 0 names it
+    "local": lambda rank: dict(devices=["meta"] if rank == 1 else ["cpu"]),
 }
 
 
@@ -505,7 +510,8 @@ def mismatch(seed, rank, world):
         options.update(change(rank))
         start = time.monotonic()
         try:
-            pyengine.Engine(options.pop("model"), loss_fn, **options).close()
+            with pyengine.Engine(options.pop("model"), loss_fn, **options) as engine:
+                engine.step(rank_slice(global_batches(seed, 1, 12)[0], rank, world))
             out["errors"][case] = None
         except ValueError as exc:
             out["errors"][case] = (str(exc), time.monotonic() - start)

@@ -691,11 +691,10 @@ def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, caps
     assert not out.exists()
 
 
-@pytest.mark.timeout(120)
-def test_under_torchrun_command_lines_that_differ_are_one_line_exit_2_on_every_rank(tmp_path):
-    """Note [Every rank's engine alike] for the command line: ranks launched with another --lr (or --steps, which
-    used to end in a timeout at the step the shorter run never reached) each say so in one line before any work;
-    their own devices and output may differ."""
+def _two_ranks(tmp_path, argvs, script=None, timeout=90):
+    """Ranks 0 and 1 of a 2-process run, each with its own command line (``argvs[rank]``, after ``train``), in the
+    torchrun environment without torchrun (which gives every rank the same one); ``script``: run by ``python -c``
+    instead of ``-m pyengine``. Returns [(returncode, stderr)] and the seconds until both ended."""
     import socket
 
     with socket.socket() as sock:
@@ -703,23 +702,52 @@ def test_under_torchrun_command_lines_that_differ_are_one_line_exit_2_on_every_r
         port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WORLD_SIZE="2")
-    differ = (["--lr", "0.01", "--steps", "3"], ["--lr", "0.02", "--steps", "4"])
-    procs = [subprocess.Popen([sys.executable, "-m", "pyengine", "train", *SHORT[:4], "--devices", "cpu",
-                               "--workers", str(1 + rank), *differ[rank], "--out", str(tmp_path / f"out{rank}")],
-                              cwd=tmp_path, env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "pyengine"]
+    procs = [subprocess.Popen([*command, "train", *argvs[rank]], cwd=tmp_path, env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    start = time.monotonic()
     try:
-        results = [p.communicate(timeout=90) for p in procs]
+        results = [p.communicate(timeout=timeout)[1] for p in procs]
+        seconds = time.monotonic() - start
     finally:
         for p in procs:
             p.kill()
-    for rank, (p, (_, err)) in enumerate(zip(procs, results)):
+    return [(p.returncode, err) for p, err in zip(procs, results)], seconds
+
+
+def _refused_by_both(ended, text):
+    for rank, (code, err) in enumerate(ended):
         lines = err.strip().splitlines()
-        assert p.returncode == 2 and len(lines) == 1, err
+        assert code == 2 and len(lines) == 1, err
         assert lines[0].startswith(f"pyengine train: error: rank {rank}: the 2 ranks' command lines differ (only "
                                    "--devices, --workers"), lines[0]
-        assert "lr: rank 0 has 0.01, rank 1 0.02" in lines[0] and "steps: rank 0 has 3, rank 1 4" in lines[0]
+        assert text in lines[0], lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_command_lines_that_differ_are_one_line_exit_2_on_every_rank(tmp_path):
+    """Note [Every rank's engine alike] for the command line: ranks launched with another --lr (or --steps, which
+    used to end in a timeout at the step the shorter run never reached) each say so in one line before any work;
+    their own devices and output may differ."""
+    differ = (["--lr", "0.01", "--steps", "3"], ["--lr", "0.02", "--steps", "4"])
+    ended, _ = _two_ranks(tmp_path, [[*SHORT[:4], "--devices", "cpu", "--workers", str(1 + rank), *differ[rank],
+                                      "--out", str(tmp_path / f"out{rank}")] for rank in (0, 1)])
+    _refused_by_both(ended, "lr: rank 0 has 0.01, rank 1 0.02")
+    _refused_by_both(ended, "steps: rank 0 has 3, rank 1 4")
     assert not (tmp_path / "out0" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(150)
+def test_under_torchrun_ranks_resuming_from_different_checkpoints_are_refused(tmp_path):
+    """A rank given an older checkpoint of the run (or a stale copy of it) would train on with other weights and
+    other batches, and rank 0 would save the mixture: the resumed states are compared too."""
+    out = tmp_path / "run"
+    assert train(*SHORT, "--steps", "4", "--checkpoint-every", "2", "--quiet", "--out", str(out)) == 0
+    sources = [str(out), str(out / "checkpoints" / "step-00000002.pyeckpt")]
+    ended, _ = _two_ranks(tmp_path, [["--resume", sources[rank], "--steps", "6", "--workers", "1", "--quiet"]
+                                     for rank in (0, 1)])
+    _refused_by_both(ended, "resumed at (step, batches, seconds): rank 0 has hybrid=(4, ")
+    assert ckpt.latest(out / "checkpoints").name == "step-00000004.pyeckpt"  # nothing trained
 
 
 _FAILING_RANK = """
@@ -740,27 +768,11 @@ def test_under_torchrun_a_rank_whose_data_fails_is_named_and_both_say_how_to_res
     """A rank that fails outside a step (its data) records its error for the others (Note [Naming the rank that
     failed]): rank 0's error names it at once, not after the 5 s wait for ranks that are only slow (torchrun would
     stop rank 0 before it said anything); each rank names the checkpoint rank 0 wrote last and the torchrun resume."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               WORLD_SIZE="2")
     out = tmp_path / "run"
-    argv = ["train", *SHORT[:4], "--devices", "cpu", "--workers", "1", "--steps", "8", "--checkpoint-every", "2",
-            "--quiet", "--out", str(out)]
-    procs = [subprocess.Popen([sys.executable, "-c", _FAILING_RANK, *argv], cwd=tmp_path, env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    start = time.monotonic()
-    try:
-        results = [p.communicate(timeout=90) for p in procs]
-        seconds = time.monotonic() - start
-    finally:
-        for p in procs:
-            p.kill()
-    (_, err0), (_, err1) = results
-    assert [p.returncode for p in procs] == [1, 1], (err0, err1)
+    argv = [*SHORT[:4], "--devices", "cpu", "--workers", "1", "--steps", "8", "--checkpoint-every", "2", "--quiet",
+            "--out", str(out)]
+    ((code0, err0), (code1, err1)), seconds = _two_ranks(tmp_path, [argv, argv], script=_FAILING_RANK)
+    assert (code0, code1) == (1, 1), (err0, err1)
     resume = f"resume with torchrun <the same launch options> -m pyengine train --resume {out}"
     saved = out / "checkpoints" / "step-00000002.pyeckpt"
     assert "training failed: RuntimeError: injected data failure on rank 1" in err1, err1

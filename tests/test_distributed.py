@@ -388,6 +388,16 @@ def test_ranks_whose_engines_differ_all_refuse_at_construction(tmp_path, seed):
             assert f"rank {r}: the 2 ranks' engines are not configured alike" in message and text in message, message
             assert seconds < 5, (r, case, seconds)  # at once, not after the group's timeout (20 s here)
         assert rank["applied"]
+        assert rank["errors"]["microbatches"] is None  # hybrid's micro-batches may differ: the same step
+        message, _ = rank["errors"]["nan"]  # NaN on both ranks is alike: refused by the check of the value itself
+        assert "configured alike" not in message and "bucket_mb" in message, message
+    # rank 1's own check of its devices failed: it raises its own error, rank 0 one that names it, both at once
+    # (before, rank 0 failed in its first collective and named no rank)
+    message, seconds = ranks[1]["errors"]["local"]
+    assert message == "devices: 'meta' is neither 'cpu' nor 'cuda:i'" and seconds < 5, message
+    message, seconds = ranks[0]["errors"]["local"]
+    assert message == ("rank 0: rank 1 could not build its Engine: ValueError: devices: 'meta' is neither 'cpu' nor "
+                       "'cuda:i'") and seconds < 5, message
     for name, value in ranks[0]["master"].items():
         assert torch.equal(value, ranks[1]["master"][name]), name
 
