@@ -901,7 +901,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
 
             flag = torch.tensor([1.0 if stop.requested else 0.0])
             late = (f"rank 0 wrote the checkpoint of step {state['step']} before it: a write longer than the "
-                    "group's timeout ends the run here; else a peer rank died, raised or timed out") if saved else None
+                    f"group's timeout ({DIST_TIMEOUT_ENV}, default 60 s) ends the run here; else a peer rank died, "
+                    "raised or timed out") if saved else None
             naming = engine.dist if engine.dist is not None else engine.pipeline
             recorded = getattr(getattr(naming, "rendezvous", None), "recorded", lambda key: None)
 
@@ -1238,6 +1239,23 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
 
 
+DIST_TIMEOUT_ENV = "PYENGINE_DIST_TIMEOUT_S"
+
+
+def _dist_timeout() -> float:
+    """The process group's timeout under torchrun: how long a collective waits for a silent peer, and so also how
+    long the other ranks wait while rank 0 writes a checkpoint (the stop agreement follows each write).
+    ``PYENGINE_DIST_TIMEOUT_S`` (seconds) sets it; default 60."""
+    text = os.environ.get(DIST_TIMEOUT_ENV, "60")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise UsageError(f"{DIST_TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    return value
+
+
 # Settings that may differ between the processes of one run under torchrun: each process's own devices and output.
 _PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out")
 
@@ -1268,7 +1286,7 @@ def _train(given: dict) -> int:
         from . import distributed
 
         if not dist.is_initialized():
-            distributed.init_process_group("gloo")
+            distributed.init_process_group("gloo", timeout_s=_dist_timeout())
         try:  # Note [Every rank's engine alike], for the whole command line: one error on every rank, before any work
             resumed = {m: (p["step"], p["batches_done"], p["elapsed_s"]) for m, p in resumes.items()}  # same state
             distributed.check_same_config(dist.group.WORLD, {**{k: v for k, v in cfg.items() if k not in _PER_RANK},

@@ -691,7 +691,7 @@ def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, caps
     assert not out.exists()
 
 
-def _two_ranks(tmp_path, argvs, script=None, timeout=90):
+def _two_ranks(tmp_path, argvs, script=None, timeout=90, **extra_env):
     """Ranks 0 and 1 of a 2-process run, each with its own command line (``argvs[rank]``, after ``train``), in the
     torchrun environment without torchrun (which gives every rank the same one); ``script``: run by ``python -c``
     instead of ``-m pyengine``. Returns [(returncode, stderr)] and the seconds until both ended."""
@@ -701,7 +701,7 @@ def _two_ranks(tmp_path, argvs, script=None, timeout=90):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               WORLD_SIZE="2")
+               WORLD_SIZE="2", **extra_env)
     command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "pyengine"]
     procs = [subprocess.Popen([*command, "train", *argvs[rank]], cwd=tmp_path, env=dict(env, RANK=str(rank)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
@@ -780,6 +780,37 @@ def test_under_torchrun_a_rank_whose_data_fails_is_named_and_both_say_how_to_res
     assert "rank 1 failed: RuntimeError: injected data failure on rank 1" in err0, err0
     assert f"the last checkpoint is in {saved}: {resume}" in err0, err0
     assert saved.exists() and seconds < 30
+
+
+_SLOW_SAVE = """
+import os, sys, time
+import pyengine.checkpoint, pyengine.cli
+save = pyengine.checkpoint.save
+def slow(folder, step, *args, **kwargs):
+    if step == 2:
+        time.sleep(12)
+    return save(folder, step, *args, **kwargs)
+pyengine.checkpoint.save = slow
+sys.exit(pyengine.cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_under_torchrun_the_group_timeout_bounds_rank_0s_checkpoint_writes(tmp_path):
+    """The other ranks wait in the step's stop agreement while rank 0 writes a checkpoint: a write longer than the
+    group's timeout ends the run with an error that says so; PYENGINE_DIST_TIMEOUT_S gives the time it needs."""
+    def run(timeout_s):
+        argv = [*SHORT[:4], "--devices", "cpu", "--workers", "1", "--steps", "4", "--checkpoint-every", "2",
+                "--quiet", "--out", str(tmp_path / f"run-{timeout_s}")]
+        return _two_ranks(tmp_path, [argv, argv], script=_SLOW_SAVE, PYENGINE_DIST_TIMEOUT_S=timeout_s)[0]
+
+    (code0, err0), (code1, err1) = run("6")  # the write of step 2 takes 12 s
+    assert code1 == 1 and "rank 1: the agreement after step 2 whether to stop failed" in err1, err1
+    assert "rank 0 wrote the checkpoint of step 2 before it: a write longer than the group's timeout" in err1, err1
+    assert [code for code, _ in run("40")] == [0, 0]
+    ended = run("soon")
+    assert all(code == 2 and "PYENGINE_DIST_TIMEOUT_S='soon': expected a number of seconds > 0" in err
+               for code, err in ended), ended
 
 
 def _children(pid: int) -> list[int]:
