@@ -36,6 +36,10 @@ torch.distributed process group (``torchrun`` sets the environment; :func:`init_
   client computes and sends in the push header. At the end of a run every rank receives every shard (weights, Adam
   state, version). With K = 1 (the default) rank 0 is the only server. Details: Note [Multi-node async exchange].
 
+Configuration: every rank's Engine is compared with the others' before the first collective; ranks built differently,
+or a rank that failed its own checks, make every rank raise one ValueError that names the difference or the rank
+(:func:`check_same_config`, Note [Every rank's engine alike]).
+
 Failures: collectives and point-to-point calls on a dead or failing peer raise (gloo reports the closed connection;
 the process group's timeout bounds a silent peer); the engine re-raises them as :class:`DistributedError` naming this
 rank and what it was doing, so no rank hangs. In multi-node hybrid, a rank that raises inside a step records
