@@ -903,13 +903,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             late = (f"rank 0 wrote the checkpoint of step {state['step']} before it: a write longer than the "
                     f"group's timeout ({DIST_TIMEOUT_ENV}, default 60 s) ends the run here; else a peer rank died, "
                     "raised or timed out") if saved else None
-            naming = engine.dist if engine.dist is not None else engine.pipeline
-            recorded = getattr(getattr(naming, "rendezvous", None), "recorded", lambda key: None)
-
-            def explain():  # a peer that failed in this step's callback (its data, say) recorded its error
-                return recorded("failed") or late
-
-            with _collective(f"the agreement after step {state['step']} whether to stop", rank, explain):
+            with _collective(f"the agreement after step {state['step']} whether to stop", rank,
+                             lambda: engine.recorded_failure() or late):  # a peer's recorded error comes first
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:
                 stop.requested = True  # the summary then says "interrupted" on every rank

@@ -572,9 +572,20 @@ class Engine:
         """Across processes: tells the other ranks that this one failed with ``exc`` outside a step (its data, say),
         so that their errors name it at once (Note [Naming the rank that failed] in :mod:`pyengine.distributed`);
         a failure inside :meth:`step` is recorded by the step itself. Best effort; nothing in one process."""
-        for part in (self.dist, self.pipeline):
-            if isinstance(part, distributed._FailureNaming):
-                part._record_failure(exc)
+        for part in self._failure_naming():
+            part._record_failure(exc)
+
+    def recorded_failure(self) -> str | None:
+        """Across processes: what a rank that failed recorded (``"rank f failed: <type>: <first line>"``), else None
+        (also in one process): for an error of the caller's own collective to name the rank behind it."""
+        for part in self._failure_naming():
+            text = part.rendezvous.recorded("failed")
+            if text is not None:
+                return text
+        return None
+
+    def _failure_naming(self) -> list:
+        return [part for part in (self.dist, self.pipeline) if isinstance(part, distributed._FailureNaming)]
 
     def stats(self) -> dict:
         """Counters: steps, pushes, applied updates, skipped steps, steps that raised (``nonfinite="raise"``),
