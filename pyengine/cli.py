@@ -64,9 +64,11 @@ class TrainingFailed(Exception):
     newest checkpoint (None when there is none), of that very step when ``complete``; ``not_saved``: why the step
     could not be saved, if it could not. Note [A failed run keeps its last step]."""
 
-    def __init__(self, step: int, checkpoint: Path | None, complete: bool, not_saved: str | None = None):
+    def __init__(self, step: int, checkpoint: Path | None, complete: bool, not_saved: str | None = None,
+                 pending: Path | None = None):
         super().__init__(f"training failed after step {step}")
         self.step, self.checkpoint, self.complete, self.not_saved = step, checkpoint, complete, not_saved
+        self.pending = pending  # under torchrun: the checkpoint rank 0 was writing when the run failed
 
     def lines(self, out: Path, whole_run: bool) -> list[str]:
         """What follows the failure's own line: why the step was not saved, and how to resume (``whole_run``: a
@@ -76,7 +78,11 @@ class TrainingFailed(Exception):
         if self.checkpoint is not None:
             saved = f"step {self.step}, the last complete one, is saved" if self.complete else \
                 "the last checkpoint is"
-            lines.append(f"{saved} in {self.checkpoint}: {resume}")
+            pending = "" if self.pending is None else \
+                f" (or {self.pending}, which rank 0 was writing when the run failed, if that write completed)"
+            lines.append(f"{saved} in {self.checkpoint}{pending}: {resume}")
+        elif self.pending is not None:
+            lines.append(f"rank 0 was writing {self.pending} when the run failed; if that write completed: {resume}")
         elif whole_run:
             lines.append(f"{resume} (the modes trained so far are kept)")
         return lines
@@ -825,7 +831,11 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         # a --mode all sub-run saves the trace path it writes (t-<mode>.json), so that a resume writes there too
         own_trace = str(_trace_path(cfg["trace"], mode, cfg["mode"] == "all")) if cfg["trace"] is not None else None
 
-        def save_checkpoint() -> Path:
+        def save_checkpoint(prune: bool = True) -> Path:
+            """Saves this step (rank 0; the others only note rank 0's path) and, with ``prune``, keeps the newest
+            ``--keep``. Under torchrun the periodic saves prune only after the stop agreement that follows them
+            passed (on_step): a rank whose agreement fails names the checkpoint it last agreed on, which must then
+            still be there."""
             engine_state = engine.state_dict() if primary or pipeline else None  # a collective in a pipeline
             if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
                 state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])  # rank 0's, once the next agreement passed
@@ -835,10 +845,12 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
                            elapsed_s=elapsed(), mode=mode, config=config,
                            engine=engine_state)
-            state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"])
+            began = time.perf_counter()
+            state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"] if prune else None)
+            state["save_s"] = time.perf_counter() - began
             return state["last_ckpt"]
 
-        def failed_run_checkpoint() -> tuple[Path | None, bool, str | None]:
+        def failed_run_checkpoint() -> tuple[Path | None, bool, str | None, Path | None]:
             """Note [A failed run keeps its last step]
             A step whose worker raises (its forward, loss or backward; a failed transfer) is never half applied: the
             engine's host store still holds the last complete update (its buffers too: Note [A failed step leaves
@@ -850,7 +862,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             before ``on_step`` counted it would otherwise save that update under the step before)."""
             this_step = ckpt.path_for(ckpt_dir, state["step"])
             if primary and this_step.exists():  # saved already: a periodic checkpoint, or the one resumed from (a
-                return this_step, True, None    # resume sets later ones aside, so what is there is this run's)
+                return this_step, True, None, None  # resume sets later ones aside, so what is there is this run's)
             not_saved = None
             if world == 1 and state["step"] > start_step:
                 counted = engine.stats()["pushes" if mode == "async" else "steps"]
@@ -858,14 +870,18 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                     not_saved = f"the engine counts {counted} steps there (the last periodic checkpoint stands)"
                 else:
                     try:
-                        return save_checkpoint(), True, None
+                        return save_checkpoint(), True, None, None
                     except Exception as exc:  # noqa: BLE001 - reported after the training error, which stays first
                         not_saved = f"{type(exc).__name__}: {exc}"
                     except KeyboardInterrupt:
                         not_saved = "interrupted"
             # another rank: the last checkpoint that rank 0 had written when the ranks last agreed (stop_agreed
-            # follows each save, so a rank past it knows rank 0's save returned)
-            return (ckpt.latest(ckpt_dir) if primary else state["agreed_ckpt"]), False, not_saved
+            # follows each save, so a rank past it knows rank 0's save returned; rank 0 prunes only after it), and
+            # the one rank 0 was writing when the agreement that follows it failed
+            if primary:
+                return ckpt.latest(ckpt_dir), False, not_saved, None
+            pending = state["last_ckpt"] if state["last_ckpt"] != state["agreed_ckpt"] else None
+            return state["agreed_ckpt"], False, not_saved, pending
 
         def on_step(_engine, metrics: dict) -> None:
             """After every update (async: under the store's mutex, so the state is consistent)."""
@@ -880,11 +896,14 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             progress.update(rec)
             saving = state["step"] % every == 0 and state["step"] < target
             if saving:
-                save_checkpoint()
-            if stop_agreed(saving):
-                raise Interrupted
+                save_checkpoint(prune=world == 1)
+            stopping = stop_agreed(saving)
+            if saving and primary and world > 1:  # every rank now knows this save returned (save_checkpoint)
+                ckpt.prune(ckpt_dir, cfg["keep"])
             if state["last_ckpt"] is not None:
                 state["agreed_ckpt"] = state["last_ckpt"]
+            if stopping:
+                raise Interrupted
 
         def stop_agreed(saved: bool) -> bool:
             """Whether to stop after this step. Note [Stopping together under torchrun]: a SIGINT may reach some ranks
@@ -900,9 +919,15 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             from .distributed import _collective
 
             flag = torch.tensor([1.0 if stop.requested else 0.0])
-            late = (f"rank 0 wrote the checkpoint of step {state['step']} before it: a write longer than the "
-                    f"group's timeout ({DIST_TIMEOUT_ENV}, default 60 s) ends the run here; else a peer rank died, "
-                    "raised or timed out") if saved else None
+            late = None
+            if saved and not primary:  # this rank cannot tell a slow write from a dead rank 0
+                late = (f"rank 0 wrote the checkpoint of step {state['step']} before it: a write longer than the "
+                        f"group's timeout ({DIST_TIMEOUT_ENV}, default 60 s) ends the run here; else a peer rank "
+                        "died, raised or timed out")
+            elif saved and state["save_s"] >= _dist_timeout():
+                late = (f"this rank's write of the checkpoint of step {state['step']} took {state['save_s']:.1f} s, "
+                        f"longer than the group's timeout ({DIST_TIMEOUT_ENV}={_dist_timeout():g} s): the other ranks "
+                        "stopped waiting (set it above the time a checkpoint takes to write)")
             with _collective(f"the agreement after step {state['step']} whether to stop", rank,
                              lambda: engine.recorded_failure() or late):  # a peer's recorded error comes first
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -1246,9 +1271,13 @@ def _dist_timeout() -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not (value > 0 and value < float("inf")):
-        raise UsageError(f"{DIST_TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    if not (value > 0 and value <= _DIST_TIMEOUT_MAX_S):
+        raise UsageError(f"{DIST_TIMEOUT_ENV}={text!r}: expected a number of seconds > 0 and at most "
+                         f"{_DIST_TIMEOUT_MAX_S} (a week)")
     return value
+
+
+_DIST_TIMEOUT_MAX_S = 7 * 24 * 3600  # far above any checkpoint write; a larger one overflowed timedelta or gloo
 
 
 # Settings that may differ between the processes of one run under torchrun: each process's own devices and output.
@@ -1256,13 +1285,81 @@ _PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out")
 
 
 def _train(given: dict) -> int:
+    rank, world = _launched()
+    if world > 1:  # Note [Training under torchrun]: joined first, so that every check's failure reaches every rank
+        import torch.distributed as dist
+
+        from . import distributed
+
+        if not dist.is_initialized():
+            distributed.init_process_group("gloo", timeout_s=_dist_timeout())
+    cfg, out, resumes, dataset = _on_every_rank(world, lambda: _checked(given, world), _compared)
+    if world > 1 and out is None:  # a new run's folder is rank 0's (a default one is named after the time)
+        out = _agreed_out(Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"]), rank)
+    out = _on_every_rank(world, lambda: _prepare_out(cfg, out, rank, resumed="resume" in given))
+    if cfg["mode"] == "all" and rank == 0:  # before any mode trains: --resume <out> continues it as a whole
+        _write_json(out / ALL_CONFIG, dict(kind="pyengine.train", **_saved_config(cfg)))
+    warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
+    return _train_modes(cfg, out, dataset, resumes, rank)
+
+
+def _on_every_rank(world: int, check, compared=None):
+    """``check()``'s result. Under torchrun (``world`` > 1) every rank learns whether every other rank's check
+    passed: a rank whose check raises tells the others, which then raise one UsageError naming it, so no rank is
+    left waiting in its next collective until the group's timeout. ``compared(result)``: what every rank's result
+    must hold alike (Note [Every rank's engine alike], for the whole command line)."""
+    if world == 1:
+        return check()
+    import torch.distributed as dist
+
+    from . import distributed
+
+    try:
+        result = check()
+    except Exception as exc:
+        distributed.report_failed_config(dist.group.WORLD, exc)
+        raise
+    try:
+        distributed.check_same_config(dist.group.WORLD, compared(result) if compared is not None else {},
+                                      "command lines differ (only --devices, --workers, --quiet, --log-every, "
+                                      "--trace, --out and a hybrid run's --microbatches may)",
+                                      failed="failed its checks of the command line")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return result
+
+
+# Settings that may differ between the processes of one run under torchrun: each process's own devices and output
+# (and a hybrid run's micro-batches: _compared).
+_PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out")
+
+
+def _compared(checked) -> dict:
+    """What every rank's run must hold alike under torchrun: the resolved settings (a flag given at its default
+    equals the flag left out), and the state a resumed run continues from."""
+    cfg, _, resumes, dataset = checked
+    # a hybrid run's micro-batches are a memory setting of the local workers: the same step (the Engine's check too)
+    per_rank = _PER_RANK + (("microbatches",) if cfg["mode"] == "hybrid" else ())
+    compared = {k: v for k, v in cfg.items() if k not in per_rank}
+    per_epoch = dataset.steps_per_epoch(cfg["batch_size"])  # under torchrun: hybrid or pipeline, a batch an update
+    compared["checkpoint_every"] = cfg["checkpoint_every"] or per_epoch
+    compared["steps"] = target_steps(cfg, cfg["mode"], per_epoch)  # --steps or --epochs: the updates they give
+    compared.pop("epochs")
+    if cfg["mode"] == "pipeline":
+        compared["stages"] = cfg["stages"] or pipeline_workers(cfg)
+    compared["resumed at (step, batches, seconds)"] = {
+        m: (p["step"], p["batches_done"], p["elapsed_s"]) for m, p in resumes.items()}
+    return compared
+
+
+def _checked(given: dict, world: int) -> tuple:
+    """This rank's settings, checked: ``(cfg, out, resumes, dataset)``; ``out`` None for a new run."""
     if "resume" in given:
         cfg, out, resumes = _resumed(given)
     else:
         cfg, out, resumes = _resolve(given), None, {}
         cfg["devices"] = resolve_devices(cfg["devices"], cfg["workers"])
         cfg["workers"] = len(cfg["devices"])
-    rank, world = _launched()
     if world > 1:  # Note [Training under torchrun]; before check_config, whose pipeline checks count processes
         if cfg["mode"] not in ("hybrid", "pipeline"):
             raise UsageError(f"under torchrun (WORLD_SIZE={world}) the command line trains --mode hybrid or pipeline "
@@ -1272,24 +1369,9 @@ def _train(given: dict) -> int:
             raise UsageError(f"--mode pipeline under torchrun: each process runs one stage on one device; got "
                              f"{len(cfg['devices'])} devices ({','.join(cfg['devices'])}): pass --workers 1")
     check_config(cfg)
-    if world > 1:
-        if cfg["mode"] == "hybrid" and cfg["batch_size"] < world * len(cfg["devices"]):
-            raise UsageError(f"--batch-size {cfg['batch_size']} gives fewer than one sample to each of the {world} "
-                             f"processes x {len(cfg['devices'])} workers")
-        import torch.distributed as dist
-
-        from . import distributed
-
-        if not dist.is_initialized():
-            distributed.init_process_group("gloo", timeout_s=_dist_timeout())
-        try:  # Note [Every rank's engine alike], for the whole command line: one error on every rank, before any work
-            resumed = {m: (p["step"], p["batches_done"], p["elapsed_s"]) for m, p in resumes.items()}  # same state
-            distributed.check_same_config(dist.group.WORLD, {**{k: v for k, v in cfg.items() if k not in _PER_RANK},
-                                                             "resumed at (step, batches, seconds)": resumed},
-                                          "command lines differ (only --devices, --workers, --quiet, --log-every, "
-                                          "--trace and --out may)")
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    if world > 1 and cfg["mode"] == "hybrid" and cfg["batch_size"] < world * len(cfg["devices"]):
+        raise UsageError(f"--batch-size {cfg['batch_size']} gives fewer than one sample to each of the {world} "
+                         f"processes x {len(cfg['devices'])} workers")
     from . import data as data_mod
 
     dataset = data_mod.load(cfg["data"], seed=cfg["seed"])
@@ -1302,28 +1384,22 @@ def _train(given: dict) -> int:
     if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
     _check_resume_steps(cfg, resumes, dataset.steps_per_epoch(cfg["batch_size"]))
-    out = _prepare_out(cfg, out, rank, world)
-    if cfg["mode"] == "all" and rank == 0:  # before any mode trains: --resume <out> continues it as a whole
-        _write_json(out / ALL_CONFIG, dict(kind="pyengine.train", **_saved_config(cfg)))
-    warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
-    return _train_modes(cfg, out, dataset, resumes, rank)
+    return cfg, out, resumes, dataset
 
 
-def _prepare_out(cfg: dict, out: Path | None, rank: int, world: int) -> Path:
-    """Checks --trace, then creates --out (``out`` None: a new run's) and checks both are writable; a failed check
-    leaves neither behind."""
+def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) -> Path:
+    """Checks --trace, then creates --out (``out`` None: a new run's from ``cfg``; ``resumed``: ``out`` is the
+    resumed run's) and checks both are writable; a failed check leaves neither behind."""
     made = []
     if cfg["trace"] is not None:
         if Path(cfg["trace"]).is_dir():
             raise UsageError(f"--trace {cfg['trace']} is a directory; give a file name (e.g. trace.json)")
         made = _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
     try:
-        if out is not None:
+        if resumed:
             _check_writable(out, "the resumed run directory")
             return out
-        out = Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"])
-        if world > 1:
-            out = _agreed_out(out, rank)
+        out = out or (Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"]))
         if rank == 0 and _holds_run(out):
             raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
                              "another --out")

@@ -128,11 +128,12 @@ _ENGINES_ALIKE = ("engines are not configured alike (every rank builds its Engin
                   "the devices may differ)")
 
 
-def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE) -> None:
+def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE,
+                      failed: str = "could not build its Engine") -> None:
     """Raises ValueError on every rank unless every rank of ``group`` passed an equal ``config`` (a dict of picklable
     values: what this rank's Engine was built with): "rank r: the P ranks' <what>: <each difference>". A collective:
     every rank calls it, before any other. A rank whose own checks failed first calls :func:`report_failed_config`
-    instead: the others then raise naming it and its error.
+    instead: the others then raise naming it and its error ("rank r <failed>: <error>").
 
     Note [Every rank's engine alike]
     The ranks of a group run one training: their collectives pair up by order and size, and each rank applies the
@@ -153,10 +154,9 @@ def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE) -> None:
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     gathered = _gather_configs(group, rank, config)
-    failed = [(r, c[_FAILED_KEY]) for r, c in enumerate(gathered) if isinstance(c, dict) and _FAILED_KEY in c]
-    if failed:
-        raise ValueError(f"rank {rank}: " + "; ".join(f"rank {r} could not build its Engine: {text}"
-                                                      for r, text in failed))
+    failures = [(r, c[_FAILED_KEY]) for r, c in enumerate(gathered) if isinstance(c, dict) and _FAILED_KEY in c]
+    if failures:
+        raise ValueError(f"rank {rank}: " + "; ".join(f"rank {r} {failed}: {text}" for r, text in failures))
     keys = list(dict.fromkeys(k for c in gathered if isinstance(c, dict) for k in c))  # every rank's, in order
     differences = []
     for key in keys:

@@ -680,15 +680,45 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
     (["--mode", "pipeline", "--workers", "1", "--microbatches", "1"], "--schedule 1f1b with stages in separate "
      "processes needs --microbatches >= the 2 stages"),
 ], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches", "1f1b-microbatches<stages"])
-def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, message):
-    """As a rank of a 2-process torchrun launch sees it (RANK, WORLD_SIZE): refused before joining any group."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    out = tmp_path / "out"
-    assert train(*argv, "--devices", "cpu", "--steps", "2", "--out", str(out)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("pyengine train: error:") and message in err[0], err
-    assert not out.exists()
+@pytest.mark.timeout(90)
+def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, argv, message):
+    """Both ranks of a 2-process launch, one command line: each refuses it in one line before any work."""
+    ended, seconds = _two_ranks(tmp_path, [[*argv, "--devices", "cpu", "--steps", "2", "--out",
+                                            str(tmp_path / "out")]] * 2)
+    for code, err in ended:
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("pyengine train: error:"), err
+        assert message in lines[0], lines[0]
+    assert not (tmp_path / "out").exists() and seconds < 60
+
+
+@pytest.mark.timeout(90)
+def test_under_torchrun_a_rank_that_fails_its_own_checks_is_named_by_the_others_at_once(tmp_path):
+    """A check that fails on one rank only (its --batch-size here; its data or checkpoint files on another node)
+    used to end that rank alone while the others waited in the group's rendezvous until its timeout."""
+    argvs = [[*SHORT[:2], "--batch-size", size, "--devices", "cpu", "--workers", "1", "--steps", "2", "--out",
+              str(tmp_path / "out")] for size in ("32", "1")]
+    ((code0, err0), (code1, err1)), seconds = _two_ranks(tmp_path, argvs, PYENGINE_DIST_TIMEOUT_S="60")
+    own = "--batch-size 1 gives fewer than one sample to each of the 2 processes x 1 workers"
+    assert code1 == 2 and err1.strip() == f"pyengine train: error: {own}", err1
+    assert code0 == 2 and err0.strip() == (f"pyengine train: error: rank 0: rank 1 failed its checks of the command "
+                                           f"line: UsageError: {own}"), err0
+    assert seconds < 30 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_command_lines_alike_once_resolved_train_together(tmp_path):
+    """A flag given at its default equals the flag left out (--checkpoint-every of one epoch, --steps of the same
+    updates as --epochs), and a hybrid rank's --microbatches is its own (a memory setting: the same step)."""
+    from pyengine import data
+
+    per_epoch = data.load("digits", seed=0).steps_per_epoch(32)
+    common = [*SHORT[:4], "--devices", "cpu", "--workers", "1", "--quiet", "--out", str(tmp_path / "run")]
+    argvs = [[*common, "--epochs", "1", "--checkpoint-every", str(per_epoch), "--microbatches", "2"],
+             [*common, "--steps", str(per_epoch)]]
+    ended, _ = _two_ranks(tmp_path, argvs)
+    assert [code for code, _ in ended] == [0, 0], ended
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == per_epoch
 
 
 def _two_ranks(tmp_path, argvs, script=None, timeout=90, **extra_env):
@@ -787,7 +817,7 @@ import os, sys, time
 import pyengine.checkpoint, pyengine.cli
 save = pyengine.checkpoint.save
 def slow(folder, step, *args, **kwargs):
-    if step == 2:
+    if step == int(os.environ["SLOW_STEP"]):
         time.sleep(12)
     return save(folder, step, *args, **kwargs)
 pyengine.checkpoint.save = slow
@@ -795,22 +825,35 @@ sys.exit(pyengine.cli.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_under_torchrun_the_group_timeout_bounds_rank_0s_checkpoint_writes(tmp_path):
     """The other ranks wait in the step's stop agreement while rank 0 writes a checkpoint: a write longer than the
-    group's timeout ends the run with an error that says so; PYENGINE_DIST_TIMEOUT_S gives the time it needs."""
-    def run(timeout_s):
-        argv = [*SHORT[:4], "--devices", "cpu", "--workers", "1", "--steps", "4", "--checkpoint-every", "2",
-                "--quiet", "--out", str(tmp_path / f"run-{timeout_s}")]
-        return _two_ranks(tmp_path, [argv, argv], script=_SLOW_SAVE, PYENGINE_DIST_TIMEOUT_S=timeout_s)[0]
+    group's timeout ends the run with an error that says so; PYENGINE_DIST_TIMEOUT_S gives the time it needs. The
+    checkpoint a rank names is still there (rank 0 prunes to --keep only after the agreement that follows a save),
+    and it also names the one rank 0 was writing."""
+    def run(timeout_s, *extra):
+        folder = tmp_path / f"run-{timeout_s}"
+        argv = [*SHORT[:4], "--devices", "cpu", "--workers", "1", "--steps", "6", "--checkpoint-every", "2",
+                "--quiet", "--out", str(folder), *extra]
+        return _two_ranks(tmp_path, [argv, argv], script=_SLOW_SAVE, PYENGINE_DIST_TIMEOUT_S=timeout_s,
+                          SLOW_STEP="4")[0], folder / "checkpoints"
 
-    (code0, err0), (code1, err1) = run("6")  # the write of step 2 takes 12 s
-    assert code1 == 1 and "rank 1: the agreement after step 2 whether to stop failed" in err1, err1
-    assert "rank 0 wrote the checkpoint of step 2 before it: a write longer than the group's timeout" in err1, err1
-    assert [code for code, _ in run("40")] == [0, 0]
-    ended = run("soon")
-    assert all(code == 2 and "PYENGINE_DIST_TIMEOUT_S='soon': expected a number of seconds > 0" in err
-               for code, err in ended), ended
+    ((code0, err0), (code1, err1)), folder = run("6", "--keep", "1")  # the write of step 4 takes 12 s
+    step2, step4 = (folder / f"step-0000000{n}.pyeckpt" for n in (2, 4))
+    assert code1 == 1 and "rank 1: the agreement after step 4 whether to stop failed" in err1, err1
+    assert "rank 0 wrote the checkpoint of step 4 before it: a write longer than the group's timeout" in err1, err1
+    assert (f"the last checkpoint is in {step2} (or {step4}, which rank 0 was writing when the run failed, if that "
+            "write completed)") in err1, err1
+    assert code0 == 1 and "this rank's write of the checkpoint of step 4 took 1" in err0, err0
+    assert f"step 4, the last complete one, is saved in {step4}" in err0, err0
+    assert step2.exists() and step4.exists()
+    ended, folder = run("40", "--keep", "1")
+    assert [code for code, _ in ended] == [0, 0], ended
+    assert [p.name for p in ckpt.list_checkpoints(folder)] == ["step-00000006.pyeckpt"]
+    for value in ("soon", "1e20"):
+        ended, _ = run(value)
+        assert all(code == 2 and f"PYENGINE_DIST_TIMEOUT_S={value!r}: expected a number of seconds > 0 and at "
+                   "most 604800" in err for code, err in ended), ended
 
 
 def _children(pid: int) -> list[int]:
