@@ -63,7 +63,7 @@ class Workspace:
     def __post_init__(self):
         dev, dt = torch.device(self.device), DTYPES[self.dtype]
         self.grads = [torch.randn(self.n, device=dev).to(dt) for _ in range(self.g)]
-        init = torch.randn(self.n, device=dev)
+        init = self.init = torch.randn(self.n, device=dev)
         self.param, self.exp_avg, self.exp_avg_sq = init.clone(), torch.zeros_like(init), torch.zeros_like(init)
         self.step = 0
         self.buf = torch.randn_like(init)
@@ -112,25 +112,42 @@ class Workspace:
 
     def deepspeed(self):
         if self.ds_param is None:
-            self.ds_param = torch.nn.Parameter(self.param.clone())
+            self.ds_param = torch.nn.Parameter(self.init.clone())
             self.ds_opt = deepspeed_adam()([self.ds_param], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
         self.ds_param.grad = self.mean_into_buf()
         self.ds_opt.step()
 
     # -- correctness before timing ------------------------------------------------------------------------------
-    def check(self):
-        """One step of ours and of the stock path from the same state: the weights must agree."""
-        with torch.no_grad():
-            self.stock_param.copy_(self.param)
+    def _restart_stock(self):
+        self.stock_param = torch.nn.Parameter(self.init.clone())
+        self.stock_opt = torch.optim.AdamW([self.stock_param], lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+    def check(self, paths=("ours", "stock")):
+        """One step of every path in ``paths`` from the same state (``adamw``, which updates with a ready buffer
+        rather than the mean, is not compared): the weights must agree with the stock path's."""
+        def agree(name, param, exp_avg=None, expected_exp_avg=None):
+            torch.testing.assert_close(param, self.stock_param.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} vs stock, N={self.n} G={self.g} {self.dtype}: {m}")
+            if exp_avg is not None:
+                torch.testing.assert_close(exp_avg, expected_exp_avg, rtol=1e-5, atol=1e-7)
+
+        self.param.copy_(self.init)
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         self.step = 0
         self.ours()
+        self._restart_stock()
         self.stock()  # first step: creates (and zero-fills) the optimizer's state
-        torch.testing.assert_close(self.param, self.stock_param.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"ours vs stock, N={self.n} G={self.g} {self.dtype}: {m}")
-        state = self.stock_opt.state[self.stock_param]
-        torch.testing.assert_close(self.exp_avg, state["exp_avg"], rtol=1e-5, atol=1e-7)
+        agree("ours", self.param, self.exp_avg, self.stock_opt.state[self.stock_param]["exp_avg"])
+        if "deepspeed" in paths:
+            self.ds_param = None
+            self.deepspeed()
+            agree("deepspeed", self.ds_param.detach())
+        if "stack" in paths:
+            stock = self.stock_param.detach().clone()
+            self._restart_stock()
+            self.stack()
+            agree("stack", stock)
 
 
 def sync(device: str):
@@ -192,7 +209,7 @@ if pytest is not None:
         if key not in _workspaces:
             _workspaces.clear()  # one case's buffers at a time (32M x G=8 fp32 is ~3 GB with every path)
             ws = Workspace(n, g, dtype, "cpu")
-            ws.check()
+            ws.check(["ours", "stock", "stack"] + (["deepspeed"] if deepspeed_adam() is not None else []))
             _workspaces[key] = ws
         return _workspaces[key]
 
@@ -230,7 +247,7 @@ def run_table(sizes, gs, dtypes, threads_list, rounds, device, paths):
             for dtype in dtypes:
                 for g in gs:
                     ws = Workspace(n, g, dtype, device)
-                    ws.check()
+                    ws.check(paths)
                     fns = {p: getattr(ws, p) for p in paths if p != "adamw" or g == 1}
                     fns["copy"] = copy
                     med = interleaved_medians(fns, rounds, device)
@@ -263,6 +280,8 @@ def main(argv=None):
     mode.add_argument("--quick", action="store_true", help="N=32M, G in {1,4,8}, 1 thread, 7 rounds")
     mode.add_argument("--full", action="store_true", help="N in {32M,4M}, G in {1,2,4,8}, 1 and 2 threads")
     ap.add_argument("--cuda", action="store_true", help="run on the GPU (CUDA events; copy = 1 GiB device copy)")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="also time DeepSpeed's CPU Adam (after the stock mean); --full does when importable")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
                     help="gradient dtypes to run (default: all)")
@@ -273,8 +292,11 @@ def main(argv=None):
     if args.cuda and not torch.cuda.is_available():
         sys.exit("--cuda: torch.cuda.is_available() is False")
     paths = ["ours", "stock", "stack", "adamw"]
-    if device == "cpu" and args.full and deepspeed_adam() is not None:
-        paths.append("deepspeed")
+    if device == "cpu" and (args.full or args.deepspeed):
+        if deepspeed_adam() is not None:
+            paths.append("deepspeed")
+        elif args.deepspeed:
+            sys.exit("--deepspeed: deepspeed.ops.adam.DeepSpeedCPUAdam is not importable")
     if args.quick:
         sizes, gs, threads = [32 << 20], [1, 4, 8], [1]
     else:

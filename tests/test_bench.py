@@ -6,6 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import bench_fused_adamw  # noqa: E402
 import bench_transfer  # noqa: E402
 import cuda_kernel_ab  # noqa: E402
 
@@ -18,6 +19,20 @@ def test_copy_timeline_arithmetic():
                                       "copies_after_backward_ms": 0.1, "step_ms": 0.4})
     assert bench_transfer._union([(0, 10), (5, 20), (30, 40), (32, 35)]) == 30
     assert bench_transfer.copy_timeline([], [(0, 1)]) == {"kernels": 0, "copies": 1}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("g", [1, 3])
+def test_bench_fused_adamw_checks_every_path_before_timing_it(dtype, g, monkeypatch):
+    """Every path of the kernel benchmark is compared with the stock path's first step (DeepSpeed's CPU Adam where
+    it is importable) before it is timed, and a path that computes another update is refused."""
+    paths = ["ours", "stock", "stack"] + (["deepspeed"] if bench_fused_adamw.deepspeed_adam() is not None else [])
+    ws = bench_fused_adamw.Workspace(1001, g, dtype, "cpu")
+    ws.check(paths)
+    right = ws.stack
+    monkeypatch.setattr(ws, "stack", lambda: (right(), ws.stock_param.data.mul_(1.001)))  # a path gone wrong
+    with pytest.raises(AssertionError, match="stack vs stock"):
+        ws.check(paths)
 
 
 @pytest.mark.timeout(300)
