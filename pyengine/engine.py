@@ -107,7 +107,9 @@ class Engine:
             ``0..servers-1`` as the servers of the other ranks' pushes; see :mod:`pyengine.distributed`. Pipeline
             with a group of S ranks: rank s runs stage s on its one device; with ``stages=S`` on S x R ranks, rank
             s * R + r runs stage s of data-parallel replica r
-            (:class:`pyengine.pipeline_distributed.DistributedPipeline`).
+            (:class:`pyengine.pipeline_distributed.DistributedPipeline`). With a group, constructing the Engine is
+            a collective, also when this rank's own checks fail (it then tells the other ranks before it raises:
+            Note [Every rank's engine alike]): every rank of the group builds its Engine at the same point.
         shard_update: hybrid with a process group: reduce-scatter, each rank updates its 1/P of the weights and
             Adam state, all-gather (ZeRO-1 style); each rank's host store holds only its 1/P of the Adam state, so
             :meth:`state_dict` and :meth:`optimizer_state_dict` gather it: collectives every rank must call.
