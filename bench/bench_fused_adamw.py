@@ -8,7 +8,8 @@ Paths, all on preallocated buffers, each checked against the stock result before
   ``.grad`` itself; a bf16 one is copied into the fp32 buffer, fused AdamW needs the param's dtype).
 - ``stack``: ``torch.stack(grads, out=...)``, ``torch.mean(..., 0, out=buf)`` + fused AdamW.
 - ``adamw``: fused AdamW alone on a ready fp32 gradient (the floor for G=1).
-- ``deepspeed``: the mean as in ``stock``, then DeepSpeed's CPU Adam, when deepspeed is importable.
+- ``deepspeed``: the mean as in ``stock``, then DeepSpeed's CPU Adam on ours' own buffers (the same addresses), when
+  deepspeed is importable.
 
 Bytes counted for one update (the fewest a single pass can move): 4N(G+6) with fp32 gradients, 2NG+24N with bf16.
 GB/s are quoted against a copy bandwidth measured in the same process (``dst.copy_(src)`` of 32M floats, read+write).
@@ -110,12 +111,24 @@ class Workspace:
         self.stock_param.grad = self.buf
         self.stock_opt.step()
 
-    def deepspeed(self):
-        if self.ds_param is None:
-            self.ds_param = torch.nn.Parameter(self.init.clone())
-            self.ds_opt = deepspeed_adam()([self.ds_param], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
-        self.ds_param.grad = self.mean_into_buf()
-        self.ds_opt.step()
+    def deepspeed(self, param: torch.Tensor | None = None):
+        """The mean as in ``stock``, then DeepSpeed's CPU Adam. Timed on ours' own buffers (param, exp_avg,
+        exp_avg_sq: the same addresses), so that the two are not compared by where their buffers lie: on these VMs
+        the placement of 128 MiB buffers alone moves a streaming loop's time by 10-30 % (bench/RESULTS.md). With
+        ``param`` (the check): on that tensor and fresh state."""
+        if param is not None:
+            param = torch.nn.Parameter(param)
+            opt = deepspeed_adam()([param], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+        else:
+            if self.ds_param is None:
+                self.ds_param = torch.nn.Parameter(self.param)  # shares ours' storage
+                self.ds_opt = deepspeed_adam()([self.ds_param], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+                self.ds_opt.state[self.ds_param] = {"step": 0, "exp_avg": self.exp_avg,
+                                                    "exp_avg_sq": self.exp_avg_sq}
+            param, opt = self.ds_param, self.ds_opt
+        param.grad = self.mean_into_buf()
+        opt.step()
+        return param
 
     # -- correctness before timing ------------------------------------------------------------------------------
     def _restart_stock(self):
@@ -140,9 +153,7 @@ class Workspace:
         self.stock()  # first step: creates (and zero-fills) the optimizer's state
         agree("ours", self.param, self.exp_avg, self.stock_opt.state[self.stock_param]["exp_avg"])
         if "deepspeed" in paths:
-            self.ds_param = None
-            self.deepspeed()
-            agree("deepspeed", self.ds_param.detach())
+            agree("deepspeed", self.deepspeed(self.init.clone()).detach())
         if "stack" in paths:
             stock = self.stock_param.detach().clone()
             self._restart_stock()
