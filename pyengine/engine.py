@@ -522,6 +522,8 @@ class Engine:
             warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
                           f"({ {k: self.optimizer.config()[k] for k in differing} }) is used from here on",
                           stacklevel=2)
+        for worker in self.workers:  # the last step's copies back still read the weights written below
+            worker.wait_copies_back()
         if step == 0:  # a state saved before any update: a fresh optimizer
             for buffer in (self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq):
                 if buffer is not None:
@@ -662,7 +664,7 @@ class Engine:
         """
         self._buffers_before = self._snapshot_source_buffers(tasks)
         if not self.inline_worker:
-            return {i: self._pool.submit(fn) for i, fn in tasks.items()}
+            return {i: self._pool.submit(_on_stream, self._caller_stream(i), fn) for i, fn in tasks.items()}
         futures = {}
         for i, fn in tasks.items():
             future = concurrent.futures.Future()
@@ -675,6 +677,19 @@ class Engine:
                 raise
             futures[i] = future
         return futures
+
+    def _caller_stream(self, index: int):
+        """The calling thread's current stream on worker ``index``'s device (None for a CPU worker).
+
+        Note [A worker task runs on its caller's streams]
+        Current CUDA streams are per thread: on a pool thread the current stream is the device's default stream,
+        whatever stream the thread that called :meth:`step` was on. A worker orders its compute stream after the
+        current stream (the batch it gets, the buffers :meth:`share_buffers` copied into its replica), so a task
+        started on the pool runs under its caller's stream, as the lone worker that runs on the calling thread does
+        (Note [One CPU worker runs on the calling thread]). Without it, a step called inside
+        ``torch.cuda.stream(s)`` with a batch made on ``s`` could read the batch before ``s`` wrote it."""
+        device = self.devices[index]
+        return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def gather_workers(self, futures: dict) -> dict:
         """Waits for every future of :meth:`submit_workers`; returns ``{index: result}`` or raises
@@ -934,6 +949,14 @@ class Engine:
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16; got {autocast!r}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+
+
+def _on_stream(stream, fn):
+    """``fn()`` with ``stream`` current (None: as it is): Note [A worker task runs on its caller's streams]."""
+    if stream is None:
+        return fn()
+    with torch.cuda.stream(stream):
+        return fn()
 
 
 def _module_classes(classes) -> tuple[type, ...]:

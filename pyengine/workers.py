@@ -256,8 +256,13 @@ class Worker:
         """
         self.copy_back()
         if wait:
-            for k in range(len(self.streamer.buckets)):
-                self.streamer.wait_weights(k)
+            self.wait_copies_back()
+
+    def wait_copies_back(self) -> None:
+        """Blocks the host until every bucket's copy of the store's weights into the replica has completed, so that
+        the store's weights may be written after (Note [Pinned buffer busy until its copy's event])."""
+        for k in range(len(self.streamer.buckets)):
+            self.streamer.wait_weights(k)
 
     def copy_back(self, buckets: Sequence[int] | None = None) -> None:
         """Starts the copy of the store's weights into the replica (``buckets``: those only; default: all). On CUDA

@@ -15,7 +15,7 @@ import torch
 import pyengine
 from pyengine import AdamW, Engine, WorkerError
 
-from conftest import loss_fn, make_batches
+from conftest import CUDA, loss_fn, make_batches
 
 # eps = 1e-3: Adam's step m / (sqrt(v) + eps) moves by up to delta / eps for a gradient error delta. The replicas
 # compute in fp32 (delta ~ 1e-7 of the gradient terms, ~1e-9 here) against a fp64 reference, so eps = 1e-3 bounds
@@ -72,6 +72,28 @@ def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets, worker_device
             reference.step([b])
         assert_matches(engine, reference)
         assert engine.stats()["applied_updates"] == 12
+
+
+@CUDA
+@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+def test_a_step_called_on_a_side_stream_waits_for_the_batch_written_there(rng, mode):
+    """Note [A worker task runs on its caller's streams]: the workers run on pool threads, whose current stream is
+    the default one; a batch written on the caller's stream behind a long kernel must still be read after it."""
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    side = torch.cuda.Stream()
+    with Engine(model, loss_fn, devices=["cuda:0"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        for b in make_batches(rng, 4, 32):
+            staged = tuple(t.cuda() for t in b)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                batch = tuple(torch.zeros_like(t) for t in staged)
+                torch.cuda._sleep(100_000_000)  # tens of milliseconds before the batch is written
+                for dst, src in zip(batch, staged):
+                    dst.copy_(src)
+                engine.step(batch)
+            reference.step([b])  # hybrid: one step on the whole batch; sync: one worker's step on it
+        assert_matches(engine, reference)
 
 
 @pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])

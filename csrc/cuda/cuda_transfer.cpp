@@ -22,7 +22,10 @@ class CudaTransfer final : public BucketTransfer {
   CudaTransfer(int64_t num_buckets, const at::Device& device, std::string label)
       : BucketTransfer(num_buckets, std::move(label)),
         device_(device.index() < 0 ? at::Device(at::kCUDA, c10::cuda::current_device()) : device),
-        copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
+        // High priority: a pool apart from the workers' compute streams (torch.cuda.Stream() takes the low-priority
+        // one, 32 streams round-robin), so a copy stream is never some worker's compute stream, and a bucket's copy
+        // is launched ahead of backward's queued kernels.
+        copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index())),
         ready_(num_buckets),
         done_(kNumChannels * num_buckets) {}
 
