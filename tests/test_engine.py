@@ -76,7 +76,7 @@ def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets, worker_device
 
 @CUDA
 @pytest.mark.parametrize("mode", ["hybrid", "sync"])
-def test_a_step_called_on_a_side_stream_waits_for_the_batch_written_there(rng, mode):
+def test_cuda_step_called_on_a_side_stream_waits_for_the_batch_written_there(rng, mode):
     """Note [A worker task runs on its caller's streams]: the workers run on pool threads, whose current stream is
     the default one; a batch written on the caller's stream behind a long kernel must still be read after it."""
     model = make_model()
