@@ -9,7 +9,20 @@ half-applied update and every push is applied exactly once, in the order the mut
 written only by its own streamer, outside the mutex, while the worker computes: no other thread reads it then.
 Staleness of a push = version at apply - version at pull. With ``max_staleness=s`` a push older than s refreshes
 (pull again, recompute the same mini-batches) instead of applying; ``staleness_lr="inverse"`` scales lr by
-1 / (1 + staleness).
+1 / (1 + staleness). ``batch_schedule`` is asked, under the mutex, about the version the worker pulls: the
+mini-batches of a push follow the weights it computes on.
+
+Note [Reading the state while async workers run]
+The readers of the engine's state (``state_dict``, ``master_state_dict``, ``optimizer_state_dict``, ``stats``) and
+``load_state_dict`` hold the same (re-entrant) mutex, so a state taken from any thread during a fit lies between two
+pushes: its weights, Adam state, version and counters agree, and it loads. The buffers (BatchNorm statistics) come
+from the source replica (worker ``engine.buffer_source``), whose forward runs outside the mutex: while it computes,
+readers get the copy taken when it pulled, i.e. its buffers as of its last push. That copy also puts them back when
+its push is not applied (a refresh recomputes the same mini-batches: counted once; a stop discards the push; the
+worker fails: Note [A failed step leaves the buffers alone] in engine.py).
+
+``close()`` from another thread during a fit takes the mutex, so the push being applied completes and none is
+applied after; it then waits for the workers, whose computations in flight are discarded.
 """
 from __future__ import annotations
 
@@ -50,6 +63,11 @@ class _BatchSource:
         return out
 
 
+def _closed_during_fit() -> RuntimeError:
+    return RuntimeError("this Engine was closed while fit() was running (every push before it is applied; the "
+                        "computations in flight are discarded); to end fit and keep the engine, call engine.stop()")
+
+
 def minibatches_per_push(engine, version: int) -> int:
     """``accumulate``, or ``batch_schedule(version)`` checked: an int >= 1 (not rounded from anything else)."""
     if engine.batch_schedule is None:
@@ -61,9 +79,35 @@ def minibatches_per_push(engine, version: int) -> int:
     return k
 
 
+class AsyncRun:
+    """The async fit running now, as ``engine._async_run``: its stop flag, an event set once its workers have all
+    ended, the threads that run its workers (``close()`` from one of them, a callback, must not wait for them), and
+    the source replica's buffers as of its last push while it computes (None otherwise)."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.finished = threading.Event()
+        self.threads = {threading.get_ident()}  # the caller's: a lone CPU worker runs on it
+        self.buffers: list | None = None
+
+
 def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
+    run = AsyncRun()
+    with engine.mutex:
+        engine._check_open()
+        engine._async_run = run
+    try:
+        _run_async(engine, run, batches, steps=steps, epochs=epochs, callbacks=callbacks)
+    finally:
+        with engine.mutex:
+            engine._async_run = None
+            run.buffers = None
+        run.finished.set()
+
+
+def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
     source = _BatchSource(batches, epochs)
-    stop = threading.Event()
+    stop = run.stop
     pushes_before = engine.stats()["pushes"]  # ``steps`` counts this call's pushes
     errors: list[tuple[int, BaseException]] = []
 
@@ -87,23 +131,36 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
             stop.set()
         return True
 
-    def pull(worker) -> tuple[int, float | None, float]:
-        """Under the mutex: the snapshot of the weights, its version, the loss scale to compute with and the seconds
-        the copy of the weights took (the push reports it as its copy back)."""
+    def pull(worker) -> tuple[int, float | None, float, int, list | None]:
+        """Under the mutex: the snapshot of the weights, its version, the loss scale to compute with, the seconds the
+        copy of the weights took (the push reports it as its copy back), the mini-batches a push from this version
+        takes, and (the buffers' source replica) the copy of its buffers (Note [Reading the state while async
+        workers run])."""
         with engine.mutex, engine.phase("pull", worker.index):
             start = time.perf_counter()
             if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
                 worker.rng.begin_step(engine._counters["pushes"])
             worker.pull(wait=True)
-            return engine.version, engine.loss_scale_now(), time.perf_counter() - start
+            k = minibatches_per_push(engine, engine.version)
+            saved = None
+            if worker.index == engine.buffer_source:
+                saved = engine._snapshot_source_buffers({worker.index: None})
+                run.buffers = None if saved is None else saved[1]
+            return engine.version, engine.loss_scale_now(), time.perf_counter() - start, k, saved
+
+    def unpushed(saved) -> None:
+        """The source replica's computation was not applied: its buffers go back to the copy (under the mutex)."""
+        if saved is not None:
+            engine._restore_source_buffers(saved)
 
     def loop(worker, own_thread=True):
-        if own_thread:
-            set_worker_threads(engine.devices)
+        saved = None
         try:
+            if own_thread:
+                run.threads.add(threading.get_ident())
+                set_worker_threads(engine.devices)
             while not stop.is_set():
-                k = minibatches_per_push(engine, engine.version)
-                pulled, scale, copied = pull(worker)
+                pulled, scale, copied, k, saved = pull(worker)
                 minibatches = source.take(k)
                 if not minibatches:
                     return
@@ -117,13 +174,20 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
                     # Note [Ctrl-C inside a step]: a push is applied whole (the lone CPU worker runs here, on the
                     # calling thread, where Ctrl-C lands)
                     with engine.mutex, deferred_interrupt("an async push", engine._abandon):
-                        if stop.is_set():
+                        if stop.is_set() or engine._closed:  # stopped or closed: the computation is discarded
+                            unpushed(saved)
                             return
                         with engine.phase("push", worker.index):
                             if push(worker, pulled, scale, loss, samples, compute, wait, copied):
+                                saved = None
+                                if worker.index == engine.buffer_source:
+                                    run.buffers = None  # its buffers are those of the push just applied
                                 break
-                    pulled, scale, copied = pull(worker)
+                        unpushed(saved)  # a refresh: the same mini-batches are computed again
+                    pulled, scale, copied, _, saved = pull(worker)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
+            with engine.mutex:
+                unpushed(saved)
             errors.append((worker.index, exc))
             stop.set()
 
@@ -138,13 +202,13 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         # test_ctrl_c_during_async_fit_stops_every_worker, under load). Event.wait has no such state.
         done = [threading.Event() for _ in engine.workers]
 
-        def run(worker, finished):
+        def run_worker(worker, finished):
             try:
                 loop(worker)
             finally:
                 finished.set()
 
-        threads = [threading.Thread(target=run, args=(w, e), name=f"pyengine-async-{w.index}", daemon=True)
+        threads = [threading.Thread(target=run_worker, args=(w, e), name=f"pyengine-async-{w.index}", daemon=True)
                    for w, e in zip(engine.workers, done)]
         try:
             for t in threads:
@@ -168,9 +232,10 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         index, exc = errors[0]
         if not isinstance(exc, Exception):  # KeyboardInterrupt on the calling thread: as itself
             raise exc
-        if engine._closed:  # close() from another thread: the workers' transfers were shut under them
-            raise RuntimeError("this Engine was closed while fit() was running (every push before is applied); "
-                               "call engine.stop() first to end fit after the pushes in flight") from exc
+        if engine._closed:  # close() from a callback: the other workers' transfers were shut under them
+            raise _closed_during_fit() from exc
         raise WorkerError(index, engine.devices[index], exc) from exc
+    if engine._closed:
+        raise _closed_during_fit()
     if steps and not source.taken:  # as hybrid and sync: steps asked for, none possible
         raise ValueError("batches is empty")

@@ -212,7 +212,11 @@ class Engine:
                    else None)
             for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
-        self.mutex = threading.Lock()  # the store's mutex: async pulls and pushes hold it
+        # The store's mutex: async pulls and pushes hold it, and so do the readers of the state (state_dict, stats)
+        # and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while async
+        # workers run] in asynchronous.py).
+        self.mutex = threading.RLock()
+        self._async_run = None  # the async fit running now (asynchronous.AsyncRun), for close()
         self.recorder = PhaseRecorder()
         self.history: list[dict] = []
         self._counters = collections.Counter()
@@ -302,8 +306,8 @@ class Engine:
 
         ``steps`` counts this call's steps (hybrid, sync) or pushes (async), whatever ran before. Each callback is
         called as ``callback(engine, metrics)`` after every step or push; a callback may call :meth:`stop` to end
-        training after the current step (async: after the pushes in flight). Returns the metrics of this call's
-        steps.
+        training after the current step (async: after the push being applied; the other workers' computations in
+        flight are discarded, their mini-batches not pushed). Returns the metrics of this call's steps.
         """
         self._check_open()
         self._stop.clear()
@@ -355,7 +359,8 @@ class Engine:
         return self.history[start:]
 
     def stop(self) -> None:
-        """Ends the running :meth:`fit` after the current step (for callbacks: early stopping, time budgets)."""
+        """Ends the running :meth:`fit` after the current step (for callbacks: early stopping, time budgets); async:
+        after the push being applied, the computations in flight discarded."""
         self._stop.set()
 
     @property
@@ -368,7 +373,8 @@ class Engine:
         store])."""
         self._gather_stages()
         views = self.store.views(self.store.param)
-        return {name: views[name].detach().clone() for name in reversed(self.store.names)}
+        with self.mutex:
+            return {name: views[name].detach().clone() for name in reversed(self.store.names)}
 
     def copy_to(self, model: torch.nn.Module) -> None:
         """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers.
@@ -384,8 +390,12 @@ class Engine:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
         docstring), on the CPU, keys as ``model.state_dict()``. Pipeline stages across processes: a collective."""
         self._gather_stages()
-        named = self._replica_buffers(self.buffer_source)
-        return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
+        with self.mutex:
+            run = self._async_run
+            if run is not None and run.buffers is not None:  # the source replica is computing: its last pushed state
+                return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.buffer_names, run.buffers)}
+            named = self._replica_buffers(self.buffer_source)
+            return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
 
     def share_buffers(self, targets) -> None:
         """Copies the buffers of the source replica (``buffer_source``) into the replicas ``targets``."""
@@ -423,13 +433,22 @@ class Engine:
         optimizer's lr; torch's ``LambdaLR`` would hold the next update's lr there, which this does not compute: a
         checkpoint never asks the schedule about a step not yet taken."""
         self._gather_stages()
+        with self.mutex:
+            return self._optimizer_state_dict()
+
+    def _optimizer_state_dict(self) -> dict:
         return self.optimizer.torch_state_dict(
             self.store, self.version, self.param_names, distributed.gather_optimizer_state(self),
             scheduled_lr=None if self.lr_schedule is None else self.lr_at(max(1, self.version)))
 
     def state_dict(self) -> dict:
         """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics. With
-        ``shard_update=True`` a collective that every rank must call (the full Adam state is gathered)."""
+        ``shard_update=True`` a collective that every rank must call (the full Adam state is gathered). Consistent
+        while async workers run (taken under the store's mutex, between two pushes)."""
+        with self.mutex:
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         return {
             "format": FORMAT,
             "mode": self.mode,
@@ -455,6 +474,10 @@ class Engine:
         state saved without one resets it; an engine without a scaler ignores it). The state is always full
         (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam state, so
         every rank loads the same state and no collective is needed."""
+        with self.mutex:  # not while async workers pull or push
+            self._load_state_dict(sd)
+
+    def _load_state_dict(self, sd: dict) -> None:
         self._check_open()
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
@@ -595,6 +618,10 @@ class Engine:
         """Counters: steps, pushes, applied updates, skipped steps, steps that raised (``nonfinite="raise"``),
         refreshes, and the staleness histogram (one entry per push). Steps (hybrid, sync, pipeline) and pushes
         (async) each equal ``applied_updates + skipped_steps + raised_steps``."""
+        with self.mutex:
+            return self._stats()
+
+    def _stats(self) -> dict:
         hist = dict(sorted(self._staleness.items()))
         total = sum(hist.values())
         return {
@@ -616,10 +643,18 @@ class Engine:
         self.recorder.write_chrome_trace(path)
 
     def close(self) -> None:
-        """Stops the worker threads and removes every hook. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stops the worker threads and removes every hook. Idempotent. During an async :meth:`fit` on another
+        thread: the push being applied completes, no other is applied, and close() returns once the workers have
+        stopped (their computations in flight are discarded); that fit then raises RuntimeError."""
+        with self.mutex:  # a push being applied completes first; none is applied after (asynchronous.py)
+            if self._closed:
+                return
+            self._closed = True
+            run = self._async_run
+            if run is not None:
+                run.stop.set()
+        if run is not None and threading.get_ident() not in run.threads:  # not from a callback of that fit
+            run.finished.wait()
         self._pool.shutdown(wait=True)
         if self.pipeline is not None:
             self.pipeline.close()

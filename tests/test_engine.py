@@ -671,6 +671,122 @@ def test_close_from_another_thread_during_async_fit_says_so(rng):
     assert engine.stats()["pushes"] >= 1
 
 
+def test_close_from_another_thread_during_async_fit_returns_after_the_last_push(rng):
+    """close() takes the store's mutex: the push being applied completes, none lands after close() returns, and it
+    returns once the workers have stopped (they used to go on, and a push computed before could still be applied)."""
+    batches = make_batches(rng, 4, 8)
+    engine = Engine(make_model(), slow_loss, devices=["cpu"] * 3, mode="async", optimizer=AdamW(**OPT))
+    seen = {}
+
+    def close_and_look():
+        engine.close()
+        seen["version"] = engine.version
+        seen["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async")]
+
+    def close_after_three(engine_, metrics):
+        if engine_.stats()["pushes"] == 3:
+            seen["closer"] = threading.Thread(target=close_and_look)
+            seen["closer"].start()
+
+    with pytest.raises(RuntimeError, match=r"closed while fit\(\) was running"):
+        engine.fit(batches, steps=10 ** 6, callbacks=[close_after_three])
+    seen["closer"].join()
+    assert seen["alive"] == [] and engine.version == seen["version"] >= 3
+    assert engine.stats()["pushes"] == engine.stats()["applied_updates"] == engine.version
+
+
+def slow_loss(model, batch):
+    time.sleep(0.003)  # the workers' computations overlap, whatever the machine's load
+    return loss_fn(model, batch)
+
+
+def test_state_dict_from_another_thread_during_async_fit_is_consistent_and_loads(rng):
+    """Note [Reading the state while async workers run]: a state taken while pushes land lies between two of them
+    (a monitor thread used to see the optimizer's step, the version and the counters disagree, and load_state_dict
+    refused some of those states)."""
+    batches = make_batches(rng, 6, 8)
+    states, done = [], threading.Event()
+    with Engine(make_bn_model(), slow_loss, devices=["cpu"] * 3, mode="async", optimizer=AdamW(**OPT)) as engine:
+        def monitor():
+            while not done.is_set():
+                states.append(engine.state_dict())
+
+        thread = threading.Thread(target=monitor)
+        thread.start()
+        try:
+            engine.fit(batches, steps=40)
+        finally:
+            done.set()
+            thread.join()
+    assert len(states) >= 5
+    for state in states:
+        version = state["version"]
+        assert state["counters"].get("applied_updates", 0) == state["counters"].get("pushes", 0) == version
+        steps = {int(entry["step"]) for entry in state["optimizer"]["state"].values()}
+        assert steps == ({version} if version else {0}) or not state["optimizer"]["state"]
+    with Engine(make_bn_model(), loss_fn, devices=["cpu"] * 3, mode="async", optimizer=AdamW(**OPT)) as fresh:
+        for state in states[:: max(1, len(states) // 8)]:
+            fresh.load_state_dict(state)
+            assert fresh.version == state["version"]
+
+
+def test_async_failed_push_leaves_the_buffers_alone_as_sync_does(rng):
+    """Note [A failed step leaves the buffers alone] for async: the source replica's forward counted the batch
+    before its loss raised; the buffers are those of the last applied push, and one worker's async run goes on
+    bit-identical to sync's."""
+    batches = make_batches(rng, 3, 12)
+    failing = {"on": False}
+
+    def loss_then_fail(model, batch):
+        loss = loss_fn(model, batch)
+        if failing["on"]:
+            raise RuntimeError("after the forward")
+        return loss
+
+    kw = dict(devices=["cpu"], optimizer=AdamW(**OPT))
+    with Engine(make_bn_model(), loss_then_fail, mode="async", **kw) as engine, \
+            Engine(make_bn_model(), loss_fn, mode="sync", **kw) as clean:
+        engine.fit(batches[:1])
+        clean.fit(batches[:1])
+        before = engine.buffers_state_dict()
+        failing["on"] = True
+        with pytest.raises(WorkerError, match="after the forward"):
+            engine.fit(batches[1:2])
+        failing["on"] = False
+        assert all(torch.equal(v, before[k]) for k, v in engine.buffers_state_dict().items())
+        engine.fit(batches[2:])
+        clean.fit(batches[2:])
+        for got, want in ((engine.master_state_dict(), clean.master_state_dict()),
+                          (engine.buffers_state_dict(), clean.buffers_state_dict())):
+            assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_async_refreshed_and_discarded_computations_leave_the_buffers_alone(rng):
+    """A refresh (max_staleness) computes the same mini-batches again and a stop discards the computations in flight:
+    BatchNorm in the buffers' source replica (worker 0) counts exactly the batches of its applied pushes (it counted
+    a refreshed batch twice, and a discarded one)."""
+    batches = make_batches(rng, 8, 8)
+    with Engine(make_bn_model(), slow_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT),
+                max_staleness=0) as engine:
+        history = engine.fit(batches, steps=30)
+        assert engine.stats()["refreshes"] > 0
+        counted = engine.buffers_state_dict()["1.num_batches_tracked"]
+        assert counted == sum(1 for m in history if m["worker"] == 0)
+
+
+def test_async_batch_schedule_follows_the_version_pulled(rng):
+    """The mini-batches of a push are batch_schedule(version its worker pulled), asked under the mutex (it was asked
+    about the version before the pull, which other pushes may have moved on)."""
+    batches = make_batches(rng, 8, 4)
+    schedule = lambda version: 1 if version % 2 == 0 else 2  # noqa: E731
+    with Engine(make_model(), slow_loss, devices=["cpu"] * 3, mode="async", optimizer=AdamW(**OPT),
+                batch_schedule=schedule) as engine:
+        # a callback runs under the mutex: its sleep holds the other workers' pulls while the version moves on
+        history = engine.fit(batches, steps=40, callbacks=[lambda engine_, metrics: time.sleep(0.003)])
+    assert len(history) == 40
+    assert [m["samples"] for m in history] == [4 * schedule(m["version_at_pull"]) for m in history]
+
+
 def test_failing_async_worker_stops_everyone(rng, worker_device):
     batches = make_batches(rng, 400, 4)
     calls = threading.local()
