@@ -471,12 +471,16 @@ class _Activations:
 
         def pack(t):
             # the bytes of the tensor itself, not of its storage: a micro-batch is a view of the whole batch
-            ptr = t.untyped_storage().data_ptr()
-            key = (ptr, t.storage_offset(), t.numel())
-            if ptr not in self._param_ptrs and key not in self._ptrs:
-                self._ptrs.add(key)
-                self._current += t.numel() * t.element_size()
-            return t
+            if t.layout == torch.strided and not t.is_nested:  # sparse and nested tensors have no storage to key
+                ptr = t.untyped_storage().data_ptr()
+                key = (ptr, t.storage_offset(), t.numel())
+                if ptr not in self._param_ptrs and key not in self._ptrs:
+                    self._ptrs.add(key)
+                    self._current += t.numel() * t.element_size()
+            # Detached, not t itself: an op's saved output kept as itself holds its own grad_fn, a cycle through C++
+            # that only backward breaks and gc cannot see; the activations of a failed step, or of an op off the
+            # loss's path, were never freed. Autograd gives the unpacked alias its grad_fn back.
+            return t.detach()
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
@@ -573,15 +577,14 @@ class Pipeline:
                 times = measure_layer_times([layer for _, layer in self.layers], inputs[0][0], device=device)
             self._build(partition(times, self.num_stages))
         buffers = self._save_buffers()  # Note [Stopping a failed pipeline]: restored if the step fails
+        stop, failures, futures = threading.Event(), [], {}
         try:
             for stage in (st for row in self.stages for st in row):
                 stage.pull()
             pulled = time.perf_counter()
-            stop, failures = threading.Event(), []
             scale = engine.loss_scale_now()  # Note [Loss scaling]: the last stages scale their losses by it
             channels = [[(_Channel(stop), _Channel(stop)) for _ in range(self.num_stages - 1)]
                         for _ in range(self.replicas)]
-            futures = {}
             for stage in (st for row in self.stages for st in row):
                 if stage.stream is not None:  # Note [CUDA ordering between stages]: after the caller's work
                     stage.stream.wait_stream(torch.cuda.current_stream(stage.device))
@@ -597,6 +600,10 @@ class Pipeline:
             results = {key: f.result() for key, f in futures.items()}
             self._sum_tied_grads(results)
         except BaseException:
+            # also when raised between two submits (the pool shut by close(), Ctrl-C): the stages already running
+            # would wait on their channels for ever
+            stop.set()
+            concurrent.futures.wait(futures.values())
             self._restore_buffers(buffers)
             raise
         schedule_end = max(res["end"] for res in results.values())
@@ -655,7 +662,8 @@ class Pipeline:
         shards = split_batch(batch, self.replicas)
         micro = [split_batch(shard, self.microbatches) for shard in shards]
         inputs = [[mb[0] for mb in replica] for replica in micro]
-        targets = [[mb[1] for mb in replica] for replica in micro]
+        # (targets, samples) of each micro-batch: targets may be None (a loss_fn that needs none)
+        targets = [[(mb[1], batch_size(mb)) for mb in replica] for replica in micro]
         return inputs, targets, [batch_size(s) for s in shards]
 
     def _stage_task(self, stage: _Stage, channels, inputs, targets, shard_size, scale, stop, failures):
@@ -695,9 +703,9 @@ class Pipeline:
                         x = x.detach().requires_grad_(x.is_floating_point())
                         given = x.clone() if x.requires_grad else x
                     with memory.hooks():
-                        out = self._forward(stage, given, targets[m] if last else None)
+                        out = self._forward(stage, given, last, targets[m][0])
                     if last:
-                        samples = batch_size(targets[m])
+                        samples = targets[m][1]
                         losses.append((out.detach(), samples))
                         out = out * (samples / shard_size)
                         if scale is not None:  # Note [Loss scaling]
@@ -715,8 +723,8 @@ class Pipeline:
                         send_bwd.put(m, x.grad if x.grad is not None else torch.zeros_like(x), upstream,
                                      stage.stream)
                 memory.released(nbytes)
+        busy = clock.total()  # on CUDA it waits for the stage's stream: the schedule ends when the device is done
         end = time.perf_counter()
-        busy = clock.total()
         loss_sum = 0.0
         for loss, samples in losses:
             loss_sum += float(loss) * samples
@@ -724,16 +732,17 @@ class Pipeline:
         return dict(busy=busy, end=end, pushed=time.perf_counter() - end, loss_sum=loss_sum,
                     peak_count=memory.peak_count, peak_bytes=memory.peak_bytes, tied_grads=tied_grads)
 
-    def _forward(self, stage: _Stage, x, targets):
+    def _forward(self, stage: _Stage, x, last: bool, targets):
         with self._autocast(stage.device):
-            return self._forward_checked(stage, x, targets)
+            return self._forward_checked(stage, x, last, targets)
 
-    def _forward_checked(self, stage: _Stage, x, targets):
-        if targets is None:
+    def _forward_checked(self, stage: _Stage, x, last: bool, targets):
+        if not last:
             out = stage.module(x)
             if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+                got = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else type(out).__name__
                 raise TypeError(f"a stage before the last must return one floating-point tensor (the activations "
-                                f"for the next stage); got {type(out).__name__}")
+                                f"for the next stage); got {got}")
             return out
         loss = self.engine.loss_fn(stage.module, (x, to_device(targets, stage.device)))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
