@@ -232,6 +232,7 @@ class Engine:
         self._buffers_before = None  # Note [A failed step leaves the buffers alone]
         self._buffer_slots, self._buffer_copies = {}, None
         self._stop = threading.Event()
+        self._fitting = False  # fit() is running (one at a time)
         if mode == "pipeline" and group is not None:
             self.pipeline = DistributedPipeline(self, model, stages=stages, microbatches=microbatches,
                                                 schedule=schedule, balance=balance, autocast=autocast, group=group)
@@ -309,6 +310,17 @@ class Engine:
         training after the current step (async: after the push being applied; the other workers' computations in
         flight are discarded, their mini-batches not pushed). Returns the metrics of this call's steps.
         """
+        with self.mutex:
+            if self._fitting:
+                raise RuntimeError("fit() is already running on this Engine (on another thread, or this is one of its "
+                                   "callbacks): one fit at a time")
+            self._fitting = True
+        try:
+            return self._fit(batches, steps, epochs, callbacks)
+        finally:
+            self._fitting = False
+
+    def _fit(self, batches, steps, epochs, callbacks) -> list[dict]:
         self._check_open()
         self._stop.clear()
         for name, value, least in (("steps", steps, 0), ("epochs", epochs, 1)):
@@ -330,7 +342,7 @@ class Engine:
         if one_shot and epochs is not None and epochs > 1:
             warnings.warn(f"fit: epochs={epochs} over a one-shot iterator ({type(batches).__name__}): its first "
                           "pass uses it up, so later epochs get no batches; pass a list or a re-iterable (a "
-                          "DataLoader)", RuntimeWarning, stacklevel=2)
+                          "DataLoader)", RuntimeWarning, stacklevel=3)
         start = len(self.history)
         if steps == 0:
             return []
@@ -355,7 +367,7 @@ class Engine:
         if steps is not None and done < steps and not self._stop.is_set() and not client:
             warnings.warn(f"fit: the batches ran out after {done} of the {steps} steps asked"
                           + (" (a one-shot iterator is not iterated again: pass a list or a DataLoader)" if one_shot
-                             else ""), RuntimeWarning, stacklevel=2)
+                             else ""), RuntimeWarning, stacklevel=3)
         return self.history[start:]
 
     def stop(self) -> None:

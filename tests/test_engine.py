@@ -695,6 +695,30 @@ def test_close_from_another_thread_during_async_fit_returns_after_the_last_push(
     assert engine.stats()["pushes"] == engine.stats()["applied_updates"] == engine.version
 
 
+def test_one_fit_at_a_time(rng):
+    """A second fit() while one runs (another thread, or a callback of the running one) is a clear error; it used to
+    run two schedules over one store at once."""
+    batches = make_batches(rng, 4, 8)
+    with Engine(make_model(), slow_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT)) as engine:
+        second = []
+
+        def start_another(engine_, metrics):
+            if not second:
+                try:
+                    engine_.fit(batches, steps=1)
+                except RuntimeError as exc:
+                    second.append(exc)
+
+        engine.fit(batches, steps=6, callbacks=[start_another])
+        assert len(second) == 1 and "fit() is already running on this Engine" in str(second[0])
+        assert engine.stats()["pushes"] == 6
+        engine.fit(batches, steps=2)  # one after the other: fine
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        with pytest.raises(RuntimeError, match=r"fit\(\) is already running"):
+            engine.fit(batches, callbacks=[lambda engine_, metrics: engine_.fit(batches)])
+        assert engine.stats()["steps"] == 1
+
+
 def slow_loss(model, batch):
     time.sleep(0.003)  # the workers' computations overlap, whatever the machine's load
     return loss_fn(model, batch)
