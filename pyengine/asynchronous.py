@@ -101,7 +101,6 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     finally:
         with engine.mutex:
             engine._async_run = None
-            run.buffers = None
         run.finished.set()
 
 

@@ -1280,10 +1280,6 @@ def _dist_timeout() -> float:
 _DIST_TIMEOUT_MAX_S = 7 * 24 * 3600  # far above any checkpoint write; a larger one overflowed timedelta or gloo
 
 
-# Settings that may differ between the processes of one run under torchrun: each process's own devices and output.
-_PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out")
-
-
 def _train(given: dict) -> int:
     rank, world = _launched()
     if world > 1:  # Note [Training under torchrun]: joined first, so that every check's failure reaches every rank

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import concurrent.futures
+import functools
 import threading
 import warnings
 
@@ -48,6 +49,17 @@ __all__ = ["Engine", "StageError", "WorkerError"]
 MODES = ("hybrid", "sync", "async", "pipeline")
 FORMAT = "pyengine.engine/1"
 _POLL_S = 0.05  # how often a host wait for a gradient bucket looks whether a worker has failed
+
+
+
+def _under_mutex(method):
+    """``method`` holding the engine's (re-entrant) mutex: a reader or writer of the state, never between an async
+    pull's or push's parts (Note [Reading the state while async workers run] in asynchronous.py)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.mutex:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class Engine:
@@ -379,15 +391,16 @@ class Engine:
     def stop_requested(self) -> bool:
         return self._stop.is_set()
 
+    @_under_mutex
     def master_state_dict(self) -> dict:
         """The fp32 master weights, keys as ``model.state_dict()`` and in its order (trainable parameters only; the
         store holds them in reverse). Pipeline stages across processes: a collective (Note [Distributed pipeline
         store])."""
         self._gather_stages()
         views = self.store.views(self.store.param)
-        with self.mutex:
-            return {name: views[name].detach().clone() for name in reversed(self.store.names)}
+        return {name: views[name].detach().clone() for name in reversed(self.store.names)}
 
+    @_under_mutex
     def copy_to(self, model: torch.nn.Module) -> None:
         """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers.
         Pipeline stages across processes: a collective (Note [Distributed pipeline store])."""
@@ -398,16 +411,16 @@ class Engine:
             for name, value in self.buffers_state_dict().items():
                 named[name].copy_(value)
 
+    @_under_mutex
     def buffers_state_dict(self) -> dict:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
         docstring), on the CPU, keys as ``model.state_dict()``. Pipeline stages across processes: a collective."""
         self._gather_stages()
-        with self.mutex:
-            run = self._async_run
-            if run is not None and run.buffers is not None:  # the source replica is computing: its last pushed state
-                return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.buffer_names, run.buffers)}
-            named = self._replica_buffers(self.buffer_source)
-            return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
+        run = self._async_run
+        if run is not None and run.buffers is not None:  # the source replica is computing: its last pushed state
+            return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.buffer_names, run.buffers)}
+        named = self._replica_buffers(self.buffer_source)
+        return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
 
     def share_buffers(self, targets) -> None:
         """Copies the buffers of the source replica (``buffer_source``) into the replicas ``targets``."""
@@ -437,6 +450,7 @@ class Engine:
             return {f"{name}.{b}": t for name, layer in self.pipeline.layers for b, t in layer.named_buffers()}
         return {name: t for row in self.pipeline.stages for name, t in row[index].module.named_buffers()}
 
+    @_under_mutex
     def optimizer_state_dict(self) -> dict:
         """The Adam state in ``torch.optim.AdamW.state_dict()`` form. With ``shard_update=True`` a collective that
         every rank must call (:func:`pyengine.distributed.gather_optimizer_state`); the full state on every rank.
@@ -445,22 +459,15 @@ class Engine:
         optimizer's lr; torch's ``LambdaLR`` would hold the next update's lr there, which this does not compute: a
         checkpoint never asks the schedule about a step not yet taken."""
         self._gather_stages()
-        with self.mutex:
-            return self._optimizer_state_dict()
-
-    def _optimizer_state_dict(self) -> dict:
         return self.optimizer.torch_state_dict(
             self.store, self.version, self.param_names, distributed.gather_optimizer_state(self),
             scheduled_lr=None if self.lr_schedule is None else self.lr_at(max(1, self.version)))
 
+    @_under_mutex
     def state_dict(self) -> dict:
         """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics. With
         ``shard_update=True`` a collective that every rank must call (the full Adam state is gathered). Consistent
         while async workers run (taken under the store's mutex, between two pushes)."""
-        with self.mutex:
-            return self._state_dict()
-
-    def _state_dict(self) -> dict:
         return {
             "format": FORMAT,
             "mode": self.mode,
@@ -479,6 +486,7 @@ class Engine:
             "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
+    @_under_mutex
     def load_state_dict(self, sd: dict) -> None:
         """Restores :meth:`state_dict`. Everything is validated first (format, keys, names, shapes and dtypes of the
         weights, buffers and Adam state, step against version, RNG state, counters); an invalid state raises
@@ -486,10 +494,6 @@ class Engine:
         state saved without one resets it; an engine without a scaler ignores it). The state is always full
         (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam state, so
         every rank loads the same state and no collective is needed."""
-        with self.mutex:  # not while async workers pull or push
-            self._load_state_dict(sd)
-
-    def _load_state_dict(self, sd: dict) -> None:
         self._check_open()
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
@@ -556,7 +560,7 @@ class Engine:
         if differing:
             warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
                           f"({ {k: self.optimizer.config()[k] for k in differing} }) is used from here on",
-                          stacklevel=2)
+                          stacklevel=3)  # past _under_mutex
         for worker in self.workers:  # the last step's copies back still read the weights written below
             worker.wait_copies_back()
         if step == 0:  # a state saved before any update: a fresh optimizer
@@ -626,14 +630,11 @@ class Engine:
     def _failure_naming(self) -> list:
         return [part for part in (self.dist, self.pipeline) if isinstance(part, distributed._FailureNaming)]
 
+    @_under_mutex
     def stats(self) -> dict:
         """Counters: steps, pushes, applied updates, skipped steps, steps that raised (``nonfinite="raise"``),
         refreshes, and the staleness histogram (one entry per push). Steps (hybrid, sync, pipeline) and pushes
         (async) each equal ``applied_updates + skipped_steps + raised_steps``."""
-        with self.mutex:
-            return self._stats()
-
-    def _stats(self) -> dict:
         hist = dict(sorted(self._staleness.items()))
         total = sum(hist.values())
         return {
