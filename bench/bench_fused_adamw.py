@@ -156,9 +156,20 @@ class Workspace:
             agree("deepspeed", self.deepspeed(self.init.clone()).detach())
         if "stack" in paths:
             stock = self.stock_param.detach().clone()
+            stock_mean = self.mean_into_buf().clone()
             self._restart_stock()
             self.stack()
-            agree("stack", stock)
+            # The two means differ by summation order only. Where a mean is within that rounding of zero, the first
+            # step's lr * m / (sqrt(v) + eps) (about lr * sign(mean)) may flip sign: up to 2 lr apart (seen at N=256M,
+            # G=4 on an H100: 14 elements). Everywhere else the weights must agree as tightly as the other paths'.
+            torch.testing.assert_close(self.buf, stock_mean, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stack's mean vs stock's, N={self.n} G={self.g}: {m}")
+            settled = stock_mean.abs() > 1e-4
+            param = self.stock_param.detach()
+            torch.testing.assert_close(param[settled], stock[settled], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stack vs stock, N={self.n} G={self.g} {self.dtype}: {m}")
+            worst = (param - stock).abs().max().item()
+            assert worst <= 2 * LR * (1 + 1e-3), f"stack vs stock, N={self.n} G={self.g}: {worst} apart (> 2 lr)"
 
 
 def sync(device: str):

@@ -105,9 +105,11 @@ for offset in (0, 1):  # offset 1: the tensors start 4 bytes past a 16-byte boun
     grads = [buf(), buf(torch.bfloat16), buf(torch.float16)]
     out = torch.empty(n + offset, device=dev, dtype=torch.bfloat16)[offset:]
     for step in (1, 2):
-        ops.mean_grad_adamw_(p, m, v, grads, lr=1e-3, weight_decay=0.01, step=step, amsgrad=True, max_exp_avg_sq=vmax,
-                             grad_scale=torch.full((1,), 2.0, device=dev), found_inf=torch.zeros(1, device=dev),
-                             weights=[0.5, 0.25, 0.25], param_out=out, max_grad_norm=1.0)
+        ops.mean_grad_adamw_clipped_(p, m, v, grads, lr=1e-3, weight_decay=0.01, step=step, amsgrad=True,
+                                     max_exp_avg_sq=vmax, grad_scale=torch.full((1,), 2.0, device=dev),
+                                     found_inf=torch.zeros(1, device=dev), weights=[0.5, 0.25, 0.25], param_out=out,
+                                     max_grad_norm=1.0)
+        ops.mean_grad_adamw_(p, m, v, grads, lr=1e-3, step=step + 2, param_out=out)
     norm = ops.mean_grad_norm(grads)
     params = [buf(), torch.randn(33, device=dev)]
     ops.mean_grad_adamw_multi_(params, [torch.zeros_like(x) for x in params], [torch.zeros_like(x) for x in params],
