@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -32,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-import pyengine.ops as ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout runs without install
+import pyengine.ops as ops  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 COPY_NUMEL = 32 << 20

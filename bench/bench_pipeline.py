@@ -20,11 +20,13 @@ Run: python bench/bench_pipeline.py                    (S in {2, 4}, M in {1, 4,
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 
 import torch
 
-import pyengine
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout runs without install
+import pyengine  # noqa: E402
 
 
 def make_model(layers: int, width: int, seed: int = 0) -> torch.nn.Sequential:

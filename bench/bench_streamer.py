@@ -13,12 +13,14 @@ Run: python -m pytest bench/bench_streamer.py --benchmark-only -s   (1 and 2 int
 """
 import os
 import statistics
+import sys
 import time
 
 import pytest
 import torch
 
-import pyengine
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout runs without install
+import pyengine  # noqa: E402
 
 PARAMS_M = float(os.environ.get("PYENGINE_BENCH_PARAMS_M", "50"))
 WIDTH = 2048

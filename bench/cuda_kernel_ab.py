@@ -14,10 +14,9 @@ the speed-up over the first version (median of same-round ratios).
     python bench/cuda_kernel_ab.py a=csrc b=csrc+chunk=4096 --out ab.md
 
 Why: ptxas (nvcc 13.0, sm_90) gives update_kernel<AdamW> 40 registers a thread, so 6 blocks of 256 threads fit on
-an SM: 792 resident blocks on an H100's 132 SMs. At N = 32M the grid of 2048 blocks of 16384 elements (~0.5 MB
-moved each at G = 1) is 2.6 waves, the last 59 % full, in a 0.4 ms kernel (0.84-0.93 of copy bandwidth measured on
-an H100); at 256M it is 20.7 waves (0.96-1.02). 4096-element chunks make 32M 10.3 waves. The harness says what
-that is worth, without a torch build.
+an SM: 792 resident blocks on an H100's 132 SMs. With 16384-element chunks (the build until 2026-11-25), N = 32M was
+2048 blocks, 2.6 waves with the last 59 % full; 2048-element chunks (the build since) make it 20.7 waves. Measured by
+this harness on an H100 (bench/RESULTS.md): 2048 beat 16384 by 1.4-4.2 % at N = 32M and 256M and 2x at N = 1M.
 PYENGINE_AB_NO_CHECK=1 skips the bit check (diagnostic variants that compute something else on purpose).
 """
 from __future__ import annotations
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_kernel_ab import ROOT, materialise  # noqa: E402
 
 SOURCES = ("cuda/kernels.cu", "cuda/launch.h", "update_scalars.h")
-DEFAULT_VERSIONS = ["base=csrc", "c8k=csrc+chunk=8192", "c4k=csrc+chunk=4096", "c2k=csrc+chunk=2048",
+DEFAULT_VERSIONS = ["base=csrc", "c16k=csrc+chunk=16384", "c4k=csrc+chunk=4096", "c1k=csrc+chunk=1024",
                     "t512=csrc+threads=512"]
 CHECK_N = 1000003  # odd: every version's scalar tail and the last partial chunk go through the bit check
 _SHAPE = {"chunk": "PYENGINE_CUDA_CHUNK", "threads": "PYENGINE_CUDA_THREADS"}

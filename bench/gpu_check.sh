@@ -14,7 +14,7 @@
 #   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
 #   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
 #   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
-#   kernel_ab  bench/cuda_kernel_ab.py: the update kernel's block shape (chunk 16384 as built, 8192, 4096, 2048; 512
+#   kernel_ab  bench/cuda_kernel_ab.py: the update kernel's block shape (chunk 2048 as built, 16384, 4096, 1024; 512
 #              threads) against each other and a device copy, N = 32M and 256M, bits checked equal first (plain nvcc)
 #   nvtx       the NVTX ranges of a short `python -m pyengine train` on the GPU: nsys's NVTX summary where nsys works,
 #              else ncu's NVTX filter (ncu profiles only kernels launched inside the named range: kernels profiled

@@ -39,9 +39,10 @@ def test_bench_fused_adamw_checks_every_path_before_timing_it(dtype, g, monkeypa
 def test_bench_transfer_runs_on_cpu(tmp_path):
     out = tmp_path / "transfer.md"
     assert bench_transfer.main(["--device", "cpu", "--params-m", "1", "--rounds", "1", "--out", str(out),
-                                "--trace-dir", str(tmp_path)]) == 0
+                                "--trace-dir", str(tmp_path), "--batch", "8", "16"]) == 0
     text = out.read_text()
     assert "bandwidth_ratio" in text and "hybrid_over_single" in text and "update_ms" in text
+    assert "step_over_floor" in text and "\n| 8 | " in text and "\n| 16 | " in text, text
     for name in ("streamed_trace.json", "hybrid_trace.json", "hybrid_phases.json"):
         assert json.loads((tmp_path / name).read_text())["traceEvents"], name
 
@@ -165,3 +166,18 @@ def test_cuda_kernel_ab_builds_and_runs(tmp_path):
     assert cuda_kernel_ab.main(["a=csrc", "b=csrc+chunk=4096", "--n", "65537", "--g", "1", "2", "--rounds", "2",
                                 "--reps", "2", "--copy-mib", "8", "--out", str(out)]) == 0
     assert out.read_text().count("| 65537 |") == 2 * 2 * 2  # G x dtypes x versions
+
+
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(BENCH) if f.startswith("bench_") and f.endswith(".py")))
+def test_bench_scripts_import_pyengine_from_the_checkout(script, tmp_path):
+    """A GPU machine may build in place (setup.py build_ext --inplace) without installing: every bench script finds
+    the checkout's pyengine itself. Run without site (-S: no editable install's hook), torch from its folder."""
+    import subprocess
+
+    import torch
+
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    code = f"import runpy; runpy.run_path({os.path.join(BENCH, script)!r}, run_name='imported')"
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": site})
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -14,9 +14,10 @@ namespace pyengine::cuda {
 // The block shape. The build uses these defaults; bench/cuda_kernel_ab.py compiles the kernels with other values
 // (-DPYENGINE_CUDA_CHUNK=..., -DPYENGINE_CUDA_THREADS=...) to time them against each other. Chunk and thread count
 // change which block computes an element, not its arithmetic: the update's bits do not depend on them (the norm's
-// partial sums do, by their grouping).
+// partial sums do, by their grouping). 2048 elements a block: on an H100, 1.4-4.2 % faster than 16384 at N = 32M and
+// 256M, 2x at 1M (more, fuller waves; bench/RESULTS.md, 2026-11-25).
 #ifndef PYENGINE_CUDA_CHUNK
-#define PYENGINE_CUDA_CHUNK 16384
+#define PYENGINE_CUDA_CHUNK 2048
 #endif
 #ifndef PYENGINE_CUDA_THREADS
 #define PYENGINE_CUDA_THREADS 256
