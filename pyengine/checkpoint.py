@@ -118,8 +118,10 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
 
     With a process group (``engine.process_group``) this is a collective: every rank must call it with the same
     ``step``. Every rank takes the state (a sharded engine all-gathers its Adam state there, so the file holds the
-    full state), rank 0 of the group writes the file and a barrier follows, so on return the file exists for every
-    rank. Returns the checkpoint's path on every rank.
+    full state), rank 0 of the group writes the file and then tells every rank whether it could, so on return the
+    file exists for every rank. Returns the checkpoint's path on every rank. When rank 0's write fails (disk full,
+    no permission), every rank raises :class:`CheckpointError` naming the file and rank 0's error, and the group
+    stays in step: a rank that catches it may train on.
     """
     payload = dict(extra, engine=engine.state_dict())
     group = engine.process_group
@@ -127,8 +129,20 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
         return save(directory, step, payload, keep=keep)
     import torch.distributed as dist
 
-    path = save(directory, step, payload, keep=keep) if dist.get_rank(group) == 0 else path_for(directory, step)
-    dist.barrier(group=group)
+    path, failure, error = path_for(directory, step), None, None
+    if dist.get_rank(group) == 0:
+        try:
+            path = save(directory, step, payload, keep=keep)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised here too
+            failure, error = f"{type(exc).__name__}: {exc}", exc
+    status = [(failure, str(path))]
+    dist.broadcast_object_list(status, src=dist.get_global_rank(group, 0), group=group)  # a barrier with the outcome
+    failure, written = status[0]
+    try:
+        if failure is not None:
+            raise CheckpointError(f"rank 0 could not write checkpoint {written}: {failure}") from error
+    finally:  # the frame must not hold its own exception (its traceback holds the frame, and so the engine)
+        error = None
     return path
 
 

@@ -4,11 +4,13 @@ Every process runs an :class:`~pyengine.Engine` over its local devices; the proc
 torch.distributed process group (``torchrun`` sets the environment; :func:`init_process_group` reads it).
 
 - **Multi-node hybrid** (:class:`DistributedHybrid`): a step splits each rank's local batch across its local workers;
-  the global batch size is exchanged first, so every local gradient slot gets the weight (its samples / global
-  samples). As soon as bucket k is in all local slots, the host forms the local weighted sum of bucket k and launches
-  an asynchronous allreduce(SUM) of it, while the other buckets are still being computed and copied. The reduced
-  buffer is the global mean gradient, identical on every rank; every rank applies the same fused update
-  (``mean_grad_adamw_`` with G = 1), so all ranks hold bit-identical weights: one step on the concatenated batch.
+  the global batch size is exchanged first, so every local gradient slot gets the weight (its samples / global samples);
+  every rank's version comes with it, and ranks at different versions (a state loaded on one rank only) refuse the step
+  together (Note [Every rank at the same version]). As soon as bucket k is in all local slots, the host forms the local
+  weighted sum of bucket k and launches an asynchronous allreduce(SUM) of it, while the other buckets are still being
+  computed and copied. The reduced buffer is the global mean gradient, identical on every rank; every rank applies the
+  same fused update (``mean_grad_adamw_`` with G = 1), so all ranks hold bit-identical weights: one step on the
+  concatenated batch.
 - **Sharded update** (``shard_update=True``, ZeRO-1 style): each bucket is split into P contiguous parts of
   ceil(n_k / P) elements; rank r owns part r of every bucket (:func:`shard_ranges`). Each bucket is reduced and
   every rank keeps only its part (a reduce-scatter; see Note [Two reused bucket buffers] for why it is an in-place
@@ -44,10 +46,12 @@ Failures: collectives and point-to-point calls on a dead or failing peer raise (
 the process group's timeout bounds a silent peer); the engine re-raises them as :class:`DistributedError` naming this
 rank and what it was doing, so no rank hangs. In multi-node hybrid, a rank that raises inside a step records
 "rank f failed: <type>: <first line>" in the rendezvous store and its peers' errors end with it (Note [Naming the
-rank that failed]); a rank that dies, raises or hangs between steps is named from the phases each rank checked in for
-("rank f never reached step n (ranks ... did ...)"; Note [Naming a rank that died between steps]); a rank that dies
-inside a step is reported as such ("every rank ... reached step n, so a peer died ... inside it"); when rank 0, the
-store's host, is the one gone, the errors say so. In multi-node async, a rank that dies or raises makes every other
+rank that failed]; a non-finite gradient under ``nonfinite="raise"`` is no failure: every rank decides it from the
+same reduced norm and raises the FloatingPointError together, and the engine trains on, as in one process); a rank
+that dies, raises or hangs between steps is named from the phases each rank checked in for ("rank f never reached
+step n (ranks ... did ...)"; Note [Naming a rank that died between steps]); a rank that dies inside a step is
+reported as such ("every rank ... reached step n, so a peer died ... inside it"); when rank 0, the store's host, is
+the one gone, the errors say so. In multi-node async, a rank that dies or raises makes every other
 rank raise ``DistributedError: rank r: the async run stopped because rank f failed: ...`` naming the failed rank f
 and, when f raised, its error's type and first line: the servers see the broken exchange (or a client's report) and
 tell their other clients ABORT; a client that stops tells the servers waiting for it which rank failed and why; a
@@ -100,13 +104,19 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 60.0, **kwargs)
 def resolve_group(process_group, shard_update: bool, mode: str):
     """The process group an Engine uses: ``"auto"`` (the default group when torch.distributed is initialized with
     more than one rank), None (single process) or a ``ProcessGroup``. Validates ``shard_update`` and ``mode``."""
+    alone = False  # "auto" with torch.distributed initialized on 1 rank (torchrun --nproc-per-node 1)
     if isinstance(process_group, str):
         if process_group != "auto":
             raise ValueError(f"process_group must be 'auto', None or a torch.distributed ProcessGroup; got "
                              f"{process_group!r}")
         initialized = dist.is_available() and dist.is_initialized()
+        alone = initialized and dist.get_world_size() == 1
         process_group = dist.group.WORLD if initialized and dist.get_world_size() > 1 else None
     if process_group is None:
+        if shard_update and alone:
+            raise ValueError("shard_update=True shards the update across the ranks of a process group, and the "
+                             "default torch.distributed group has only 1 rank (WORLD_SIZE=1), so process_group='auto' "
+                             "runs this process alone: leave shard_update out, or launch more than one rank")
         if shard_update:
             raise ValueError("shard_update=True shards the update across processes: it needs a process group "
                              "(run under torchrun / init_process_group, or pass process_group=...)")
@@ -129,11 +139,13 @@ _ENGINES_ALIKE = ("engines are not configured alike (every rank builds its Engin
 
 
 def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE,
-                      failed: str = "could not build its Engine") -> None:
+                      failed: str = "could not build its Engine", local=None) -> list:
     """Raises ValueError on every rank unless every rank of ``group`` passed an equal ``config`` (a dict of picklable
     values: what this rank's Engine was built with): "rank r: the P ranks' <what>: <each difference>". A collective:
     every rank calls it, before any other. A rank whose own checks failed first calls :func:`report_failed_config`
-    instead: the others then raise naming it and its error ("rank r <failed>: <error>").
+    instead: the others then raise naming it and its error ("rank r <failed>: <error>"). ``local``: a picklable value
+    of this rank that may differ by rank and is not compared (the Engine's: its number of local workers); returns
+    every rank's, in rank order.
 
     Note [Every rank's engine alike]
     The ranks of a group run one training: their collectives pair up by order and size, and each rank applies the
@@ -147,17 +159,18 @@ def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE,
     which ranks. A rank that fails its own checks before that point (its devices, say) joins the same exchange with
     its error, so the others name it at once instead of failing in their next collective. What may differ by rank is
     left out: the local devices (their number included: each rank's local batch is split among its workers and
-    weighted by samples), hybrid's ``microbatches`` (a memory setting of the local workers: the same step), an async
-    client's ``accumulate`` and ``batch_schedule`` (what it computes before a push), ``pin``, ``loss_fn`` and the
-    process group itself. Schedules are compared by their values at a few steps (they are called there once, at
-    construction), floats by their bits (NaN equals NaN).
+    weighted by samples; the numbers are gathered alongside, uncompared, to give every worker of the group its own
+    random generator, Note [Random numbers of concurrent workers]), hybrid's ``microbatches`` (a memory setting of
+    the local workers: the same step), an async client's ``accumulate`` and ``batch_schedule`` (what it computes
+    before a push), ``pin``, ``loss_fn`` and the process group itself. Schedules are compared by their values at a
+    few steps (they are called there once, at construction), floats by their bits (NaN equals NaN).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    gathered = _gather_configs(group, rank, config)
+    gathered = _gather_configs(group, rank, {**config, _LOCAL_KEY: local})
     failures = [(r, c[_FAILED_KEY]) for r, c in enumerate(gathered) if isinstance(c, dict) and _FAILED_KEY in c]
     if failures:
         raise ValueError(f"rank {rank}: " + "; ".join(f"rank {r} {failed}: {text}" for r, text in failures))
-    keys = list(dict.fromkeys(k for c in gathered if isinstance(c, dict) for k in c))  # every rank's, in order
+    keys = list(dict.fromkeys(k for c in gathered if isinstance(c, dict) for k in c if k != _LOCAL_KEY))
     differences = []
     for key in keys:
         values = [c.get(key, "<missing>") if isinstance(c, dict) else "<missing>" for c in gathered]
@@ -168,9 +181,11 @@ def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE,
                                f"{', '.join(map(str, differing))} {other}")
     if differences:
         raise ValueError(f"rank {rank}: the {world} ranks' {what}: " + "; ".join(differences))
+    return [c.get(_LOCAL_KEY) for c in gathered]
 
 
 _FAILED_KEY = "<this rank failed>"
+_LOCAL_KEY = "<this rank's own, not compared>"
 
 
 def report_failed_config(process_group, exc: BaseException) -> None:
@@ -458,6 +473,17 @@ class DistributedHybrid(_FailureNaming):
     reporting, and look dead. If the store itself is unreachable, its host is gone: rank 0, unless torchrun's agent
     hosts the store (TORCHELASTIC_USE_AGENT_STORE); the error says that instead. Nothing is deleted at a clean exit:
     every rank makes the same calls, so the counts stay equal until one rank goes missing.
+
+    Note [Every rank at the same version]
+    Each rank applies the reduced gradient to its own copy of the weights and Adam state, so the ranks stay alike
+    only if every step starts alike on all of them. The construction makes them so (rank 0's weights are broadcast),
+    but :meth:`Engine.load_state_dict` is no collective: a rank that loads another state, or loads one while the
+    others do not ("resume on rank 0 only"), would train on with other weights, silently, for good. So the step's
+    first collective, the exchange of the batch sizes, carries every rank's version too (an all-gather of three
+    numbers per rank in place of an allreduce of two: no collective more), and when the versions differ every rank
+    refuses the step together with a :class:`DistributedError` naming each rank's version; the group stays in step,
+    and usable once every rank has loaded the same state. Two states of one version (two runs' checkpoints of the
+    same step) are not told apart: comparing the weights would cost a pass over them every step.
     """
 
     def __init__(self, engine, group, shard_update: bool):
@@ -502,23 +528,36 @@ class DistributedHybrid(_FailureNaming):
                                                      "shard") for g, s in enumerate(shards)], None
             except ValueError as exc:
                 parts, refused = None, exc
-            # the batch sizes, and whether a rank's shard is too small for its micro-batches: then every rank
-            # refuses this step together, before any work, and the group stays usable
-            counts = torch.tensor([float(sum(sizes)), float(refused is not None)], dtype=torch.float64)
-            with _collective("allreduce of the batch sizes", self.rank, self._explain):
-                dist.all_reduce(counts, group=self.group)
+            # every rank's batch size, whether its shard is too small for its micro-batches, and its version (Note
+            # [Every rank at the same version]): on a refusal every rank refuses this step together, before any
+            # work, and the group stays usable
+            mine = torch.tensor([float(sum(sizes)), float(refused is not None), float(engine.version)],
+                                dtype=torch.float64)
+            counts = torch.zeros(self.world, len(mine), dtype=torch.float64)
+            with _collective("all-gather of the batch sizes", self.rank, self._explain):
+                dist.all_gather_into_tensor(counts.view(-1), mine, group=self.group)
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)
             raise
-        if counts[1].item() > 0:
+        versions = [int(v) for v in counts[:, 2].tolist()]
+        if len(set(versions)) > 1:
+            refused = None
+            at = {v: [r for r, w in enumerate(versions) if w == v] for v in sorted(set(versions))}
+            raise DistributedError(
+                f"rank {self.rank}: the ranks' engines hold different states ("
+                + "; ".join(f"version {v} on {_rank_list(ranks)}" for v, ranks in at.items())
+                + "): every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); "
+                  "this step was refused on every rank")
+        refusing = int(counts[:, 1].sum().item())
+        if refusing > 0:
             try:
                 raise refused if refused is not None else ValueError(
-                    f"rank {self.rank}: {int(counts[1].item())} other rank(s) have a worker's shard too small for "
+                    f"rank {self.rank}: {refusing} other rank(s) have a worker's shard too small for "
                     f"microbatches={engine.microbatches}; this step was refused on every rank")
             finally:  # the frame (and through it the engine) must not hold its own exception: a reference cycle
                 refused = None  # (Note [No reference cycle through the engine])
-        total = counts[0].item()
+        total = counts[:, 0].sum().item()
         weights = [n / total for n in sizes]
         scale = engine.loss_scale_now()  # the same on every rank: each applies the same admit_update decisions
         self._share_buffers(engine)
@@ -559,9 +598,22 @@ class DistributedHybrid(_FailureNaming):
             with _collective("allreduce of the loss", self.rank, self._explain):
                 dist.all_reduce(loss, group=self.group)
             reduced = time.perf_counter()
+        except BaseException as exc:
+            self.broken = True
+            self._record_failure(exc)
+            raise
+        try:
             with engine.phase("update"):
                 applied = self._update_sharded(engine, scale) if self.shard_update else engine.apply_update(
                     [], None, grads=[self.reduced], loss_scale=scale)
+        except FloatingPointError:
+            # nonfinite="raise" (Engine.admit_update): every rank took this decision from the same reduced norm,
+            # before any collective of the update, so the group is still in step: no rank failed, the engine stays
+            # usable, as in one process. The step's gradient buckets were consumed by no copy back: drop them (as
+            # hybrid_step does), or the next step's waits would return on this step's stale slots.
+            for worker in engine.workers:
+                worker.streamer.reset()
+            raise
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)
@@ -1291,15 +1343,20 @@ class _AsyncClient:
 
 
 def _client_gradient(engine, minibatches, slots, out, scale: float | None) -> tuple[float, int]:
-    """The local workers split every mini-batch; out = their weighted sum (the sum over the mini-batches of each
-    mini-batch's mean gradient, as the single-node async ``accumulate``), each loss times ``scale`` when given."""
+    """The local workers split every mini-batch; out = the sum over the mini-batches of each mini-batch's mean
+    gradient, as the single-node async ``accumulate``, each loss times ``scale`` when given. Returns the mean of the
+    mini-batches' mean losses (as single-node async) and the samples.
+
+    Each mini-batch splits on its own (8 samples 4/4, then 3 samples 2/1), so a worker weights each of its shards'
+    losses by that shard's share of its mini-batch (:meth:`Worker.compute` with ``weights``): its slot holds
+    sum_j (n_jg / N_j) grad_jg, and the plain sum of the slots is the sum over j of mini-batch j's mean gradient."""
     shards = [split_batch(b, engine.num_workers) for b in minibatches]
-    sizes = [batch_size(s) for s in shards[0]]
-    weights = [n / sum(sizes) for n in sizes]
+    shares = [[batch_size(s) / sum(batch_size(t) for t in split) for s in split] for split in shards]
     results = engine.run_workers({w.index: (lambda w=w: w.compute(engine.loss_fn, [s[w.index] for s in shards],
+                                                                  [share[w.index] for share in shares],
                                                                   loss_scale=scale)) for w in engine.workers})
-    DistributedHybrid._local_sum(out, slots, weights)
-    loss = sum(results[i][0] * weights[i] for i in results)
+    DistributedHybrid._local_sum(out, slots, [1.0] * len(slots))
+    loss = sum(results[i][0] for i in results) / len(minibatches)
     return loss, sum(batch_size(b) for b in minibatches)
 
 

@@ -201,8 +201,9 @@ class Engine:
         except Exception as exc:
             distributed.report_failed_config(process_group, exc)
             raise
+        self._first_worker = 0  # the group-wide index of this rank's worker 0 (worker_rng)
         if group is not None:  # Note [Every rank's engine alike]: before any collective and any allocation
-            distributed.check_same_config(group, dict(
+            workers = distributed.check_same_config(group, dict(
                 mode=mode, shard_update=shard_update, servers=servers, stages=stages,
                 microbatches=microbatches if mode == "pipeline" else None,
                 schedule=schedule, balance=balance if isinstance(balance, str) else repr(balance),
@@ -211,7 +212,8 @@ class Engine:
                 bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused, autocast=str(autocast),
                 optimizer=self.optimizer.config(), loss_scale=repr(self.scaler), nonfinite=nonfinite,
                 max_staleness=max_staleness, staleness_lr=staleness_lr, seed=seed, lr_schedule=_samples(lr_schedule),
-                random_modules=[c.__qualname__ for c in self.random_modules]))
+                random_modules=[c.__qualname__ for c in self.random_modules]), local=len(self.devices))
+            self._first_worker = sum(workers[:group.rank()])  # the ranks' worker counts may differ
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
                                                                            first_bucket_mb, group)
@@ -277,9 +279,9 @@ class Engine:
 
     def worker_rng(self, device: torch.device, index: int) -> WorkerRNG:
         """The own generator of concurrent worker ``index`` (Note [Random numbers of concurrent workers]); with a
-        process group the index counts across ranks, so no two ranks' workers draw the same numbers."""
-        rank = self.process_group.rank() if self.process_group is not None else 0
-        rng = WorkerRNG(device, self.seed, rank * len(self.devices) + index)
+        process group the index counts across ranks, the lower ranks' workers first (their numbers may differ by
+        rank), so no two workers of the group draw the same numbers."""
+        rng = WorkerRNG(device, self.seed, self._first_worker + index)
         self._worker_rngs.append(rng)
         return rng
 
@@ -493,7 +495,9 @@ class Engine:
         ``ValueError`` and leaves the engine as it was. The loss scaler's state is loaded into this engine's scaler (a
         state saved without one resets it; an engine without a scaler ignores it). The state is always full
         (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam state, so
-        every rank loads the same state and no collective is needed."""
+        every rank loads the same state and no collective is needed. With a process group every rank must load the
+        same state: a hybrid step refuses ranks at different versions, on every rank, with a ``DistributedError``
+        (Note [Every rank at the same version] in :mod:`pyengine.distributed`)."""
         self._check_open()
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__

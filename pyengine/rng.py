@@ -14,9 +14,10 @@ CUDA kernels take their random offsets from the generator when they are launched
 them as well. A random module inside another runs on the state already swapped in.
 
 The worker's generator is seeded afresh at the start of every step (or async push) from (seed, global worker index,
-step): the draws are a pure function of those, so a run resumed from a checkpoint draws what the uninterrupted run
-drew with no generator state saved, whatever devices or how many workers it resumes on, on every rank of a process
-group alike.
+step), the global index counting the workers of a process group's lower ranks first (:meth:`Engine.worker_rng`;
+ranks may have different numbers of workers, and no two workers of the group share an index): the draws are a pure
+function of those, so a run resumed from a checkpoint draws what the uninterrupted run drew with no generator state
+saved, whatever devices or how many workers it resumes on, on every rank of a process group alike.
 
 An activation checkpoint (``torch.utils.checkpoint``) recomputes its region's forward during backward and restores
 torch's default generator first so that the recomputed masks equal the forward's; a routed module would instead

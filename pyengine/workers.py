@@ -296,8 +296,10 @@ class Worker:
     def compute(self, loss_fn, batches, weights: list[float] | None = None,
                 loss_scale: float | None = None) -> "Computed":
         """Forward+backward over ``batches`` (gradients summed in the replica, copied once after the last). With
-        ``weights`` (micro-batches of one batch, :func:`split_microbatches`) each loss is weighted, so the replica
-        holds the gradient of the whole batch's mean loss; without, the plain sum (async's ``accumulate``). With
+        ``weights`` each loss is weighted and the returned loss is the weighted sum: micro-batches of one batch
+        (:func:`split_microbatches`), so the replica holds the gradient of the whole batch's mean loss, or a
+        multi-node async client's shards of several mini-batches, each weighted by its share of its mini-batch;
+        without, the plain sum of the gradients and the mean of the losses (async's ``accumulate``). With
         ``loss_scale`` every loss is multiplied by it before backward (Note [Loss scaling]): the slot holds the
         scaled gradient.
 

@@ -147,6 +147,53 @@ def bn_buffers(batches):
     return record
 
 
+def nonfinite_raise(seed, rank, world):
+    """nonfinite="raise", replicated and sharded, 2 local workers: a good step, a step whose batch has a NaN on rank
+    1 only (every rank gets the non-finite reduced gradient), then a good step. What each step did or raised."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
+    if rank == 1:
+        batches[1][0][0, 0] = float("nan")
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT), pin=False,
+                             nonfinite="raise", shard_update=shard) as engine:
+            steps = []
+            for b in batches:
+                try:
+                    steps.append(engine.step(b)["applied"])
+                except Exception as exc:  # noqa: BLE001 - recorded for the test
+                    steps.append(f"{type(exc).__name__}: {exc}")
+            out[name] = dict(steps=steps, stats=engine.stats(), recorded=engine.recorded_failure(),
+                             master=engine.master_state_dict())
+    return out
+
+
+def load_divergence(seed, rank, world):
+    """Replicated and sharded: after 2 steps rank 0 alone loads the state of step 1 (a resume on rank 0 only); the
+    next step must fail on every rank. Then rank 1 loads it too, and both train on."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
+                             shard_update=shard) as engine:
+            engine.step(batches[0])
+            state = engine.state_dict()
+            engine.step(batches[1])
+            if rank == 0:
+                engine.load_state_dict(state)
+            try:
+                engine.step(batches[1])
+                error = None
+            except distributed.DistributedError as exc:
+                error = str(exc)
+            if rank == 1:
+                engine.load_state_dict(state)
+            engine.step(batches[1])
+            engine.step(batches[2])
+            out[name] = dict(error=error, version=engine.version, master=engine.master_state_dict())
+    return out
+
+
 ASYNC = dict(pushes=24, per_client=40)
 
 
@@ -166,6 +213,20 @@ def asynchronous(seed, rank, world):
             engine.fit(iter(batches[:2]) if rank else [], steps=100)
         out["warnings"] = [[str(w.message) for w in caught] for caught in (enough, short)]
         return out
+
+
+ACCUMULATE = dict(sizes=(8, 3, 5, 6), accumulate=2)  # 2 pushes; on 2 local workers 4/4 then 2/1, 3/2 then 3/3
+
+
+def async_accumulate(seed, rank, world):
+    """Rank 0 serves; rank 1 pushes with 2 local workers and accumulate=2 over mini-batches of different sizes, so
+    each mini-batch splits its own way between the workers (max_staleness=0: sequential)."""
+    batches = [client_batch(seed, rank, i, size=n) for i, n in enumerate(ACCUMULATE["sizes"])] if rank else []
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * (2 if rank else 1), mode="async", pin=False,
+                         optimizer=pyengine.AdamW(**OPT), accumulate=ACCUMULATE["accumulate"],
+                         max_staleness=0) as engine:
+        engine.fit(batches, epochs=1)
+        return dict(history=engine.history, master=engine.master_state_dict())
 
 
 SHARD = dict(steps=3, more=2, batch=29, ckpt_step=3)
@@ -486,6 +547,52 @@ def dropout_resume(seed, rank, world):
     return dict(first_mask=first_mask, resumed_equal=all(torch.equal(expected[k], got[k]) for k in expected))
 
 
+def dropout_uneven(seed, rank, world):
+    """Rank 0 with 2 local workers, rank 1 with 1, a model with dropout, one step with 2 samples per worker: each
+    worker's mask."""
+    masks = []
+
+    def recording_loss(m, batch):
+        hidden = m[1](m[0](batch[0]))
+        masks.append(hidden == 0)
+        return torch.nn.functional.cross_entropy(m[2](hidden), batch[1])
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D_IN, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, CLASSES))
+    workers = 2 if rank == 0 else 1
+    with pyengine.Engine(model, recording_loss, devices=["cpu"] * workers, pin=False, seed=seed) as engine:
+        engine.step(global_batches(seed + rank, 1, 2 * workers)[0])
+    return dict(masks=masks)
+
+
+def save_fails(seed, rank, world, out_dir):
+    """checkpoint.save_engine where rank 0 cannot write (its directory is a file): every rank must raise the same
+    CheckpointError naming rank 0's file and error, and the group stays in step: each rank catches it and trains on."""
+    blocker = os.path.join(out_dir, "not-a-directory")
+    if rank == 0:
+        open(blocker, "w").close()
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 12)]
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False) as eng:
+        eng.step(batches[0])
+        try:
+            checkpoint.save_engine(os.path.join(blocker, "ckpt"), 1, eng)
+            error = None
+        except checkpoint.CheckpointError as exc:
+            error = str(exc)
+        for batch in batches[1:]:
+            eng.step(batch)
+        return {"error": error, "version": eng.version, "weights": eng.master_state_dict()}
+
+
+def shard_one_rank(seed, rank, world):
+    """A group of 1 rank (torchrun --nproc-per-node 1): shard_update=True with process_group="auto"."""
+    try:
+        pyengine.Engine(make_model(), loss_fn, devices=["cpu"], pin=False, shard_update=True)
+        return dict(error=None)
+    except ValueError as exc:
+        return dict(error=str(exc))
+
+
 MISMATCHES = {  # Note [Every rank's engine alike]: what rank 1 changes, one case at a time
     "lr": lambda rank: dict(optimizer=pyengine.AdamW(**{**OPT, "lr": OPT["lr"] * (1 + rank)})),
     "shape": lambda rank: dict(model=torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN + rank), torch.nn.Tanh(),
@@ -546,8 +653,11 @@ def main():
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
-                 "overlap": overlap, "bad-local-batch": bad_local_batch, "mismatch": mismatch, "dropout-resume": dropout_resume, "hybrid-fp16": hybrid_fp16,
-                 "async-fp16": async_fp16,
+                 "overlap": overlap, "bad-local-batch": bad_local_batch, "mismatch": mismatch, "dropout-resume": dropout_resume,
+                 "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,
+                 "shard-one-rank": shard_one_rank,
+                 "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir), "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
+                 "async-fp16": async_fp16, "async-accumulate": async_accumulate,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}
     try:

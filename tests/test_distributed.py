@@ -172,6 +172,19 @@ def test_dropout_masks_differ_across_ranks_and_resume_from_rank_0s_state(tmp_pat
     assert not torch.equal(ranks[0]["first_mask"], ranks[1]["first_mask"])
 
 
+@pytest.mark.timeout(90)
+def test_dropout_masks_differ_across_workers_of_ranks_with_different_worker_counts(tmp_path, seed):
+    """Rank 0 with 2 workers, rank 1 with 1: each worker of the group has its own generator (the global worker index
+    counts the lower ranks' workers first), so no two draw the same masks."""
+    codes, logs, _ = launch("dropout-uneven", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    masks = ranks[0]["masks"] + ranks[1]["masks"]
+    assert len(masks) == 3
+    same = [(a, b) for a in range(3) for b in range(a + 1, 3) if torch.equal(masks[a], masks[b])]
+    assert not same, f"masks {same} (rank 0's two workers', then rank 1's) are the same"
+
+
 def test_hybrid_fp16_loss_scaling_equals_grad_scaler(tmp_path, seed):
     """Float16 autocast with dynamic loss scaling across 2 processes x 2 workers, replicated and sharded: every rank
     takes GradScaler's decisions step for step (backoffs from a scale that overflows, growth, a poisoned batch
@@ -231,6 +244,52 @@ def test_async_fp16_servers_follow_the_coordinators_loss_scale(tmp_path, seed):
         assert_identical(ranks[0]["master"], rank["master"], f"rank {r}")
         assert all(torch.isfinite(v).all() for v in rank["master"].values())
     assert ranks[1]["stats"]["skipped_steps"] == ranks[0]["stats"]["skipped_steps"] == skipped
+
+
+@pytest.mark.timeout(90)
+def test_nonfinite_raise_raises_on_every_rank_and_the_engine_trains_on(tmp_path, seed):
+    """nonfinite="raise" across processes, replicated and sharded: a NaN in rank 1's batch makes every rank raise
+    FloatingPointError together (a decision from the same reduced norm), no rank is recorded as failed, and the next
+    step trains on, as in one process: the weights are those of the two good steps."""
+    codes, logs, _ = launch("nonfinite-raise", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    reference = Reference()
+    for i, batch in enumerate(dist_job.global_batches(seed, 3, 16)):
+        if i != 1:
+            reference.step(batch)
+    for kind in ("replicated", "sharded"):
+        for r, rank in enumerate(ranks):
+            first, raised, last = rank[kind]["steps"]
+            assert first is True and last is True, (kind, r, rank[kind]["steps"])
+            assert raised.startswith("FloatingPointError: non-finite gradient at step 2"), (kind, r, raised)
+            assert rank[kind]["recorded"] is None, (kind, r)
+            stats = rank[kind]["stats"]
+            assert (stats["steps"], stats["applied_updates"], stats["raised_steps"]) == (3, 2, 1), (kind, r)
+        assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
+        reference.assert_matches(ranks[0][kind]["master"])
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed):
+    """Note [Every rank at the same version]: rank 0 alone loads an earlier state; the next step raises on every
+    rank naming the ranks' versions (before, they trained on with different weights), and once rank 1 loads it too
+    both train on alike: equal to steps on batches 0, 1, 2."""
+    codes, logs, _ = launch("load-divergence", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, 3, 16):
+        reference.step(batch)
+    for kind in ("replicated", "sharded"):
+        for r, rank in enumerate(ranks):
+            assert rank[kind]["error"] == (
+                f"rank {r}: the ranks' engines hold different states (version 1 on rank 0; version 2 on rank 1): "
+                "every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this "
+                "step was refused on every rank"), (kind, rank[kind]["error"])
+            assert rank[kind]["version"] == 3, kind
+        assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
+        reference.assert_matches(ranks[0][kind]["master"])
 
 
 def owned_elements(buckets, rank, world):
@@ -344,6 +403,32 @@ def test_async_applies_every_push_exactly_once(tmp_path, seed):
     reference.assert_matches(server["master"])
 
 
+@pytest.mark.timeout(90)
+def test_async_client_with_workers_accumulates_minibatches_split_unevenly(tmp_path, seed):
+    """A client's local workers split each mini-batch its own way (8 samples 4/4, then 3 samples 2/1): a push is the
+    sum over its mini-batches of each one's mean gradient, as single-node async's accumulate, and its loss the mean
+    of their mean losses."""
+    codes, logs, _ = launch("async-accumulate", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    server, client = results(tmp_path, 2)
+    batches = [dist_job.client_batch(seed, 1, i, size=n) for i, n in enumerate(dist_job.ACCUMULATE["sizes"])]
+    k = dist_job.ACCUMULATE["accumulate"]
+    assert [(m["push_id"], m["samples"], m["applied"]) for m in server["history"]] == \
+        [(p + 1, sum(len(b[1]) for b in batches[p * k:(p + 1) * k]), True) for p in range(len(batches) // k)]
+    reference = Reference()
+    for push, m in enumerate(server["history"]):
+        reference.opt.zero_grad()
+        losses = []
+        for x, y in batches[push * k:(push + 1) * k]:  # backward per mini-batch: the gradients sum
+            loss = dist_job.loss_fn(reference.model, (x.double(), y))
+            loss.backward()
+            losses.append(loss.item())
+        reference.opt.step()
+        assert m["loss"] == pytest.approx(sum(losses) / k, rel=1e-5), push
+    reference.assert_matches(server["master"])
+    assert_identical(server["master"], client["master"], "async accumulate")
+
+
 # Rank 1 exits, raises or hangs between hybrid steps (after its third): nothing recorded; rank 0 names it from the
 # ranks' check-ins (Note [Naming a rank that died between steps]).
 BETWEEN_STEPS = "rank 1 never reached step 4 (rank 0 did; this rank waited"
@@ -414,6 +499,33 @@ def test_option_errors():
             distributed.init_process_group()
         finally:
             os.environ.update(env)
+
+
+@pytest.mark.timeout(60)
+def test_shard_update_on_a_group_of_one_rank_says_so(tmp_path, seed):
+    """torchrun with 1 rank: "auto" runs the process alone, and shard_update=True says why it cannot shard (not that
+    the process should run under torchrun, which it does)."""
+    codes, logs, _ = launch("shard-one-rank", 1, tmp_path, seed)
+    assert codes == [0], logs[0]
+    error = results(tmp_path, 1)[0]["error"]
+    assert error is not None and "the default torch.distributed group has only 1 rank (WORLD_SIZE=1)" in error, error
+    assert "run under torchrun" not in error, error
+
+
+def test_a_checkpoint_rank_0_cannot_write_raises_on_every_rank_and_the_group_trains_on(tmp_path, seed):
+    """save_engine: rank 0 writes; when it cannot, every rank raises CheckpointError naming rank 0's file and error
+    (the others got a bare gloo error from the barrier rank 0 never reached), and the ranks stay in step."""
+    codes, logs, _ = launch("save-fails", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    blocked = str(tmp_path / "not-a-directory" / "ckpt")
+    for r, rank in enumerate(ranks):
+        error = rank["error"]
+        assert error is not None and error.startswith(f"rank 0 could not write checkpoint {blocked}"), (r, error)
+        assert "NotADirectoryError" in error, (r, error)
+        assert rank["version"] == 3, (r, rank["version"])
+    for name, tensor in ranks[0]["weights"].items():
+        assert torch.equal(tensor, ranks[1]["weights"][name]), name
 
 
 def applied_ids(history, rank):
