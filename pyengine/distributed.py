@@ -336,15 +336,25 @@ class _Rendezvous:
             pass
         return None
 
-    def check_in(self, rank: int) -> None:
-        """Counts one more phase reached by ``rank`` (best effort: an unreachable store fails the next collective)."""
+    def check_in(self, rank: int, count: int, name: str) -> None:
+        """Records that ``rank`` entered its ``count``-th phase, ``name`` (best effort: an unreachable store fails the
+        next collective). Only ``rank`` writes its key."""
         if self.store is not None:
             with contextlib.suppress(RuntimeError):
-                self.store.add(f"{self.prefix}present/{rank}", 1)
+                self.store.set(f"{self.prefix}present/{rank}", f"{count} {name}")
 
-    def phases(self, world: int) -> list[int]:
-        """How many phases each rank of ``world`` reached; raises RuntimeError when the store is unreachable."""
-        return [self.store.add(f"{self.prefix}present/{r}", 0) for r in range(world)]
+    def phases(self, world: int) -> list[tuple[int, str | None]]:
+        """(phases reached, the last one's name) of each rank of ``world``, (0, None) for a rank that checked in for
+        none; raises RuntimeError when the store is unreachable."""
+        found = []
+        for r in range(world):
+            key = f"{self.prefix}present/{r}"
+            if not self.store.check([key]):  # get() would wait for the key
+                found.append((0, None))
+                continue
+            count, _, name = self.store.get(key).decode("utf-8", "ignore").partition(" ")
+            found.append((int(count), name))
+        return found
 
 
 @contextlib.contextmanager
@@ -358,6 +368,11 @@ def _collective(what: str, rank: int, explain=None):
     except RuntimeError as exc:  # gloo's errors, DistBackendError included
         cause = (explain() if explain is not None else None) or "a peer rank died, raised or timed out"
         raise DistributedError(f"rank {rank}: {what} failed ({type(exc).__name__}: {exc}); {cause}") from exc
+
+
+# Every rank's tensor into one flat output: torch 2.14 deprecates all_gather_into_tensor (a FutureWarning) for
+# all_gather_single, which torch 2.11 lacks.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _wait(work, what: str, rank: int, explain=None) -> None:
@@ -380,7 +395,7 @@ class _FailureNaming:
     def _enter(self, phase: str) -> None:
         """Checks this rank in for ``phase`` before the phase's first collective."""
         self.phase, self.phase_name, self.phase_start = self.phase + 1, phase, time.monotonic()
-        self.rendezvous.check_in(self.rank)
+        self.rendezvous.check_in(self.rank, self.phase, phase)
 
     def _record_failure(self, exc: BaseException) -> None:
         """Records that this rank failed with ``exc`` (its own error; not a failed exchange with a peer), best
@@ -399,7 +414,7 @@ class _FailureNaming:
         try:
             while True:
                 phases = rendezvous.phases(self.world)
-                missing = [r for r, n in enumerate(phases) if n < self.phase]
+                missing = [r for r, (n, _) in enumerate(phases) if n < self.phase]
                 waited = time.monotonic() - self.phase_start
                 if not missing or waited >= PRESENCE_WAIT_S:
                     break
@@ -413,6 +428,12 @@ class _FailureNaming:
         if recorded is not None:
             return recorded
         present = [r for r in range(self.world) if r not in missing]
+        elsewhere = {r: name for r, (n, name) in enumerate(phases) if n == self.phase and name != self.phase_name}
+        if elsewhere:  # as many phases, other calls: the ranks' collectives paired up wrongly
+            return ("the ranks made different calls: this rank is in " + self.phase_name + ", while "
+                    + "; ".join(f"rank {r} is in {name}" for r, name in elsewhere.items())
+                    + ": every rank must make the same engine calls in the same order (step, fit, and state_dict, "
+                      "master_state_dict or checkpoint.save_engine of a sharded engine: collectives)")
         if missing:
             one = len(missing) == 1
             return (f"{_rank_list(missing)} never reached {self.phase_name} ({_rank_list(present)} did; this rank "
@@ -460,14 +481,17 @@ class DistributedHybrid(_FailureNaming):
     Note [Naming a rank that died between steps]
     A rank that dies (``os._exit``, a signal, the OOM killer) or raises or hangs outside a step leaves no record, and
     gloo's "Connection closed by peer [address]" does not say which rank is gone. So every rank counts the phases it
-    reaches in the rendezvous store: :meth:`_enter` adds 1 to ``present/<rank>`` before the phase's first collective
-    (the construction, each step, each gather of the optimizer state; one store round trip per step, no thread).
+    reaches in the rendezvous store: :meth:`_enter` sets ``present/<rank>`` to its count and the phase's name before
+    the phase's first collective (the construction, each step, each gather of the optimizer state; one store round
+    trip per step, no thread).
     When a collective of this rank's phase n fails and no rank recorded a failure, :meth:`_explain` reads every
     rank's count and names the ranks below n: they never reached the phase that this rank is in, so they died,
     exited, raised or hang before it. Ranks that are alive but slower between steps (loading data, a checkpoint)
     check in shortly after, so the check waits until ``PRESENCE_WAIT_S`` (module attribute, 5 s) after this rank's
     check-in for the missing ones (polling the store; no wait when the collective failed later than that, e.g. on
-    the group's timeout), and the error says how long it waited. When every rank reached the phase, a rank died or
+    the group's timeout), and the error says how long it waited. A rank at the same count in a phase of another name
+    made other calls (rank 0 alone gathering a sharded state while rank 1 steps): their collectives paired up
+    wrongly, and the error says that, naming both phases. When every rank reached the phase, a rank died or
     hangs inside it: the error says so, and that gloo does not tell which (with 2 ranks: the other one). Reports
     from the ranks whose collective failed would not tell more: a live rank can stay blocked on a peer that is busy
     reporting, and look dead. If the store itself is unreachable, its host is gone: rank 0, unless torchrun's agent
@@ -535,7 +559,7 @@ class DistributedHybrid(_FailureNaming):
                                 dtype=torch.float64)
             counts = torch.zeros(self.world, len(mine), dtype=torch.float64)
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
-                dist.all_gather_into_tensor(counts.view(-1), mine, group=self.group)
+                _all_gather_flat(counts.view(-1), mine, group=self.group)
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)
@@ -728,7 +752,7 @@ class DistributedHybrid(_FailureNaming):
             mine[part.numel():].zero_()
             region = self._ring[k % 2][:self.world * self.part[k]]
             with _collective(f"all-gather of {what}", self.rank, self._explain):
-                pending.append((k, dist.all_gather_into_tensor(region, mine, group=self.group, async_op=True)))
+                pending.append((k, _all_gather_flat(region, mine, group=self.group, async_op=True)))
         while pending:
             self._unpack_gathered(*pending.popleft(), out, what)
 

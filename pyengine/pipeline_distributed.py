@@ -11,24 +11,29 @@ each rank updating its stage's range of the Engine's store (Note [Distributed pi
 
 Every rank builds the same split of ``model`` (``balance="params"`` or a list of sizes) and keeps only its stage:
 rank s runs stage s (with ``stages`` < the group's size, data-parallel replicas of each stage: Note [Replicas of
-stages across processes]); the weights every rank starts from are rank 0's (broadcast at construction), and
-parameters tied across stages stay tied (Note [Parameters tied across processes]). The schedule scales the
+stages across processes]); every rank starts from rank 0's weights, frozen parameters and buffers (broadcast at
+construction: Note [Every rank starts from rank 0's model]), and parameters tied across stages stay tied (Note
+[Parameters tied across processes]). The schedule scales the
 gradients by 1/M (``scale_grads``), so the step is one step of AdamW on the whole batch's mean gradient.
-torch.distributed.pipelining sizes its receive buffers from the first micro-batch, so every micro-batch must have
-the same size: the batch must be a multiple of M (checked, with a clear error).
+torch.distributed.pipelining sizes its receive buffers from one micro-batch's shape (Note [Static stage metadata]), so
+every micro-batch must have the same size: the batch must be a multiple of M (checked, with a clear error).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import copy
+import itertools
 import time
+import warnings
 import weakref
 import zlib
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
@@ -86,6 +91,56 @@ def _check_equal_split(tensor, microbatches: int, what: str) -> None:
         raise ValueError(f"{what}: a batch of {n} samples does not split into microbatches={microbatches} equal "
                          f"micro-batches (torch.distributed.pipelining needs equal sizes); use a batch size that is "
                          f"a multiple of {microbatches}")
+
+
+def stage_inputs(modules, microbatch: torch.Tensor, device: torch.device, context) -> list[torch.Tensor]:
+    """What every stage of ``modules`` (the whole model's split) takes in on ``device``, as meta tensors (shape,
+    strides, dtype, requires_grad): stage 0's input (``microbatch``), then each stage's output, stage S - 2's last.
+    Computed on fake tensors (Note [Static stage metadata]): no data, no arithmetic, no random number drawn, no
+    buffer changed, each stage under ``context(device)`` (its autocast). Raises what the fake forward raised."""
+    fakes: dict[int, torch.Tensor] = {}  # id -> fake: a parameter tied across stages is one fake tensor
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            fakes[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device,
+                                               requires_grad=t.requires_grad)
+        return fakes[id(t)]
+
+    with FakeTensorMode(), torch.enable_grad():  # with autograd: whether an output requires grad is exact
+        x = fake(microbatch)
+        inputs = [x]
+        for s, module in enumerate(modules[:-1]):
+            state = {name: fake(t) for name, t in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                                                  module.named_buffers(remove_duplicate=False))}
+            with context(device):
+                x = functional_call(module, state, (x,))
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"stage {s}'s output is a {type(x).__name__}, not one tensor")
+            inputs.append(x)
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+            for t in inputs]
+
+
+def _batch_problem(inputs, targets) -> str | None:
+    """Why ``(inputs, targets)`` is not a batch a pipeline across processes can run, or None: the inputs must be one
+    tensor (the first stage's only argument, split into micro-batches and sent between stages as one tensor), the
+    targets one tensor or None (Note [Batches without targets across processes])."""
+    if not isinstance(inputs, torch.Tensor):
+        return (f"a pipeline over a process group needs the inputs of each (inputs, targets) batch as one tensor; got "
+                f"{type(inputs).__name__} (the in-process pipeline, devices=[...] without a process group, also takes "
+                "a tuple, list or dict)")
+    if targets is not None and not isinstance(targets, torch.Tensor):
+        return (f"a pipeline over a process group needs the targets of each (inputs, targets) batch as one tensor or "
+                f"None; got {type(targets).__name__}")
+    return None
+
+
+def _fingerprint(t) -> tuple[float, float]:
+    """(element count, CRC-32 of the bytes) of a tensor; (-1, 0) for None and (-2, 0) for anything else (Note [The
+    same batch on every rank])."""
+    if isinstance(t, torch.Tensor):
+        return float(t.numel()), batch_checksum(t)
+    return (-1.0 if t is None else -2.0), 0.0
 
 
 # ---- Engine(mode="pipeline") with a process group: rank s runs stage s ------------------------------------------
@@ -153,23 +208,25 @@ def buffers_restored(module: torch.nn.Module):
 
 class _MeteredStage(PipelineStage):
     """A ``PipelineStage`` whose forward and backward computations a :class:`_StageMeter` measures. The schedules wait
-    for a micro-batch's receives before calling them, so the time is the stage's compute, not its waiting.
+    for a micro-batch's receives before calling them, so the time is the stage's compute, not its waiting. A backward
+    that raises is this rank's own failure, a :class:`StageError` as a forward's or the loss's is (Note [Naming the
+    stage that failed]). Built with its metadata (Note [Static stage metadata]), it runs no inference of its own.
 
     Note [Shape inference leaves the buffers alone]
-    At its first step a ``PipelineStage`` runs its module once more to learn the shapes of its outputs. torch 2.11
-    runs it on zeros, under no_grad but in training mode: every BatchNorm of the stage took a batch of zeros into its
-    running statistics (running_var pulled 10 % towards 0, one batch more counted), which the in-process pipeline
-    and single-device training never see. Newer torch backs the buffers up around its (renamed) metadata inference
-    itself; on torch that still has ``_shape_inference`` the override below does the same. Tested: the BatchNorm
-    runs of tests/test_pipeline.py across processes (they failed on torch 2.11 without it), and a unit test that
-    stands in for torch 2.11's inference. The inference forward still draws from the RNG (a dropout layer's mask).
+    Only where the static metadata could not be computed (Note [Static stage metadata]) does a ``PipelineStage`` run
+    its module once more at its first step to learn its shapes. torch 2.11 runs it on zeros, under no_grad but in
+    training mode: every BatchNorm of the stage took a batch of zeros into its running statistics (running_var
+    pulled 10 % towards 0, one batch more counted), which the in-process pipeline and single-device training never
+    see. Newer torch backs the buffers up around its (renamed) metadata inference itself; on torch that still has
+    ``_shape_inference`` the override below does the same. Tested: a unit test that stands in for torch 2.11's
+    inference (the BatchNorm runs across processes failed on torch 2.11 without it, before the static metadata).
     """
 
     def __init__(self, *args, meter: _StageMeter, **kwargs):
         super().__init__(*args, **kwargs)
         self._pyengine_meter = meter
 
-    def _shape_inference(self, *args, **kwargs):
+    def _shape_inference(self, *args, **kwargs):  # torch 2.11; 2.14 calls _forward_metadata_inference instead
         with buffers_restored(self.submod):
             return super()._shape_inference(*args, **kwargs)
 
@@ -179,7 +236,15 @@ class _MeteredStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         with self._pyengine_meter.backward(bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            try:
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
+                cause = exc
+                while cause.__cause__ is not None:  # torch's "Failed to run stage backward" wraps the error raised
+                    cause = cause.__cause__
+                if isinstance(cause, StageError):  # a recomputed forward (activation checkpoint) raised
+                    raise cause
+                raise self.submod.failure(cause) from cause
 
 
 class _PipelinedLayers(torch.nn.Module):
@@ -196,6 +261,11 @@ class _PipelinedLayers(torch.nn.Module):
     def context(self, device: torch.device):
         return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
+    def failure(self, exc: BaseException) -> StageError:
+        """This rank's own failure ``exc`` (its layers' forward or backward, or the loss) as the StageError naming
+        its stage (Note [Naming the stage that failed])."""
+        return StageError(self.stage, self.replica, self.device, exc)
+
     def forward(self, x):
         if self.last:
             # A view, so the output has its own autograd node rather than being the received buffer itself. With
@@ -206,7 +276,7 @@ class _PipelinedLayers(torch.nn.Module):
             with self.context(x.device):
                 return self.layers(x)
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
-            raise StageError(self.stage, self.replica, self.device, exc) from exc
+            raise self.failure(exc) from exc
 
 
 def batch_checksum(t: torch.Tensor) -> float:
@@ -222,7 +292,8 @@ class DistributedPipeline(_FailureNaming):
     schedule; built by :class:`~pyengine.Engine` when it has a process group.
 
     Every rank calls ``engine.step((inputs, targets))`` with the same batch: rank 0 feeds the inputs, the last rank
-    the targets. The batch must split into M equal micro-batches (torch.distributed.pipelining's stages need equal
+    the targets. The inputs are one tensor, the targets one tensor or None (Note [Batches without targets across
+    processes]). The batch must split into M equal micro-batches (torch.distributed.pipelining's stages need equal
     shapes); its size may change from step to step (Note [One schedule per batch shape]).
 
     Note [Engine loss on the last process]
@@ -233,12 +304,33 @@ class DistributedPipeline(_FailureNaming):
     module the library holds, so its ``scale_grads`` (1/M) and ``zero_grad`` cover them.
 
     Note [One schedule per batch shape]
-    A ``PipelineStage`` learns the shapes of its activations at its first step and sizes its receive buffers from
-    them for good: a later batch of another shape (the short last batch of an epoch, another sequence length) would be
-    received into the old buffers, an error or, for a smaller message, stale rows read as data. So each batch shape
-    (inputs' and targets' shapes and dtypes, the same on every rank) gets its own stage and schedule, built at its
-    first batch (every rank builds it at the same step, so the shape exchange of its first step matches); the last
-    ``SCHEDULES_KEPT`` shapes are kept, the oldest dropped first, the same on every rank.
+    A ``PipelineStage`` sizes its receive buffers from the shapes of its activations once, for good: a later batch of
+    another shape (the short last batch of an epoch, another sequence length) would be received into the old
+    buffers, an error or, for a smaller message, stale rows read as data. So each batch shape (inputs' and targets'
+    shapes and dtypes, the same on every rank) gets its own stage and schedule, built at its first batch with that
+    shape's metadata (Note [Static stage metadata]; every rank builds it at the same step, so the exchanges of its
+    first step match); the last ``SCHEDULES_KEPT`` shapes are kept, the oldest dropped first, the same on every rank.
+
+    Note [Static stage metadata]
+    A ``PipelineStage`` built without ``input_args`` / ``output_args`` infers them at its first step by running its
+    module once more: torch 2.11 a no-grad forward on zeros (``_shape_inference``), torch 2.14 a real forward and
+    backward, on the last stage with the schedule's loss (``_forward_metadata_inference`` /
+    ``_backward_metadata_inference``), on the first micro-batch and, past stage 0, on uninitialised activations.
+    That hidden pass drew dropout masks from the rank's generator right after it was seeded for the step (so the
+    first step of every new shape drew other masks than the same step of a run whose schedule already existed: a
+    resumed run was not bit-identical to the uninterrupted one), ran the user's loss_fn once more on garbage, and
+    counted in step 1's ``activation_peak`` and ``busy_s``. Every rank holds the whole model, so each computes every
+    stage's input and output metadata itself instead (:func:`stage_inputs`): the model's own layers run, split as the
+    stages are, on fake tensors (``FakeTensorMode``: shapes, strides, dtypes and requires_grad propagate, no data, no
+    arithmetic, no random number drawn, no buffer changed; parameters and buffers passed with ``functional_call``) on
+    the stage's device under its autocast, from the first micro-batch's shape; the last stage's output is its input
+    (Note [Engine loss on the last process]). Both torch versions then skip their inference (2.11: ``inputs_meta`` is
+    set; 2.14: the stages vote STATIC), with no exchange of shapes. A model whose forward cannot run on fake tensors
+    (it reads a value: ``.item()``, data-dependent shapes; an operator without a fake kernel) falls back, with a
+    RuntimeWarning, to torch's inference: every rank computes every stage's metadata, so all fall back together.
+    Tested: on 2 ranks with dropout in both stages, resuming is bit-identical, loss_fn runs M times per step and
+    step 1's activation peak is every later step's (each failed before); the metadata equals a real forward's, under
+    autocast too, and leaves the random state and buffers alone; the fallback trains.
 
     Note [Replicas of stages across processes]
     With ``stages=S`` on a group of W = S x R ranks, each stage has R data-parallel replicas (pipeline x hybrid, as
@@ -264,8 +356,9 @@ class DistributedPipeline(_FailureNaming):
     again). The owner's update covers the entry with its range; every other rank holding it updates the entry too,
     with the same gradient, global norm, step and prior state, so the same bits (the update is elementwise), and all
     copies compute with the same weights next step without an exchange. The global norm counts the entry once (in
-    the owner's range). Every rank starts from rank 0's weights (the construction broadcasts them), so the copies'
-    weights and Adam state start equal, and gather() and load_state_dict() keep them so.
+    the owner's range). Every rank starts from rank 0's weights (the construction broadcasts them: Note [Every rank
+    starts from rank 0's model]), so the copies' weights and Adam state start equal, and gather() and
+    load_state_dict() keep them so.
 
     Note [Bubble across processes]
     Each rank times its own stage's compute during the schedule (forward and backward of every micro-batch, and on
@@ -289,12 +382,34 @@ class DistributedPipeline(_FailureNaming):
     Note [Naming the stage that failed]
     Across processes a failing stage cannot stop the others as the in-process pipeline does: its peers are blocked in
     a receive or a collective, which fails when its process exits (or after the group's timeout), with gloo's error
-    naming an address. So a rank's own failure (its layers' forward or the loss raising: a :class:`StageError`
-    naming its stage, as in process) is recorded in the rendezvous store before it leaves the step, and a rank whose
-    exchange fails raises :class:`~pyengine.distributed.DistributedError` naming the rank that failed from that
+    naming an address. So a rank's own failure (its layers' forward or backward, or the loss, raising: a
+    :class:`StageError` naming its stage and the original error, as in process; for a backward the error torch's
+    "Failed to run stage backward" wraps) is recorded in the rendezvous store before it leaves the step, and a rank
+    whose exchange fails raises :class:`~pyengine.distributed.DistributedError` naming the rank that failed from that
     record, or the rank that never reached this step (the check-ins of every step and gather), exactly as the
     multi-node hybrid engine does (Note [Naming the rank that failed], Note [Naming a rank that died between steps]
-    in :mod:`pyengine.distributed`). After a failed step the engine refuses further steps.
+    in :mod:`pyengine.distributed`). After a failed step (or gather) the engine refuses further steps and gathers
+    (so ``state_dict()``, ``master_state_dict()``, ``optimizer_state_dict()``) at once with a DistributedError: its
+    peers may still be blocked in the failed step's exchanges, and a collective would wait for the group's timeout.
+
+    Note [Batches without targets across processes]
+    A loss that needs no targets takes ``(inputs, None)`` batches, as in process. torch's schedules compute the loss
+    on the last stage only when given a target to split, so the last rank gives it a stand-in with the batch's rows
+    and no columns (``torch.empty(n, 0)``, no memory), and ``_loss`` hands loss_fn None. The inputs must be one
+    tensor (the first stage's only argument, cut into micro-batches and sent between stages as one tensor) and the
+    targets one tensor or None: anything else (a dict, a tuple; the in-process pipeline takes them) is a ValueError,
+    raised after the batch check's all-reduce, whose fingerprint marks None and such batches, so every rank given it
+    raises the same and the group stays usable. Tested on 2 ranks: equal to the in-process pipeline, and a dict or
+    tuple refused on both ranks with the engine stepping on.
+
+    Note [Every rank starts from rank 0's model]
+    Ranks may build the model from different seeds (as DDP, rank 0's state wins): the construction broadcasts rank
+    0's trainable weights (the host store) and then its frozen parameters and buffers (BatchNorm statistics; one flat
+    buffer per dtype, in model order, which check_same_config makes the same on every rank) into each rank's stage
+    and its copies of the other stages' buffers. Tested on 2 ranks built from different seeds, a frozen Linear and a
+    BatchNorm with non-default statistics in stage 1: losses, weights and buffers equal the in-process pipeline of
+    rank 0's model (only the trainable weights were broadcast before: rank 1 trained with its own frozen layer and
+    statistics).
 
     Note [Distributed pipeline store]
     Each rank's host store (the Engine's, one gradient slot) covers the whole model, and stage s's parameters are one
@@ -315,17 +430,21 @@ class DistributedPipeline(_FailureNaming):
         self.num_stages, self.replicas = stages, world // stages  # Note [Replicas of stages across processes]
         self.stage, self.replica = divmod(dist.get_rank(group), self.replicas)
         self.microbatches, self.schedule, self.autocast = microbatches, schedule, autocast
-        self._pipe_group, self._dp_group = self._subgroups(group)
         self.stages: list = []  # no in-process stages: Engine._replica_buffers reads self.buffers
+        # every rank checks every stage, so a bad split is the same ValueError on every rank, before any collective
         self.layers = list(model._modules.items())
         self.sizes = _stage_sizes(self.layers, self.num_stages, balance)
         modules = split_layers(self.layers, self.sizes)
+        self._split = modules  # the whole model's stages (its own layers): Note [Static stage metadata]
         store_names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         names, self.tied = stage_store_names(store_names, modules)  # Note [Parameters tied across processes]
+        empty = [s for s, stage_names in enumerate(names) if not stage_names]
+        if empty:
+            which = f"stage {empty[0]} has" if len(empty) == 1 else f"stages {', '.join(map(str, empty))} have"
+            raise ValueError(f"{which} no trainable parameters (stage sizes {self.sizes}); choose another balance")
         self.ranges = [stage_range(self.store, s, owned_names(stage_names, s, self.tied))
                        for s, stage_names in enumerate(names)]
-        if not names[self.stage]:
-            raise ValueError(f"stage {self.stage} has no trainable parameters; choose another balance")
+        self._pipe_group, self._dp_group = self._subgroups(group)  # the first collective (new_group with replicas)
         self.device = engine.devices[0]
         self.module = copy.deepcopy(modules[self.stage]).to(self.device)
         # each rank its own generator (global index = rank), seeded per step: the data-parallel replicas of a stage
@@ -336,6 +455,7 @@ class DistributedPipeline(_FailureNaming):
         self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))
         self._gathered = (engine.version, 0)  # (version, steps) at the last gather: every rank starts equal
         self._scale = None  # the step's loss scale, which _loss multiplies in (Note [Loss scaling])
+        self._targetless = False  # the step's batch is (inputs, None): _loss gives loss_fn None
         # Note [Buffers of stages across processes]
         # A stage's persistent buffers (BatchNorm statistics) live, and change, on its own rank only. ``buffers``
         # holds every persistent buffer of the model: this rank's stage's own tensors, and a CPU copy of every other
@@ -357,8 +477,10 @@ class DistributedPipeline(_FailureNaming):
         self.steps = 0  # steps begun
         self._start_naming(group, "pipeline")  # Note [Naming the stage that failed]
         self._enter("the construction of the engine")
-        with _collective("broadcast of the initial weights from rank 0", self.rank, self._explain):
+        with _collective("broadcast of the initial weights, frozen parameters and buffers from rank 0", self.rank,
+                         self._explain):
             dist.broadcast(self.store.param, src=dist.get_global_rank(group, 0), group=group)
+            self._initial_state = self._rank0_state(model, group)  # kept: Note [Collective tensors outlive their work]
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
         # Note [Collective tensors outlive their work]
         # A gloo collective's work keeps its tensors and is released on gloo's worker thread, possibly after the
@@ -390,6 +512,34 @@ class DistributedPipeline(_FailureNaming):
         self._tied_ranges = [(e.offset, e.offset + e.numel) for e in entries
                              if e.name in held and self.tied[e.name][0] != self.stage]
 
+    @torch.no_grad()
+    def _rank0_state(self, model: torch.nn.Module, group) -> list[torch.Tensor]:
+        """Rank 0's frozen parameters and buffers (BatchNorm statistics) into this rank's copies: its stage's, and its
+        CPU copies of the other stages' buffers; the trainable parameters come with the store (Note [Every rank
+        starts from rank 0's model]). One broadcast per dtype of a flat buffer, which it returns."""
+        held = collections.defaultdict(list)  # the model's name -> this rank's tensors holding it
+        for name, t in itertools.chain(self.module.named_parameters(remove_duplicate=False),
+                                       self.module.named_buffers(remove_duplicate=False)):
+            held[name].append(t)
+        for name, t in self.buffers.items():
+            if all(t is not mine for mine in held[name]):
+                held[name].append(t)
+        by_dtype = collections.defaultdict(list)  # in model order: the same on every rank (check_same_config)
+        frozen = ((n, p) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
+        for name, t in itertools.chain(frozen, model.named_buffers(remove_duplicate=False)):
+            by_dtype[t.dtype].append((name, t))
+        flats = []
+        for items in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in items])
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            offset = 0
+            for name, t in items:
+                for mine in held.get(name, ()):
+                    mine.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            flats.append(flat)
+        return flats
+
     def _ranks_of(self, stage: int, group) -> int:
         """The global rank of replica 0 of ``stage`` (group rank s * R + r runs stage s of replica r)."""
         return dist.get_global_rank(group, stage * self.replicas)
@@ -410,12 +560,12 @@ class DistributedPipeline(_FailureNaming):
     def _schedule_for(self, inputs: torch.Tensor, targets: torch.Tensor):
         """The schedule (and its ``PipelineStage``) for batches shaped like ``(inputs, targets)``: built at the first
         such batch, kept for the last ``SCHEDULES_KEPT`` shapes (Note [One schedule per batch shape])."""
-        key = (tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype)
+        key = (tuple(inputs.shape), inputs.dtype, None if targets is None else (tuple(targets.shape), targets.dtype))
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
         stage = _MeteredStage(self._wrapped, self.stage, self.num_stages, self.device, group=self._pipe_group,
-                              meter=self._meter)
+                              meter=self._meter, **self._metadata(inputs))
         loss = weakref.WeakMethod(self._loss)  # the schedule keeps its loss function: no cycle back to self
         schedule = _SCHEDULE_CLASSES[self.schedule](stage, self.microbatches, loss_fn=lambda x, t: loss()(x, t),
                                                     scale_grads=True)
@@ -424,16 +574,34 @@ class DistributedPipeline(_FailureNaming):
             self._schedules.popitem(last=False)  # every rank drops the same one: they all see the same batches
         return schedule
 
+    def _metadata(self, inputs: torch.Tensor) -> dict:
+        """``PipelineStage``'s ``input_args`` and ``output_args`` for this rank's stage on batches (this replica's
+        shard) shaped like ``inputs``; {} (torch infers them at the first step) where the fake forward fails
+        (Note [Static stage metadata])."""
+        microbatch = torch.tensor_split(inputs, self.microbatches)[0]
+        try:
+            metas = stage_inputs(self._split, microbatch, self.device, self._wrapped.context)
+        except Exception as exc:  # noqa: BLE001 - the same on every rank: each computes every stage's metadata
+            warnings.warn(f"pyengine: the pipeline stages' input and output shapes for inputs of shape "
+                          f"{tuple(inputs.shape)} could not be computed on fake tensors ({type(exc).__name__}: "
+                          f"{exc}); torch.distributed.pipelining infers them at the first step instead, running every "
+                          "stage's forward (and, with torch >= 2.14, its backward and the loss) once more "
+                          "(Note [Static stage metadata] in pyengine/pipeline_distributed.py)", RuntimeWarning,
+                          stacklevel=2)
+            return {}
+        s = self.stage
+        return dict(input_args=metas[s], output_args=metas[s + 1] if s + 1 < len(metas) else metas[s])
+
     def _loss(self, x, targets):
         try:
             with self._meter.loss(), self._wrapped.context(x.device):
-                loss = self.engine.loss_fn(self.module, (x, targets))
+                loss = self.engine.loss_fn(self.module, (x, None if self._targetless else targets))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
                                  f"loss over the micro-batch); got {shape}")
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
-            raise StageError(self.stage, self.replica, self.device, exc) from exc
+            raise self._wrapped.failure(exc) from exc
         return loss if self._scale is None else loss * self._scale  # Note [Loss scaling]
 
     def step(self, batch) -> dict:
@@ -441,8 +609,7 @@ class DistributedPipeline(_FailureNaming):
         its range of the store (Note [Distributed pipeline store]). A collective: every rank must call it."""
         engine, m = self.engine, self.microbatches
         start = time.perf_counter()
-        if self.broken:
-            raise DistributedError(f"rank {self.rank}: an earlier step failed; the group is no longer usable")
+        self._check_usable()
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError("mode='pipeline' needs each batch as (inputs, targets); got "
                              f"{type(batch).__name__}")
@@ -454,19 +621,26 @@ class DistributedPipeline(_FailureNaming):
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc
+        problem = _batch_problem(inputs, targets)
+        if problem is not None:  # every rank given this batch raises the same; the group stays usable
+            raise ValueError(problem)
         if not same:  # every rank raises (the same answer everywhere); the group stays usable
             raise ValueError(f"rank {self.rank}: the ranks of a pipeline over a process group were given different "
                              "batches; every rank must call step() with the same (inputs, targets) (the first rank "
                              "runs the inputs, the last scores against the targets): do not shard the data per rank "
                              "(DistributedSampler) in mode='pipeline'")
         samples = batch_size(inputs)
-        shards = [torch.tensor_split(t, self.replicas) for t in (inputs, targets)]  # replica r's: shards[.][r]
+        # replica r's: shards[.][r]; targets None (a loss that needs none): None for every replica
+        shards = [[None] * self.replicas if t is None else torch.tensor_split(t, self.replicas)
+                  for t in (inputs, targets)]
         sizes = [batch_size(x) for x in shards[0]]
         for r in range(self.replicas):  # the same batch on every rank: every rank raises, or none
             where = "" if self.replicas == 1 else f" (replica {r}'s shard)"
             _check_equal_split(shards[0][r], m, "inputs" + where)
-            _check_equal_split(shards[1][r], m, "targets" + where)
+            if targets is not None:
+                _check_equal_split(shards[1][r], m, "targets" + where)
         inputs, targets = shards[0][self.replica], shards[1][self.replica]
+        self._targetless = targets is None  # Note [Batches without targets across processes]
         with torch.no_grad():
             for name, p in self.params:
                 p.copy_(self._master[name])
@@ -480,6 +654,8 @@ class DistributedPipeline(_FailureNaming):
             self._share_buffers()
             schedule = self._schedule_for(inputs, targets)
             began = self._start_clock()  # Note [Bubble across processes]
+            if self.is_last and targets is None:  # Note [Batches without targets across processes]
+                targets = torch.empty(batch_size(inputs), 0)
             _run_schedule(schedule, self.device, m, inputs if self.is_first else None,
                           targets if self.is_last else None, losses)
             scheduled = time.perf_counter()
@@ -503,6 +679,13 @@ class DistributedPipeline(_FailureNaming):
                             activation_peak=meter.memory.peak_count, activation_peak_bytes=meter.memory.peak_bytes,
                             bubble_ideal=(self.num_stages - 1) / (m + self.num_stages - 1))
 
+    def _check_usable(self) -> None:
+        """A DistributedError at once after a failed step (or gather): the peers may still be blocked in its
+        exchanges, so a further collective would wait for the group's timeout (Note [Naming the stage that
+        failed])."""
+        if self.broken:
+            raise DistributedError(f"rank {self.rank}: an earlier step failed; the group is no longer usable")
+
     def _failure(self, exc: BaseException) -> BaseException:
         """What a failed step raises (Note [Naming the stage that failed]): this rank's own StageError, recorded for
         the peers; a failed exchange as DistributedError naming the rank that failed as far as the rendezvous store
@@ -522,7 +705,7 @@ class DistributedPipeline(_FailureNaming):
         return exc
 
     @torch.no_grad()
-    def _same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    def _same_batch(self, inputs, targets) -> bool:
         """Whether every rank was given the same batch (the same answer on every rank; a collective).
 
         Note [The same batch on every rank]
@@ -531,10 +714,11 @@ class DistributedPipeline(_FailureNaming):
         with another batch's targets, silently. So before any work each rank takes a fingerprint of its batch (its
         sizes and the CRC-32 of the bytes of inputs and targets) and one small all-reduce (MAX of the fingerprint and
         of its negation) tells every rank whether they all agree. A checksum of the bytes, not a floating-point sum:
-        a sum's last bits depend on how many intra-op threads split it, and ranks may run different counts."""
+        a sum's last bits depend on how many intra-op threads split it, and ranks may run different counts. Targets
+        None, and a batch this pipeline cannot run (:func:`_batch_problem`, which step() raises after this exchange,
+        so that every rank takes part in it whatever it was given), have fingerprints of their own."""
         both = self._fingerprint  # Note [Collective tensors outlive their work]
-        both[0], both[1], both[2], both[3] = float(inputs.numel()), float(targets.numel()), \
-            batch_checksum(inputs), batch_checksum(targets)
+        (both[0], both[2]), (both[1], both[3]) = _fingerprint(inputs), _fingerprint(targets)
         both[4:] = -both[:4]
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         return torch.equal(both[:4], -both[4:])
@@ -605,20 +789,27 @@ class DistributedPipeline(_FailureNaming):
 
     def gather(self) -> None:
         """Brings every stage's range of the weights and Adam state into this rank's store (a collective; a no-op
-        when no update happened since the last one, which every rank agrees on: ``version`` is the same on all)."""
+        when no update happened since the last one, which every rank agrees on: ``version`` is the same on all).
+        After a failed step a DistributedError at once (:meth:`_check_usable`), not a wait for the group's timeout."""
+        self._check_usable()
         now = (self.engine.version, self.steps)  # buffers change in a skipped step too
         if self._gathered == now:
             return
         self._enter(f"the gather of the weights after step {self.steps}")
-        with _collective("the gather of every stage's weights, Adam state and buffers", self.rank, self._explain):
-            for view, src in self._gather_views:
-                dist.broadcast(view, src=src, group=self.group)
-            with torch.no_grad():  # Note [Buffers of stages across processes]
-                for name, exchanged, src in self._buffer_exchange:
-                    mine = self.buffers[name]
-                    if src == dist.get_rank() and exchanged is not mine:
-                        exchanged.copy_(mine)  # a stage on a GPU: its buffer goes through a CPU copy
-                    dist.broadcast(exchanged, src=src, group=self.group)
+        try:
+            with _collective("the gather of every stage's weights, Adam state and buffers", self.rank,
+                             self._explain):
+                for view, src in self._gather_views:
+                    dist.broadcast(view, src=src, group=self.group)
+                with torch.no_grad():  # Note [Buffers of stages across processes]
+                    for name, exchanged, src in self._buffer_exchange:
+                        mine = self.buffers[name]
+                        if src == dist.get_rank() and exchanged is not mine:
+                            exchanged.copy_(mine)  # a stage on a GPU: its buffer goes through a CPU copy
+                        dist.broadcast(exchanged, src=src, group=self.group)
+        except BaseException:
+            self.broken = True
+            raise
         self._gathered = now
 
     def close(self) -> None:

@@ -528,6 +528,42 @@ def test_a_checkpoint_rank_0_cannot_write_raises_on_every_rank_and_the_group_tra
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
 
 
+def _naming(rank, world, store):
+    """A _FailureNaming of ``rank`` over an in-process store (no process group): what _explain reads."""
+    naming = distributed._FailureNaming()
+    naming.rank, naming.world, naming.broken, naming.phase = rank, world, False, 0
+    naming.rendezvous = distributed._Rendezvous.__new__(distributed._Rendezvous)
+    naming.rendezvous.prefix, naming.rendezvous.store = "test/", store
+    return naming
+
+
+def test_ranks_in_different_phases_of_one_count_are_told_they_made_different_calls(monkeypatch):
+    """Rank 0 alone gathers a sharded engine's state while rank 1 steps: both are at their 2nd phase, and the error
+    says the ranks made different calls, naming both phases (it said the peer "reached the gather too and died inside
+    it"). Ranks in the same phase still get the old explanation."""
+    monkeypatch.setattr(distributed, "PRESENCE_WAIT_S", 0.0)
+    store = torch.distributed.HashStore()
+    rank0, rank1 = _naming(0, 2, store), _naming(1, 2, store)
+    for naming in (rank0, rank1):
+        naming._enter("the construction of the engine")
+    rank0._enter("the gather of the optimizer state after step 1")
+    rank1._enter("step 2")
+    for naming, mine, other in ((rank0, "the gather of the optimizer state after step 1", "step 2"),
+                                (rank1, "step 2", "the gather of the optimizer state after step 1")):
+        text = naming._explain()
+        assert text.startswith(f"the ranks made different calls: this rank is in {mine}, while rank "
+                               f"{1 - naming.rank} is in {other}: every rank must make the same engine calls"), text
+    alike = [_naming(r, 2, torch.distributed.HashStore()) for r in (0, 1)]
+    alike[1].rendezvous.store = alike[0].rendezvous.store
+    for phase in ("the construction of the engine", "step 1"):
+        for naming in alike:
+            naming._enter(phase)
+    assert alike[0]._explain().startswith("rank 1, the only peer, reached step 1 too"), alike[0]._explain()
+    late = _naming(0, 2, torch.distributed.HashStore())  # a rank that never checked in is missing, not elsewhere
+    late._enter("the construction of the engine")
+    assert late._explain().startswith("rank 1 never reached the construction of the engine"), late._explain()
+
+
 def applied_ids(history, rank):
     return [m["push_id"] for m in history if m["rank"] == rank]
 

@@ -2,10 +2,12 @@
 (float64) for the weights, a unit-time simulation for the schedules, brute force for the balancer, and layers that
 sleep for fixed times for the bubble fraction (busy times under control on a noisy 2-core machine)."""
 import collections
+import contextlib
 import copy
 import gc
 import itertools
 import json
+import math
 import os
 import sys
 import threading
@@ -938,10 +940,12 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
 
 
 def _failing_worker(rank, world, init_file, how, out_dir):
-    """Rank ``FAILING[how]`` fails at step 3 (``how``: its loss raises, its layers' forward raises, or it exits
-    between steps 2 and 3); every rank writes what it raised and when (time.time()) to ``out_dir``."""
+    """Rank ``FAILING[how]`` fails at step 3 (``how``: its loss raises, its layers' forward or backward raises, or it
+    exits between steps 2 and 3); every rank writes what it raised and when (time.time()) to ``out_dir``, and what
+    state_dict() (a collective) then raised and how long it took."""
     dist = _join_gloo_group(rank, world, init_file)
     failing, result, step = FAILING[how], "nothing raised", [0]
+    saved, saved_s = "not tried", None
 
     def fail(kind):
         if how == kind and rank == failing and step[0] == 3:
@@ -951,36 +955,53 @@ def _failing_worker(rank, world, init_file, how, out_dir):
         fail("loss")
         return loss_fn(model, batch)
 
+    def fail_in_backward(module, inputs, output):
+        if output.requires_grad:
+            output.register_hook(lambda grad: fail("backward"))
+
     model = make_model(blocks=2)
     model[0].register_forward_hook(lambda *_: fail("forward"))
+    model[0].register_forward_hook(fail_in_backward)
     batches = make_batches(torch.Generator().manual_seed(0), 5, 12)
     try:
         with Engine(model, loss, devices=["cpu"], mode="pipeline", microbatches=3, optimizer=AdamW(**OPT),
                     pin=False) as engine:
-            for i, batch in enumerate(batches):
-                step[0] = i + 1
-                if how == "exit" and rank == failing and step[0] == 3:
-                    with open(f"{out_dir}/failed-at", "w") as f:
-                        f.write(str(time.time()))
-                    os._exit(17)
-                engine.step(batch)
-    except Exception as error:  # noqa: BLE001 - what every rank raised is the test's subject
+            try:
+                for i, batch in enumerate(batches):
+                    step[0] = i + 1
+                    if how == "exit" and rank == failing and step[0] == 3:
+                        with open(f"{out_dir}/failed-at", "w") as f:
+                            f.write(str(time.time()))
+                        os._exit(17)
+                    engine.step(batch)
+            except Exception as error:  # noqa: BLE001 - what every rank raised is the test's subject
+                result = f"{type(error).__name__}: {error}"
+                began = time.time()
+                try:  # a checkpoint after the failure (a collective): refused at once, not the group's timeout
+                    engine.state_dict()
+                    saved = "returned"
+                except Exception as error:  # noqa: BLE001
+                    saved = f"{type(error).__name__}: {error}"
+                saved_s = time.time() - began
+    except Exception as error:  # noqa: BLE001
         result = f"{type(error).__name__}: {error}"
     with open(f"{out_dir}/rank{rank}", "w") as f:
-        json.dump({"error": result, "at": time.time()}, f)
+        json.dump({"error": result, "at": time.time(), "saved": saved, "saved_s": saved_s}, f)
     os._exit(0)  # the group is broken; its teardown is not the subject here
 
 
-FAILING = {"loss": 1, "forward": 0, "exit": 1}
+FAILING = {"loss": 1, "forward": 0, "backward": 0, "exit": 1}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["loss", "forward", "exit"])
+@pytest.mark.parametrize("how", ["loss", "forward", "backward", "exit"])
 def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
-    """Engine(mode="pipeline") over 2 gloo ranks: a stage whose loss or forward raises at step 3 raises StageError
-    naming its stage, and the other rank DistributedError naming that rank and its error; a rank that exits between
-    steps is named as never reaching step 3 (Note [Naming the stage that failed]); both within seconds, well under
-    the group's 30 s timeout."""
+    """Engine(mode="pipeline") over 2 gloo ranks: a stage whose loss, forward or backward raises at step 3 raises
+    StageError naming its stage and the original error (the backward's, not torch's "Failed to run stage backward"
+    around it, nor a DistributedError blaming the healthy peer), and the other rank DistributedError naming that rank
+    and its error; a rank that exits between steps is named as never reaching step 3 (Note [Naming the stage that
+    failed]); both within seconds, well under the group's 30 s timeout. Then state_dict() (a collective) raises
+    "an earlier step failed" at once on every rank left, instead of waiting for the group's timeout."""
     import torch.multiprocessing as mp
 
     context = mp.start_processes(_failing_worker, args=(2, str(tmp_path / "init"), how, str(tmp_path)), nprocs=2,
@@ -1004,6 +1025,240 @@ def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
         assert survivor["error"].endswith(f"; rank {failed} failed: StageError: pipeline stage {failed} (replica 0, "
                                           f"cpu) failed: RuntimeError: rank {failed} fails on purpose"), survivor
     assert survivor["at"] - failed_at < 15, "noticed within PRESENCE_WAIT_S (5 s) and some, not the group's timeout"
+    for rank in ([other] if how == "exit" else [other, failed]):
+        got = json.loads((tmp_path / f"rank{rank}").read_text())
+        assert got["saved"] == f"DistributedError: rank {rank}: an earlier step failed; the group is no longer " \
+                               "usable", got
+        assert got["saved_s"] < 1, got
+
+
+class _DataDependent(torch.nn.Module):
+    """A layer whose forward reads a value of its input (``.item()``): it cannot run on fake tensors."""
+
+    def forward(self, x):
+        return x * (2.0 if x.abs().max().item() >= 0 else 1.0)
+
+
+def _metadata_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        batches = make_batches(torch.Generator().manual_seed(0), 4, 12)
+        # both stages hold dropouts (balance [3, 4]): the masks of every step come from the rank's generator only
+        options = dict(devices=["cpu"], mode="pipeline", microbatches=3, schedule="gpipe", balance=[3, 4],
+                       optimizer=AdamW(**OPT), pin=False, seed=5)
+        calls = []
+
+        def counting(model, batch):
+            calls.append(tuple(batch[0].shape))
+            return loss_fn(model, batch)
+
+        with Engine(make_model(blocks=2, dropout=0.5), counting, **options) as whole:
+            metrics = whole.fit(batches)
+            expected = whole.master_state_dict()
+        with Engine(make_model(blocks=2, dropout=0.5), loss_fn, **options) as first:
+            first.fit(batches[:2])
+            state = first.state_dict()
+        with Engine(make_model(blocks=2, dropout=0.5, seed=9), loss_fn, **options) as second:
+            second.load_state_dict(state)
+            second.fit(batches[2:])
+            got = second.master_state_dict()
+        # a model the fake forward cannot run: torch infers the metadata at the first step, with a warning
+        data_dependent = make_model(blocks=2)
+        data_dependent.insert(2, _DataDependent())
+        with pytest.warns(RuntimeWarning, match="could not be computed on fake tensors"):
+            with Engine(data_dependent, loss_fn, devices=["cpu"], mode="pipeline", microbatches=3, balance=[3, 3],
+                        optimizer=AdamW(**OPT), pin=False) as fallback:
+                fallback_losses = [m["loss"] for m in fallback.fit(batches)]
+        torch.save({"expected": expected, "got": got, "calls": calls, "fallback_losses": fallback_losses,
+                    "peaks": [(m["activation_peak"], m["activation_peak_bytes"]) for m in metrics]},
+                   f"{out_dir}/metadata-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_stages_across_processes_run_no_hidden_forward(tmp_path):
+    """Note [Static stage metadata]: each PipelineStage gets its input and output metadata, so torch runs no forward,
+    backward or loss of its own at the first step of a batch shape (torch 2.14's metadata inference did: it drew
+    dropout masks from the rank's generator right after it was seeded, called loss_fn on uninitialised activations,
+    and counted in step 1's metrics). On 2 gloo ranks, dropout in both stages: resuming from state_dict() after 2
+    of 4 steps is bit-identical to the uninterrupted run; loss_fn runs once per real micro-batch (M per step, on the
+    last rank only); step 1's activation peak (count and bytes) is every later step's. A model the fake forward
+    cannot run still trains (torch infers the metadata), with a warning."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_metadata_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"metadata-{rank}.pt", weights_only=False)
+        for name, want in got["expected"].items():
+            assert torch.equal(got["got"][name], want), f"rank {rank}: resumed {name} differs"
+        assert got["calls"] == ([(4, 16)] * 3 * 4 if rank == 1 else []), (rank, got["calls"])
+        assert all(peak == got["peaks"][0] for peak in got["peaks"][1:]), (rank, got["peaks"])
+        assert len(got["fallback_losses"]) == 4 and all(math.isfinite(loss) for loss in got["fallback_losses"])
+
+
+def test_stage_metadata_comes_from_fake_tensors():
+    """Note [Static stage metadata]: stage_inputs gives each stage's input as meta tensors with the shape, strides,
+    dtype (under autocast too) and requires_grad the real forward gives, and leaves everything as it was: the random
+    state (a dropout), the BatchNorm statistics, the weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)).train()
+    model[0].requires_grad_(False)  # stage 0's output needs no gradient
+    sizes = [1, 2, 1, 1, 1]
+    x, cpu = torch.randn(4, 10), torch.device("cpu")
+    for context in (lambda d: contextlib.nullcontext(), lambda d: torch.autocast(d.type, dtype=torch.bfloat16)):
+        real, want = x, [x]
+        for module in split_layers(list(copy.deepcopy(model)._modules.items()), sizes)[:-1]:
+            with context(cpu):
+                real = module(real)
+            want.append(real)
+        before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+        got = pipeline_distributed.stage_inputs(split_layers(list(model._modules.items()), sizes), x, cpu, context)
+        assert [(t.shape, t.stride(), t.dtype, t.requires_grad, t.device.type) for t in got] == \
+            [(t.shape, t.stride(), t.dtype, t.requires_grad, "meta") for t in want]
+        assert torch.equal(torch.get_rng_state(), rng)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, before[name]), name
+    assert [t.requires_grad for t in got] == [False, False, True, True, True]
+    assert got[1].dtype == torch.bfloat16  # a Linear's output under autocast
+    with pytest.raises(Exception):  # a forward that reads a value: the caller falls back to torch's inference
+        pipeline_distributed.stage_inputs([torch.nn.Sequential(_DataDependent()), torch.nn.Sequential()],
+                                          torch.randn(4, 10), cpu, lambda d: contextlib.nullcontext())
+
+
+def _batch_kinds_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        inputs = [x for x, _ in make_batches(torch.Generator().manual_seed(3), 4, 12)]
+        with Engine(make_model(), _energy, devices=["cpu"], mode="pipeline", microbatches=3, optimizer=AdamW(**OPT),
+                    pin=False) as engine:
+            losses = [engine.step((x, None))["loss"] for x in inputs[:2]]
+            refused = []
+            for bad in (({"x": inputs[2]}, None), ((inputs[2],), None), (inputs[2], {"y": inputs[2]})):
+                try:
+                    engine.step(bad)
+                except ValueError as error:
+                    refused.append(str(error))
+            losses += [engine.step((x, None))["loss"] for x in inputs[2:]]  # the group is still usable
+            torch.save({"losses": losses, "refused": refused, "master": engine.master_state_dict()},
+                       f"{out_dir}/kinds-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _energy(model, batch):
+    """A loss that needs no targets: (inputs, None) batches."""
+    x, targets = batch
+    assert targets is None
+    return model(x).pow(2).mean()
+
+
+@pytest.mark.timeout(120)
+def test_batches_without_targets_across_processes(tmp_path):
+    """Note [Batches without targets across processes]: (inputs, None) batches train on 2 gloo ranks as in the
+    in-process pipeline (the loss gets None); inputs or targets the pipeline cannot carry (a dict, a tuple) are the
+    same ValueError on every rank, and the engine still steps afterwards (they broke it for good: AttributeError in
+    the batch check)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_batch_kinds_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    inputs = [x for x, _ in make_batches(torch.Generator().manual_seed(3), 4, 12)]
+    with Engine(make_model(), _energy, devices=["cpu"] * 2, mode="pipeline", stages=2, microbatches=3,
+                optimizer=AdamW(**OPT), pin=False) as local:
+        local_losses = [local.step((x, None))["loss"] for x in inputs]
+        local_master = local.master_state_dict()
+    got = [torch.load(tmp_path / f"kinds-{rank}.pt", weights_only=False) for rank in range(2)]
+    assert got[0]["refused"] == got[1]["refused"] and len(got[0]["refused"]) == 3
+    assert "needs the inputs of each (inputs, targets) batch as one tensor; got dict" in got[0]["refused"][0]
+    assert "needs the inputs of each (inputs, targets) batch as one tensor; got tuple" in got[0]["refused"][1]
+    assert "needs the targets of each (inputs, targets) batch as one tensor or None; got dict" in got[0]["refused"][2]
+    for rank in range(2):
+        assert got[rank]["losses"] == pytest.approx(local_losses, rel=1e-5)
+        for name, want in local_master.items():
+            torch.testing.assert_close(got[rank]["master"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _empty_stage_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3), torch.nn.Tanh())
+    try:  # balance [3, 1]: stage 1 is a Tanh
+        Engine(model, loss_fn, devices=["cpu"], mode="pipeline", microbatches=2, balance=[3, 1], pin=False)
+        result = "constructed"
+    except Exception as error:  # noqa: BLE001 - what every rank raised is the test's subject
+        result = f"{type(error).__name__}: {error}"
+    with open(f"{out_dir}/rank{rank}", "w") as f:
+        f.write(result)
+    # the empty stage's rank stays (as a process that catches the error would) until rank 0 has its answer, 20 s
+    # at most: rank 0 must not need it to exit
+    deadline = time.time() + 20
+    while rank == 1 and not os.path.exists(f"{out_dir}/rank0") and time.time() < deadline:
+        time.sleep(0.05)
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_without_parameters_is_the_same_error_on_every_rank(tmp_path):
+    """A stage with no trainable parameters is a ValueError on every rank (every rank checks every stage before any
+    collective), not on that stage's rank only while the others wait in the construction's broadcast."""
+    import torch.multiprocessing as mp
+
+    began = time.time()
+    context = mp.start_processes(_empty_stage_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                                 join=False, start_method="spawn")
+    for process in context.processes:
+        process.join(timeout=90)
+        assert process.exitcode == 0, "a rank still runs after 90 s"
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}").read_text() == ("ValueError: stage 1 has no trainable parameters (stage "
+                                                          "sizes [3, 1]); choose another balance"), rank
+    assert time.time() - began < 20, "rank 0 waited for rank 1"
+
+
+def frozen_bn_model(seed):
+    """Stage 1 (of balance [2, 4]) holds a frozen Linear and a BatchNorm with statistics away from their init: state
+    that is not in the host store."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model[2].requires_grad_(False)
+    with torch.no_grad():
+        model[3].running_mean.normal_()
+        model[3].running_var.uniform_(0.5, 2.0)
+    return model
+
+
+FROZEN_OPTIONS = dict(mode="pipeline", microbatches=2, schedule="gpipe", balance=[2, 4], optimizer=AdamW(**OPT),
+                      pin=False)
+
+
+def _rank0_init_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        with Engine(frozen_bn_model(seed=rank), loss_fn, devices=["cpu"], **FROZEN_OPTIONS) as engine:
+            losses = [engine.step(b)["loss"] for b in make_batches(torch.Generator().manual_seed(1), 3, 8)]
+            torch.save({"losses": losses, "state": engine.state_dict()}, f"{out_dir}/init-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_starts_from_rank0s_frozen_parameters_and_buffers(tmp_path):
+    """Note [Every rank starts from rank 0's model]: each rank builds the model from its own seed; the construction
+    broadcasts rank 0's frozen parameters and buffers (BatchNorm statistics) with its weights, so the 2 gloo ranks
+    train as the in-process pipeline of rank 0's model: losses, weights and buffers."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank0_init_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    with Engine(frozen_bn_model(seed=0), loss_fn, devices=["cpu"] * 2, stages=2, **FROZEN_OPTIONS) as local:
+        local_losses = [local.step(b)["loss"] for b in make_batches(torch.Generator().manual_seed(1), 3, 8)]
+        want = local.state_dict()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"init-{rank}.pt", weights_only=False)
+        assert got["losses"] == pytest.approx(local_losses, rel=1e-5), rank
+        for part in ("master", "buffers"):
+            for name, value in want[part].items():
+                torch.testing.assert_close(got["state"][part][name], value, rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank} {part} {name}")
 
 
 # microbatches, max_grad_norm, batch sizes, schedule (1F1B needs M >= S)
