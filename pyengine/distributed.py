@@ -57,9 +57,11 @@ and, when f raised, its error's type and first line: the servers see the broken 
 tell their other clients ABORT; a client that stops tells the servers waiting for it which rank failed and why; a
 client that ended normally waits for every server's STOP or ABORT before the end-of-run broadcast. A rank that hangs
 is named as "rank f did not answer within the process group's timeout (T s)" within about 2 T (Note [A timeout names
-the rank that hangs]). Tested (tests/test_distributed.py): a client, the coordinating server and a non-coordinating
-server that exit, raise or hang, with 1 and 2 servers; a client that ended before another failed; a hybrid rank whose
-loss raises or that exits mid-step, one that exits (replicated, sharded, rank 0), raises or hangs between steps.
+the rank that hangs]). A rank gone between runs (before a fit) is named from the check-ins of :class:`AsyncNaming`,
+or with the error it recorded (:meth:`Engine.record_failure`). Tested (tests/test_distributed.py): a client, the
+coordinating server and a non-coordinating server that exit, raise or hang, with 1 and 2 servers; a client that ended
+before another failed; an async rank gone between runs; a hybrid rank whose loss raises or that exits mid-step, one
+that exits (replicated, sharded, rank 0), raises or hangs between steps.
 """
 from __future__ import annotations
 
@@ -846,13 +848,30 @@ def shard_spans(numel: int, servers: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _share_store(engine, group, spans) -> None:
+class AsyncNaming(_FailureNaming):
+    """Multi-node async between its runs: every rank checks in at the engine's construction and at the start of each
+    run (:func:`run_async`), so a rank that died, raised or hangs before a run is named by the others, as in
+    multi-node hybrid (Note [Naming a rank that died between steps]), and a rank that failed outside a run (its data
+    loading) and said so (:meth:`Engine.record_failure`) is named with its error (Note [Naming the rank that
+    failed]). Inside a run the run's own exchange names a failed rank (Note [Multi-node async exchange])."""
+
+    def __init__(self, group):
+        self._start_naming(group, "async-engine")
+        self.runs = 0
+        self._enter("the construction of the engine")
+
+    def start_run(self) -> None:
+        self.runs += 1
+        self._enter(f"the start of async run {self.runs} (fit)")
+
+
+def _share_store(engine, group, spans, explain=None) -> None:
     """Broadcasts ``store[lo:hi]`` of the weights and the Adam state from rank ``src`` for each ``(src, lo, hi)`` of
     ``spans``, then the version and the loss scaler's state from rank 0: every rank then holds the same complete
-    store. A collective."""
+    store. A collective; ``explain`` names a rank behind a failure (:meth:`_FailureNaming._explain`)."""
     store = engine.store
     rank = dist.get_rank(group)
-    with _collective("broadcast of the async store", rank):
+    with _collective("broadcast of the async store", rank, explain):
         for flat in (store.param, store.exp_avg, store.exp_avg_sq, store.max_exp_avg_sq):
             for src, lo, hi in spans if flat is not None else ():
                 dist.broadcast(flat[lo:hi], src=dist.get_global_rank(group, src), group=group)
@@ -1393,7 +1412,9 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
     every server's shard goes to every rank, so after a complete run every rank's store holds the result. After a
     failure every rank raises :class:`DistributedError` and the servers' shards may differ by the pushes in flight."""
     numel = engine.store.numel
-    _share_store(engine, group, [(0, 0, numel)])
+    naming = engine.async_naming
+    naming.start_run()
+    _share_store(engine, group, [(0, 0, numel)], naming._explain)
     rendezvous = _Rendezvous(group, "async")  # Note [A timeout names the rank that hangs]
     if dist.get_rank(group) < servers:
         AsyncServer(engine, group, servers, steps, callbacks, rendezvous).run()

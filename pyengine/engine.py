@@ -259,6 +259,8 @@ class Engine:
         self.servers = distributed.check_servers(servers, group, mode, self.store.numel)
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
+        # multi-node async: the ranks' check-ins between runs, so a rank gone before a run is named
+        self.async_naming = distributed.AsyncNaming(group) if group is not None and mode == "async" else None
 
     def _optimizer_differences(self, saved) -> dict:
         """The saved optimizer settings that differ from this engine's (None: a state that did not record them).
@@ -632,7 +634,8 @@ class Engine:
         return None
 
     def _failure_naming(self) -> list:
-        return [part for part in (self.dist, self.pipeline) if isinstance(part, distributed._FailureNaming)]
+        return [part for part in (self.dist, self.pipeline, self.async_naming)
+                if isinstance(part, distributed._FailureNaming)]
 
     @_under_mutex
     def stats(self) -> dict:

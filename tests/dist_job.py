@@ -326,6 +326,22 @@ def death_between_steps(seed, rank, world, shard, dying):
     return {}
 
 
+def async_gone_before_run(seed, rank, world, how):
+    """Multi-node async: a first fit() completes; then rank 1 fails outside any run, before the second: ``"exit"``
+    (os._exit, nothing said) or ``"record"`` (Engine.record_failure with its error, then exit, as a data loader's
+    failure under the CLI). Rank 0 (the server) must name rank 1 in the second run's opening exchange."""
+    data = [client_batch(seed, rank, i) for i in range(3)]
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        engine.fit(data if rank else [], steps=2)
+        if rank == 1:
+            if how == "record":
+                engine.record_failure(RuntimeError("rank 1's data loader broke"))
+            _exit_now()
+        engine.fit(data if rank else [], steps=2)
+    return {}
+
+
 def failure_in_loss(seed, rank, world, how="raise"):
     """Rank 1's loss raises in one of its two local workers at its fourth hybrid step, while the reducer thread
     waits for that worker's buckets; the others are then in that step's collectives and must raise naming rank 1.
@@ -656,7 +672,9 @@ def main():
                  "overlap": overlap, "bad-local-batch": bad_local_batch, "mismatch": mismatch, "dropout-resume": dropout_resume,
                  "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,
                  "shard-one-rank": shard_one_rank,
-                 "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir), "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
+                 "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
+                 **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
+                    for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
                  "async-fp16": async_fp16, "async-accumulate": async_accumulate,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}

@@ -788,6 +788,24 @@ def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["exit", "record"])
+def test_an_async_rank_gone_before_a_run_is_named_by_the_others(tmp_path, seed, how):
+    """Multi-node async: rank 1 exits between two fit() calls, silently or after Engine.record_failure; rank 0's next
+    run fails in its opening exchange and must name rank 1 (from the check-ins, or with the recorded error), not
+    only "a peer rank died" (Note [Naming a rank that died between steps], AsyncNaming)."""
+    codes, logs, _ = launch(f"async-gone-{how}", 2, tmp_path, seed, timeout=50.0, pg_timeout=60.0, grace=15.0)
+    assert codes[1] == 17, logs[1]
+    for r, error in survivor_errors(codes, logs, (0,)):
+        assert "broadcast of the async store failed" in error, error
+        if how == "exit":
+            assert re.search(r"; rank 1 never reached the start of async run 2 \(fit\) \(rank 0 did; this rank waited "
+                             r"[0-9.]+ s after reaching it\)", error), error
+        else:
+            assert error.endswith("; rank 1 failed: RuntimeError: rank 1's data loader broke"), error
+    assert noticed_after(logs, 1) < 15  # the check-ins wait PRESENCE_WAIT_S (5 s); the group's timeout is 60 s
+
+
+@pytest.mark.timeout(120)
 def test_a_hybrid_rank_that_dies_inside_a_step_is_reported_as_such(tmp_path, seed):
     """Rank 1 of 3 exits inside its fourth step (in a worker's loss): every rank reached that step, so the others
     cannot name it from the check-ins; their errors must say that every rank reached step 4 and a peer died, exited,
