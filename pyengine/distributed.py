@@ -1392,13 +1392,21 @@ def _client_gradient(engine, minibatches, slots, out, scale: float | None) -> tu
 
     Each mini-batch splits on its own (8 samples 4/4, then 3 samples 2/1), so a worker weights each of its shards'
     losses by that shard's share of its mini-batch (:meth:`Worker.compute` with ``weights``): its slot holds
-    sum_j (n_jg / N_j) grad_jg, and the plain sum of the slots is the sum over j of mini-batch j's mean gradient."""
-    shards = [split_batch(b, engine.num_workers) for b in minibatches]
+    sum_j (n_jg / N_j) grad_jg, and the plain sum of the slots is the sum over j of mini-batch j's mean gradient.
+    A mini-batch of fewer samples than workers (a data set's tail) feeds only as many workers, one sample each, as
+    single-node async computes on any batch; a worker that gets no shard of any mini-batch sits the push out, its
+    slot (an earlier push's gradient) left out of the sum."""
+    G = engine.num_workers
+    shards = [split_batch(b, min(G, batch_size(b)) or G) for b in minibatches]  # 0 samples: split_batch's error
     shares = [[batch_size(s) / sum(batch_size(t) for t in split) for s in split] for split in shards]
-    results = engine.run_workers({w.index: (lambda w=w: w.compute(engine.loss_fn, [s[w.index] for s in shards],
-                                                                  [share[w.index] for share in shares],
-                                                                  loss_scale=scale)) for w in engine.workers})
-    DistributedHybrid._local_sum(out, slots, [1.0] * len(slots))
+    mine = {w.index: [j for j, split in enumerate(shards) if w.index < len(split)] for w in engine.workers}
+    def compute(w):
+        return w.compute(engine.loss_fn, [shards[j][w.index] for j in mine[w.index]],
+                         [shares[j][w.index] for j in mine[w.index]], loss_scale=scale)
+
+    results = engine.run_workers({w.index: (lambda w=w: compute(w)) for w in engine.workers if mine[w.index]})
+    used = [g for g, w in enumerate(engine.workers) if mine[w.index]]
+    DistributedHybrid._local_sum(out, [slots[g] for g in used], [1.0] * len(used))
     loss = sum(results[i][0] for i in results) / len(minibatches)
     return loss, sum(batch_size(b) for b in minibatches)
 

@@ -215,7 +215,8 @@ def asynchronous(seed, rank, world):
         return out
 
 
-ACCUMULATE = dict(sizes=(8, 3, 5, 6), accumulate=2)  # 2 pushes; on 2 local workers 4/4 then 2/1, 3/2 then 3/3
+# 3 pushes; on 2 local workers 4/4 then 2/1; 1/- then 1/- (worker 1 sits this push out); 1/- then 3/3
+ACCUMULATE = dict(sizes=(8, 3, 1, 1, 1, 6), accumulate=2)
 
 
 def async_accumulate(seed, rank, world):

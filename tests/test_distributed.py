@@ -407,7 +407,8 @@ def test_async_applies_every_push_exactly_once(tmp_path, seed):
 def test_async_client_with_workers_accumulates_minibatches_split_unevenly(tmp_path, seed):
     """A client's local workers split each mini-batch its own way (8 samples 4/4, then 3 samples 2/1): a push is the
     sum over its mini-batches of each one's mean gradient, as single-node async's accumulate, and its loss the mean
-    of their mean losses."""
+    of their mean losses. A 1-sample mini-batch (a data set's tail) feeds one worker (it stopped the whole run), and
+    a push of 1-sample mini-batches only leaves the other worker's slot, an earlier push's gradient, out."""
     codes, logs, _ = launch("async-accumulate", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     server, client = results(tmp_path, 2)
