@@ -9,7 +9,9 @@ which is how the script itself is checked on machines without a GPU):
 1. D2H bandwidth: the streamer's bucket copies (all buckets launched on its copy stream, then waited for) vs one raw
    copy of the same bytes into pinned memory (``pinned.copy_(src, non_blocking=True)``, a cudaMemcpyAsync).
    Target: >= 90 % of the raw pinned bandwidth.
-2. Overlap: backward alone, the bucket copies alone, and backward with the streamer's hooks launching the copies.
+2. Overlap: backward alone, the bucket copies alone, and backward with the streamer's hooks launching the copies,
+   with its defaults (large gradients copied as soon as they are ready) and with whole-bucket copies only
+   (``eager_mb=None``, the ``bucketed_*`` columns: the A/B of Note [Early copies of large gradients]).
    Target: streamed step <= 1.1 x max(backward, copy).
 3. Engine: hybrid with 4 workers on the one device vs plain single-replica training (torch.optim.AdamW, fused when
    the device is CUDA) on the same global batch: samples/s, the engine's overlap efficiency and its phases.
@@ -141,18 +143,20 @@ def transfer_and_overlap(device, params_m, rounds, trace_dir=None, batch=64) -> 
         for k in range(len(streamer.buckets)):
             streamer._transfer.release(0, k)  # consumed: the next wait is for the next backward
 
-    times = {"raw": [], "copy": [], "forward": [], "backward": [], "streamed": []}
-    for _ in range(rounds + 1):  # the first round warms up; hooks only in the streamed timing
+    times = {"raw": [], "copy": [], "forward": [], "backward": [], "streamed": [], "bucketed": []}
+    variants = [("streamed", {}), ("bucketed", {"eager_mb": None})]
+    for r in range(rounds + 1):  # the first round warms up; hooks only in the streamed timings
         times["raw"].append(timed(raw, device))
         times["copy"].append(timed(copy_all, device))
         times["forward"].append(timed(forward, device))
         times["backward"].append(timed(backward, device))
-        with pyengine.GradientStreamer(model, store, worker=0) as streamer:
-            # A fresh streamer's first step creates its CUDA events (at::cuda::CUDAEvent makes its event at the
-            # first record); training runs in the steady state after it, so one untimed step first (before this,
-            # the timed step was each streamer's first: the H100 numbers of 2026-11-23 in RESULTS.md)
-            streamed(streamer)
-            times["streamed"].append(timed(lambda: streamed(streamer), device))
+        for key, options in variants[r % 2:] + variants[:r % 2]:  # the order alternates
+            with pyengine.GradientStreamer(model, store, worker=0, **options) as streamer:
+                # A fresh streamer's first step creates its CUDA events (at::cuda::CUDAEvent makes its event at the
+                # first record); training runs in the steady state after it, so one untimed step first (before
+                # this, the timed step was each streamer's first: the H100 numbers of 2026-11-23 in RESULTS.md)
+                streamed(streamer)
+                times[key].append(timed(lambda: streamed(streamer), device))
         timeline = None
         if trace_dir:
             with pyengine.GradientStreamer(model, store, worker=0) as streamer:
@@ -172,7 +176,14 @@ def transfer_and_overlap(device, params_m, rounds, trace_dir=None, batch=64) -> 
             "raw_GBps": nbytes / med["raw"] / 1e9, "streamer_GBps": nbytes / med["copy"] / 1e9,
             "bandwidth_ratio": med["raw"] / med["copy"], "backward_ms": 1e3 * med["backward"],
             "copy_ms": 1e3 * med["copy"], "forward_ms": 1e3 * med["forward"], "streamed_ms": 1e3 * med["streamed"],
-            "step_over_max": med["streamed"] / best, "step_over_floor": med["streamed"] / floor}, timeline
+            "step_over_max": med["streamed"] / best, "step_over_floor": med["streamed"] / floor,
+            "bucketed_ms": 1e3 * med["bucketed"], "bucketed_over_max": med["bucketed"] / best,
+            "eager_speedup": paired(times["bucketed"][1:], times["streamed"][1:])}, timeline
+
+
+def paired(before, after) -> float:
+    """Median of the rounds' before/after time ratios (> 1: after is faster)."""
+    return statistics.median(b / a for b, a in zip(before, after))
 
 
 def engine_vs_single(device, rounds, workers=4, trace_dir=None) -> dict:

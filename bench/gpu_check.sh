@@ -19,9 +19,9 @@
 #   nvtx       the NVTX ranges of a short `python -m pyengine train` on the GPU: nsys's NVTX summary where nsys works,
 #              else ncu's NVTX filter (ncu profiles only kernels launched inside the named range: kernels profiled
 #              inside pyengine/worker0/forward_backward+transfer, none inside a range that does not exist)
-#   transfer   bench/bench_transfer.py: streamer D2H bandwidth vs raw pinned copy, backward overlap (with a profiler
-#              copy timeline and Chrome traces in logs.tgz), hybrid with 4
-#              workers on the GPU vs single-replica training
+#   transfer   bench/bench_transfer.py --batch 64 256 1024: streamer D2H bandwidth vs raw pinned copy, backward
+#              overlap with early copies of large gradients and with whole buckets only (paired), a profiler copy
+#              timeline and Chrome traces in logs.tgz, hybrid with 4 workers on the GPU vs single-replica training
 #   pipeline   bench/bench_pipeline.py --device cuda:0: S stages as S workers on one GPU (each its own stream),
 #              S in {2, 4}, M in {1, 4, 16}, 1F1B and GPipe, samples/s and bubble vs single-device training
 # DEADLINE_S=N makes every stage end in time for the summary within N seconds of the start. Needs no network.
@@ -190,7 +190,7 @@ wants kernel_ab && stage kernel_ab "$LOGS/kernel_ab.log" 600 "$PYTHON" bench/cud
   --out "$LOGS/kernel_ab.md"
 wants nvtx && stage nvtx "$LOGS/nvtx.log" 300 nvtx_check
 wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
-  --out "$LOGS/transfer.md" --trace-dir "$LOGS"
+  --batch 64 256 1024 --out "$LOGS/transfer.md" --trace-dir "$LOGS"
 wants pipeline && stage pipeline "$LOGS/pipeline.log" 600 bash -c "set -o pipefail; \"$PYTHON\" \
   bench/bench_pipeline.py --device cuda:0 --width 4096 --batch 512 | tee \"$LOGS/pipeline.md\""
 # The built extension comes back too, so that a later lease can carry it instead of building again.

@@ -4,7 +4,8 @@ A :class:`GradientStreamer` registers a post-accumulate-grad hook on each traina
 Parameters are grouped into buckets as DDP does (reverse registration order, a small first bucket, then a size cap);
 because the store is laid out in that order, each bucket is one contiguous range of the flat store. When a bucket's
 last gradient is ready, its copy into the worker's gradient slot starts (buckets start in order) while backward goes
-on: on a copy stream ordered by events for CUDA replicas, on a copy thread for CPU replicas. The host waits per
+on: on a copy stream ordered by events for CUDA replicas, on a copy thread for CPU replicas; a large gradient starts
+its copy as soon as it is ready, ahead of its bucket (Note [Early copies of large gradients]). The host waits per
 bucket. :func:`pipelined_update` runs the fused mean-gradient AdamW on bucket k as soon as all G workers delivered it,
 then starts bucket k's copy back to the replicas. See Note [Pinned buffer busy until its copy's event] in
 csrc/store/transfer.h for the ordering rules.
@@ -66,6 +67,8 @@ class GradientStreamer:
         unused: what a parameter that got no gradient in a step (all backward passes of an accumulation window)
             gives: ``"zero"`` (zeros in the slot; ``param.grad`` untouched) or ``"error"`` (backward raises, naming
             the parameters; DDP's find_unused_parameters).
+        eager_mb: a gradient of at least this many MiB of slot bytes starts its copy as soon as it is ready, ahead
+            of the rest of its bucket (Note [Early copies of large gradients]); ``None``: whole buckets only.
 
     Attributes: ``buckets`` (list of :class:`Bucket`), ``device``, ``worker``, ``hook_calls`` (hook invocations so
     far: one per parameter per backward pass).
@@ -74,7 +77,7 @@ class GradientStreamer:
     """
 
     def __init__(self, replica: torch.nn.Module, store: HostStore, worker: int = 0, bucket_mb: float = 25,
-                 first_bucket_mb: float = 1, unused: str = "zero"):
+                 first_bucket_mb: float = 1, unused: str = "zero", eager_mb: float | None = 1):
         if not isinstance(replica, torch.nn.Module):
             raise TypeError(f"GradientStreamer: replica must be an nn.Module; got {type(replica).__name__}")
         if unused not in ("zero", "error"):
@@ -82,6 +85,9 @@ class GradientStreamer:
         if not bucket_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"GradientStreamer: bucket_mb and first_bucket_mb must be > 0; got {bucket_mb}, "
                              f"{first_bucket_mb}")
+        if eager_mb is not None and (isinstance(eager_mb, bool) or not isinstance(eager_mb, (int, float))
+                                     or not eager_mb >= 0):
+            raise ValueError(f"GradientStreamer: eager_mb must be a number >= 0 or None; got {eager_mb!r}")
         store.grad_slot(worker)  # validates worker
         self.store, self.worker, self.unused = store, worker, unused
         self._params = self._replica_params(replica, store)
@@ -95,6 +101,11 @@ class GradientStreamer:
                 self._bucket_of[i] = k
         slot = store.grad_slot(worker)
         self._slot_views = [slot[e.offset:e.offset + e.numel] for e in store.layout]
+        # Note [Early copies of large gradients]
+        self.eager_mb = eager_mb
+        self._eager = [eager_mb is not None and e.numel * store.grad_dtype.itemsize >= eager_mb * 2**20
+                       for e in store.layout]
+        self._sent = [False] * len(self._params)  # copied early in the current sync pass
         self._transfer = _C.BucketTransfer(len(self.buckets), str(self.device), f"w{worker}")
         self._lock = threading.Lock()
         self._accumulate = 1
@@ -186,7 +197,10 @@ class GradientStreamer:
             self._fired[index] = True
             hidden = self._presumed[index]
             if self._sync and not twice and not hidden:
-                self._pending[self._bucket_of[index]] -= 1
+                k = self._bucket_of[index]
+                self._pending[k] -= 1
+                if self._eager[index] and (self._pending[k] > 0 or k != self._next_launch):
+                    self._launch_early(index, k)
             if self._sync:
                 self._launch_ready()
         if hidden:
@@ -209,6 +223,7 @@ class GradientStreamer:
         if self._sync:
             self._pending = [len(members) for members in self._bucket_params]
             self._next_launch = 0
+            self._sent = [False] * len(self._params)
             for i in self._unreached:  # Note [Unused parameters and overlap]: no gradient will come this pass
                 self._presumed[i] = True
                 self._pending[self._bucket_of[i]] -= 1
@@ -272,15 +287,37 @@ class GradientStreamer:
         return [name for i, name in enumerate(self.store.names)
                 if name in missing and named.get(name) is not self._params[i]]
 
+    def _launch_early(self, index: int, k: int) -> None:
+        """Note [Early copies of large gradients]
+        DDP's buckets exist to make few, large collectives; a bucket's copy into the host slot is one copy per
+        parameter anyway, and waiting for the bucket's last gradient only delays the others: with two 17 MB layers
+        per bucket, the copy of the earlier layer waited a whole layer's backward, and at the end of backward two
+        layers' copies (0.9 ms on an H100) were left to run after its last kernel. So a gradient of at least
+        ``eager_mb`` starts its copy from its own hook, as a part of its bucket (``completes_bucket=False``); the
+        bucket's launch, when its last gradient is ready, copies the rest. Parts and launches of one worker run in
+        launch order on one copy stream (or the copy thread), and the bucket counts as delivered only when its
+        completing launch has completed, so :meth:`wait`, the pipelined update and the busy rule of the Note in
+        transfer.h see whole buckets as before. The hook runs after the gradient's last accumulation of the pass
+        (post-accumulate-grad), so the part copies its final value. Small gradients stay in their bucket's launch:
+        on CUDA a part costs an event record and a stream wait beside the copy itself."""
+        grad = self._params[index].grad
+        if grad is None:  # no gradient after all: the bucket's launch decides (zeros or the error)
+            return
+        self._transfer.launch(_GRADS, k, [grad.detach().contiguous()], [self._slot_views[index]], False)
+        self._sent[index] = True
+
     def _launch_ready(self) -> None:
-        """Launches, in bucket order, every bucket whose gradients are all ready."""
+        """Launches, in bucket order, every bucket whose gradients are all ready (less the parameters copied early)."""
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
             k = self._next_launch
-            srcs = []
+            srcs, dsts = [], []
             for i in self._bucket_params[k]:
+                if self._sent[i]:
+                    continue
                 grad = self._params[i].grad
                 srcs.append(grad.detach().contiguous() if self._fired[i] and grad is not None else None)
-            self._transfer.launch(_GRADS, k, srcs, [self._slot_views[i] for i in self._bucket_params[k]])
+                dsts.append(self._slot_views[i])
+            self._transfer.launch(_GRADS, k, srcs, dsts)
             self._next_launch += 1
 
     # ---- host side ----
@@ -430,6 +467,10 @@ class GradientStreamer:
         drop the gradient buckets launched but not consumed and the accumulation window, so the next backward starts
         a fresh step and no wait returns on the failed step's data. Errors of those copies are dropped with them."""
         with self._lock:
+            # Buckets with early parts in flight but no completing launch: an empty completing launch lets the waits
+            # below cover the parts (copies of one worker complete in launch order).
+            parts = sorted({self._bucket_of[i] for i, sent in enumerate(self._sent)
+                            if sent and self._bucket_of[i] >= self._next_launch})
             self._in_backward = False
             self._end_deferred = False
             self._sync = False
@@ -439,6 +480,9 @@ class GradientStreamer:
             self._unreached = []
             self._pending = [0] * len(self.buckets)
             self._next_launch = 0
+            self._sent = [False] * len(self._params)
+        for k in parts:
+            self._transfer.launch(_GRADS, k, [], [])
         for k in range(len(self.buckets)):
             try:
                 self._transfer.wait(_GRADS, k, False)

@@ -43,6 +43,8 @@ def test_bench_transfer_runs_on_cpu(tmp_path):
     text = out.read_text()
     assert "bandwidth_ratio" in text and "hybrid_over_single" in text and "update_ms" in text
     assert "step_over_floor" in text and "\n| 8 | " in text and "\n| 16 | " in text, text
+    assert "bucketed_over_max" in text and "eager_speedup" in text, text
+    assert bench_transfer.paired([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0  # median of the per-round ratios
     for name in ("streamed_trace.json", "hybrid_trace.json", "hybrid_phases.json"):
         assert json.loads((tmp_path / name).read_text())["traceEvents"], name
 

@@ -42,6 +42,20 @@ class Net(torch.nn.Module):
         return self.head(h).float().pow(2).mean()
 
 
+@pytest.fixture(autouse=True, params=[None, 0], ids=["bucketed", "eager"])
+def eager_mb(request, monkeypatch):
+    """Every test of this file runs twice: whole-bucket copies only, and every gradient copied early (Note [Early
+    copies of large gradients]), whatever eager_mb a test does not set itself; the engine's workers included."""
+    init = pyengine.GradientStreamer.__init__
+
+    def with_eager_mb(self, *args, **kwargs):
+        kwargs.setdefault("eager_mb", request.param)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(pyengine.GradientStreamer, "__init__", with_eager_mb)
+    return request.param
+
+
 def batch(device="cpu", n=9):
     return torch.randint(0, 17, (n,), device=device)
 
@@ -124,6 +138,59 @@ def test_first_buckets_are_copied_while_backward_still_runs():
     assert seen.pop("layer0_grad") is None
     assert seen == {("2.bias",): True, ("2.weight",): True}
     assert_slots_equal_grads(store, model, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("eager", [0.1, None])
+def test_a_large_gradient_is_copied_before_its_bucket_is_complete(eager):
+    """One bucket holds both layers. Layer 1's weight (256 KiB of gradient) is ready first; with eager_mb below its
+    size its copy starts from its own hook, so it is in the slot before layer 0's gradients exist; without, it waits
+    for the bucket's last gradient. The test's hooks on layer 0 run before the streamer's (registered first), so
+    the bucket's own launch cannot have happened when they look."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    store = pyengine.HostStore(model, pin=False)
+    slot = slot_views(store, 0)["2.weight"]
+    seen = []
+
+    def look(param):
+        deadline = time.monotonic() + (10 if eager else 0.3)
+        while time.monotonic() < deadline and not torch.equal(slot, model[2].weight.grad):
+            time.sleep(0.001)
+        seen.append(torch.equal(slot, model[2].weight.grad))
+
+    for p in model[0].parameters():
+        p.register_post_accumulate_grad_hook(look)
+    with pyengine.GradientStreamer(model, store, eager_mb=eager) as streamer:
+        assert len(streamer.buckets) == 1 and streamer._eager == [False, eager is not None, False, False]  # 2.b, 2.w, 0.b, 0.w
+        model(torch.randn(3, 5)).pow(2).sum().backward()
+        streamer.wait_all()
+        assert seen == [eager is not None] * 2
+        assert_slots_equal_grads(store, model, 0)
+        assert streamer.wait(0, timeout=0) is True  # one delivery of the bucket, not one per part
+        streamer.reset()
+        assert streamer.wait(0, timeout=0.05) is False
+
+
+@pytest.mark.timeout(60)
+def test_reset_waits_for_early_copies_of_a_failed_step():
+    """A backward that fails after a large gradient's early copy started: reset() returns only once that copy is
+    done (the host may use the slot after it), though its bucket never got its completing launch."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4096), torch.nn.Linear(4096, 4096))  # 64 MiB weight, copied early
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=100, first_bucket_mb=100, eager_mb=1) as streamer:
+        assert len(streamer.buckets) == 1 and streamer._eager == [False, True, False, False]
+        def boom(grad):
+            raise RuntimeError("boom in backward")
+        model[0].weight.register_hook(boom)
+        slot = slot_views(store, 0)["1.weight"]
+        for _ in range(3):
+            slot.fill_(float("nan"))
+            model.zero_grad()
+            with pytest.raises(RuntimeError, match="boom in backward"):
+                with streamer.backward_pass():
+                    model(torch.randn(2, 5)).sum().backward()
+            assert torch.equal(slot, model[1].weight.grad)  # the part finished before reset() returned
+            assert streamer.wait(0, timeout=0.05) is False
 
 
 @pytest.mark.timeout(60)
@@ -561,6 +628,9 @@ def test_pipelined_update_argument_errors():
         pyengine.pipelined_update([a, c], store, 1, lr=1e-3)
     with pytest.raises(ValueError, match="unused"):
         pyengine.GradientStreamer(model, store, unused="ignore")
+    for bad in (-1, True, "1", float("nan")):
+        with pytest.raises(ValueError, match="eager_mb must be a number >= 0 or None"):
+            pyengine.GradientStreamer(model, store, eager_mb=bad)
     with pytest.raises(ValueError, match="trainable parameter 'extra.bias'"):
         pyengine.GradientStreamer(torch.nn.Linear(3, 3), store)
     for s in (a, b, c):

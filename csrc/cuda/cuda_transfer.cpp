@@ -61,7 +61,7 @@ class CudaTransfer final : public BucketTransfer {
  protected:
   void start(int64_t channel, int64_t bucket, CopyJob job) override {
     c10::cuda::CUDAGuard guard(device_);
-    NvtxRange range(range_name(channel == kGrads ? "d2h" : "h2d", channel, bucket));
+    NvtxRange range(range_name(channel == kGrads ? "d2h" : "h2d", channel, bucket, !job.completes_bucket));
     // The copies read what the compute stream wrote (gradients) or overwrite what it reads (weights): they start
     // after the work enqueued so far on the current stream.
     at::cuda::CUDAEvent& ready = ready_[bucket];
@@ -77,6 +77,8 @@ class CudaTransfer final : public BucketTransfer {
     }
     c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
     for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
+    // An early part records it too: harmless, the completing launch records it again after its own copies, and a
+    // waiter of an earlier launch that sees a later record only waits longer.
     done_[channel * num_buckets_ + bucket].record(copy_stream_);
   }
 

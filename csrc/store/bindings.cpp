@@ -43,13 +43,15 @@ void init_store_bindings(pybind11::module_& m) {
       .def(
           "launch",
           [](BucketTransfer& self, int64_t channel, int64_t bucket, const std::vector<std::optional<at::Tensor>>& srcs,
-             std::vector<at::Tensor> dsts) {
+             std::vector<at::Tensor> dsts, bool completes_bucket) {
             std::vector<at::Tensor> sources = undefined_for_none(srcs);
             py::gil_scoped_release no_gil;
-            self.launch(channel, bucket, std::move(sources), std::move(dsts));
+            self.launch(channel, bucket, std::move(sources), std::move(dsts), completes_bucket);
           },
-          py::arg("channel"), py::arg("bucket"), py::arg("srcs"), py::arg("dsts"),
-          "Starts dsts[i] <- srcs[i] (None zero-fills) for one bucket; returns at once.")
+          py::arg("channel"), py::arg("bucket"), py::arg("srcs"), py::arg("dsts"), py::arg("completes_bucket") = true,
+          "Starts dsts[i] <- srcs[i] (None zero-fills) for one bucket; returns at once. completes_bucket=False: an "
+          "early part of the bucket, copied in order; waits count the bucket launched only with its completing "
+          "launch.")
       .def("wait", &BucketTransfer::wait, py::arg("channel"), py::arg("bucket"), py::arg("until_launched"),
            py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>(),
            "Blocks until the bucket's last launched copy is complete; False if timeout_s (>= 0) ran out waiting for "

@@ -135,16 +135,16 @@ class CpuTransfer final : public BucketTransfer {
       lock.unlock();
       std::string error;
       try {
-        NvtxRange range(range_name("copy", task.channel, task.bucket));
+        NvtxRange range(range_name("copy", task.channel, task.bucket, !task.job.completes_bucket));
         copy_on_host(task.job);
       } catch (const std::exception& e) {
         error = e.what();
       }
       lock.lock();
-      retired_.push_back(std::move(task.job));  // Note [Tensor references leave on the launching thread]
       Counters& c = counters(task.channel, task.bucket);
-      c.completed += 1;
-      if (!error.empty()) c.error = error;
+      if (task.job.completes_bucket) c.completed += 1;  // an early part completes with its bucket (in order)
+      if (!error.empty()) c.error = error;  // a part's error too: the bucket's next wait raises it
+      retired_.push_back(std::move(task.job));  // Note [Tensor references leave on the launching thread]
       lock.unlock();
       changed_.notify_all();
     }

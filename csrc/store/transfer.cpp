@@ -52,13 +52,13 @@ void BucketTransfer::check_index(int64_t channel, int64_t bucket, const char* wh
                     num_buckets_, "); got ", bucket);
 }
 
-std::string BucketTransfer::range_name(const char* verb, int64_t channel, int64_t bucket) const {
+std::string BucketTransfer::range_name(const char* verb, int64_t channel, int64_t bucket, bool part) const {
   return std::string("pyengine/") + verb + " " + channel_name(static_cast<int>(channel)) + " b" +
-         std::to_string(bucket) + " " + label_;
+         std::to_string(bucket) + (part ? " early " : " ") + label_;
 }
 
 void BucketTransfer::launch(int64_t channel, int64_t bucket, std::vector<at::Tensor> srcs,
-                            std::vector<at::Tensor> dsts) {
+                            std::vector<at::Tensor> dsts, bool completes_bucket) {
   check_index(channel, bucket, "launch");
   TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "BucketTransfer.launch: srcs and dsts must have the same length; got ",
                     srcs.size(), " and ", dsts.size());
@@ -68,7 +68,8 @@ void BucketTransfer::launch(int64_t channel, int64_t bucket, std::vector<at::Ten
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!closed_, "BucketTransfer.launch: the transfer of ", label_, " is closed");
   }
-  start(channel, bucket, CopyJob{std::move(srcs), std::move(dsts)});
+  start(channel, bucket, CopyJob{std::move(srcs), std::move(dsts), completes_bucket});
+  if (!completes_bucket) return;
   {
     // Counted only once start() has issued the copy, so a waiter never waits on an earlier copy's completion.
     std::lock_guard<std::mutex> lock(mutex_);

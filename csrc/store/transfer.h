@@ -38,9 +38,13 @@ enum Channel : int { kGrads = 0, kWeights = 1, kNumChannels = 2 };
 const char* channel_name(int channel);
 
 // One bucket's copies: dsts[i] <- srcs[i], converted to dsts[i]'s dtype; an undefined srcs[i] zero-fills dsts[i].
+// completes_bucket = false makes it an early part of the bucket (Note [Early copies of large gradients] in
+// pyengine/streamer.py): it is copied in launch order like any launch, but the bucket counts as launched, and as
+// complete, only with its completing launch, which comes after its parts and so completes after them.
 struct CopyJob {
   std::vector<at::Tensor> srcs;
   std::vector<at::Tensor> dsts;
+  bool completes_bucket = true;
 };
 
 // Copies the pairs of job on the calling thread (CPU tensors): memcpy when the dtypes match, else a converting loop
@@ -57,8 +61,10 @@ class BucketTransfer {
   int64_t num_buckets() const { return num_buckets_; }
 
   // Starts the copies of bucket `bucket` on `channel` and returns at once. The tensors are checked here: same
-  // numel per pair, contiguous, float32/bfloat16/float16.
-  void launch(int64_t channel, int64_t bucket, std::vector<at::Tensor> srcs, std::vector<at::Tensor> dsts);
+  // numel per pair, contiguous, float32/bfloat16/float16. completes_bucket = false: an early part of the bucket
+  // (see CopyJob); waits see the bucket launched only once a completing launch follows.
+  void launch(int64_t channel, int64_t bucket, std::vector<at::Tensor> srcs, std::vector<at::Tensor> dsts,
+              bool completes_bucket = true);
 
   // Blocks (the caller releases the GIL) until the last launched copy of the bucket has completed, and rethrows an
   // error raised by that copy. until_launched: first wait until the bucket has been launched since the last
@@ -81,8 +87,8 @@ class BucketTransfer {
 
  protected:
   struct Counters {
-    int64_t launched = 0;   // launches so far
-    int64_t completed = 0;  // completions so far (copies of one bucket and channel complete in launch order)
+    int64_t launched = 0;   // completing launches so far (early parts are not counted)
+    int64_t completed = 0;  // their completions so far (copies of one bucket and channel complete in launch order)
     int64_t released = 0;   // value of `launched` at the last release
     std::string error;      // the error of the last failed copy, rethrown by the next wait
   };
@@ -94,7 +100,8 @@ class BucketTransfer {
 
   Counters& counters(int64_t channel, int64_t bucket) { return counters_[channel * num_buckets_ + bucket]; }
   void check_index(int64_t channel, int64_t bucket, const char* what) const;
-  std::string range_name(const char* verb, int64_t channel, int64_t bucket) const;
+  // "pyengine/<verb> <channel> b<bucket> [early ]<label>" (early: a part launched ahead of its bucket).
+  std::string range_name(const char* verb, int64_t channel, int64_t bucket, bool part = false) const;
 
   const int64_t num_buckets_;
   const std::string label_;

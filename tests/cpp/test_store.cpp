@@ -1,8 +1,8 @@
 // Unit tests of the host store's C++ core, without Python:
 //   - allocate_arena: exact size, page alignment, zeroed; the pinned path's error without a usable CUDA device;
 //   - the CPU BucketTransfer: copies (same dtype, converting to bf16 like Tensor.to, zero-fill), per-bucket waits,
-//     release, the launch timeout, a wait woken by a launch from another thread, errors for bad arguments and for a
-//     transfer closed before the bucket came.
+//     release, the launch timeout, a wait woken by a launch from another thread, early parts of a bucket (not counted
+//     as its launch), errors for bad arguments and for a transfer closed before the bucket came.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -82,6 +82,18 @@ void test_copies_and_waits() {
   CHECK(at::equal(slot.narrow(0, 0, 77), b), "the copy launched from another thread is not in the slot");
   // The weights channel is separate: nothing launched there, and a wait that does not ask for a launch returns.
   CHECK(transfer->wait(kWeights, 0, false), "weights channel wait without a launch blocked or failed");
+
+  // An early part of bucket 1 is copied, but the bucket counts as launched only with its completing launch.
+  transfer->release(kGrads, 1);
+  const at::Tensor c = at::randn({1001});
+  transfer->launch(kGrads, 1, {c}, {slot.narrow(0, 0, 1001)}, /*completes_bucket=*/false);
+  CHECK(!transfer->wait(kGrads, 1, true, 0.05), "an early part alone counted as the bucket's launch");
+  transfer->launch(kGrads, 1, {b}, {slot.narrow(0, 1006, 77)});
+  CHECK(transfer->wait(kGrads, 1, true, 5.0), "the completing launch after a part was not seen");
+  CHECK(at::equal(slot.narrow(0, 0, 1001), c) && at::equal(slot.narrow(0, 1006, 77), b),
+        "the part's and the completing launch's copies must both be in the slot");
+  transfer->release(kGrads, 1);
+  CHECK(!transfer->wait(kGrads, 1, true, 0.0), "a part and its completing launch counted as two launches");
   transfer->close();
 }
 
