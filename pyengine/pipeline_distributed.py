@@ -280,10 +280,13 @@ class _PipelinedLayers(torch.nn.Module):
 
 
 def batch_checksum(t: torch.Tensor) -> float:
-    """CRC-32 of a tensor's bytes (any dtype, any device), as a float (exact: < 2**32). The same data gives the same
-    value whatever the thread count, unlike a floating-point sum (Note [The same batch on every rank])."""
+    """CRC-32 of a tensor's dtype, shape and bytes (any device), as a float (exact: < 2**32). The same data gives the
+    same value whatever the thread count, unlike a floating-point sum (Note [The same batch on every rank]); the same
+    bytes as another dtype or shape (zeros as int32 and as float32; [4, 6] and [6, 4]: other micro-batch splits)
+    give another value."""
     data = t.detach().to("cpu").contiguous().reshape(-1)
-    return float(zlib.crc32(data.view(torch.uint8).numpy()))
+    header = zlib.crc32(f"{t.dtype} {tuple(t.shape)}".encode())
+    return float(zlib.crc32(data.view(torch.uint8).numpy(), header))
 
 
 class DistributedPipeline(_FailureNaming):
@@ -712,7 +715,7 @@ class DistributedPipeline(_FailureNaming):
         The first rank runs the inputs, the last rank scores the outputs against its targets: with a different batch
         per rank (a DistributedSampler per rank, as for data parallelism) the pipeline would train on inputs paired
         with another batch's targets, silently. So before any work each rank takes a fingerprint of its batch (its
-        sizes and the CRC-32 of the bytes of inputs and targets) and one small all-reduce (MAX of the fingerprint and
+        sizes and the CRC-32 of the dtypes, shapes and bytes of inputs and targets) and one small all-reduce (MAX of the fingerprint and
         of its negation) tells every rank whether they all agree. A checksum of the bytes, not a floating-point sum:
         a sum's last bits depend on how many intra-op threads split it, and ranks may run different counts. Targets
         None, and a batch this pipeline cannot run (:func:`_batch_problem`, which step() raises after this exchange,

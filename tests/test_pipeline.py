@@ -1521,6 +1521,10 @@ def test_batch_checksum_does_not_depend_on_the_thread_count():
     assert batch_checksum(x.view(64, -1)[:, ::2]) == batch_checksum(x.view(64, -1)[:, ::2].contiguous())
     for t in (torch.arange(7), torch.ones(3, dtype=torch.bool), x[:9].bfloat16(), torch.zeros(0)):
         assert batch_checksum(t) == batch_checksum(t.clone())
+    # The same bytes as another shape (another micro-batch split) or dtype are another batch.
+    assert batch_checksum(x[:24].view(4, 6)) != batch_checksum(x[:24].view(6, 4))
+    assert batch_checksum(torch.zeros(4, dtype=torch.int32)) != batch_checksum(torch.zeros(4))
+    assert batch_checksum(torch.zeros(0, 3)) != batch_checksum(torch.zeros(0, 5))
 
 
 def test_in_place_first_layer_of_a_stage(rng):
