@@ -483,7 +483,8 @@ class DistributedPipeline(_FailureNaming):
         with _collective("broadcast of the initial weights, frozen parameters and buffers from rank 0", self.rank,
                          self._explain):
             dist.broadcast(self.store.param, src=dist.get_global_rank(group, 0), group=group)
-            self._initial_state = self._rank0_state(model, group)  # kept: Note [Collective tensors outlive their work]
+            # The Python objects kept, their memory freed: Note [Collective tensors outlive their work]
+            self._initial_state = self._rank0_state(model, group)
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
         # Note [Collective tensors outlive their work]
         # A gloo collective's work keeps its tensors and is released on gloo's worker thread, possibly after the
@@ -519,7 +520,9 @@ class DistributedPipeline(_FailureNaming):
     def _rank0_state(self, model: torch.nn.Module, group) -> list[torch.Tensor]:
         """Rank 0's frozen parameters and buffers (BatchNorm statistics) into this rank's copies: its stage's, and its
         CPU copies of the other stages' buffers; the trainable parameters come with the store (Note [Every rank
-        starts from rank 0's model]). One broadcast per dtype of a flat buffer, which it returns."""
+        starts from rank 0's model]). One broadcast per dtype of a flat buffer, which it returns emptied: the
+        broadcast has completed when it returns, so only the tensor objects must outlive gloo's release of its
+        work (Note [Collective tensors outlive their work]), not a second copy of every frozen weight."""
         held = collections.defaultdict(list)  # the model's name -> this rank's tensors holding it
         for name, t in itertools.chain(self.module.named_parameters(remove_duplicate=False),
                                        self.module.named_buffers(remove_duplicate=False)):
@@ -540,6 +543,7 @@ class DistributedPipeline(_FailureNaming):
                 for mine in held.get(name, ()):
                     mine.copy_(flat[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
+            flat.set_()  # its storage goes now; gloo's work holds the tensor, not the storage
             flats.append(flat)
         return flats
 

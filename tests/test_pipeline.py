@@ -1235,8 +1235,10 @@ def _rank0_init_worker(rank, world, init_file, out_dir):
     dist = _join_gloo_group(rank, world, init_file)
     try:
         with Engine(frozen_bn_model(seed=rank), loss_fn, devices=["cpu"], **FROZEN_OPTIONS) as engine:
+            # no second copy of the frozen weights and buffers stays behind after the broadcast
+            kept = sum(t.untyped_storage().nbytes() for t in engine.pipeline._initial_state)
             losses = [engine.step(b)["loss"] for b in make_batches(torch.Generator().manual_seed(1), 3, 8)]
-            torch.save({"losses": losses, "state": engine.state_dict()}, f"{out_dir}/init-{rank}.pt")
+            torch.save({"losses": losses, "state": engine.state_dict(), "kept": kept}, f"{out_dir}/init-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -1254,6 +1256,7 @@ def test_every_rank_starts_from_rank0s_frozen_parameters_and_buffers(tmp_path):
         want = local.state_dict()
     for rank in range(2):
         got = torch.load(tmp_path / f"init-{rank}.pt", weights_only=False)
+        assert got["kept"] == 0, rank
         assert got["losses"] == pytest.approx(local_losses, rel=1e-5), rank
         for part in ("master", "buffers"):
             for name, value in want[part].items():
