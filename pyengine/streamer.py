@@ -68,7 +68,8 @@ class GradientStreamer:
             gives: ``"zero"`` (zeros in the slot; ``param.grad`` untouched) or ``"error"`` (backward raises, naming
             the parameters; DDP's find_unused_parameters).
         eager_mb: a gradient of at least this many MiB of slot bytes starts its copy as soon as it is ready, ahead
-            of the rest of its bucket (Note [Early copies of large gradients]); ``None``: whole buckets only.
+            of the rest of its bucket (Note [Early copies of large gradients]: hooks registered after the
+            streamer's must then leave ``.grad`` alone); ``None``: whole buckets only.
 
     Attributes: ``buckets`` (list of :class:`Bucket`), ``device``, ``worker``, ``hook_calls`` (hook invocations so
     far: one per parameter per backward pass).
@@ -299,7 +300,12 @@ class GradientStreamer:
         completing launch has completed, so :meth:`wait`, the pipelined update and the busy rule of the Note in
         transfer.h see whole buckets as before. The hook runs after the gradient's last accumulation of the pass
         (post-accumulate-grad), so the part copies its final value. Small gradients stay in their bucket's launch:
-        on CUDA a part costs an event record and a stream wait beside the copy itself."""
+        on CUDA a part costs an event record and a stream wait beside the copy itself. A failed step's parts whose
+        bucket never completes are drained by :meth:`reset` (BucketTransfer.drain), which counts no delivery.
+
+        The rule this adds (DDP's communication hooks have it too): a post-accumulate-grad hook registered after the
+        streamer's must not change ``.grad`` in place, since an early part may be reading it already (with
+        ``eager_mb=None`` the rule held for each bucket's last gradient only)."""
         grad = self._params[index].grad
         if grad is None:  # no gradient after all: the bucket's launch decides (zeros or the error)
             return
@@ -467,10 +473,6 @@ class GradientStreamer:
         drop the gradient buckets launched but not consumed and the accumulation window, so the next backward starts
         a fresh step and no wait returns on the failed step's data. Errors of those copies are dropped with them."""
         with self._lock:
-            # Buckets with early parts in flight but no completing launch: an empty completing launch lets the waits
-            # below cover the parts (copies of one worker complete in launch order).
-            parts = sorted({self._bucket_of[i] for i, sent in enumerate(self._sent)
-                            if sent and self._bucket_of[i] >= self._next_launch})
             self._in_backward = False
             self._end_deferred = False
             self._sync = False
@@ -481,8 +483,9 @@ class GradientStreamer:
             self._pending = [0] * len(self.buckets)
             self._next_launch = 0
             self._sent = [False] * len(self._params)
-        for k in parts:
-            self._transfer.launch(_GRADS, k, [], [])
+        # Early parts of buckets whose completing launch never came: done before the slot is used again, and no
+        # launch that a waiter (the engine's thread) would take for the bucket's delivery.
+        self._transfer.drain()
         for k in range(len(self.buckets)):
             try:
                 self._transfer.wait(_GRADS, k, False)

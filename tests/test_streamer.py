@@ -194,6 +194,45 @@ def test_reset_waits_for_early_copies_of_a_failed_step():
 
 
 @pytest.mark.timeout(60)
+def test_a_waiter_never_takes_a_failed_steps_early_parts_for_its_bucket():
+    """A thread waiting for the bucket (as the engine's main thread and the reducer of a process group do) while the
+    worker's backward fails after an early part of that bucket: reset() drains the part without delivering the
+    bucket, so the waiter runs out of time instead of returning on the failed step's half-filled slot."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 1024), torch.nn.Linear(1024, 1024))  # 4 MiB weight: eager
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=100, first_bucket_mb=100, eager_mb=1) as streamer:
+        got = {}
+        waiter = threading.Thread(target=lambda: got.setdefault("wait", streamer.wait(0, timeout=1.0)))
+        waiter.start()
+
+        def boom(grad):
+            raise ValueError("worker failed")
+        model[0].weight.register_hook(boom)  # after 1.weight's part, before the bucket's last gradient
+        with pytest.raises(ValueError, match="worker failed"):
+            with streamer.backward_pass():
+                model(torch.randn(2, 5)).sum().backward()
+        waiter.join()
+        assert got["wait"] is False
+
+
+def test_a_failure_after_close_keeps_its_own_error():
+    """The streamer closed while its step runs (an engine closing from another thread), then the backward fails
+    after an early part: the user's error comes out of backward_pass, not one from reset() on a closed transfer."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 1024), torch.nn.Linear(1024, 1024))
+    store = pyengine.HostStore(model, pin=False)
+    streamer = pyengine.GradientStreamer(model, store, bucket_mb=100, first_bucket_mb=100, eager_mb=1)
+
+    def close_then_fail(grad):
+        streamer.close()
+        raise ValueError("the real error")
+    model[0].weight.register_hook(close_then_fail)
+    with pytest.raises(ValueError, match="the real error"):
+        with streamer.backward_pass():
+            model(torch.randn(2, 5)).sum().backward()
+    streamer.reset()  # again, as the engines' error paths do
+
+
+@pytest.mark.timeout(60)
 def test_wait_with_timeout_and_reset_after_a_failed_step():
     model = Net()
     store = pyengine.HostStore(model, pin=False)

@@ -1,7 +1,8 @@
 // The CUDA backend of BucketTransfer: one copy stream per worker, ordered by events, never by a device or stream
-// synchronisation on the host. A gradient bucket's D2H copy waits on an event recorded on the compute stream when
-// the bucket's last gradient is ready; every launch records the bucket's completion event on the copy stream; the
-// host waits on that one event (wait) and the compute stream waits on the copy-back events before the next forward
+// synchronisation on the host (drain(), for failure paths, is the exception). A gradient bucket's D2H copy waits on
+// an event recorded on the compute stream when the bucket's last gradient is ready (an early part: when its own
+// is); every completing launch records the bucket's completion event on the copy stream; the host waits on that
+// one event (wait) and the compute stream waits on the copy-back events before the next forward
 // (order_current_stream). See Note [Pinned buffer busy until its copy's event] in store/transfer.h.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -46,6 +47,11 @@ class CudaTransfer final : public BucketTransfer {
     }
   }
 
+  void drain() override {
+    c10::cuda::CUDAGuard guard(device_);
+    copy_stream_.synchronize();  // a failure path: every copy enqueued so far, early parts included
+  }
+
   void close() override {
     {
       std::lock_guard<std::mutex> order(launch_mutex_);  // a launch in progress enqueues before the synchronize
@@ -77,9 +83,10 @@ class CudaTransfer final : public BucketTransfer {
     }
     c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
     for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
-    // An early part records it too: harmless, the completing launch records it again after its own copies, and a
-    // waiter of an earlier launch that sees a later record only waits longer.
-    done_[channel * num_buckets_ + bucket].record(copy_stream_);
+    // Only a completing launch records the bucket's event: it follows the bucket's early parts on this stream, so
+    // it completes after them too; and the zero-fill above waits for the previous step's copies of the bucket,
+    // not for an early part of this step still queued behind backward's kernels (a host stall mid-backward).
+    if (job.completes_bucket) done_[channel * num_buckets_ + bucket].record(copy_stream_);
   }
 
   void wait_completed(int64_t channel, int64_t bucket, int64_t target, std::unique_lock<std::mutex>& lock) override {

@@ -61,6 +61,8 @@ void init_store_bindings(pybind11::module_& m) {
       .def("release", &BucketTransfer::release, py::arg("channel"), py::arg("bucket"))
       .def("order_current_stream", &BucketTransfer::order_current_stream, py::arg("channel"),
            py::call_guard<py::gil_scoped_release>())
+      .def("drain", &BucketTransfer::drain, py::call_guard<py::gil_scoped_release>(),
+           "Blocks until every copy started so far (early parts included) has completed; no counter changes.")
       .def("close", &BucketTransfer::close, py::call_guard<py::gil_scoped_release>());
 }
 

@@ -84,6 +84,12 @@ class CpuTransfer final : public BucketTransfer {
 
   void order_current_stream(int64_t channel) override { wait_all(channel, /*until_launched=*/false); }
 
+  void drain() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int64_t target = queued_;
+    changed_.wait(lock, [&] { return finished_ >= target; });
+  }
+
   void close() override {
     {
       // launch_mutex_ first: a launch that passed its closed_ check finishes queueing its job before closed_ is
@@ -109,6 +115,7 @@ class CpuTransfer final : public BucketTransfer {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(Task{channel, bucket, std::move(job)});
+      queued_ += 1;
     }
     work_.notify_one();
   }
@@ -144,6 +151,7 @@ class CpuTransfer final : public BucketTransfer {
       Counters& c = counters(task.channel, task.bucket);
       if (task.job.completes_bucket) c.completed += 1;  // an early part completes with its bucket (in order)
       if (!error.empty()) c.error = error;  // a part's error too: the bucket's next wait raises it
+      finished_ += 1;
       retired_.push_back(std::move(task.job));  // Note [Tensor references leave on the launching thread]
       lock.unlock();
       changed_.notify_all();
@@ -164,6 +172,8 @@ class CpuTransfer final : public BucketTransfer {
   }  // the references go here, on the calling thread, outside the lock
 
   std::deque<Task> queue_;
+  int64_t queued_ = 0;    // tasks queued so far, early parts included (guarded by mutex_; for drain)
+  int64_t finished_ = 0;  // of those, run to the end
   std::vector<CopyJob> retired_;  // guarded by mutex_
   std::condition_variable work_;
   std::thread thread_;  // last member: started once the others exist

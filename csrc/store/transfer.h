@@ -82,6 +82,11 @@ class BucketTransfer {
   // events (no host block); on CPU the host waits.
   virtual void order_current_stream(int64_t channel) = 0;
 
+  // Blocks until every copy started so far has completed, early parts included, and changes no counter: a waiter
+  // of a bucket whose completing launch never came (a failed step) keeps waiting. For failure paths (the CUDA
+  // backend synchronizes its copy stream). Returns at once on a closed transfer (close() completed its copies).
+  virtual void drain() = 0;
+
   // Completes the copies in flight and releases the copy thread / stream resources. Idempotent.
   virtual void close() = 0;
 

@@ -2,7 +2,7 @@
 //   - allocate_arena: exact size, page alignment, zeroed; the pinned path's error without a usable CUDA device;
 //   - the CPU BucketTransfer: copies (same dtype, converting to bf16 like Tensor.to, zero-fill), per-bucket waits,
 //     release, the launch timeout, a wait woken by a launch from another thread, early parts of a bucket (not counted
-//     as its launch), errors for bad arguments and for a transfer closed before the bucket came.
+//     as its launch; drain), errors for bad arguments and for a transfer closed before the bucket came.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -94,7 +94,15 @@ void test_copies_and_waits() {
         "the part's and the completing launch's copies must both be in the slot");
   transfer->release(kGrads, 1);
   CHECK(!transfer->wait(kGrads, 1, true, 0.0), "a part and its completing launch counted as two launches");
+  // drain() completes a part whose bucket never completes (a failed step) and delivers nothing.
+  const at::Tensor big = at::randn({1 << 22});
+  at::Tensor big_slot = at::full({1 << 22}, 7.0f);
+  transfer->launch(kGrads, 1, {big}, {big_slot}, /*completes_bucket=*/false);
+  transfer->drain();
+  CHECK(at::equal(big_slot, big), "drain() returned before the early part was copied");
+  CHECK(!transfer->wait(kGrads, 1, true, 0.0), "drain() delivered the bucket");
   transfer->close();
+  transfer->drain();  // closed: returns at once
 }
 
 void test_bad_arguments() {
