@@ -90,6 +90,8 @@ class Engine:
         random_modules: module classes (besides dropout, RReLU and MultiheadAttention) whose forward draws random
             numbers, to be routed to the workers' own generators too.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
+        eager_mb: gradients of at least this many MiB start their copy to the host as soon as they are ready, ahead of
+            their bucket (None: whole buckets only); see :class:`~pyengine.GradientStreamer`.
         unused: ``"zero"`` (parameters without a gradient in a step get zero) or ``"error"``.
         autocast: None, or ``torch.bfloat16``/``torch.float16``: replicas compute under autocast and gradients travel
             in that dtype (master weights stay fp32).
@@ -138,7 +140,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, loss_fn, devices=None, mode: str = "hybrid",
                  optimizer: AdamW | None = None, seed: int = 0, *, lr_schedule=None, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, unused: str = "zero", autocast: torch.dtype | None = None,
+                 first_bucket_mb: float = 1.0, eager_mb: float | None = 1.0, unused: str = "zero",
+                 autocast: torch.dtype | None = None,
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
@@ -220,8 +223,8 @@ class Engine:
                                if shard_update else None)
         self._decay_runs = (self.optimizer.no_decay, _decay_runs(self.store, self.optimizer))
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
-            Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused,
-                   autocast_dtype=autocast, random_modules=self.random_modules,
+            Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, eager_mb=eager_mb,
+                   unused=unused, autocast_dtype=autocast, random_modules=self.random_modules,
                    rng=self.worker_rng(d, i) if mode != "sync" and (len(self.devices) > 1 or group is not None)
                    else None)
             for i, d in enumerate(self.devices)]

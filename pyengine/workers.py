@@ -236,7 +236,7 @@ class Worker:
 
     def __init__(self, index: int, device: torch.device, model: torch.nn.Module, store, *, bucket_mb: float,
                  first_bucket_mb: float, unused: str, autocast_dtype: torch.dtype | None, rng=None,
-                 random_modules=()):
+                 random_modules=(), eager_mb: float | None = 1.0):
         self.index = index
         self.device = device
         self.replica = copy.deepcopy(model).to(device)
@@ -244,7 +244,7 @@ class Worker:
         if rng is not None:  # Note [Random numbers of concurrent workers] (pyengine/rng.py)
             rng.install(self.replica, random_modules)
         self.streamer = GradientStreamer(self.replica, store, worker=index, bucket_mb=bucket_mb,
-                                         first_bucket_mb=first_bucket_mb, unused=unused)
+                                         first_bucket_mb=first_bucket_mb, unused=unused, eager_mb=eager_mb)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.autocast_dtype = autocast_dtype
 

@@ -60,13 +60,15 @@ def assert_matches(engine, reference, rtol=1e-5):
 TINY_BUCKETS = dict(bucket_mb=1e-6, first_bucket_mb=1e-6)
 
 
-@pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])
+@pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS, dict(eager_mb=0), dict(TINY_BUCKETS, eager_mb=None)],
+                         ids=["1-bucket", "4-buckets", "1-bucket-early-copies", "4-buckets-whole"])
 @pytest.mark.parametrize("workers,batch", [(1, 32), (2, 32), (4, 67)], ids=["G1", "G2", "G4-uneven"])
 def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets, worker_device):
     model = make_model()
     reference = TorchReference(model, **OPT)
     with Engine(model, loss_fn, devices=[worker_device] * workers, optimizer=AdamW(**OPT), **buckets) as engine:
-        assert len(engine.workers[0].streamer.buckets) == (4 if buckets else 1)
+        assert len(engine.workers[0].streamer.buckets) == (4 if "bucket_mb" in buckets else 1)
+        assert engine.workers[-1].streamer.eager_mb == buckets.get("eager_mb", 1.0)
         for b in make_batches(rng, 12, batch):
             engine.step(b)
             reference.step([b])

@@ -45,7 +45,8 @@ class Net(torch.nn.Module):
 @pytest.fixture(autouse=True, params=[None, 0], ids=["bucketed", "eager"])
 def eager_mb(request, monkeypatch):
     """Every test of this file runs twice: whole-bucket copies only, and every gradient copied early (Note [Early
-    copies of large gradients]), whatever eager_mb a test does not set itself; the engine's workers included."""
+    copies of large gradients]), whatever eager_mb a test does not set itself (test_engine.py covers the engine's
+    option)."""
     init = pyengine.GradientStreamer.__init__
 
     def with_eager_mb(self, *args, **kwargs):
