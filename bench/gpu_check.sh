@@ -24,6 +24,8 @@
 #              timeline and Chrome traces in logs.tgz, hybrid with 4 workers on the GPU vs single-replica training
 #   pipeline   bench/bench_pipeline.py --device cuda:0: S stages as S workers on one GPU (each its own stream),
 #              S in {2, 4}, M in {1, 4, 16}, 1F1B and GPipe, samples/s and bubble vs single-device training
+#   arena      bench/bench_arena.py: the host update on the pinned arena's huge pages (cudaHostRegister) vs
+#              cudaHostAlloc's 4 KiB pages vs torch tensors, and D2H GB/s into each pinned kind
 # DEADLINE_S=N makes every stage end in time for the summary within N seconds of the start. Needs no network.
 # PYTHON picks the interpreter (default python3: the one holding that machine's torch).
 set -u
@@ -31,7 +33,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-ALL_STAGES=(env build import tests ctest sanitizer bench kernel_ab nvtx transfer pipeline)
+ALL_STAGES=(env build import tests ctest sanitizer bench kernel_ab nvtx transfer pipeline arena)
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=("${ALL_STAGES[@]}")
 for s in "${STAGES[@]}"; do
@@ -169,7 +171,8 @@ nvtx_check() {
 export -f build check_build run_tests sanitize nvtx_check
 export PYTHON SCRATCH
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the extension built in place, whatever the install did
-if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvtx || wants transfer || wants pipeline; } \
+if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvtx || wants transfer || wants pipeline \
+                      || wants arena; } \
    && ! check_build >/dev/null 2>&1; then
   STAGES+=(build)  # a later stage needs the extension and none that imports with CUDA is here
 fi
@@ -193,6 +196,7 @@ wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_
   --batch 64 256 1024 --out "$LOGS/transfer.md" --trace-dir "$LOGS"
 wants pipeline && stage pipeline "$LOGS/pipeline.log" 600 bash -c "set -o pipefail; \"$PYTHON\" \
   bench/bench_pipeline.py --device cuda:0 --width 4096 --batch 512 | tee \"$LOGS/pipeline.md\""
+wants arena && stage arena "$LOGS/arena.log" 300 "$PYTHON" bench/bench_arena.py --threads 1 16 --out "$LOGS/arena.md"
 # The built extension comes back too, so that a later lease can carry it instead of building again.
 wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
 
@@ -225,6 +229,12 @@ wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
     echo "## Gradient transfer and engine on the GPU"
     echo
     cat "$LOGS/transfer.md"
+  fi
+  if [[ -s "$LOGS/arena.md" ]]; then
+    echo
+    echo "## The host arena's pages: the host update and D2H copies (bench/bench_arena.py)"
+    echo
+    cat "$LOGS/arena.md"
   fi
   if [[ -s "$LOGS/pipeline.md" ]]; then
     echo

@@ -83,6 +83,13 @@ def test_bench_engine_runs_on_cpu():
     assert "| mlp | 1 |" in out and "| mlp | 2 |" in out
 
 
+@pytest.mark.timeout(300)
+def test_bench_arena_runs_on_cpu(tmp_path):
+    out = tmp_path / "arena.md"
+    text = _run_bench("bench_arena.py", "--n", "1", "--g", "2", "--rounds", "1", "--threads", "1", "--out", str(out))
+    assert "| torch | " in text and "| arena | " in text and out.read_text() == text.rstrip("\n") + "\n"
+
+
 @pytest.mark.timeout(120)
 def test_cpu_read_rate_runs(tmp_path):
     """bench/cpu_read_rate.cpp (the read-rate ceiling of RESULTS.md) compiles, runs on small buffers, refuses bad

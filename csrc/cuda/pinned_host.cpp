@@ -33,4 +33,16 @@ void* pinned_host_alloc(size_t nbytes) {
 
 void pinned_host_free(void* ptr) noexcept { cudaFreeHost(ptr); }
 
+bool pinned_host_register(void* base, size_t nbytes) noexcept {
+  if (!cuda_device_usable()) return false;
+  // Portable, as cudaHostAllocPortable: the registration is valid in every CUDA context.
+  const bool ok = cudaHostRegister(base, nbytes, cudaHostRegisterPortable) == cudaSuccess;
+  if (!ok) cudaGetLastError();  // the caller falls back to cudaHostAlloc: no sticky error for its next call
+  return ok;
+}
+
+void pinned_host_unregister(void* base) noexcept {
+  if (cudaHostUnregister(base) != cudaSuccess) cudaGetLastError();
+}
+
 }  // namespace pyengine::store

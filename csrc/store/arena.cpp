@@ -7,7 +7,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 namespace pyengine::store {
@@ -34,13 +36,36 @@ void touch_pages(void* base, size_t nbytes, bool zero_fill) {
   });
 }
 
+constexpr size_t kHugePage = size_t{2} << 20;
+
 size_t mapped_bytes(size_t nbytes) { return round_up(std::max<size_t>(nbytes, 1), page_size()); }
 
-// munmap needs the mapping's length, which the deleter's context carries.
+// munmap (and cudaHostUnregister) need the mapping, which the deleter's context carries.
 struct Mapping {
   void* base;
   size_t length;
+  bool registered = false;  // page-locked with cudaHostRegister
 };
+
+// Anonymous memory of `length` bytes starting on a 2 MiB boundary (transparent huge pages cover only whole aligned
+// 2 MiB ranges), THP advised, every page faulted in now; anonymous pages are already zero.
+void* map_huge(size_t length) {
+  const size_t padded = length + kHugePage;
+  void* raw = mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "HostStore: could not allocate ", length, " bytes of host memory (mmap: ",
+              std::strerror(errno), ")");
+  const auto start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = round_up(start, kHugePage);
+  if (aligned > start) munmap(raw, aligned - start);  // the unaligned head and the unused tail go back
+  const uintptr_t end = aligned + length, raw_end = start + padded;
+  if (raw_end > end) munmap(reinterpret_cast<void*>(end), raw_end - end);
+  void* base = reinterpret_cast<void*>(aligned);
+#ifdef MADV_HUGEPAGE
+  madvise(base, length, MADV_HUGEPAGE);  // advice only: THP may be disabled, which is not an error
+#endif
+  touch_pages(base, length, /*zero_fill=*/false);
+  return base;
+}
 
 // A 1-D uint8 tensor over the whole block; its storage owns the block through data's deleter.
 at::Tensor byte_tensor(at::DataPtr data, int64_t nbytes) {
@@ -51,20 +76,29 @@ at::Tensor byte_tensor(at::DataPtr data, int64_t nbytes) {
 
 void unmap(void* ctx) {
   auto* mapping = static_cast<Mapping*>(ctx);
+#ifdef PYENGINE_WITH_CUDA
+  if (mapping->registered) pinned_host_unregister(mapping->base);
+#endif
   munmap(mapping->base, mapping->length);
   delete mapping;
 }
 
-at::Tensor allocate_unpinned(int64_t nbytes) {
+// THP-backed memory, page-locked when `pin` (nullptr if the registration failed: the caller falls back).
+at::Tensor allocate_mapped(int64_t nbytes, bool pin) {
   const size_t length = mapped_bytes(static_cast<size_t>(nbytes));
-  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(base != MAP_FAILED, "HostStore: could not allocate ", nbytes, " bytes of host memory (mmap: ",
-              std::strerror(errno), ")");
-#ifdef MADV_HUGEPAGE
-  madvise(base, length, MADV_HUGEPAGE);  // advice only: THP may be disabled, which is not an error
-#endif
-  touch_pages(base, length, /*zero_fill=*/false);  // anonymous pages are already zero
+  void* base = map_huge(length);
   auto* mapping = new Mapping{base, length};
+#ifdef PYENGINE_WITH_CUDA
+  if (pin) {
+    mapping->registered = pinned_host_register(base, length);
+    if (!mapping->registered) {
+      unmap(mapping);
+      return at::Tensor();
+    }
+  }
+#else
+  TORCH_INTERNAL_ASSERT(!pin);
+#endif
   at::DataPtr data(base, mapping, &unmap, at::Device(at::kCPU));
   return byte_tensor(std::move(data), nbytes);
 }
@@ -79,10 +113,14 @@ bool pinned_allocation_available() {
 #endif
 }
 
-at::Tensor allocate_arena(int64_t nbytes, bool pinned) {
+at::Tensor allocate_arena(int64_t nbytes, bool pinned, bool huge_pages) {
   TORCH_CHECK_VALUE(nbytes >= 0, "HostStore: arena size must be >= 0 bytes; got ", nbytes);
-  if (!pinned) return allocate_unpinned(nbytes);
+  if (!pinned) return allocate_mapped(nbytes, /*pin=*/false);
 #ifdef PYENGINE_WITH_CUDA
+  if (huge_pages && cuda_device_usable()) {
+    at::Tensor arena = allocate_mapped(nbytes, /*pin=*/true);
+    if (arena.defined()) return arena;
+  }
   void* ptr = pinned_host_alloc(static_cast<size_t>(std::max<int64_t>(nbytes, 1)));
   touch_pages(ptr, static_cast<size_t>(nbytes), /*zero_fill=*/true);  // cudaHostAlloc does not zero
   at::DataPtr data(ptr, ptr, &pinned_host_free, at::Device(at::kCPU));

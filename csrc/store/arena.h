@@ -11,11 +11,14 @@
 namespace pyengine::store {
 
 // Allocates nbytes of zeroed host memory.
-// pinned=true: page-locked with cudaHostAlloc (CUDA build and a usable device only), else a clear error that says how
-// many bytes were asked and that pin=False is the fallback. pinned=false: page-aligned anonymous memory with
-// transparent huge pages advised and every page touched in parallel now, so the first step pays no page faults.
+// pinned=false: anonymous memory, 2 MiB-aligned, with transparent huge pages advised and every page touched in
+// parallel now, so the first step pays no page faults.
+// pinned=true (CUDA build and a usable device only, else a clear error that says how many bytes were asked and that
+// pin=False is the fallback): with huge_pages, that same memory page-locked with cudaHostRegister, so the host's
+// update streams it on 2 MiB pages (cudaHostAlloc's memory has 4 KiB pages, which cost the CPU update 7-18 %,
+// bench/RESULTS.md); where the registration fails, or without huge_pages, cudaHostAlloc.
 // Not torch's caching pinned allocator: it rounds large blocks up to a power of two.
-at::Tensor allocate_arena(int64_t nbytes, bool pinned);
+at::Tensor allocate_arena(int64_t nbytes, bool pinned, bool huge_pages = true);
 
 // True when the pinned path can be taken: a CUDA build and at least one visible device.
 bool pinned_allocation_available();
@@ -24,6 +27,8 @@ bool pinned_allocation_available();
 // Implemented in cuda/pinned_host.cpp, the only place that calls the CUDA runtime for host memory.
 void* pinned_host_alloc(size_t nbytes);  // throws c10::Error with the size and the pin=False fallback
 void pinned_host_free(void* ptr) noexcept;
+bool pinned_host_register(void* base, size_t nbytes) noexcept;  // page-locks existing memory; false if it cannot
+void pinned_host_unregister(void* base) noexcept;
 bool cuda_device_usable() noexcept;
 #endif
 

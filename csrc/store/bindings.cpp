@@ -23,10 +23,11 @@ std::vector<at::Tensor> undefined_for_none(const std::vector<std::optional<at::T
 
 void init_store_bindings(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("_allocate_arena", &allocate_arena, py::arg("nbytes"), py::arg("pinned"),
+  m.def("_allocate_arena", &allocate_arena, py::arg("nbytes"), py::arg("pinned"), py::arg("huge_pages") = true,
         py::call_guard<py::gil_scoped_release>(),
-        "Zeroed host memory of exactly nbytes as a uint8 tensor whose storage owns it (pinned with cudaHostAlloc, "
-        "or page-aligned, THP-advised and pre-faulted).");
+        "Zeroed host memory of exactly nbytes as a uint8 tensor whose storage owns it: 2 MiB-aligned, THP-advised "
+        "and pre-faulted, page-locked with cudaHostRegister when pinned (cudaHostAlloc when that fails or "
+        "huge_pages=False).");
   m.def("_pinned_allocation_available", &pinned_allocation_available,
         "True when a CUDA build sees a usable device, so pinned arenas can be allocated.");
   m.def("_nvtx_push", &nvtx_push, py::arg("name"), "Opens an NVTX range (no-op in a CPU-only build).");
