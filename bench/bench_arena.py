@@ -7,8 +7,8 @@ each kind of host memory, the kinds alternating round by round in one process (m
 the rounds' time ratios against the first kind):
 
 - ``torch``:          plain ``torch.empty`` tensors (4 KiB pages, torch's default), the baseline;
-- ``arena``:          ``_C._allocate_arena(pinned=False)``: 2 MiB-aligned, huge pages advised, pre-faulted (the store's
-                      pageable arena);
+- ``arena``:          ``_C._allocate_arena(pinned=False)``: 2 MiB-aligned, huge pages advised, pre-faulted, the
+                      buffers a stagger apart (the store's pageable arena);
 - ``pinned-huge``:    ``_C._allocate_arena(pinned=True)``: that memory page-locked with cudaHostRegister (the store's
                       pinned arena; CUDA machines only);
 - ``pinned-hostalloc``: ``_C._allocate_arena(pinned=True, huge_pages=False)``: cudaHostAlloc's memory, 4 KiB pages (the
@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout runs without install
 import pyengine  # noqa: E402
 from pyengine import _C, ops  # noqa: E402
+from pyengine.store import section_stagger  # noqa: E402
 
 
 def huge_page_bytes(address: int) -> int:
@@ -47,15 +48,15 @@ def huge_page_bytes(address: int) -> int:
 
 
 def carve(kind: str, n: int, g: int) -> list[torch.Tensor]:
-    """param, exp_avg, exp_avg_sq and g gradients of n floats each, from one block of the kind's memory."""
-    count = (3 + g) * n
+    """param, exp_avg, exp_avg_sq and g gradients of n floats each, from one block of the kind's memory, laid out as
+    the store lays out its sections (Note [Staggered sections])."""
     if kind == "torch":
         flats = [torch.empty(n) for _ in range(3 + g)]
     else:
         pinned = kind.startswith("pinned")
-        arena = _C._allocate_arena(4 * count, pinned, huge_pages=kind != "pinned-hostalloc")
-        flat = arena.view(torch.float32)
-        flats = [flat[i * n:(i + 1) * n] for i in range(3 + g)]
+        stride = 4 * n + section_stagger([4 * n] * (3 + g))
+        arena = _C._allocate_arena(stride * (3 + g), pinned, huge_pages=kind != "pinned-hostalloc")
+        flats = [arena[i * stride:i * stride + 4 * n].view(torch.float32) for i in range(3 + g)]
     gen = torch.Generator().manual_seed(0)
     for i, t in enumerate(flats):
         if i == 2:

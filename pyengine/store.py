@@ -8,7 +8,9 @@ nothing dangles when the store object goes first.
 
 Layout: the trainable parameters in **reverse registration order** (the order backward produces their gradients, so
 every DDP-style bucket of the :class:`~pyengine.GradientStreamer` is one contiguous range), each starting on a 64-byte
-boundary in every buffer. The same element offsets hold in all flat buffers; padding elements are zero.
+boundary in every buffer. The same element offsets hold in all flat buffers; padding elements are zero. The flat
+buffers follow each other in the arena, a few hundred bytes apart where they would otherwise share their offsets
+within 2 MiB pages (Note [Staggered sections]).
 
 Partial Adam state (``state_ranges``): a process of a sharded update (ZeRO-1, :mod:`pyengine.distributed`) updates
 only some element ranges of the flat layout, so it needs the Adam state of those ranges only. The store then packs
@@ -73,6 +75,29 @@ def _padded(numel: int, dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in the smallest multiple of 64 bytes that holds ``numel`` of them."""
     unit = _ALIGN_BYTES // dtype.itemsize
     return -(-numel // unit) * unit
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def section_stagger(sizes: Sequence[int]) -> int:
+    """Note [Staggered sections]
+    Bytes left after each flat buffer of the arena, given the buffers' sizes in bytes (64-byte multiples): 0 unless
+    every buffer would start at the same offset within a 2 MiB huge page, else a multiple of 64 of at most 2 KiB and
+    one page in all (the slack of the size bound: parameter bytes x buffers + 64 B per tensor + one page).
+
+    The update streams 4 + G buffers side by side. Where all of them sit at the same offset within their huge pages
+    (buffers of 4 x numel bytes, a multiple of 2 MiB: numel = 2**25 puts them 128 MiB apart) the fused update ran
+    1.2-1.5x slower on this project's Zen 5 machines than with the starts a few hundred bytes apart. Where they do
+    not (two offsets, 1 MiB apart, were enough), the same stagger made it ~5 % slower (bench/RESULTS.md,
+    2026-11-25): hence only then."""
+    offsets, at = set(), 0
+    for size in sizes:
+        offsets.add(at % _HUGE_PAGE)
+        at += size
+    if len(sizes) < 2 or len(offsets) > 1:
+        return 0
+    return min(2048, 4096 // max(len(sizes) - 1, 1) // _ALIGN_BYTES * _ALIGN_BYTES)
 
 
 def layout_of(model_or_named_parameters, grad_dtype: torch.dtype = torch.float32,
@@ -171,7 +196,9 @@ class HostStore:
         if shadow_dtype is not None:
             sections.append(("shadow", shadow_dtype, self.numel))
         sections += [(f"grad{g}", grad_dtype, self.numel) for g in range(workers)]
-        self.nbytes = sum(_padded(n, dtype) * dtype.itemsize for _, dtype, n in sections)
+        sizes = [_padded(n, dtype) * dtype.itemsize for _, dtype, n in sections]
+        stagger = section_stagger(sizes)  # Note [Staggered sections]
+        self.nbytes = sum(sizes) + stagger * (len(sections) - 1)
         if max_bytes is not None and self.nbytes > max_bytes:
             state_note = "" if self.state_ranges is None else f", Adam state {self.state_numel} elements"
             raise ValueError(
@@ -181,9 +208,9 @@ class HostStore:
                 "max_bytes")
         self._arena, self.pinned = self._allocate(pin)
         views, byte_offset = {}, 0
-        for name, dtype, n in sections:  # every section starts on a 64-byte boundary
+        for name, dtype, n in sections:  # every section starts on a 64-byte boundary, `stagger` after the last
             views[name] = self._arena[byte_offset:byte_offset + n * dtype.itemsize].view(dtype)
-            byte_offset += _padded(n, dtype) * dtype.itemsize
+            byte_offset += _padded(n, dtype) * dtype.itemsize + stagger
         self.param, self.exp_avg, self.exp_avg_sq = views["param"], views["exp_avg"], views["exp_avg_sq"]
         self.max_exp_avg_sq = views.get("max_exp_avg_sq")
         self.shadow = views.get("shadow")
