@@ -48,7 +48,10 @@ def path_for(directory, step: int) -> Path:
 
 
 def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
-    """Writes ``payload`` as the checkpoint of ``step`` atomically; then keeps only the newest ``keep``."""
+    """Writes ``payload`` as the checkpoint of ``step`` atomically; then keeps only the newest ``keep`` (None: all;
+    otherwise an int >= 1, checked before anything is written)."""
+    if keep is not None:
+        _check_keep(keep, "save")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
@@ -180,9 +183,17 @@ def latest(directory) -> Path | None:
 
 
 def prune(directory, keep: int) -> None:
-    """Deletes all but the newest ``keep`` checkpoints."""
-    for path in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+    """Deletes all but the newest ``keep`` checkpoints (an int >= 1: pruning never deletes the newest)."""
+    _check_keep(keep, "prune")
+    for path in list_checkpoints(directory)[:-keep]:
         path.unlink(missing_ok=True)
+
+
+def _check_keep(keep, where: str) -> None:
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        none = " or None" if where == "save" else ""
+        raise ValueError(f"checkpoint.{where}: keep must be an int >= 1 (the newest checkpoints kept){none}; got "
+                         f"{keep!r}")
 
 
 def _fsync_dir(directory: Path) -> None:

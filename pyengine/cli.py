@@ -127,6 +127,12 @@ def _balance(text: str):
 _nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 _nonnegative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+# Hyperparameters the update takes in float32: 1e-50 would be 0 there (no training at all), 1e300 infinite.
+_FP32_NORMAL = (2.0 ** -126, 3.4e38)
+_positive_fp32 = _number(float, lambda v: _FP32_NORMAL[0] <= v < _FP32_NORMAL[1],
+                         "a positive number in float32's normal range [1.2e-38, 3.4e38)")
+_nonnegative_fp32 = _number(float, lambda v: v == 0 or _FP32_NORMAL[0] <= v < _FP32_NORMAL[1],
+                            "0 or a positive number in float32's normal range [1.2e-38, 3.4e38)")
 
 
 def _loss_scale(text: str):
@@ -183,14 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per update (hybrid: split across the workers; sync: one worker; async: each "
                         "worker's mini-batch; pipeline: split across the replicas, then into micro-batches) "
                         "[64 digits / 32 tokens]")
-    g.add_argument("--lr", type=_positive_float, default=S, help="AdamW learning rate [2e-3 digits / 1e-3 tokens]")
+    g.add_argument("--lr", type=_positive_fp32, default=S, help="AdamW learning rate [2e-3 digits / 1e-3 tokens]")
     g.add_argument("--lr-schedule", choices=("constant", "cosine"), default=S,
                    help="learning rate over the updates: constant, or a cosine decay that would reach 0 one "
                         "update after the last of --steps (or of --epochs' updates) [constant]")
     g.add_argument("--warmup-steps", type=_nonnegative_int, default=S,
                    help="linear warmup of the learning rate over the first updates [0]")
-    g.add_argument("--weight-decay", type=_nonnegative_float, default=S, help="AdamW weight decay [0.01]")
-    g.add_argument("--max-grad-norm", type=_positive_float, default=S, help="clip the mean gradient [off]")
+    g.add_argument("--weight-decay", type=_nonnegative_fp32, default=S, help="AdamW weight decay [0.01]")
+    g.add_argument("--max-grad-norm", type=_positive_fp32, default=S, help="clip the mean gradient [off]")
     g.add_argument("--autocast", choices=("none", "bf16", "fp16"), default=S,
                    help="replicas compute under autocast, gradients travel in that dtype [none]")
     g.add_argument("--loss-scale", type=_loss_scale, default=S,
@@ -381,6 +387,10 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
     expected = {"digits": "mlp", "tokens": "transformer"}[cfg["data"]]
     if cfg["model"] != expected:
         raise UsageError(f"--model {cfg['model']} does not fit --data {cfg['data']} (use --model {expected})")
+    from .models import TRANSFORMER_HEADS as heads
+    if cfg["model"] == "transformer" and cfg["hidden"] % heads:
+        raise UsageError(f"--hidden {cfg['hidden']}: the transformer's d_model must be a multiple of its {heads} "
+                         f"attention heads (e.g. --hidden {max(heads, cfg['hidden'] // heads * heads)})")
     workers = len(cfg["devices"])
     if train_size is not None:
         if workers > train_size:
@@ -678,15 +688,16 @@ def _set_aside_later(out: Path, step: int) -> Path | None:
     """Resuming from a checkpoint older than the run's newest forks the run: the checkpoints after ``step`` and the
     metrics lines after it belong to the abandoned continuation. They are moved, not deleted, into
     ``out/superseded-<time>/``, so that a later ``--resume out`` continues this run (not the abandoned one) and
-    nothing is lost. Returns that folder, or None when there was nothing after ``step``."""
+    nothing is lost. Returns that folder, or None when no checkpoint comes after ``step``: resuming from the newest
+    one (after a crash, say) forks nothing, and the metrics lines of steps after it are redone, bit for bit."""
     from . import checkpoint as ckpt
 
     later = [p for p in ckpt.list_checkpoints(out / "checkpoints") if ckpt.step_of(p) > step]
+    if not later:  # the newest checkpoint: no fork; steps logged after it (a crash) are simply run again
+        return None
     metrics_path = out / "metrics.jsonl"
     lines = metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists() else []
     dropped = lines[len(_read_metrics(metrics_path, upto=step)):]
-    if not later and not any(line.strip() for line in dropped):
-        return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = out / f"superseded-{stamp}"
     n = 1

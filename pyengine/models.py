@@ -11,6 +11,7 @@ __all__ = ["MODELS", "MLP", "TinyTransformer", "as_layers", "build", "loss_fn", 
 
 MODELS = ("mlp", "transformer")
 TASK_OF_MODEL = {"mlp": "classify", "transformer": "lm"}
+TRANSFORMER_HEADS = 4  # attention heads of the token workload's transformer: --hidden (d_model) is a multiple
 
 
 class MLP(nn.Module):
@@ -43,7 +44,8 @@ class Block(nn.Module):
 class TinyTransformer(nn.Module):
     """Pre-LN causal transformer LM (token + learned position embeddings, tied-free output head)."""
 
-    def __init__(self, vocab: int = 256, seq_len: int = 64, d: int = 128, layers: int = 2, heads: int = 4):
+    def __init__(self, vocab: int = 256, seq_len: int = 64, d: int = 128, layers: int = 2,
+                 heads: int = TRANSFORMER_HEADS):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq_len, d) * 0.02)

@@ -302,6 +302,33 @@ def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, cap
     assert len(list(run.glob("superseded-*"))) == 1  # resuming from the newest checkpoint sets nothing aside
 
 
+def test_resume_after_a_crash_from_the_newest_checkpoint_forks_nothing(tmp_path, capsys):
+    """A run that died after its newest checkpoint (here: steps 3 and 4 logged, checkpoint 4 lost) resumes from it
+    with no superseded-* folder and no word of a fork; the steps after it are redone and logged once."""
+    run = tmp_path / "run"
+    assert train("--steps", "4", "--out", str(run), "--quiet", "--checkpoint-every", "2", *SHORT) == 0
+    ckpt.path_for(run / "checkpoints", 4).unlink()  # as if the run had died before writing it
+    capsys.readouterr()
+    assert train("--resume", str(run), "--quiet") == 0
+    assert "moved to" not in capsys.readouterr().err and not list(run.glob("superseded-*"))
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4] and master(run)["version"] == 4
+
+
+def test_checkpoint_keep_must_keep_one(tmp_path):
+    """keep=0 kept every checkpoint while its docstring promised to delete all but the newest 0: now an error,
+    raised before anything is written."""
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="keep must be an int >= 1"):
+            ckpt.save(tmp_path / "c", 1, {"x": 1}, keep=bad)
+        with pytest.raises(ValueError, match="keep must be an int >= 1"):
+            ckpt.prune(tmp_path / "c", bad)
+    assert not (tmp_path / "c").exists()
+    for step in (1, 2, 3):
+        ckpt.save(tmp_path / "c", step, {"x": step}, keep=2)
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(tmp_path / "c")] == [2, 3]
+
+
 def test_pipeline_run_learns_with_its_options(tmp_path):
     """--mode pipeline with every pipeline flag and bf16 autocast: the loss falls and the run directory holds the
     stages' metrics."""
@@ -389,11 +416,14 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
      "--balance 1,2,2: expected 2 layer counts"),
     (["--mode", "hybrid", "--balance", "2,3"], "--balance: pipeline option"),
     (["--trace", "{file}/t.json"], "cannot write to the --trace folder"),
+    (["--data", "tokens", "--hidden", "30"], "--hidden 30: the transformer's d_model must be a multiple of its 4 "
+     "attention heads (e.g. --hidden 28)"),
+    (["--mode", "pipeline", "--data", "tokens", "--hidden", "6"], "--hidden 6: the transformer's d_model"),
 ], ids=["sync+accumulate", "no-such-gpu", "bad-device", "workers>samples", "batch<workers", "model/data",
         "unwritable-out", "resume-missing", "stages-in-hybrid", "pipeline-flags-default-mode",
         "microbatches-in-async", "hybrid-batch<microbatches", "sync-batch<microbatches", "stages!|workers",
         "batch<microbatches", "stages>layers", "balance-sum", "balance-zero", "balance-count", "balance-in-hybrid",
-        "unwritable-trace"])
+        "unwritable-trace", "transformer-hidden", "pipeline-transformer-hidden"])
 def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("x")
     argv = [a.format(file=tmp_path / "file", missing=tmp_path / "nope") for a in argv]
@@ -411,7 +441,9 @@ def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, messa
                                   ["--balance", "2,,3"], ["--microbatches", "0"], ["--loss-scale", "0"],
                                   ["--loss-scale", "often"], ["--loss-scale", "inf"], ["--loss-scale", "1e-50"],
                                   ["--seed", str(10 ** 23)], ["--seed", str(2 ** 64)], ["--seed", "-1"],
-                                  ["--seed", "1.5"]])
+                                  ["--seed", "1.5"], ["--lr", "1e-50"], ["--lr", "1e300"], ["--lr", "0"],
+                                  ["--weight-decay", "1e300"], ["--weight-decay", "1e-45"],
+                                  ["--max-grad-norm", "1e39"]])
 def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         train(*argv)
