@@ -47,6 +47,10 @@ void check_buffer(const at::Tensor& t, const std::string& name, const at::Tensor
   }
   TORCH_CHECK_VALUE(t.numel() == param.numel(), name, " must have ", param.numel(),
                     " elements like param; got ", describe(t));
+  // The multi form pairs elements by position: a [3, 2] gradient for a [2, 3] param (a transposed one made
+  // contiguous, say) would pair the wrong elements silently.
+  TORCH_CHECK_VALUE(flat || t.sizes() == param.sizes(), name, " must have param's shape ", param.sizes(), "; got ",
+                    describe(t));
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (",
                     written ? "it is written in place; a copy would lose the update" : "it is read as a flat array",
                     "); got ", describe(t));

@@ -3,6 +3,8 @@
 // Importing pyengine._C runs the static registrations below and in the backend files; the module itself only
 // reports how it was built. Gradients of the multi-tensor ops are worker-major: grads[g * P + i].
 #include <pybind11/pybind11.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
 #include "cpu/isa.h"
@@ -28,6 +30,52 @@ TORCH_LIBRARY(pyengine, m) {
       "Tensor(e!)[] param_outs, Tensor? grad_norm, float max_grad_norm) -> ()");
   m.def("mean_grad_norm(Tensor[] grads, float[]? weights) -> (Tensor, Tensor)");
   m.def("mean_grad_norm_multi(Tensor[] grads, int num_tensors, float[]? weights) -> (Tensor, Tensor)");
+}
+
+namespace {
+
+// Note [Version counters of the in-place ops]
+// The update ops write param, exp_avg, exp_avg_sq, max_exp_avg_sq and param_out in place; like torch's own in-place
+// ops they bump those tensors' version counters (once the kernel has returned: an op that raises has written
+// nothing), so that a tensor saved for a backward and then updated here makes that backward raise ("modified by an
+// inplace operation") instead of silently using the new values. Registered for ADInplaceOrView, the key torch's
+// in-place ops bump versions at; inference tensors have no version counter.
+void bump_versions_of_mutated(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t start = stack->size() - arguments.size();
+  std::vector<at::Tensor> mutated;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::AliasInfo* alias = arguments[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    const c10::IValue& value = (*stack)[start + i];
+    const size_t first = mutated.size();
+    if (value.isTensor()) {
+      mutated.push_back(value.toTensor());
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList()) mutated.push_back(t);
+    }
+    // No derivative: an update of a tensor autograd tracks is refused before anything is written (torch refuses
+    // in-place ops on leaves that require grad likewise). Optimizer steps run under torch.no_grad().
+    for (size_t j = first; j < mutated.size(); ++j) {
+      TORCH_CHECK(!(c10::GradMode::is_enabled() && mutated[j].defined() && mutated[j].requires_grad()),
+                  op.schema().name(), ": ", arguments[i].name(), " requires grad and grad mode is on; the update "
+                  "writes it in place and has no derivative: call it under torch.no_grad(), as an optimizer step");
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : mutated) {
+    if (t.defined() && !t.is_inference()) torch::autograd::increment_version(t);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyengine, ADInplaceOrView, m) {
+  m.impl("mean_grad_adamw_", torch::CppFunction::makeFromBoxedFunction<&bump_versions_of_mutated>());
+  m.impl("mean_grad_adamw_multi_", torch::CppFunction::makeFromBoxedFunction<&bump_versions_of_mutated>());
 }
 
 PYBIND11_MODULE(_C, m) {

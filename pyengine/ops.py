@@ -48,7 +48,12 @@ def _tensor_list(value, name: str, nonempty: str | None = None) -> list[torch.Te
 def _number(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise TypeError(f"{name} must be a number; got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError) as error:  # an array of several numbers; an int past float's range
+        text = repr(value)
+        raise TypeError(f"{name} must be a number; got {text if len(text) <= 60 else text[:57] + '...'} "
+                        f"({error})") from None
 
 
 def _step(step) -> int:
@@ -87,8 +92,10 @@ def _worker_major(grads, num_tensors: int) -> list[torch.Tensor]:
 def _weights(weights) -> list[float] | None:
     if weights is None:
         return None
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, torch.Tensor)):
-        raise TypeError(f"weights must be a list of G numbers; got {type(weights).__name__}")
+    if (isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, torch.Tensor))
+            or isinstance(weights, torch.Tensor) and weights.dim() != 1):
+        raise TypeError(f"weights must be a list of G numbers; got {type(weights).__name__}"
+                        + (f" of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else ""))
     return [_number(w, f"weights[{i}]") for i, w in enumerate(weights)]
 
 

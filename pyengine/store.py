@@ -92,11 +92,13 @@ def section_stagger(sizes: Sequence[int]) -> int:
     1.2-1.5x slower on this project's Zen 5 machines than with the starts a few hundred bytes apart. Where they do
     not (two offsets, 1 MiB apart, were enough), the same stagger made it ~5 % slower (bench/RESULTS.md,
     2026-11-25): hence only then."""
-    offsets, at = set(), 0
+    offsets, at, streamed = set(), 0, 0
     for size in sizes:
-        offsets.add(at % _HUGE_PAGE)
+        if size:  # an empty buffer streams nothing
+            offsets.add(at % _HUGE_PAGE)
+            streamed += 1
         at += size
-    if len(sizes) < 2 or len(offsets) > 1:
+    if streamed < 2 or len(offsets) > 1:
         return 0
     return min(2048, 4096 // max(len(sizes) - 1, 1) // _ALIGN_BYTES * _ALIGN_BYTES)
 

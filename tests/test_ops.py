@@ -520,6 +520,17 @@ def test_multi_bad_structure_is_an_error(device):
                                    step=1)
     with pytest.raises(ValueError, match=r"params, exp_avgs and exp_avg_sqs must have the same length"):
         ops.mean_grad_adamw_multi_(params, ms[:1], vs, [[p.clone() for p in params]], lr=1e-3, step=1)
+    # Elements pair by position: a gradient or state of another shape (a transposed one made contiguous) is refused,
+    # nothing written
+    square = [torch.zeros(2, 3, device=device)], [torch.zeros(2, 3, device=device)], [torch.zeros(2, 3, device=device)]
+    for name, call in (("grads\\[0\\]", lambda: ops.mean_grad_adamw_multi_(
+            *square, [[torch.ones(3, 2, device=device)]], lr=1e-3, step=1)),
+                       ("exp_avg", lambda: ops.mean_grad_adamw_multi_(
+            square[0], [torch.zeros(6, device=device)], square[2], [[torch.ones(2, 3, device=device)]], lr=1e-3,
+            step=1))):
+        with pytest.raises(ValueError, match=name + r" must have param's shape \[2, 3\]"):
+            call()
+        assert all(torch.count_nonzero(t[0]) == 0 for t in square)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -853,3 +864,47 @@ def test_transfer_timeout_and_bucket_count_edges():
     assert time.monotonic() - start > 0.2  # it waited for the launch
     timer.join()
     transfer.close()
+
+
+def test_updates_bump_version_counters_and_refuse_tracked_tensors(device):
+    """Note [Version counters of the in-place ops]: a weight saved for a backward and then updated by the op makes
+    that backward raise, as torch's in-place ops do (it silently used the updated weights); an update of a tensor
+    that requires grad in grad mode is refused, nothing written; the multi form alike; a refused call bumps
+    nothing."""
+    w = torch.nn.Parameter(torch.randn(6, device=device))
+    x = torch.randn(6, device=device, requires_grad=True)
+    loss = (x * w).sum()  # saves w for x's gradient
+    m, v, out = (torch.zeros(6, device=device) for _ in range(3))
+    with torch.no_grad():
+        ops.mean_grad_adamw_(w, m, v, [torch.ones(6, device=device)], lr=0.1, step=1, param_out=out)
+    assert (w._version, m._version, v._version, out._version) == (1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match="param requires grad and grad mode is on"):
+        ops.mean_grad_adamw_(w, m, v, [torch.ones(6, device=device)], lr=0.1, step=2)
+    assert torch.equal(w.detach(), before) and (w._version, m._version) == (1, 1)
+    params = [torch.zeros(3, device=device), torch.zeros(4, device=device)]
+    ms, vs = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    ops.mean_grad_adamw_multi_(params, ms, vs, [[torch.ones_like(p) for p in params]], lr=0.1, step=1)
+    assert [t._version for t in params + ms + vs] == [1] * 6
+    tracked = [torch.nn.Parameter(p.clone()) for p in params]
+    with pytest.raises(RuntimeError, match="params requires grad"):
+        ops.mean_grad_adamw_multi_(tracked, ms, vs, [[torch.ones_like(p) for p in params]], lr=0.1, step=2)
+    assert [t._version for t in tracked + ms] == [0, 0, 1, 1]
+
+
+def test_numbers_that_are_not_one_number_are_named():
+    """An array of several numbers, an int past float's range, a 0-d tensor of weights: errors naming the argument
+    (they were bare numpy / Python / torch errors)."""
+    import numpy as np
+    call = valid_call("cpu")
+    args = [call.pop(k) for k in ("param", "exp_avg", "exp_avg_sq", "grads")]
+    before = args[0].clone()
+    for key, value, message in (("lr", np.array([1e-3, 1e-3]), "lr must be a number"),
+                                ("lr", 10 ** 400, r"lr must be a number; got 1000.*\.\.\. \(int too large"),
+                                ("weights", torch.tensor(1.0), r"weights must be a list of G numbers; got Tensor of "
+                                 r"shape \(\)")):
+        with pytest.raises(TypeError, match=message):
+            ops.mean_grad_adamw_(*args, **{**call, key: value})
+    assert torch.equal(args[0], before)

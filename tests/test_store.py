@@ -284,6 +284,7 @@ def test_buffers_sharing_their_huge_page_offset_are_staggered(numel, workers, st
     assert store.nbytes == sum(b - a for a, b in flats) + stagger * (len(flats) - 1)
     assert store_module.section_stagger([2 << 20] * 2) == 2048 and store_module.section_stagger([4096, 64]) == 0
     assert store_module.section_stagger([1 << 20] * 5) == 0  # two offsets: measured fine as it is
+    assert store_module.section_stagger([0] * 5) == 0 and store_module.section_stagger([2 << 20, 0, 0]) == 0
 
 
 def test_views_outlive_the_store():
