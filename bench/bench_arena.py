@@ -30,21 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout runs without install
 import pyengine  # noqa: E402
 from pyengine import _C, ops  # noqa: E402
-from pyengine.store import section_stagger  # noqa: E402
-
-
-def huge_page_bytes(address: int) -> int:
-    """AnonHugePages of the /proc/self/smaps mapping holding ``address`` (0 where there is none)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    return 0
+from pyengine.store import huge_page_bytes, section_stagger  # noqa: E402
 
 
 def carve(kind: str, n: int, g: int) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 
 from . import _C
 
-__all__ = ["HostStore", "LayoutEntry", "layout_of"]
+__all__ = ["HostStore", "LayoutEntry", "huge_page_bytes", "layout_of"]
 
 _ALIGN_BYTES = 64
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,6 +115,25 @@ def layout_of(model_or_named_parameters, grad_dtype: torch.dtype = torch.float32
         layout.append(LayoutEntry(name, param.shape, offset, param.numel()))
         offset += -(-param.numel() // align) * align
     return layout, offset
+
+
+def huge_page_bytes(address: int) -> int:
+    """Bytes of transparent huge pages (AnonHugePages in /proc/self/smaps) backing the mapping that holds
+    ``address``: how much of an arena (``store.param.untyped_storage().data_ptr()``) is on 2 MiB pages. 0 where
+    there are none, or no /proc (not Linux)."""
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _check_state_ranges(state_ranges, numel: int) -> tuple[tuple[int, int], ...]:

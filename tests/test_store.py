@@ -245,20 +245,6 @@ def thp_mode() -> str:
         return "never"
 
 
-def huge_page_bytes(address: int) -> int:
-    """AnonHugePages of the mapping of /proc/self/smaps that holds ``address``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def test_the_arena_is_2mib_aligned_on_huge_pages():
     """The update streams the arena: on 4 KiB pages it ran 7-18 % slower (bench/RESULTS.md), so the arena starts on
     a 2 MiB boundary, huge pages advised (THP covers only whole aligned 2 MiB ranges)."""
@@ -267,7 +253,7 @@ def test_the_arena_is_2mib_aligned_on_huge_pages():
     assert base % (2 << 20) == 0
     if thp_mode() == "never":
         pytest.skip("transparent huge pages are disabled on this machine")
-    assert huge_page_bytes(base) >= 2 << 20
+    assert store_module.huge_page_bytes(base) >= 2 << 20
 
 
 @pytest.mark.parametrize("numel,workers,stagger,offsets", [(2**25, 4, 640, 7), (2**19, 1, 1344, 4),
@@ -316,7 +302,7 @@ def test_pinned_store_on_cuda():
     base = big.param.untyped_storage().data_ptr()
     assert big.pinned and big.param.is_pinned() and base % (2 << 20) == 0
     if thp_mode() != "never":
-        assert huge_page_bytes(base) >= 2 << 20
+        assert store_module.huge_page_bytes(base) >= 2 << 20
     plain = pyengine._C._allocate_arena(3 << 20, True, huge_pages=False)
     assert plain.is_pinned() and plain.numel() == 3 << 20 and torch.count_nonzero(plain) == 0
     src = torch.randn(big.numel, device="cuda")
