@@ -66,6 +66,8 @@ BLOCKS = {
         optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
         loss_fn(reference, (x, y)).backward()
         optimizer.step()
+        for s in streamers:  # the copies back run on each worker's copy thread (a forward would wait for them)
+            s.wait_weights()
         for replica in replicas:
             for (name, a), b in zip(replica.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
