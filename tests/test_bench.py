@@ -90,6 +90,12 @@ def test_bench_arena_runs_on_cpu(tmp_path):
     assert "| torch | " in text and "| arena | " in text and out.read_text() == text.rstrip("\n") + "\n"
 
 
+def test_bench_call_overhead_runs_on_cpu():
+    text = _run_bench("bench_call_overhead.py", "--calls", "5", "--rounds", "1")
+    rows = [line for line in text.splitlines() if line.startswith("| mean_grad_adamw")]
+    assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows), text
+
+
 @pytest.mark.timeout(120)
 def test_cpu_read_rate_runs(tmp_path):
     """bench/cpu_read_rate.cpp (the read-rate ceiling of RESULTS.md) compiles, runs on small buffers, refuses bad
