@@ -21,8 +21,9 @@ readers get the copy taken when it pulled, i.e. its buffers as of its last push.
 its push is not applied (a refresh recomputes the same mini-batches: counted once; a stop discards the push; the
 worker fails: Note [A failed step leaves the buffers alone] in engine.py).
 
-``close()`` from another thread during a fit takes the mutex, so the push being applied completes and none is
-applied after; it then waits for the workers, whose computations in flight are discarded.
+``close()`` or ``engine.stop()`` from another thread during a fit: the push being applied completes (both take or
+check under the mutex) and none is applied after; close() then waits for the workers, whose computations in flight
+are discarded. ``load_state_dict`` is refused during an async fit: the workers compute on the weights they pulled.
 """
 from __future__ import annotations
 
@@ -46,9 +47,12 @@ class _BatchSource:
         self._lock = threading.Lock()
         self.taken = 0  # mini-batches handed out
 
-    def take(self, k: int) -> list:
+    def take(self, k: int) -> tuple[list[int], list]:
+        """Up to ``k`` mini-batches (fewer or none once the source ends) and their ordinals: the places they had in
+        the order this source handed mini-batches out (0, 1, ...; consecutive, as they are taken under a lock)."""
         out = []
         with self._lock:
+            first = self.taken
             while len(out) < k and not self._done:
                 try:
                     out.append(next(self._it))
@@ -60,7 +64,15 @@ class _BatchSource:
                         self._done = True
                     else:
                         self._it, self._fresh = iter(self._batches), True
-        return out
+        return list(range(first, first + len(out))), out
+
+
+class _CallbackError(Exception):
+    """A callback's error, carried out of a worker's loop so that fit raises it as itself."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _closed_during_fit() -> RuntimeError:
@@ -81,14 +93,15 @@ def minibatches_per_push(engine, version: int) -> int:
 
 class AsyncRun:
     """The async fit running now, as ``engine._async_run``: its stop flag, an event set once its workers have all
-    ended, the threads that run its workers (``close()`` from one of them, a callback, must not wait for them), and
-    the source replica's buffers as of its last push while it computes (None otherwise)."""
+    ended, the threads that run its workers now (``close()`` from one of them, a callback, must not wait for them),
+    and the source replica's buffers as of its last push while it computes (None otherwise)."""
 
     def __init__(self):
         self.stop = threading.Event()
         self.finished = threading.Event()
         self.threads = {threading.get_ident()}  # the caller's: a lone CPU worker runs on it
         self.buffers: list | None = None
+        self.running: list[threading.Event] = []  # workers' done events, when fit raised with workers left running
 
 
 def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
@@ -99,36 +112,65 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     try:
         _run_async(engine, run, batches, steps=steps, epochs=epochs, callbacks=callbacks)
     finally:
-        with engine.mutex:
-            engine._async_run = None
-        run.finished.set()
+        if run.running:  # left by a second Ctrl-C: the run ends when they do, and close() waits for that
+            run.threads.discard(threading.get_ident())  # this thread leaves fit now: no callback of it any more
+            threading.Thread(target=_end_when_stopped, args=(engine, run), name="pyengine-async-end",
+                             daemon=True).start()
+        else:
+            _end(engine, run)
+
+
+def _end(engine, run) -> None:
+    with engine.mutex:
+        engine._async_run = None
+    run.finished.set()
+
+
+def _end_when_stopped(engine, run) -> None:
+    for event in run.running:
+        event.wait()
+    _end(engine, run)
 
 
 def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
     source = _BatchSource(batches, epochs)
     stop = run.stop
     pushes_before = engine.stats()["pushes"]  # ``steps`` counts this call's pushes
-    errors: list[tuple[int, BaseException]] = []
+    errors: list[tuple[int, BaseException, bool]] = []  # (worker, error, on a thread of its own)
 
-    def push(worker, pulled, scale, loss, samples, compute, wait, copy_back):
-        """Under the mutex: apply (True) or ask for a refresh (False)."""
+    def push(worker, pulled, scale, loss, samples, compute, wait, copy_back, ordinals) -> dict | None:
+        """Under the mutex: apply the push (its metrics, recorded in the history) or ask for a refresh (None).
+        ``ordinals``: of its mini-batches in this fit's order of ``batches`` (the metrics' ``batches``)."""
         start = time.perf_counter()
         pushed = engine.apply_push(pulled, [worker.index], loss_scale=scale)
         if pushed is None:
-            return False
+            return None
         applied, staleness = pushed
         end = time.perf_counter()
         metrics = step_metrics(engine, loss=loss, samples=samples, wall=copy_back + compute + wait + end - start,
                                compute=compute, update=end - start, transfer_wait=wait,
                                copy_back=copy_back, applied=applied, worker=worker.index, version_at_pull=pulled,
                                version_at_apply=engine.version - int(applied), staleness=staleness,
-                               loss_scale=scale)
+                               loss_scale=scale, batches=ordinals)
         engine.history.append(metrics)
-        for callback in callbacks:
-            callback(engine, metrics)
+        return metrics
+
+    def pushed(worker) -> None:
+        """Under the mutex: the push of ``worker`` counts (applied, skipped, or raised for a non-finite gradient, as
+        a step of sync and hybrid that raises for one keeps its statistics): its buffers stay."""
+        if worker.index == engine.buffer_source:
+            run.buffers = None  # its buffers are those of the push just made
+
+    def called_back(metrics) -> None:
+        """Under the mutex, after a push: the callbacks, then whether the run is done. A callback's error ends the
+        run and is raised as itself (as in sync and hybrid), not as the worker's."""
+        try:
+            for callback in callbacks:
+                callback(engine, metrics)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by fit as itself
+            raise _CallbackError(exc) from exc
         if engine.stop_requested or (steps is not None and engine.stats()["pushes"] - pushes_before >= steps):
             stop.set()
-        return True
 
     def pull(worker) -> tuple[int, float | None, float, int, list | None]:
         """Under the mutex: the snapshot of the weights, its version, the loss scale to compute with, the seconds the
@@ -154,13 +196,14 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
 
     def loop(worker, own_thread=True):
         saved = None
+        ident = threading.get_ident()
         try:
             if own_thread:
-                run.threads.add(threading.get_ident())
+                run.threads.add(ident)
                 set_worker_threads(engine.devices)
             while not stop.is_set():
                 pulled, scale, copied, k, saved = pull(worker)
-                minibatches = source.take(k)
+                ordinals, minibatches = source.take(k)
                 if not minibatches:
                     return
                 sizes = [batch_size(b) for b in minibatches]
@@ -173,22 +216,36 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                     # Note [Ctrl-C inside a step]: a push is applied whole (the lone CPU worker runs here, on the
                     # calling thread, where Ctrl-C lands)
                     with engine.mutex, deferred_interrupt("an async push", engine._abandon):
-                        if stop.is_set() or engine._closed:  # stopped or closed: the computation is discarded
+                        # stopped (by this run or engine.stop() from any thread) or closed: the computation is
+                        # discarded
+                        if stop.is_set() or engine.stop_requested or engine._closed:
                             unpushed(saved)
                             return
                         with engine.phase("push", worker.index):
-                            if push(worker, pulled, scale, loss, samples, compute, wait, copied):
-                                saved = None
-                                if worker.index == engine.buffer_source:
-                                    run.buffers = None  # its buffers are those of the push just applied
-                                break
+                            raised = engine.stats()["raised_steps"]
+                            try:
+                                metrics = push(worker, pulled, scale, loss, samples, compute, wait, copied,
+                                               ordinals)
+                            except FloatingPointError:
+                                if engine.stats()["raised_steps"] != raised:  # nonfinite="raise": a push counted
+                                    saved = None
+                                    pushed(worker)
+                                raise
+                        if metrics is not None:
+                            saved = None
+                            pushed(worker)
+                            called_back(metrics)
+                            break
                         unpushed(saved)  # a refresh: the same mini-batches are computed again
                     pulled, scale, copied, _, saved = pull(worker)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
             with engine.mutex:
                 unpushed(saved)
-            errors.append((worker.index, exc))
+            errors.append((worker.index, exc, own_thread))
             stop.set()
+        finally:
+            if own_thread:  # a thread started after this one ended may get its id (close() compares ids)
+                run.threads.discard(ident)
 
     if engine.inline_worker:  # Note [One CPU worker runs on the calling thread] in engine.py
         loop(engine.workers[0], own_thread=False)
@@ -218,18 +275,25 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 t.join()
         except BaseException:  # Ctrl-C here: stop the workers after their current push, leave none running
             stop.set()
-            for t, e in zip(threads, done):
-                if t.ident is not None:  # started (a thread whose start() was interrupted included)
+            started = [(t, e) for t, e in zip(threads, done) if t.ident is not None]  # start() interrupted too
+            try:
+                for t, e in started:
                     e.wait()
                     t.join()
+            except BaseException:  # a second Ctrl-C while they finish: the engine is given up, as at a second
+                engine._abandon()  # Ctrl-C inside a step; close() still waits for them (run_async)
+                run.running = [e for _, e in started]
+                raise
             for worker in engine.workers:
                 worker.streamer.reset()
             raise
     if errors:
         for worker in engine.workers:
             worker.streamer.reset()
-        index, exc = errors[0]
-        if not isinstance(exc, Exception):  # KeyboardInterrupt on the calling thread: as itself
+        index, exc, own_thread = errors[0]
+        if isinstance(exc, _CallbackError):
+            raise exc.error
+        if not own_thread and not isinstance(exc, Exception):  # Ctrl-C on the calling thread: as itself
             raise exc
         if engine._closed:  # close() from a callback: the other workers' transfers were shut under them
             raise _closed_during_fit() from exc

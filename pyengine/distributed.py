@@ -1260,7 +1260,7 @@ class _AsyncClient:
                 self._tell_waiting(_DONE)
                 return
             if decision == _GO:  # the previous push (if any) was applied or skipped: next mini-batches
-                minibatches = source.take(minibatches_per_push(engine, pulled))
+                _, minibatches = source.take(minibatches_per_push(engine, pulled))
             else:
                 engine.count("refreshes")
             if not minibatches:

@@ -502,8 +502,14 @@ class Engine:
         (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam state, so
         every rank loads the same state and no collective is needed. With a process group every rank must load the
         same state: a hybrid step refuses ranks at different versions, on every rank, with a ``DistributedError``
-        (Note [Every rank at the same version] in :mod:`pyengine.distributed`)."""
+        (Note [Every rank at the same version] in :mod:`pyengine.distributed`). Refused during an async
+        :meth:`fit` (from its callbacks or any thread): its workers compute on the weights they pulled and would push
+        onto the loaded ones; stop the fit (:meth:`stop`) and load once it has returned."""
         self._check_open()
+        if self._fitting and self.mode == "async":
+            raise RuntimeError("load_state_dict during an async fit: its workers compute on the weights they pulled "
+                               "and would push onto the loaded ones; call engine.stop() (a callback may) and load "
+                               "once fit has returned")
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"not a pyengine engine state (expected format {FORMAT!r}; got {found!r})")

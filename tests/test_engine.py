@@ -782,6 +782,154 @@ def test_async_batch_schedule_follows_the_version_pulled(rng):
     assert [m["samples"] for m in history] == [4 * schedule(m["version_at_pull"]) for m in history]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_async_callback_error_is_raised_as_itself_and_the_push_keeps_its_statistics(rng, workers):
+    """A callback that raises after a push was applied ends fit with its own error (as in sync and hybrid; it was a
+    WorkerError naming worker 0), and the buffers keep that push's batch: BatchNorm counts every applied push of the
+    source replica (the failure path put them back to before that push)."""
+    batches = make_batches(rng, 8, 8)
+
+    def refuse_third(engine_, metrics):
+        if engine_.stats()["pushes"] == 3:
+            raise RuntimeError("the callback says stop")
+
+    with Engine(make_bn_model(), loss_fn, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT)) as engine:
+        with pytest.raises(RuntimeError, match="the callback says stop") as info:
+            engine.fit(batches, steps=20, callbacks=[refuse_third])
+        assert not isinstance(info.value, WorkerError)
+        assert engine.stats()["pushes"] == engine.version == 3
+        counted = engine.buffers_state_dict()["1.num_batches_tracked"]
+        assert counted == sum(1 for m in engine.history if m["worker"] == 0) >= 1
+
+
+def test_async_push_raised_for_a_nonfinite_gradient_keeps_its_statistics(rng):
+    """Note [A failed step leaves the buffers alone]: a step that raises for a non-finite gradient keeps its batch's
+    statistics; an async push did not (its buffers were put back)."""
+    batches = make_batches(rng, 4, 8)
+    batches[2][0][0, 0] = float("nan")
+    counted = {}
+    for mode in ("sync", "async"):
+        with Engine(make_bn_model(), loss_fn, devices=["cpu"], mode=mode, optimizer=AdamW(**OPT),
+                    nonfinite="raise") as engine:
+            with pytest.raises((FloatingPointError, WorkerError), match="non-finite gradient"):
+                engine.fit(batches)
+            assert engine.version == 2 and engine.stats()["raised_steps"] == 1
+            counted[mode] = int(engine.buffers_state_dict()["1.num_batches_tracked"])
+    assert counted == {"sync": 3, "async": 3}
+
+
+def test_load_state_dict_during_an_async_fit_is_refused(rng):
+    """Loading while async workers compute made their pushes (pulled at a later version) count a negative staleness,
+    and with staleness_lr="inverse" a push was counted as applied but wrote nothing. Refused, the engine as it was;
+    a callback of a hybrid fit still loads (its workers are between steps)."""
+    batches = make_batches(rng, 6, 8)
+    with Engine(make_model(), slow_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT),
+                staleness_lr="inverse") as engine:
+        first = engine.state_dict()
+        refused = []
+
+        def load_at_3(engine_, metrics):
+            if engine_.version == 3 and not refused:
+                before = engine_.master_state_dict()
+                with pytest.raises(RuntimeError, match="load_state_dict during an async fit") as info:
+                    engine_.load_state_dict(first)
+                refused.append(info.value)
+                assert engine_.version == 3
+                assert all(torch.equal(v, before[k]) for k, v in engine_.master_state_dict().items())
+
+        engine.fit(batches, steps=8, callbacks=[load_at_3])
+        assert refused and min(engine.stats()["staleness_histogram"]) >= 0
+        assert engine.version == engine.stats()["applied_updates"] == 8
+        engine.load_state_dict(first)  # after fit: loads
+        assert engine.version == 0
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        first = engine.state_dict()
+        engine.fit(batches, steps=3, callbacks=[lambda engine_, metrics: engine_.load_state_dict(first)])
+        assert engine.version == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_engine_stop_from_another_thread_applies_no_push_after_it(rng, workers):
+    """Engine.stop() from another thread (a watchdog): the computations in flight are discarded (the next one was
+    still applied: the flag was looked at only after a push)."""
+    batches = make_batches(rng, 40, 8)
+
+    def slower_loss(model, batch):
+        time.sleep(0.05)
+        return loss_fn(model, batch)
+
+    with Engine(make_model(), slower_loss, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT)) as engine:
+        at_stop = {}
+
+        def watchdog():
+            while engine.version < 2:
+                time.sleep(0.002)
+            time.sleep(0.02)  # the workers compute
+            with engine.mutex:  # no push is being applied now
+                at_stop["version"] = engine.version
+                engine.stop()
+
+        thread = threading.Thread(target=watchdog)
+        thread.start()
+        engine.fit(batches)
+        thread.join()
+        assert engine.version == at_stop["version"] == engine.stats()["pushes"]
+
+
+def test_close_from_a_new_thread_waits_for_workers_whose_thread_ids_came_free(rng):
+    """close() tells a callback of the fit (which must not wait for the workers) by its thread's id: a worker thread
+    that had ended left its id behind, a new thread often gets the same one, and close() from it returned while the
+    other workers still ran."""
+    batches = make_batches(rng, 4, 8)
+
+    def worker_0_slow(model, batch):
+        if threading.current_thread().name == "pyengine-async-0":
+            time.sleep(1.0)  # worker 1 takes the other batches and its thread ends
+        return loss_fn(model, batch)
+
+    engine = Engine(make_model(), worker_0_slow, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT))
+    outcome = {}
+
+    def fit():
+        try:
+            engine.fit(batches)
+        except RuntimeError as exc:
+            outcome["fit"] = exc
+
+    fitter = threading.Thread(target=fit)
+    fitter.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        names = [t.name for t in threading.enumerate()]
+        if "pyengine-async-0" in names and "pyengine-async-1" not in names and engine.stats()["pushes"] >= 3:
+            break
+        time.sleep(0.001)
+
+    def close():
+        engine.close()
+        outcome["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async")]
+
+    closers = [threading.Thread(target=close)]
+    closers[0].start()
+    closers[0].join()
+    fitter.join()
+    assert outcome["alive"] == [] and "closed while fit() was running" in str(outcome["fit"])
+
+
+def test_a_non_exception_from_an_async_worker_thread_names_the_worker(rng):
+    """SystemExit raised on a worker's thread is that worker's failure (a WorkerError, as in hybrid); only the calling
+    thread's own interrupt is re-raised as itself."""
+    def loss(model, batch):
+        if threading.current_thread().name == "pyengine-async-1":
+            raise SystemExit(3)
+        time.sleep(0.002)
+        return loss_fn(model, batch)
+
+    with Engine(make_model(), loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT)) as engine:
+        with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) failed: SystemExit: 3"):
+            engine.fit(make_batches(rng, 4, 8))
+
+
 def test_failing_async_worker_stops_everyone(rng, worker_device):
     batches = make_batches(rng, 400, 4)
     calls = threading.local()
@@ -1188,6 +1336,33 @@ def test_ctrl_c_during_async_fit_stops_every_worker(rng, workers):
         assert 5 <= stats["pushes"] <= 5 + workers and engine.version == stats["applied_updates"]
         assert len(engine.fit(batches, steps=3)) == 3
         assert engine.stats()["pushes"] == stats["pushes"] + 3
+
+
+def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng):
+    """A second Ctrl-C while fit waits for the workers to finish their pushes (after the first): fit raises with
+    workers still running, so the engine refuses more work as after a second Ctrl-C inside a step (it accepted a new
+    fit beside the old run's threads), and close() waits for them."""
+    import os
+    import signal
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("the test runner handles SIGINT itself")
+
+    def slower_loss(model, batch):
+        time.sleep(1.0)
+        return loss_fn(model, batch)
+
+    engine = Engine(make_model(), slower_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT), pin=False)
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.3, 0.5)]
+    for timer in timers:
+        timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.fit(make_batches(rng, 10, 8))
+    for timer in timers:
+        timer.join()
+    with pytest.raises(RuntimeError, match="abandoned by a second Ctrl-C"):
+        engine.fit(make_batches(rng, 2, 8))
+    engine.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async")]
 
 
 def _new_thread_count() -> int:
