@@ -47,6 +47,15 @@ def path_for(directory, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}{SUFFIX}"
 
 
+def _process_umask() -> int:
+    mask = os.umask(0o022)  # read by setting: at import, before any thread of this package writes a file
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _process_umask()
+
+
 def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
     """Writes ``payload`` as the checkpoint of ``step`` atomically; then keeps only the newest ``keep`` (None: all;
     otherwise an int >= 1, checked before anything is written)."""
@@ -62,6 +71,7 @@ def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
         stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep the run's other users from resuming it
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC)
             f.write(_HEADER.pack(FORMAT_VERSION, len(data), hashlib.sha256(data).digest()))

@@ -21,6 +21,7 @@ import collections
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -91,9 +92,10 @@ class TrainingFailed(Exception):
 def _resume_command(out: Path) -> str:
     """The command that continues the run in ``out``: under torchrun, the same launch (a run resumed in another
     number of processes is not bit-identical: its reductions group the gradients otherwise)."""
+    where = shlex.quote(str(out))  # a folder with spaces or parentheses: the line pastes into a shell as is
     if _launched()[1] > 1:
-        return f"torchrun <the same launch options> -m pyengine train --resume {out}"
-    return f"python -m pyengine train --resume {out}"
+        return f"torchrun <the same launch options> -m pyengine train --resume {where}"
+    return f"python -m pyengine train --resume {where}"
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------
@@ -549,6 +551,15 @@ def _holds_run(directory: Path) -> bool:
                                       ("summary.json", "metrics.jsonl", "checkpoints", ALL_CONFIG, *MODES))
 
 
+def _saved_nothing(directory: Path) -> bool:
+    """A run directory with no checkpoint to resume: one stopped (killed) before its first save."""
+    from . import checkpoint as ckpt
+
+    if (directory / ALL_CONFIG).exists() or any((directory / m).is_dir() for m in MODES):
+        return False  # a --mode all run: resumable as a whole
+    return not (directory / "checkpoints").is_dir() or ckpt.latest(directory / "checkpoints") is None
+
+
 def _trace_path(trace: str | None, mode: str, all_modes: bool) -> Path | None:
     if trace is None:
         return None
@@ -812,13 +823,14 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                     staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin, **options)
     metrics_path = out / "metrics.jsonl"
     try:
-        start_step, batches_done, elapsed_offset = 0, 0, 0.0
+        start_step, batches_done, elapsed_offset, applied_beyond = 0, 0, 0.0, set()
         if resume is not None:
             try:
                 engine.load_state_dict(resume["engine"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise UsageError(_unfit(cfg, mode, resume, exc)) from None
             start_step, batches_done = int(resume["step"]), int(resume["batches_done"])
+            applied_beyond = set(resume.get("batches_beyond", ()))  # absent before async runs recorded them
             elapsed_offset = float(resume["elapsed_s"])
         if resume is not None and primary:
             aside = _set_aside_later(out, start_step)
@@ -833,7 +845,14 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         progress = Progress(mode, target, start_step, cfg["quiet"] or not primary, cfg["log_every"])
         if resume is not None:
             progress.write(f"[{mode}] resuming {out} at step {start_step} of {target}")
-        state = dict(step=start_step, batches=batches_done, last_ckpt=None, t0=time.perf_counter(),
+        # Note [Which batches an async checkpoint holds]
+        # Async workers take the batches in order, but their pushes land in any order: after n pushes the weights
+        # may hold batches 1..n and not batch 0, still in flight. So a checkpoint records the first batch not yet
+        # applied ("batches_done") and the batches after it that were ("batches_beyond"); a resume streams from the
+        # former and leaves the latter out. Every batch is applied once (resuming at a count applied batch 1 twice
+        # and never batch 0). Hybrid, sync and pipeline take batch ``step`` at each step: beyond stays empty.
+        state = dict(step=start_step, batches=batches_done, applied_beyond=set(applied_beyond), taken=[],
+                     last_ckpt=None, t0=time.perf_counter(),
                      agreed_ckpt=ckpt.path_for(ckpt_dir, start_step) if resume is not None else None)
 
         def elapsed() -> float:
@@ -854,7 +873,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             config = _saved_config(dict(cfg, mode=mode, out=str(out), trace=own_trace,
                                         **({} if pipeline else {"microbatches": own_microbatches})))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
-                           elapsed_s=elapsed(), mode=mode, config=config,
+                           batches_beyond=sorted(state["applied_beyond"]), elapsed_s=elapsed(), mode=mode, config=config,
                            engine=engine_state)
             began = time.perf_counter()
             state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"] if prune else None)
@@ -897,8 +916,15 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         def on_step(_engine, metrics: dict) -> None:
             """After every update (async: under the store's mutex, so the state is consistent)."""
             state["step"] += 1
-            state["batches"] += max(1, metrics["samples"] // batch_size)
             rec = {"mode": mode, **metrics, "step": state["step"], "elapsed_s": elapsed()}
+            if mode == "async":  # Note [Which batches an async checkpoint holds]
+                rec["batches"] = [state["taken"][i] for i in metrics["batches"]]  # fit's ordinals -> the data's steps
+                state["applied_beyond"].update(rec["batches"])
+                while state["batches"] in state["applied_beyond"]:
+                    state["applied_beyond"].remove(state["batches"])
+                    state["batches"] += 1
+            else:
+                state["batches"] += 1
             rec.pop("time", None)
             rec = _json_safe(rec)
             records.append(rec)
@@ -954,8 +980,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
 
                 if state["step"] < target:
                     try:
-                        engine.fit(dataset.stream(batches_done, batch_size, seed), steps=target - state["step"],
-                                   callbacks=[on_step])
+                        stream = dataset.stream(batches_done, batch_size, seed, skip=frozenset(applied_beyond),
+                                                indices=state["taken"])
+                        engine.fit(stream, steps=target - state["step"], callbacks=[on_step])
                     except WorkerError as exc:
                         if not isinstance(exc.__cause__, Interrupted):
                             raise
@@ -1038,6 +1065,39 @@ def _read_checkpoint(file: Path) -> dict:
     if payload.get("kind") != "pyengine.train" or missing:
         raise ckpt.CheckpointError(f"{file} is a pyengine checkpoint but not of a `pyengine train` run "
                                    f"(missing {sorted(missing)})")
+
+    def refuse(what: str, value) -> None:
+        raise ckpt.CheckpointError(f"{file} is not a usable `pyengine train` checkpoint: {what}; got {value!r}")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    step, done = payload["step"], payload["batches_done"]
+    if not count(step):
+        refuse("its step must be an int >= 0", step)
+    try:
+        named = ckpt.step_of(file)
+    except ValueError:  # another name: a copy, say
+        named = step
+    if named != step:
+        refuse(f"its name says step {named}, its contents another", step)
+    if not count(done):
+        refuse("its batches_done must be an int >= 0", done)
+    beyond = payload.get("batches_beyond", [])
+    if (not isinstance(beyond, list) or not all(count(b) and b > done for b in beyond)
+            or len(set(beyond)) != len(beyond)):
+        refuse(f"its batches_beyond must be distinct ints > its batches_done ({done})", beyond)
+    if not (isinstance(payload["elapsed_s"], (int, float)) and math.isfinite(payload["elapsed_s"])
+            and payload["elapsed_s"] >= 0):
+        refuse("its elapsed_s must be a number of seconds >= 0", payload["elapsed_s"])
+    config = payload["config"]
+    if not isinstance(config, dict):
+        refuse("its config must be a dict", type(config).__name__)
+    lacking = sorted(_required_config() - set(config))
+    if lacking:
+        refuse(f"its config lacks {lacking}", sorted(config))
+    if payload["mode"] not in MODES or config["mode"] != payload["mode"]:
+        refuse(f"its mode and its config's must be one of {MODES}, the same", (payload["mode"], config["mode"]))
     return payload
 
 
@@ -1056,9 +1116,13 @@ def _load_resume(target: str) -> tuple[dict, Path]:
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         file = ckpt.latest(folder)
         if file is None:
-            raise UsageError(f"--resume {target}: no checkpoint (step-*.pyeckpt) in {folder}")
+            saved_none = (f": the run there saved none (it ended before its first checkpoint), so there is nothing "
+                          f"to continue; start a new run (remove {path}, or choose another --out)"
+                          if _holds_run(path) else "")
+            raise UsageError(f"--resume {target}: no checkpoint (step-*.pyeckpt) in {folder}{saved_none}")
     else:
         file = path
+    file = Path(os.path.abspath(file))  # its folders name the run (a bare file name has none)
     payload = _read_checkpoint(file)
     if file.parent.name.startswith("superseded-"):
         raise ckpt.CheckpointError(f"{file} belongs to a continuation that a resume set aside (in "
@@ -1097,6 +1161,14 @@ def _all_checkpoints(out: Path) -> dict:
         if file is not None:
             found[mode] = _read_checkpoint(file)
     return found
+
+
+def _required_config() -> set:
+    """The settings a checkpoint's config holds: every flag of ``train`` but those not saved and those that
+    :func:`_saved_run_config` gives a default (flags added after the first checkpoints were written)."""
+    flags = set(vars(build_parser().parse_args(["train"])))
+    return flags - {"command", "resume", *NOT_SAVED, "lr_schedule", "warmup_steps", "loss_scale", "stages",
+                    *PIPELINE_DEFAULTS}
 
 
 def _saved_run_config(config: dict) -> dict:
@@ -1408,6 +1480,9 @@ def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) 
             return out
         out = out or (Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"]))
         if rank == 0 and _holds_run(out):
+            if _saved_nothing(out):
+                raise UsageError(f"--out {out} holds a run that saved no checkpoint (it ended before its first): "
+                                 "nothing to resume; remove it or choose another --out")
             raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
                              "another --out")
         _check_writable(out, "--out")

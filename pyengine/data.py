@@ -47,11 +47,15 @@ class Dataset:
         rows = order[index * batch_size:(index + 1) * batch_size]
         return self.x_train[rows], self.y_train[rows]
 
-    def stream(self, start: int, batch_size: int, seed: int):
-        """Batches of steps ``start, start + 1, ...`` without end (the caller stops)."""
+    def stream(self, start: int, batch_size: int, seed: int, skip=frozenset(), indices: list | None = None):
+        """Batches of steps ``start, start + 1, ...`` without end (the caller stops), leaving out the steps in
+        ``skip``; the step of each batch yielded is appended to ``indices`` when given."""
         step = start
         while True:
-            yield self.batch(step, batch_size, seed)
+            if step not in skip:
+                if indices is not None:
+                    indices.append(step)
+                yield self.batch(step, batch_size, seed)
             step += 1
 
 

@@ -315,6 +315,136 @@ def test_resume_after_a_crash_from_the_newest_checkpoint_forks_nothing(tmp_path,
     assert steps == [1, 2, 3, 4] and master(run)["version"] == 4
 
 
+def test_async_resume_applies_every_batch_once_when_pushes_land_out_of_order(tmp_path, monkeypatch):
+    """Note [Which batches an async checkpoint holds]: the worker computing batch 0 is slow, so push 1 applies batch
+    1 while batch 0 is in flight. The checkpoint after push 1 holds batch 1 only: a resume from it computes batch 0
+    and never batch 1 again (resuming at a count of batches applied batch 1 twice and never batch 0)."""
+    import threading
+
+    import pyengine.data
+    import pyengine.workers
+
+    slow, batch, compute = set(), pyengine.data.Dataset.batch, pyengine.workers.Worker.compute
+    second_taken = threading.Event()
+
+    def marked(self, step, *args):
+        out = batch(self, step, *args)
+        if step == 0:
+            slow.add(id(out))
+        if step == 2:  # taken once push 1 was applied (the other worker pulls, then takes its next batch)
+            second_taken.set()
+        return out
+
+    def slowed(self, loss_fn, batches, *args, **kwargs):
+        if any(id(b) in slow for b in batches):
+            second_taken.wait(30)
+        return compute(self, loss_fn, batches, *args, **kwargs)
+
+    monkeypatch.setattr(pyengine.data.Dataset, "batch", marked)
+    monkeypatch.setattr(pyengine.workers.Worker, "compute", slowed)
+    run = tmp_path / "run"
+    assert train("--mode", "async", "--steps", "4", "--checkpoint-every", "1", "--keep", "10", "--out", str(run),
+                 "--quiet", *SHORT) == 0
+    first = [json.loads(line)["batches"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert first[0] == [1] and [0] in first, first
+    saved = ckpt.load(ckpt.path_for(run / "checkpoints", 1))
+    assert (saved["batches_done"], saved["batches_beyond"]) == (0, [1])
+    slow.clear()
+    assert train("--resume", str(ckpt.path_for(run / "checkpoints", 1)), "--steps", "4", "--quiet") == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    applied = [b for line in lines for b in line["batches"]]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert sorted(applied) == sorted(set(applied)) and 0 in applied and applied[0] == 1, applied
+
+
+def test_resume_of_a_bare_file_name_inside_checkpoints_forks_the_run(tmp_path, monkeypatch, capsys):
+    """``--resume step-N.pyeckpt`` from inside the run's checkpoints/ (no folder in the path) continued as a new
+    run nested in checkpoints/ and left the real run unforked; from inside a superseded-* folder it was resumed."""
+    run = tmp_path / "run"
+    assert train("--steps", "4", "--checkpoint-every", "2", "--out", str(run), "--quiet", *SHORT) == 0
+    monkeypatch.chdir(run / "checkpoints")
+    assert train("--resume", ckpt.path_for(Path("."), 2).name, "--steps", "3", "--quiet") == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [ckpt.path_for(run, n).name for n in (2, 3)]
+    [aside] = run.glob("superseded-*")
+    monkeypatch.chdir(aside)
+    capsys.readouterr()
+    assert train("--resume", ckpt.path_for(Path("."), 4).name, "--steps", "5", "--quiet") == 2
+    assert "belongs to a continuation that a resume set aside" in capsys.readouterr().err
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path):
+    """mkstemp made every checkpoint 0600 whatever the umask (the run's other files: 0644 under umask 022)."""
+    old = os.umask(0o022)
+    try:
+        path = ckpt.save(tmp_path, 1, {"x": 1})
+    finally:
+        os.umask(old)
+    assert (path.stat().st_mode & 0o777) == (0o666 & ~ckpt._UMASK)
+    assert ckpt.load(path) == {"x": 1}
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_so_on_resume_and_on_out(tmp_path, capsys):
+    """A run killed before its first checkpoint leaves only metrics.jsonl: --resume said "no checkpoint" and --out
+    said "continue it with --resume", each pointing at the other."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert train("--resume", str(run), "--quiet") == 2
+    assert "the run there saved none (it ended before its first checkpoint)" in capsys.readouterr().err
+    assert train("--steps", "2", "--out", str(run), "--quiet", *SHORT) == 2
+    err = capsys.readouterr().err
+    assert "holds a run that saved no checkpoint" in err and "--resume" not in err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing removed
+
+
+def test_the_printed_resume_command_pastes_into_a_shell(tmp_path, capsys):
+    """The resume command of a failure in a folder with a space and parentheses is quoted for the shell."""
+    import shlex
+
+    import pyengine.data
+
+    run = tmp_path / "has space" / "run (1)"
+    batch = pyengine.data.Dataset.batch
+
+    def failing(self, step, *args):
+        if step == 3:
+            raise RuntimeError("injected data failure")
+        return batch(self, step, *args)
+
+    pyengine.data.Dataset.batch = failing
+    try:
+        assert train("--steps", "6", "--out", str(run), "--quiet", *SHORT) == 1
+    finally:
+        pyengine.data.Dataset.batch = batch
+    err = capsys.readouterr().err
+    command = err[err.index("resume with ") + len("resume with "):].splitlines()[0]
+    assert shlex.split(command) == ["python", "-m", "pyengine", "train", "--resume", str(run)], command
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda p: p.update(config=[]), "its config must be a dict; got 'list'"),
+    (lambda p: p["config"].pop("devices"), "its config lacks ['devices']"),
+    (lambda p: p.update(step="four"), "its step must be an int >= 0; got 'four'"),
+    (lambda p: p.update(step=2), "its name says step 4, its contents another; got 2"),
+    (lambda p: p.update(batches_done=-5), "its batches_done must be an int >= 0; got -5"),
+    (lambda p: p.update(batches_beyond=[1]), "its batches_beyond must be distinct ints > its batches_done"),
+    (lambda p: p.update(elapsed_s=float("nan")), "its elapsed_s must be a number of seconds >= 0"),
+    (lambda p: p.update(mode="sync"), "its mode and its config's must be one of"),
+], ids=["config-list", "no-devices", "step-str", "step-name", "batches-neg", "beyond", "elapsed-nan", "mode"])
+def test_a_checkpoint_with_an_unusable_payload_is_a_clear_error(finished_run, tmp_path, capsys, edit, message):
+    """A checkpoint whose hash is right but whose contents are not those of a train run (another writer, a hand
+    edit) is one line "cannot resume", not a traceback or a resume that says one step and trains from another."""
+    run = tmp_path / "copy"
+    (run / "checkpoints").mkdir(parents=True)
+    source = ckpt.latest(finished_run / "checkpoints")
+    payload = ckpt.load(source)
+    edit(payload)
+    ckpt.save(run / "checkpoints", 4, payload)
+    assert train("--resume", str(run), "--steps", "6") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyengine train: error: cannot resume:") and message in err[0], err
+
+
 def test_checkpoint_keep_must_keep_one(tmp_path):
     """keep=0 kept every checkpoint while its docstring promised to delete all but the newest 0: now an error,
     raised before anything is written."""
