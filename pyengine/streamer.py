@@ -145,6 +145,12 @@ class GradientStreamer:
                 raise ValueError(f"GradientStreamer: replica parameter {entry.name!r} must be float32, bfloat16 or "
                                  f"float16 (its gradients are copied into the store's slots); got {param.dtype}")
             params.append(param)
+        held = {entry.name for entry in store.layout}
+        extra = [name for name, p in replica.named_parameters() if p.requires_grad and name not in held]
+        if extra:  # they would get .grad every step and never be trained
+            raise ValueError(f"GradientStreamer: the replica's trainable parameters {extra} are not in the store (a "
+                             "weight tied in the store's model and not in the replica, or frozen there and not "
+                             "here): build the replica like the model the store was made from")
         sparse = [name for name, m in replica.named_modules()
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
         if sparse:
@@ -213,7 +219,9 @@ class GradientStreamer:
             raise RuntimeError(
                 f"GradientStreamer(worker={self.worker}): parameter {self.store.names[index]!r} received its gradient "
                 "twice in one backward pass (Note [Hook fires once]): it is used both inside and outside a reentrant "
-                "activation checkpoint; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
+                "activation checkpoint; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False). (Or an "
+                "earlier backward raised outside backward_pass() and left its pass open: call reset() after a failed "
+                "backward, or run backward inside backward_pass(), which does)")
 
     def _begin_backward(self, queue_end: bool = True) -> None:
         self._in_backward = True
@@ -449,6 +457,11 @@ class GradientStreamer:
         if source.dim() != 1 or source.numel() != self.store.numel:
             raise ValueError(f"GradientStreamer.copy_back: source must be a flat store buffer of {self.store.numel} "
                              f"elements; got shape {tuple(source.shape)}")
+        if (source.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not source.is_contiguous()
+                or source.device.type != "cpu"):  # checked before any bucket is released or copied
+            raise ValueError(f"GradientStreamer.copy_back: source must be a contiguous float32, bfloat16 or float16 "
+                             f"host buffer (the store's param or shadow); got {source.dtype} on {source.device}"
+                             f"{'' if source.is_contiguous() else ', not contiguous'}")
         return source
 
     def _copy_back_bucket(self, k: int, source: torch.Tensor) -> None:
@@ -535,6 +548,9 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     """
     streamers = list(streamers)
     _check_streamers(streamers, store)
+    if store.state_ranges is not None:  # its Adam state is packed: bucket offsets do not index it
+        raise ValueError("pipelined_update: the store holds the Adam state of some ranges only (state_ranges, a "
+                         "sharded update's store); pipelined_update updates whole stores")
     if amsgrad and store.max_exp_avg_sq is None:
         raise ValueError("pipelined_update: amsgrad=True needs a store built with amsgrad=True")
     slots = [store.grad_slot(s.worker) for s in streamers]

@@ -323,6 +323,50 @@ def test_replicas_the_store_cannot_take_are_refused_at_construction():
         pyengine.GradientStreamer(sparse, pyengine.HostStore(sparse, pin=False))
 
 
+def test_replica_parameters_the_store_does_not_hold_are_refused():
+    """A weight tied in the store's model and untied in the replica, or a layer frozen there and trainable here, got
+    .grad every step and was never trained (no hook, slot or copy back), silently."""
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    base = Tied()
+    replica = copy.deepcopy(base)
+    replica.head.weight = torch.nn.Parameter(replica.emb.weight.detach().clone())
+    with pytest.raises(ValueError, match=r"trainable parameters \['head\.weight'\] are not in the store"):
+        pyengine.GradientStreamer(replica, pyengine.HostStore(base, pin=False))
+    frozen = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    replica = copy.deepcopy(frozen)
+    frozen[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"\['0\.weight', '0\.bias'\] are not in the store"):
+        pyengine.GradientStreamer(replica, pyengine.HostStore(frozen, pin=False))
+
+
+def test_close_from_two_threads_at_once_returns_in_both():
+    """close() is idempotent: two threads closing at once while copies are queued both joined the copy thread (one of
+    them blocked for good)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    store = pyengine.HostStore(model, pin=False)
+    for _ in range(60):
+        streamer = pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY)
+        model.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()  # bucket copies queued on the copy thread
+        barrier = threading.Barrier(2)
+
+        def close():
+            barrier.wait()
+            streamer.close()
+
+        threads = [threading.Thread(target=close, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert not any(t.is_alive() for t in threads), "a close() never returned"
+
+
 def test_shared_and_frozen_parameters():
     model = Net()
     store = pyengine.HostStore(model, pin=False)
@@ -673,8 +717,20 @@ def test_pipelined_update_argument_errors():
             pyengine.GradientStreamer(model, store, eager_mb=bad)
     with pytest.raises(ValueError, match="trainable parameter 'extra.bias'"):
         pyengine.GradientStreamer(torch.nn.Linear(3, 3), store)
+    model.zero_grad()
+    model(batch()).pow(2).mean().backward()
+    a.wait_all()
+    for source, what in ((store.param.double(), "torch.float64"), (torch.zeros(2 * store.numel)[::2],
+                                                                   "not contiguous")):
+        with pytest.raises(ValueError, match=f"source must be a contiguous float32.*{what}"):
+            a.copy_back(source=source)
+        assert a._transfer.wait(0, 0, True, 0.0), "a refused copy_back released the bucket's gradients"
     for s in (a, b, c):
         s.close()
+    sharded = pyengine.HostStore(model, pin=False, state_ranges=[(0, 8)])
+    with pyengine.GradientStreamer(model, sharded) as d:
+        with pytest.raises(ValueError, match="state_ranges"):
+            pyengine.pipelined_update([d], sharded, 1, lr=1e-3)
 
 
 def test_transfer_checks_its_arguments():

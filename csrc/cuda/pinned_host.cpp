@@ -9,9 +9,9 @@ namespace pyengine::store {
 
 bool cuda_device_usable() noexcept {
   int count = 0;
-  const bool usable = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-  cudaGetLastError();  // a failed probe must not leave a sticky error for the next CUDA call
-  return usable;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) cudaGetLastError();  // a failed probe leaves no error for the next CUDA call (and a
+  return err == cudaSuccess && count > 0;      // successful one clears no one else's)
 }
 
 void* pinned_host_alloc(size_t nbytes) {
@@ -31,7 +31,9 @@ void* pinned_host_alloc(size_t nbytes) {
   return ptr;
 }
 
-void pinned_host_free(void* ptr) noexcept { cudaFreeHost(ptr); }
+void pinned_host_free(void* ptr) noexcept {
+  if (cudaFreeHost(ptr) != cudaSuccess) cudaGetLastError();  // a deleter cannot raise: no error left for a later check
+}
 
 bool pinned_host_register(void* base, size_t nbytes) noexcept {
   if (!cuda_device_usable()) return false;

@@ -100,7 +100,12 @@ class CpuTransfer final : public BucketTransfer {
     }
     work_.notify_all();
     changed_.notify_all();
-    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+    {
+      // One joiner: two threads closing at once would both see joinable() and join the same thread (undefined;
+      // seen: one of them blocked for good). The second waits here until the first has joined.
+      std::lock_guard<std::mutex> joining(join_mutex_);
+      if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+    }
     release_retired();
   }
 
@@ -176,6 +181,7 @@ class CpuTransfer final : public BucketTransfer {
   int64_t finished_ = 0;  // of those, run to the end
   std::vector<CopyJob> retired_;  // guarded by mutex_
   std::condition_variable work_;
+  std::mutex join_mutex_;  // close(): one thread joins
   std::thread thread_;  // last member: started once the others exist
 };
 
