@@ -758,11 +758,12 @@ def _wait_for_steps(out: Path, steps: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
+@pytest.mark.parametrize("mode", ["hybrid", "async"])  # async: the stop leaves fit from a callback, as itself
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path, mode):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "pyengine", "train", "--steps", "100000", "--out", str(out),
-                             "--checkpoint-every", "100000", *SHORT], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "pyengine", "train", "--mode", mode, "--steps", "100000", "--out",
+                             str(out), "--checkpoint-every", "100000", *SHORT], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_steps(out, 5, 60)
