@@ -471,6 +471,9 @@ class GradientStreamer:
         dsts = [self._params[i].detach().view(-1) for i in members]
         self._transfer.release(_GRADS, k)
         self._transfer.launch(_WEIGHTS, k, srcs, dsts)
+        # as an in-place copy_ would (CUDA's copy does; the CPU copy thread writes bytes): a graph that saved one of
+        # these weights now raises in its backward instead of using the new values
+        torch.autograd.graph.increment_version(dsts)
 
     def wait_weights(self, k: int | None = None) -> None:
         """Order the replica's next work after the weight copies: on CUDA the current stream waits on the events

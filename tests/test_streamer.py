@@ -745,6 +745,11 @@ def test_transfer_checks_its_arguments():
     src = torch.randn(5, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         transfer.launch(0, 1, [src], [dst])
+    for pair in (([torch._neg_view(torch.ones(5))], [dst]), ([torch.ones(5)], [torch._neg_view(torch.zeros(5))]),
+                 ([None], [torch._neg_view(torch.zeros(5))])):  # a byte copy would drop the lazy negation
+        with pytest.raises(ValueError, match="negative view"):
+            transfer.launch(0, 1, *pair)
+    assert torch.equal(dst, torch.full((5,), 9.0))
     transfer.launch(0, 1, [None], [dst])
     transfer.wait(0, 1, True)
     assert torch.count_nonzero(dst) == 0
@@ -771,6 +776,35 @@ def test_copy_thread_never_drops_the_last_reference_to_a_python_tensor():
     transfer.launch(0, 0, [None], [torch.empty(4)])  # frees the retired jobs here
     transfer.close()
     assert freed_on == [threading.get_ident()] * 2
+
+def test_drain_lets_go_of_the_finished_copies_tensors():
+    """After drain() (a reset step), the transfer holds none of the finished copies' tensors: they were kept until the
+    next launch, a whole step's gradients for a worker that stays idle."""
+    transfer = pyengine._C.BucketTransfer(1, "cpu", "test")
+    freed = []
+    src = torch.randn(1 << 16)
+    weakref.finalize(src, lambda: freed.append(threading.get_ident()))
+    transfer.launch(0, 0, [src], [torch.empty(1 << 16)])
+    del src
+    transfer.drain()
+    assert freed == [threading.get_ident()]
+    transfer.close()
+
+
+def test_copy_back_marks_the_replica_weights_modified():
+    """The CPU copy thread writes the weights as bytes: a graph that had saved one of them went on to use the new
+    values in its backward, silently; now it raises as after an in-place copy_ (which the CUDA path does)."""
+    model = torch.nn.Linear(4, 3)
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store) as streamer:
+        x = torch.randn(2, 4, requires_grad=True)
+        out = model(x).sum()  # saves the weight for x's gradient
+        store.param.add_(1.0)
+        streamer.copy_back()
+        streamer.wait_weights()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
 
 def rss_bytes():
     with open("/proc/self/statm") as f:

@@ -85,9 +85,12 @@ class CpuTransfer final : public BucketTransfer {
   void order_current_stream(int64_t channel) override { wait_all(channel, /*until_launched=*/false); }
 
   void drain() override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    const int64_t target = queued_;
-    changed_.wait(lock, [&] { return finished_ >= target; });
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      const int64_t target = queued_;
+      changed_.wait(lock, [&] { return finished_ >= target; });
+    }
+    release_retired();  // a reset step's gradients are not kept until the next launch
   }
 
   void close() override {

@@ -18,6 +18,9 @@ bool copyable_dtype(at::ScalarType type) {
 void check_pair(const at::Tensor& src, const at::Tensor& dst, size_t i) {
   TORCH_CHECK_VALUE(dst.defined() && dst.is_contiguous(), "BucketTransfer: dsts[", i,
                     "] must be a contiguous tensor");
+  // A lazy negation (torch._neg_view) lives in a flag a byte copy would not see: the values would land unnegated.
+  TORCH_CHECK_VALUE(!dst.is_neg() && !(src.defined() && src.is_neg()), "BucketTransfer: pair ", i,
+                    " is a negative view (torch._neg_view); resolve it first (.resolve_neg())");
   TORCH_CHECK_VALUE(copyable_dtype(dst.scalar_type()), "BucketTransfer: dsts[", i,
                     "] must be float32, bfloat16 or float16; got ", dst.scalar_type());
   if (!src.defined()) return;  // zero-fill
