@@ -62,6 +62,7 @@ def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
     if keep is not None:
         _check_keep(keep, "save")
     directory = Path(directory)
+    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -86,6 +87,8 @@ def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
             pass
         raise
     _fsync_dir(directory)
+    if created:  # the new folder's own entry, or a power loss could lose the folder with the checkpoint
+        _fsync_dir(directory.parent)
     if keep is not None:
         prune(directory, keep)
     return final

@@ -859,7 +859,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             return elapsed_offset + time.perf_counter() - state["t0"]
 
         # a --mode all sub-run saves the trace path it writes (t-<mode>.json), so that a resume writes there too
-        own_trace = str(_trace_path(cfg["trace"], mode, cfg["mode"] == "all")) if cfg["trace"] is not None else None
+        # absolute: a resume from another working directory writes it where this run does
+        own_trace = (os.path.abspath(_trace_path(cfg["trace"], mode, cfg["mode"] == "all"))
+                     if cfg["trace"] is not None else None)
 
         def save_checkpoint(prune: bool = True) -> Path:
             """Saves this step (rank 0; the others only note rank 0's path) and, with ``prune``, keeps the newest

@@ -372,6 +372,30 @@ def test_resume_of_a_bare_file_name_inside_checkpoints_forks_the_run(tmp_path, m
     assert "belongs to a continuation that a resume set aside" in capsys.readouterr().err
 
 
+def test_a_relative_trace_path_is_written_to_the_same_place_by_a_resume_from_elsewhere(tmp_path, monkeypatch):
+    """The run's --trace is inherited by a resume: a relative one was taken from the resuming shell's working
+    directory (the trace landed elsewhere)."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir()
+    other.mkdir()
+    monkeypatch.chdir(first)
+    assert train("--steps", "2", "--out", str(tmp_path / "run"), "--trace", "t.json", "--quiet", *SHORT) == 0
+    (first / "t.json").unlink()
+    monkeypatch.chdir(other)
+    assert train("--resume", str(tmp_path / "run"), "--steps", "3", "--quiet") == 0
+    assert (first / "t.json").exists() and not (other / "t.json").exists()
+
+
+def test_the_first_checkpoint_makes_its_folder_durable(tmp_path, monkeypatch):
+    """A save that creates checkpoints/ also syncs the folder that holds it (the new entry), later saves only the
+    checkpoints folder."""
+    synced = []
+    monkeypatch.setattr(ckpt, "_fsync_dir", lambda directory: synced.append(Path(directory)))
+    ckpt.save(tmp_path / "run" / "checkpoints", 1, {"x": 1})
+    ckpt.save(tmp_path / "run" / "checkpoints", 2, {"x": 2})
+    assert synced == [tmp_path / "run" / "checkpoints", tmp_path / "run", tmp_path / "run" / "checkpoints"]
+
+
 def test_checkpoint_files_follow_the_umask(tmp_path):
     """mkstemp made every checkpoint 0600 whatever the umask (the run's other files: 0644 under umask 022)."""
     old = os.umask(0o022)
