@@ -9,8 +9,9 @@ half-applied update and every push is applied exactly once, in the order the mut
 written only by its own streamer, outside the mutex, while the worker computes: no other thread reads it then.
 Staleness of a push = version at apply - version at pull. With ``max_staleness=s`` a push older than s refreshes
 (pull again, recompute the same mini-batches) instead of applying; ``staleness_lr="inverse"`` scales lr by
-1 / (1 + staleness). ``batch_schedule`` is asked, under the mutex, about the version the worker pulls: the
-mini-batches of a push follow the weights it computes on.
+1 / (1 + staleness). ``batch_schedule`` is asked, under the mutex, about the version the worker pulls when it takes
+new mini-batches: the mini-batches of a push follow the weights it first computed them on (a refresh recomputes
+the same mini-batches on newer weights, whatever the schedule says of those).
 
 Note [Reading the state while async workers run]
 The readers of the engine's state (``state_dict``, ``master_state_dict``, ``optimizer_state_dict``, ``stats``) and
