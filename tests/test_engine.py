@@ -1352,13 +1352,23 @@ def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng):
         return loss_fn(model, batch)
 
     engine = Engine(make_model(), slower_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT), pin=False)
-    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.3, 0.5)]
-    for timer in timers:
-        timer.start()
+
+    def interrupt_twice():
+        # the first once the workers compute, the second once fit handles the first (two signals the main thread
+        # has not run between would count as one)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(t.name == "pyengine-async-1" for t in threading.enumerate()):
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+        while time.monotonic() < deadline and not (engine._async_run is not None and engine._async_run.stop.is_set()):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    controller = threading.Thread(target=interrupt_twice)
+    controller.start()
     with pytest.raises(KeyboardInterrupt):
         engine.fit(make_batches(rng, 10, 8))
-    for timer in timers:
-        timer.join()
+    controller.join()
     with pytest.raises(RuntimeError, match="abandoned by a second Ctrl-C"):
         engine.fit(make_batches(rng, 2, 8))
     engine.close()
