@@ -881,10 +881,11 @@ def test_close_from_a_new_thread_waits_for_workers_whose_thread_ids_came_free(rn
     that had ended left its id behind, a new thread often gets the same one, and close() from it returned while the
     other workers still ran."""
     batches = make_batches(rng, 4, 8)
+    release = threading.Event()
 
     def worker_0_slow(model, batch):
         if threading.current_thread().name == "pyengine-async-0":
-            time.sleep(1.0)  # worker 1 takes the other batches and its thread ends
+            release.wait(30)  # meanwhile worker 1 takes the other batches and its thread ends
         return loss_fn(model, batch)
 
     engine = Engine(make_model(), worker_0_slow, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT))
@@ -906,6 +907,7 @@ def test_close_from_a_new_thread_waits_for_workers_whose_thread_ids_came_free(rn
         time.sleep(0.001)
 
     def close():
+        release.set()
         engine.close()
         outcome["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async")]
 
