@@ -182,11 +182,12 @@ def step_of(path) -> int:
 
 
 def list_checkpoints(directory) -> list[Path]:
-    """Checkpoint files in ``directory``, oldest step first."""
+    """Checkpoint files in ``directory``, oldest step first (a folder of a checkpoint's name is none: pruning it
+    would fail, resuming from it too)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
     return [p for _, p in sorted(found)]
 
 

@@ -396,6 +396,17 @@ def test_the_first_checkpoint_makes_its_folder_durable(tmp_path, monkeypatch):
     assert synced == [tmp_path / "run" / "checkpoints", tmp_path / "run", tmp_path / "run" / "checkpoints"]
 
 
+def test_a_folder_named_like_a_checkpoint_is_not_one(tmp_path):
+    """list_checkpoints took a folder named step-*.pyeckpt for the newest checkpoint: prune then failed on it."""
+    folder = tmp_path / "checkpoints"
+    for step in (1, 2):
+        ckpt.save(folder, step, {"x": step})
+    ckpt.path_for(folder, 9).mkdir()
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(folder)] == [1, 2]
+    ckpt.save(folder, 3, {"x": 3}, keep=1)
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(folder)] == [3] and ckpt.path_for(folder, 9).is_dir()
+
+
 def test_checkpoint_files_follow_the_umask(tmp_path):
     """mkstemp made every checkpoint 0600 whatever the umask (the run's other files: 0644 under umask 022)."""
     old = os.umask(0o022)
