@@ -223,12 +223,12 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                             unpushed(saved)
                             return
                         with engine.phase("push", worker.index):
-                            raised = engine.stats()["raised_steps"]
+                            raised = engine._counters["raised_steps"]
                             try:
                                 metrics = push(worker, pulled, scale, loss, samples, compute, wait, copied,
                                                ordinals)
                             except FloatingPointError:
-                                if engine.stats()["raised_steps"] != raised:  # nonfinite="raise": a push counted
+                                if engine._counters["raised_steps"] != raised:  # nonfinite="raise": a push counted
                                     saved = None
                                     pushed(worker)
                                 raise

@@ -557,7 +557,7 @@ def _saved_nothing(directory: Path) -> bool:
 
     if (directory / ALL_CONFIG).exists() or any((directory / m).is_dir() for m in MODES):
         return False  # a --mode all run: resumable as a whole
-    return not (directory / "checkpoints").is_dir() or ckpt.latest(directory / "checkpoints") is None
+    return ckpt.latest(directory / "checkpoints") is None  # none there, or no checkpoints/ at all
 
 
 def _trace_path(trace: str | None, mode: str, all_modes: bool) -> Path | None:
@@ -875,8 +875,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             config = _saved_config(dict(cfg, mode=mode, out=str(out), trace=own_trace,
                                         **({} if pipeline else {"microbatches": own_microbatches})))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
-                           batches_beyond=sorted(state["applied_beyond"]), elapsed_s=elapsed(), mode=mode, config=config,
-                           engine=engine_state)
+                           batches_beyond=sorted(state["applied_beyond"]), elapsed_s=elapsed(), mode=mode,
+                           config=config, engine=engine_state)
             began = time.perf_counter()
             state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"] if prune else None)
             state["save_s"] = time.perf_counter() - began
