@@ -4,13 +4,18 @@
 #   bench/gpu_check.sh [STAGE...]   summary.md, logs.tgz (every log) and the built extension under $OUT
 #                                   (or bench/out/ when OUT is unset); no STAGE: all of them, in this order
 #
-# A lease may be shorter than the whole suite: name the stages a call should run (e.g. `env build import tests`,
-# then `sanitizer bench transfer`); a stage that needs the extension builds it first unless it imports with CUDA.
+# A GPU machine may be held for less time than the whole suite takes: name the stages a call should run (e.g.
+# `env build import tests`, then `sanitizer bench transfer`); a stage that needs the extension builds it first
+# unless it imports with CUDA.
+# env, build and import run first; the other stages run in the order named, so a short hold names first what
+# matters most (e.g. `env build transfer bench cudatests arena`). DRY_RUN=1 prints that order (a build
+# assumed needed) and runs nothing.
 # Stages, each logged, timed and recorded in summary.md; a failing stage does not stop the next:
 #   env        nvidia-smi, the machine's own torch and nvcc
 #   build      pip install -e . --no-build-isolation --no-deps with that torch (fallback: setup.py build_ext --inplace)
 #   tests      pytest tests: the whole suite, the CUDA twins first (`-k cuda`: most have never run on a GPU, and a
-#              lease cut short should have their results), then the rest (`-k "not cuda"`)
+#              run cut short should have their results), then the rest (`-k "not cuda"`)
+#   cudatests  the CUDA twins alone (`-k cuda`, about 70 s on an H100): for a hold too short for the whole suite
 #   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
 #   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
 #   bench      bench/bench_fused_adamw.py --full --cuda: ours vs stock, GB/s vs a measured device copy
@@ -33,7 +38,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-ALL_STAGES=(env build import tests ctest sanitizer bench kernel_ab nvtx transfer pipeline arena)
+ALL_STAGES=(env build import tests cudatests ctest sanitizer bench kernel_ab nvtx transfer pipeline arena)
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=("${ALL_STAGES[@]}")
 for s in "${STAGES[@]}"; do
@@ -53,7 +58,7 @@ declare -a ROWS=()
 stage() {
   local name=$1 log=$2 limit=$3
   shift 3
-  if [[ -n ${DEADLINE_S:-} ]]; then  # keep the whole call inside a lease: stop each stage 30 s before the deadline
+  if [[ -n ${DEADLINE_S:-} ]]; then  # keep the whole call inside the time the machine is held: stop each stage 30 s before the deadline
     local left=$((DEADLINE_S - SECONDS - 30))
     (( left < limit )) && limit=$left
     (( limit < 1 )) && { ROWS+=("| $name | SKIPPED (no time left) | 0 | |"); return; }
@@ -171,33 +176,55 @@ nvtx_check() {
 export -f build check_build run_tests sanitize nvtx_check
 export PYTHON SCRATCH
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the extension built in place, whatever the install did
-if ! wants build && { wants tests || wants sanitizer || wants bench || wants nvtx || wants transfer || wants pipeline \
-                      || wants arena; } \
-   && ! check_build >/dev/null 2>&1; then
+NEEDS_EXT=(tests cudatests sanitizer bench nvtx transfer pipeline arena)
+needs_ext=0
+for s in "${NEEDS_EXT[@]}"; do wants "$s" && needs_ext=1; done
+if ! wants build && (( needs_ext )) && { [[ -n ${DRY_RUN:-} ]] || ! check_build >/dev/null 2>&1; }; then
   STAGES+=(build)  # a later stage needs the extension and none that imports with CUDA is here
 fi
-wants env && stage env "$LOGS/env.log" 120 bash -c "nvidia-smi; nvcc --version || /usr/local/cuda/bin/nvcc --version; \
-  $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
-  $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools|wheel|cmake) '; \
-  cmake --version | head -n 1"
-wants build && stage build "$LOGS/build.log" 600 build
-wants import || wants build && stage import "$LOGS/build.log" 120 check_build
-wants tests && stage tests "$LOGS/tests.log" 900 run_tests
-wants ctest && stage ctest "$LOGS/ctest.log" 900 \
-  env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
-  tests/cpp/run_ctest.sh -DPYENGINE_WITH_CUDA=ON
-wants sanitizer && stage sanitizer "$LOGS/sanitizer.log" 900 sanitize
-wants bench && stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_adamw.py --full --cuda \
-  --out "$LOGS/bench_cuda.md"
-wants kernel_ab && stage kernel_ab "$LOGS/kernel_ab.log" 600 "$PYTHON" bench/cuda_kernel_ab.py \
-  --out "$LOGS/kernel_ab.md"
-wants nvtx && stage nvtx "$LOGS/nvtx.log" 300 nvtx_check
-wants transfer && stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
-  --batch 64 256 1024 --out "$LOGS/transfer.md" --trace-dir "$LOGS"
-wants pipeline && stage pipeline "$LOGS/pipeline.log" 600 bash -c "set -o pipefail; \"$PYTHON\" \
-  bench/bench_pipeline.py --device cuda:0 --width 4096 --batch 512 | tee \"$LOGS/pipeline.md\""
-wants arena && stage arena "$LOGS/arena.log" 300 "$PYTHON" bench/bench_arena.py --threads 1 16 --out "$LOGS/arena.md"
-# The built extension comes back too, so that a later lease can carry it instead of building again.
+
+run_stage() {
+  case $1 in
+    env) stage env "$LOGS/env.log" 120 bash -c "nvidia-smi; nvcc --version || /usr/local/cuda/bin/nvcc --version; \
+      $PYTHON -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
+      $PYTHON -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|pybind11|ninja|setuptools|wheel|cmake) '; \
+      cmake --version | head -n 1" ;;
+    build) stage build "$LOGS/build.log" 600 build ;;
+    import) stage import "$LOGS/build.log" 120 check_build ;;
+    tests) stage tests "$LOGS/tests.log" 900 run_tests ;;
+    cudatests) stage cudatests "$LOGS/tests.log" 600 "$PYTHON" -m pytest tests -q -rfE -p no:cacheprovider -k cuda ;;
+    ctest) stage ctest "$LOGS/ctest.log" 900 \
+      env PYTHON="$PYTHON" BUILD_DIR="$SCRATCH/build-cmake" JOBS="$MAX_JOBS" \
+      tests/cpp/run_ctest.sh -DPYENGINE_WITH_CUDA=ON ;;
+    sanitizer) stage sanitizer "$LOGS/sanitizer.log" 900 sanitize ;;
+    bench) stage bench "$LOGS/bench.log" 900 "$PYTHON" bench/bench_fused_adamw.py --full --cuda \
+      --out "$LOGS/bench_cuda.md" ;;
+    kernel_ab) stage kernel_ab "$LOGS/kernel_ab.log" 600 "$PYTHON" bench/cuda_kernel_ab.py \
+      --out "$LOGS/kernel_ab.md" ;;
+    nvtx) stage nvtx "$LOGS/nvtx.log" 300 nvtx_check ;;
+    transfer) stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
+      --batch 64 256 1024 --out "$LOGS/transfer.md" --trace-dir "$LOGS" ;;
+    pipeline) stage pipeline "$LOGS/pipeline.log" 600 bash -c "set -o pipefail; \"$PYTHON\" \
+      bench/bench_pipeline.py --device cuda:0 --width 4096 --batch 512 | tee \"$LOGS/pipeline.md\"" ;;
+    arena) stage arena "$LOGS/arena.log" 300 "$PYTHON" bench/bench_arena.py --threads 1 16 --out "$LOGS/arena.md" ;;
+  esac
+}
+
+# The order: env, then build and import (every other stage needs the extension), then the rest in the order named
+# on the command line, so that a short hold runs first what matters most to it.
+ORDER=()
+for s in env build import; do wants "$s" && ORDER+=("$s"); done
+wants build && ! wants import && ORDER+=(import)
+for s in "${STAGES[@]}"; do
+  [[ $s == cudatests ]] && wants tests && continue  # tests runs the CUDA twins first anyway
+  [[ " env build import " == *" $s "* || " ${ORDER[*]} " == *" $s "* ]] || ORDER+=("$s")
+done
+if [[ -n ${DRY_RUN:-} ]]; then  # DRY_RUN=1: say which stages would run, in order, and run none
+  echo "stages in order: ${ORDER[*]}"
+  exit 0
+fi
+for s in "${ORDER[@]}"; do run_stage "$s"; done
+# The built extension comes back too, so that a later call on a fresh machine can use it instead of building again.
 wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
 
 {

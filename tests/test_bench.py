@@ -196,3 +196,23 @@ def test_bench_scripts_import_pyengine_from_the_checkout(script, tmp_path):
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": site})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("named, order", [
+    ("env build transfer bench cudatests arena", "env build import transfer bench cudatests arena"),
+    ("arena tests env", "env build import arena tests"),
+    ("cudatests tests", "build import tests"),  # tests runs the CUDA twins first: not twice
+    ("", "env build import tests ctest sanitizer bench kernel_ab nvtx transfer pipeline arena"),
+])
+def test_gpu_check_runs_env_and_the_build_first_then_the_stages_in_the_order_named(named, order, tmp_path):
+    """A GPU machine held for a short time runs first what its command names first; every stage after the build
+    has the extension. DRY_RUN=1 prints the order (assuming a build is needed) and runs nothing."""
+    import subprocess
+
+    script = os.path.join(BENCH, "gpu_check.sh")
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", script, *named.split()], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"stages in order: {order}"
+    bad = subprocess.run(["bash", script, "env", "benchmark"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "unknown stage 'benchmark'" in bad.stderr, bad.stderr
