@@ -1,7 +1,7 @@
 """Gradient transfer and the engine on one device: the GPU half of the streamer and engine benchmarks.
 
     python bench/bench_transfer.py [--device cuda:0] [--params-m 50] [--rounds 10] [--batch 64 1024] [--out table.md]
-                                   [--trace-dir D]
+                                   [--trace-dir D] [--grad-dtype float32 bfloat16]
 
 Three measurements, interleaved per round, medians reported (``--device cpu`` runs the same code on CPU workers,
 which is how the script itself is checked on machines without a GPU):
@@ -13,6 +13,11 @@ which is how the script itself is checked on machines without a GPU):
    with its defaults (large gradients copied as soon as they are ready) and with whole-bucket copies only
    (``eager_mb=None``, the ``bucketed_*`` columns: the A/B of Note [Early copies of large gradients]).
    Target: streamed step <= 1.1 x max(backward, copy).
+   With ``--grad-dtype bfloat16`` the store's gradient slots are bfloat16 (``HostStore(grad_dtype=...)``): the copy
+   converts on the device and moves half the bytes (the raw copy moves the same half). Prediction for the H100 of
+   2026-11-25 (copy-bound at batch 64 and 256: fp32 copy 3.9 ms against 1.8 ms of forward, step_over_max 1.49 and
+   1.57): copy_ms about 2.0 ms, so the floor becomes forward + backward and step_over_max falls to 1.05-1.15 there;
+   bandwidth_ratio below the fp32 one by the conversion kernels' share of the copy stream.
 3. Engine: hybrid with 4 workers on the one device vs plain single-replica training (torch.optim.AdamW, fused when
    the device is CUDA) on the same global batch: samples/s, the engine's overlap efficiency and its phases.
 
@@ -103,13 +108,14 @@ def profiled(fn, path):
     return kernels, copies
 
 
-def transfer_and_overlap(device, params_m, rounds, trace_dir=None, batch=64) -> tuple[dict, dict | None]:
+def transfer_and_overlap(device, params_m, rounds, trace_dir=None, batch=64,
+                         grad_dtype=torch.float32) -> tuple[dict, dict | None]:
     model = mlp(params_m).to(device)
     x = torch.randn(batch, WIDTH, device=device)
-    store = pyengine.HostStore(model, workers=1, pin="auto")
-    nbytes = store.numel * 4
-    src = torch.randn(store.numel, device=device)
-    raw_dst = torch.empty(store.numel, pin_memory=device.type == "cuda")
+    store = pyengine.HostStore(model, workers=1, pin="auto", grad_dtype=grad_dtype)
+    nbytes = store.numel * grad_dtype.itemsize
+    src = torch.randn(store.numel, device=device).to(grad_dtype)
+    raw_dst = torch.empty(store.numel, dtype=grad_dtype, pin_memory=device.type == "cuda")
 
     def forward():  # what of a step comes before the first gradient exists: no copy can start earlier
         model.zero_grad(set_to_none=False)
@@ -166,7 +172,7 @@ def transfer_and_overlap(device, params_m, rounds, trace_dir=None, batch=64) -> 
             timeline = copy_timeline(*spans)
     transfer.close()
     for name, view in store.views(slot).items():  # the last streamed step's slot holds exactly the gradients
-        assert torch.equal(view, named[name].grad.cpu()), name
+        assert torch.equal(view, named[name].grad.to(grad_dtype).cpu()), name
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     best = max(med["backward"], med["copy"])
     # No schedule beats max(forward + backward, forward + copy): the copies wait for gradients, which wait for the
@@ -248,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 1024],
                         help="batch sizes of the overlap measurement: 64 makes it copy-bound, 1024 compute-bound "
                         "on an H100 (one row each; the traces are of the first)")
+    parser.add_argument("--grad-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                        help="the store's gradient slot dtypes to measure (one row per dtype and batch)")
     parser.add_argument("--out", default=None, help="also write the markdown tables here")
     parser.add_argument("--trace-dir", default=None, help="write profiler traces of one streamed and one hybrid step "
                         "here, and the streamed step's copy timeline to the tables")
@@ -258,10 +266,11 @@ def main(argv=None) -> int:
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     rows, timeline = [], None
-    for k, batch in enumerate(args.batch):
+    cases = [(dtype, batch) for dtype in args.grad_dtype for batch in args.batch]
+    for k, (dtype, batch) in enumerate(cases):
         row, spans = transfer_and_overlap(device, args.params_m, args.rounds, args.trace_dir if k == 0 else None,
-                                          batch)
-        rows.append({"batch": batch, **row})
+                                          batch, getattr(torch, dtype))
+        rows.append({"grads": dtype, "batch": batch, **row})
         timeline = spans if k == 0 else timeline
     text += table("D2H bandwidth and backward overlap (target: ratio >= 0.9, step_over_max <= 1.1; step_over_floor: "
                   "over max(forward + backward, forward + copy))", *rows) + "\n"

@@ -26,7 +26,8 @@
 #              inside pyengine/worker0/forward_backward+transfer, none inside a range that does not exist)
 #   transfer   bench/bench_transfer.py --batch 64 256 1024: streamer D2H bandwidth vs raw pinned copy, backward
 #              overlap with early copies of large gradients and with whole buckets only (paired), a profiler copy
-#              timeline and Chrome traces in logs.tgz, hybrid with 4 workers on the GPU vs single-replica training
+#              timeline and Chrome traces in logs.tgz, hybrid with 4 workers on the GPU vs single-replica training;
+#              float32 and bfloat16 gradient slots (--grad-dtype: half the bytes to copy)
 #   pipeline   bench/bench_pipeline.py --device cuda:0: S stages as S workers on one GPU (each its own stream),
 #              S in {2, 4}, M in {1, 4, 16}, 1F1B and GPipe, samples/s and bubble vs single-device training
 #   arena      bench/bench_arena.py: the host update on the pinned arena's huge pages (cudaHostRegister) vs
@@ -58,7 +59,7 @@ declare -a ROWS=()
 stage() {
   local name=$1 log=$2 limit=$3
   shift 3
-  if [[ -n ${DEADLINE_S:-} ]]; then  # keep the whole call inside the time the machine is held: stop each stage 30 s before the deadline
+  if [[ -n ${DEADLINE_S:-} ]]; then  # stay inside the time the machine is held: end each stage 30 s before it
     local left=$((DEADLINE_S - SECONDS - 30))
     (( left < limit )) && limit=$left
     (( limit < 1 )) && { ROWS+=("| $name | SKIPPED (no time left) | 0 | |"); return; }
@@ -203,7 +204,7 @@ run_stage() {
       --out "$LOGS/kernel_ab.md" ;;
     nvtx) stage nvtx "$LOGS/nvtx.log" 300 nvtx_check ;;
     transfer) stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
-      --batch 64 256 1024 --out "$LOGS/transfer.md" --trace-dir "$LOGS" ;;
+      --batch 64 256 1024 --grad-dtype float32 bfloat16 --out "$LOGS/transfer.md" --trace-dir "$LOGS" ;;
     pipeline) stage pipeline "$LOGS/pipeline.log" 600 bash -c "set -o pipefail; \"$PYTHON\" \
       bench/bench_pipeline.py --device cuda:0 --width 4096 --batch 512 | tee \"$LOGS/pipeline.md\"" ;;
     arena) stage arena "$LOGS/arena.log" 300 "$PYTHON" bench/bench_arena.py --threads 1 16 --out "$LOGS/arena.md" ;;

@@ -39,10 +39,13 @@ def test_bench_fused_adamw_checks_every_path_before_timing_it(dtype, g, monkeypa
 def test_bench_transfer_runs_on_cpu(tmp_path):
     out = tmp_path / "transfer.md"
     assert bench_transfer.main(["--device", "cpu", "--params-m", "1", "--rounds", "1", "--out", str(out),
-                                "--trace-dir", str(tmp_path), "--batch", "8", "16"]) == 0
+                                "--trace-dir", str(tmp_path), "--batch", "8", "16", "--grad-dtype", "float32",
+                                "bfloat16"]) == 0  # the bfloat16 rows' slots hold the converted gradients (checked)
     text = out.read_text()
     assert "bandwidth_ratio" in text and "hybrid_over_single" in text and "update_ms" in text
-    assert "step_over_floor" in text and "\n| 8 | " in text and "\n| 16 | " in text, text
+    for dtype in ("float32", "bfloat16"):
+        assert f"\n| {dtype} | 8 | " in text and f"\n| {dtype} | 16 | " in text, text
+    assert "step_over_floor" in text, text
     assert "bucketed_over_max" in text and "eager_speedup" in text, text
     assert bench_transfer.paired([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0  # median of the per-round ratios
     for name in ("streamed_trace.json", "hybrid_trace.json", "hybrid_phases.json"):
