@@ -123,7 +123,8 @@ def mean_grad_adamw_(param, exp_avg, exp_avg_sq, grads, *, lr, beta1=0.9, beta2=
         adamw: False gives Adam with L2 weight decay (torch.optim.Adam).
         maximize, amsgrad: as torch.optim.AdamW; amsgrad needs ``max_exp_avg_sq`` (float32, N elements).
         grad_scale: 1-element float32 tensor that divides the gradients (AMP loss scale); a value that is not a
-            positive finite number skips the step, as ``found_inf`` does (read on the device too).
+            positive finite number (or so small that its inverse overflows float32) skips the step, as
+            ``found_inf`` does (read on the device too).
         found_inf: 1-element float32 tensor; if nonzero nothing is changed (read on the device: no host sync).
         weights: G floats summing to 1, for uneven shards.
         param_out: optional N-element float32/bfloat16/float16 tensor that receives the updated weights.

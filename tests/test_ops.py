@@ -486,11 +486,12 @@ def test_empty_lists_are_clear_errors():
         ops.mean_grad_adamw_multi_([g], [g.clone()], [g.clone()], [], lr=1e-3, step=1)
 
 
-@pytest.mark.parametrize("scale", [0.0, -2.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("scale", [0.0, -2.0, float("nan"), float("inf"), 1e-40])
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
 def test_broken_grad_scale_skips_the_step(rng, device, scale, max_grad_norm):
     """A loss scale that is not a positive finite number never reaches the weights: the step is skipped, as with
-    found_inf, decided where the scale lives (on the device for CUDA: no host sync)."""
+    found_inf, decided where the scale lives (on the device for CUDA: no host sync). So is a subnormal one whose
+    inverse overflows float32 (1e-40: torch's GradScaler unscales by that inf and skips too; it wrote NaN)."""
     n = 1031
     ours = Ours(torch.randn(n, generator=rng), device)
     before = [t.clone() for t in (ours.p, ours.m, ours.v)]

@@ -73,6 +73,7 @@ std::optional<float> effective_grad_mult(const UpdateArgs& a, const UpdateScalar
   const float scale = a.grad_scale.has_value() ? a.grad_scale->item<float>() : 1.0f;
   if (!(scale > 0.0f) || std::isinf(scale)) return std::nullopt;  // a broken loss scale: skipped, as found_inf
   float mult = s.grad_mult / scale;
+  if (std::isinf(mult)) return std::nullopt;  // a subnormal scale whose inverse overflows: skipped, as GradScaler
   if (s.max_grad_norm > 0.0f) {
     const float norm = a.grad_norm->item<float>() / scale;
     if (!(norm >= 0.0f) || std::isinf(norm)) return std::nullopt;  // a negative norm would reverse the step

@@ -84,6 +84,7 @@ __device__ __forceinline__ bool grad_multiplier(const UpdateScalars& s, const De
   const float scale = d.grad_scale != nullptr ? *d.grad_scale : 1.0f;
   if (!(scale > 0.0f) || isinf(scale)) return false;  // a broken loss scale (0, negative, NaN, inf): skipped
   float m = s.grad_mult / scale;
+  if (isinf(m)) return false;  // a subnormal scale whose inverse overflows: skipped, as GradScaler does
   if (s.max_grad_norm > 0.0f) {
     const float norm = *d.grad_norm / scale;
     if (!(norm >= 0.0f) || isinf(norm)) return false;  // a negative norm would reverse the step
