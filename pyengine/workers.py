@@ -123,10 +123,19 @@ def _tensors(batch) -> list[torch.Tensor]:
 
 
 def _map(batch, fn):
+    """``batch`` with ``fn`` applied to each tensor in it, containers rebuilt as their own type where that type can
+    be rebuilt from its items (a namedtuple from its fields, as default_collate does; a mapping whose constructor
+    takes no plain dict, such as defaultdict, becomes a dict)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)((k, _map(v, fn)) for k, v in batch.items())
+        mapped = {k: _map(v, fn) for k, v in batch.items()}
+        try:
+            return type(batch)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_map(v, fn) for v in batch))
     if isinstance(batch, (tuple, list)):
         return type(batch)(_map(v, fn) for v in batch)
     return batch

@@ -1,5 +1,6 @@
 """The engine's three schedules, each against a reference it does not share code with: torch.optim on one copy of
 the model (float64), run step by step on the same batches."""
+import collections
 import copy
 import gc
 import json
@@ -1059,6 +1060,28 @@ def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
         with pytest.raises(ValueError, match=r"dim 0; batch\[0\] has 8, batch\[1\] has 7"):
             engine.step((x, y[:7]))
         assert engine.version == 0
+
+
+Pair = collections.namedtuple("Pair", ["x", "y"])
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 2)])
+def test_namedtuple_and_defaultdict_batches_train_as_a_tuple_and_a_dict(rng, mode, workers):
+    """Batches as datasets and collate functions yield them: a namedtuple (rebuilt from its fields, as
+    default_collate does) trains as the plain tuple, a defaultdict as the plain dict, bit for bit (both raised a
+    TypeError when the batch was split or moved)."""
+    batches = make_batches(rng, 3, 8)
+    by_field = lambda model, b: torch.nn.functional.cross_entropy(model(b.x), b.y)
+    by_key = lambda model, b: torch.nn.functional.cross_entropy(model(b["x"]), b["y"])
+    runs = [(loss_fn, lambda x, y: (x, y)), (by_field, Pair),
+            (by_key, lambda x, y: {"x": x, "y": y}), (by_key, lambda x, y: collections.defaultdict(list, x=x, y=y))]
+    weights = []
+    for fn, make in runs:
+        with Engine(make_model(), fn, devices=["cpu"] * workers, mode=mode) as engine:
+            losses = [engine.step(make(x, y))["loss"] for x, y in batches]
+            weights.append((losses, engine.store.param.clone()))
+    for losses, param in weights[1:]:
+        assert losses == weights[0][0] and torch.equal(param, weights[0][1])
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["deterministic-model", "dropout"])
