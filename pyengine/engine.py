@@ -525,8 +525,8 @@ class Engine:
             found = sorted(master) if isinstance(master, dict) else type(master).__name__
             raise ValueError(f"the state's master weights {found} do not match this model's {sorted(views)}")
         for name, value in master.items():
-            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(views[name].shape)
-                    or value.dtype != torch.float32 or value.is_meta):
+            if (not _is_dense(value) or tuple(value.shape) != tuple(views[name].shape)
+                    or value.dtype != torch.float32):
                 raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
                                  f"{_describe(value)}")
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
@@ -536,8 +536,8 @@ class Engine:
             found = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
             raise ValueError(f"the state's buffers {found} do not match this model's {sorted(current)}")
         for name, value in buffers.items():
-            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(current[name].shape)
-                    or value.dtype != current[name].dtype or value.is_meta):
+            if (not _is_dense(value) or tuple(value.shape) != tuple(current[name].shape)
+                    or value.dtype != current[name].dtype):
                 raise ValueError(f"buffer {name!r}: expected {current[name].dtype} {tuple(current[name].shape)}; got "
                                  f"{_describe(value)}")
         differing = self._optimizer_differences(sd.get("optimizer_config"))
@@ -1069,11 +1069,18 @@ def _samples(schedule) -> list | None:
     return values
 
 
+def _is_dense(value) -> bool:
+    """Whether a state entry is a tensor whose values can be copied into the store: strided (a sparse tensor passed
+    the dtype and shape checks, then failed the copy half-way through loading) and not on the meta device."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta
+
+
 def _describe(value) -> str:
     """What a state entry is, for an error message: a tensor's dtype and shape, else its type."""
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
-    return f"{value.dtype} {tuple(value.shape)}{' on the meta device' if value.is_meta else ''}"
+    layout = "" if value.layout == torch.strided else f" ({value.layout})"
+    return f"{value.dtype} {tuple(value.shape)}{layout}{' on the meta device' if value.is_meta else ''}"
 
 
 def _batches(batches, steps, epochs):

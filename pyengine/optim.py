@@ -186,8 +186,9 @@ class AdamW:
             for key in keys[1:]:
                 value = entry[key]
                 if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.is_meta \
-                        or tuple(value.shape) != tuple(views[name].shape):
+                        or value.layout != torch.strided or tuple(value.shape) != tuple(views[name].shape):
                     found = (f"{value.dtype} {tuple(value.shape)}{' on meta' if value.is_meta else ''}"
+                             f"{'' if value.layout == torch.strided else f' ({value.layout})'}"
                              if isinstance(value, torch.Tensor) else type(value).__name__)
                     raise ValueError(f"optimizer state[{index}][{key!r}]: expected a floating tensor of shape "
                                      f"{tuple(views[name].shape)} (param {name!r}); got {found}")

@@ -1192,6 +1192,9 @@ def _corruptions():
         ("master weight on the meta device", spoil(("master", "0.bias"), lambda t: t.to("meta")), "meta device"),
         ("Adam state on the meta device", spoil(("optimizer", "state", 3, "exp_avg"), lambda t: t.to("meta")),
          "on meta"),
+        ("master weight sparse", spoil(("master", "2.weight"), lambda t: t.to_sparse()), r"torch.sparse_coo"),
+        ("Adam state sparse", spoil(("optimizer", "state", 3, "exp_avg"), lambda t: t.to_sparse()),
+         r"torch.sparse_coo"),
         ("no counters", spoil(("counters",), KeyError), "lacks"),
         ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
     ]
