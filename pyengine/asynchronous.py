@@ -121,6 +121,21 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
             _end(engine, run)
 
 
+def _raise_first(engine, errors: list) -> None:
+    """Raises the first worker error of a run. A lone CPU worker's loop ran on the calling thread, so its
+    exception's frames link back to _run_async's (Note [A task's exception and its callers' frames] in engine.py):
+    the list is emptied and the exception kept in this frame only, or they would be a cycle through the engine."""
+    index, exc, own_thread = errors[0]
+    errors.clear()
+    if isinstance(exc, _CallbackError):
+        raise exc.error
+    if not own_thread and not isinstance(exc, Exception):  # Ctrl-C on the calling thread: as itself
+        raise exc
+    if engine._closed:  # close() from a callback: the other workers' transfers were shut under them
+        raise _closed_during_fit() from exc
+    raise WorkerError(index, engine.devices[index], exc) from exc
+
+
 def _end(engine, run) -> None:
     with engine.mutex:
         engine._async_run = None
@@ -291,14 +306,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
     if errors:
         for worker in engine.workers:
             worker.streamer.reset()
-        index, exc, own_thread = errors[0]
-        if isinstance(exc, _CallbackError):
-            raise exc.error
-        if not own_thread and not isinstance(exc, Exception):  # Ctrl-C on the calling thread: as itself
-            raise exc
-        if engine._closed:  # close() from a callback: the other workers' transfers were shut under them
-            raise _closed_during_fit() from exc
-        raise WorkerError(index, engine.devices[index], exc) from exc
+        _raise_first(engine, errors)
     if engine._closed:
         raise _closed_during_fit()
     if steps and not source.taken:  # as hybrid and sync: steps asked for, none possible

@@ -382,6 +382,13 @@ def _wait(work, what: str, rank: int, explain=None) -> None:
         work.wait()
 
 
+def _take_first(errors: list) -> BaseException:
+    """The first of ``errors``, the list emptied."""
+    first = errors[0]
+    errors.clear()
+    return first
+
+
 class _FailureNaming:
     """What a rank of a multi-process engine (:class:`DistributedHybrid`, the cross-process pipeline) does so that its
     peers name it when it fails (Note [Naming the rank that failed], Note [Naming a rank that died between steps]):
@@ -610,8 +617,8 @@ class DistributedHybrid(_FailureNaming):
         engine.count("steps")
         computed = time.perf_counter()
         try:
-            if errors:
-                raise errors[0]
+            if errors:  # the list emptied and nothing of it kept in this frame, which the traceback holds: no cycle
+                raise _take_first(errors)  # through the engine (Note [A task's exception and its callers' frames])
             with engine.phase("allreduce_wait"):
                 for k, work in enumerate(works):
                     if work is None:  # the reducer finished it (Note [Two reused bucket buffers])

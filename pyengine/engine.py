@@ -731,15 +731,11 @@ class Engine:
             return {i: self._pool.submit(_on_stream, self._caller_stream(i), fn) for i, fn in tasks.items()}
         futures = {}
         for i, fn in tasks.items():
-            future = concurrent.futures.Future()
-            try:
-                future.set_result(fn())
-            except Exception as error:  # handed to gather_workers, as from the pool
-                future.set_exception(error)
+            try:  # Note [A task's exception and its callers' frames]
+                futures[i] = _future(*_call(fn))  # handed to gather_workers, as from the pool
             except BaseException:  # KeyboardInterrupt: leave nothing of the step behind, then stop
                 self.workers[i].streamer.reset()
                 raise
-            futures[i] = future
         return futures
 
     def _caller_stream(self, index: int):
@@ -761,14 +757,15 @@ class Engine:
         streamer is reset, so the engine can go on with the next step from the last complete update."""
         concurrent.futures.wait(futures.values())
         saved, self._buffers_before = self._buffers_before, None
-        for i, future in futures.items():
-            exc = future.exception()
-            if exc is not None:
-                for worker in self.workers:
-                    worker.streamer.reset()
-                self._restore_source_buffers(saved)
-                raise WorkerError(i, self.devices[i], exc) from exc
-        return {i: f.result() for i, f in futures.items()}
+        failed = next(((i, f.exception()) for i, f in futures.items() if f.exception() is not None), None)
+        if failed is None:
+            return {i: f.result() for i, f in futures.items()}
+        for worker in self.workers:
+            worker.streamer.reset()
+        self._restore_source_buffers(saved)
+        futures.clear()  # Note [A task's exception and its callers' frames]
+        i, exc = failed
+        raise WorkerError(i, self.devices[i], exc) from exc
 
     def _snapshot_source_buffers(self, tasks: dict) -> list | None:
         """Note [A failed step leaves the buffers alone]
@@ -1067,6 +1064,33 @@ def _samples(schedule) -> list | None:
         except (TypeError, ValueError, RuntimeError):
             values.append(repr(value))
     return values
+
+
+def _call(fn):
+    """``(fn(), None)``, or ``(None, the exception)``, for a task run on the calling thread (Note [One CPU worker
+    runs on the calling thread]).
+
+    Note [A task's exception and its callers' frames]
+    An exception's traceback holds the frames it passed through, and each frame links to its caller (``f_back``),
+    so every frame above ``fn`` on the calling thread is reachable from the exception. A future holding the
+    exception, kept in any of those frames, makes a cycle through the engine: it and its store (possibly GBs of
+    pinned memory) would live until the garbage collector runs. So this frame keeps nothing, the caller makes the
+    future in a call of its own (:func:`_future`), and :meth:`Engine.gather_workers` empties the caller's dict of
+    futures before it raises (concurrent.futures' workers drop theirs for the same reason)."""
+    try:
+        return fn(), None
+    except Exception as error:
+        return None, error
+
+
+def _future(result, error) -> concurrent.futures.Future:
+    """A done future of ``result``, or of ``error`` when it is not None."""
+    future = concurrent.futures.Future()
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+    return future
 
 
 def _is_dense(value) -> bool:

@@ -596,7 +596,8 @@ class Pipeline:
             concurrent.futures.wait(futures.values())
             if failures:
                 (s, r), exc = failures[0]
-                raise StageError(s, r, self.stages[s][r].device, exc) from exc
+                failures.clear()  # the stage task's frame, which its exception's traceback holds, holds the list:
+                raise StageError(s, r, self.stages[s][r].device, exc) from exc  # a cycle through the engine
             results = {key: f.result() for key, f in futures.items()}
             self._sum_tied_grads(results)
         except BaseException:

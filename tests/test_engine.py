@@ -1465,6 +1465,29 @@ def test_a_dropped_engine_is_freed_by_reference_counting(rng, mode):
         gc.enable()
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 1), ("hybrid", 2), ("sync", 1), ("sync", 2), ("async", 1),
+                                          ("async", 2), ("pipeline", 2)])
+def test_an_engine_whose_step_failed_is_freed_by_reference_counting(rng, mode, workers):
+    """A worker's failure leaves no cycle either: a lone CPU worker runs on the calling thread (Note [One CPU worker
+    runs on the calling thread]), and its exception's traceback held the frame that held its future, which held the
+    exception: engine and store lived until the garbage collector ran."""
+    def failing(model, batch):
+        raise RuntimeError("injected")
+
+    gc.disable()
+    try:
+        options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+        engine = Engine(make_model(), failing, devices=["cpu"] * workers, mode=mode, pin=False, **options)
+        with pytest.raises((WorkerError, pyengine.StageError), match="injected"):
+            engine.fit(make_batches(rng, 1, 8))
+        engine.close()
+        refs = weakref.ref(engine), weakref.ref(engine.store)
+        del engine
+        assert [r() is None for r in refs] == [True, True]
+    finally:
+        gc.enable()
+
+
 def test_optimizer_state_dict_matches_torch(rng, worker_device):
     model = make_model()
     reference = TorchReference(model, **OPT)
