@@ -40,7 +40,8 @@ from .pipeline_distributed import DistributedPipeline, check_engine_options as c
 from .profiling import PhaseRecorder
 from .rng import WorkerRNG
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
-from .store import HostStore
+from .store import HostStore, check_pin
+from .streamer import check_options as check_streamer_options
 from .sync import sync_step
 from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, set_worker_threads
 
@@ -150,6 +151,8 @@ class Engine:
             self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                                 loss_fn)
             check_mode_options(mode, stages, microbatches, schedule, balance)
+            check_streamer_options(bucket_mb, first_bucket_mb, unused, eager_mb, who="Engine")
+            check_pin(pin, who="Engine")
             if mode == "pipeline":
                 model = as_sequential(model)
             if not any(p.requires_grad for p in model.parameters()):

@@ -165,6 +165,12 @@ def _warn_unpinned_once(reason: str) -> None:
                       stacklevel=3)
 
 
+def check_pin(pin, who: str = "HostStore") -> None:
+    """ValueError unless ``pin`` is True, False or "auto"."""
+    if not (isinstance(pin, bool) or (isinstance(pin, str) and pin == "auto")):
+        raise ValueError(f"{who}: pin must be True, False or 'auto'; got {pin!r}")
+
+
 class HostStore:
     """One host arena holding everything the host-side optimizer step touches.
 
@@ -199,8 +205,7 @@ class HostStore:
             raise ValueError(f"HostStore: grad_dtype must be one of {_GRAD_DTYPES}; got {grad_dtype}")
         if shadow_dtype is not None and shadow_dtype not in _SHADOW_DTYPES:
             raise ValueError(f"HostStore: shadow_dtype must be None or one of {_SHADOW_DTYPES}; got {shadow_dtype}")
-        if not (isinstance(pin, bool) or pin == "auto"):
-            raise ValueError(f"HostStore: pin must be True, False or 'auto'; got {pin!r}")
+        check_pin(pin)
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"HostStore: max_bytes must be None or an int >= 0 (bytes); got {max_bytes!r}")
         named = _trainable(model_or_named_parameters)

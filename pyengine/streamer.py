@@ -36,6 +36,21 @@ class Bucket(NamedTuple):
     end: int
 
 
+def check_options(bucket_mb, first_bucket_mb, unused, eager_mb, who: str = "GradientStreamer") -> None:
+    """ValueError naming the option unless the streamer's options are valid (the Engine checks them before it
+    allocates or seeds anything)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if unused not in ("zero", "error"):
+        raise ValueError(f"{who}: unused must be 'zero' or 'error'; got {unused!r}")
+    for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not number(value) or not value > 0:
+            raise ValueError(f"{who}: {name} must be a number > 0 (MiB); got {value!r}")
+    if eager_mb is not None and (not number(eager_mb) or not eager_mb >= 0):
+        raise ValueError(f"{who}: eager_mb must be a number >= 0 or None; got {eager_mb!r}")
+
+
 def make_buckets(layout: Sequence[LayoutEntry], numel: int, grad_dtype: torch.dtype, bucket_mb: float,
                  first_bucket_mb: float) -> list[Bucket]:
     """DDP's scheme over a store layout (``store.layout``, ``store.numel``): a parameter joins the open bucket, which
@@ -81,14 +96,7 @@ class GradientStreamer:
                  first_bucket_mb: float = 1, unused: str = "zero", eager_mb: float | None = 1):
         if not isinstance(replica, torch.nn.Module):
             raise TypeError(f"GradientStreamer: replica must be an nn.Module; got {type(replica).__name__}")
-        if unused not in ("zero", "error"):
-            raise ValueError(f"GradientStreamer: unused must be 'zero' or 'error'; got {unused!r}")
-        if not bucket_mb > 0 or not first_bucket_mb > 0:
-            raise ValueError(f"GradientStreamer: bucket_mb and first_bucket_mb must be > 0; got {bucket_mb}, "
-                             f"{first_bucket_mb}")
-        if eager_mb is not None and (isinstance(eager_mb, bool) or not isinstance(eager_mb, (int, float))
-                                     or not eager_mb >= 0):
-            raise ValueError(f"GradientStreamer: eager_mb must be a number >= 0 or None; got {eager_mb!r}")
+        check_options(bucket_mb, first_bucket_mb, unused, eager_mb)
         store.grad_slot(worker)  # validates worker
         self.store, self.worker, self.unused = store, worker, unused
         self._params = self._replica_params(replica, store)

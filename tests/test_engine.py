@@ -994,10 +994,24 @@ def test_failing_lone_async_worker_on_the_calling_thread(rng):
     (dict(max_staleness=2), r"max_staleness: async option"),
     (dict(staleness_lr="inverse", mode="sync"), r"staleness_lr: async option"),
     (dict(batch_schedule=lambda v: 1, mode="pipeline", stages=2), r"batch_schedule: async option"),
+    (dict(bucket_mb="25"), r"Engine: bucket_mb must be a number > 0 \(MiB\); got '25'"),
+    (dict(bucket_mb=None), r"Engine: bucket_mb must be a number > 0"),
+    (dict(bucket_mb=float("nan")), r"Engine: bucket_mb must be a number > 0"),
+    (dict(first_bucket_mb=None), r"Engine: first_bucket_mb must be a number > 0"),
+    (dict(first_bucket_mb=0), r"Engine: first_bucket_mb must be a number > 0"),
+    (dict(eager_mb="1"), r"Engine: eager_mb must be a number >= 0 or None"),
+    (dict(unused="ignore"), r"Engine: unused must be 'zero' or 'error'"),
+    (dict(pin="yes"), r"Engine: pin must be True, False or 'auto'"),
 ])
 def test_bad_engine_options(kwargs, message):
+    """Each raises a ValueError naming the option before the engine seeds torch's generator (or allocates its
+    store): a bucket_mb of another type raised a bare TypeError from the streamer, after both."""
+    model = make_model()  # seeds torch's generator itself
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
     with pytest.raises(ValueError, match=message):
-        Engine(make_model(), loss_fn, **kwargs)
+        Engine(model, loss_fn, seed=7, **kwargs)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_bad_batch_schedule_and_fit_arguments(rng):
