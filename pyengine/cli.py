@@ -100,6 +100,14 @@ def _resume_command(out: Path) -> str:
 
 # ---- arguments ------------------------------------------------------------------------------------------------
 
+def _path(text: str) -> str:
+    """An argparse type for a file or folder: an empty one (``--out "$OUT"`` with OUT unset) is refused, not taken
+    for the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path; got {text!r}")
+    return text
+
+
 def _number(convert, ok, expected: str):
     """An argparse type: ``convert`` the text, then require ``ok(value)``; errors say ``expected``."""
     def parse(text: str):
@@ -226,14 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the first micro-batch, or by explicit layers per stage (e.g. 2,3: one count per stage, "
                         "summing to the model's layers) [params]")
     g = p.add_argument_group("output")
-    g.add_argument("--out", default=S, help="run directory [runs/<timestamp>-<mode>]")
-    g.add_argument("--resume", metavar="DIR", default=S,
+    g.add_argument("--out", type=_path, default=S, help="run directory [runs/<timestamp>-<mode>]")
+    g.add_argument("--resume", metavar="DIR", type=_path, default=S,
                    help="continue the run in DIR (a run directory or one checkpoint file) from its latest "
                         "checkpoint; --steps/--epochs set a new end")
     g.add_argument("--keep", type=_positive_int, default=S, help="checkpoints to keep [3]")
     g.add_argument("--checkpoint-every", type=_positive_int, default=S,
                    help="steps between checkpoints [one epoch]; one is always written at the end")
-    g.add_argument("--trace", metavar="PATH", default=S,
+    g.add_argument("--trace", metavar="PATH", type=_path, default=S,
                    help="write a Chrome trace (chrome://tracing, Perfetto) of every worker's phases; with "
                         "--mode all, one per mode (PATH with -<mode> before the extension)")
     g.add_argument("--quiet", action="store_true", default=S,
@@ -271,7 +279,7 @@ def _add_plan_parser(commands) -> None:
                    help="server shards of the sharded parameter server [one per node]")
     p.add_argument("--overlap", type=_number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]"), default=0.0,
                    help="fraction of the exchange hidden behind backward [0]")
-    p.add_argument("--plot", metavar="PATH", default=None,
+    p.add_argument("--plot", metavar="PATH", type=_path, default=None,
                    help="also draw efficiency against node count (1, 2, 4, ... up to --nodes) to this PNG")
 
 
@@ -546,6 +554,9 @@ def _agreed_out(out: Path, rank: int) -> Path:
     return Path(agreed[0])
 
 
+_RUN_PLOTS = ("loss.png", "compare.png")  # what a run writes in its folder beside the files _holds_run looks for
+
+
 def _holds_run(directory: Path) -> bool:
     return directory.is_dir() and any((directory / name).exists() for name in
                                       ("summary.json", "metrics.jsonl", "checkpoints", ALL_CONFIG, *MODES))
@@ -558,6 +569,39 @@ def _saved_nothing(directory: Path) -> bool:
     if (directory / ALL_CONFIG).exists() or any((directory / m).is_dir() for m in MODES):
         return False  # a --mode all run: resumable as a whole
     return ckpt.latest(directory / "checkpoints") is None  # none there, or no checkpoints/ at all
+
+
+def _saved_trace(trace, root: Path) -> dict:
+    """The settings a checkpoint (or a --mode all run's config.json) keeps of the trace a run writes.
+
+    Note [Where a resumed run writes its trace]
+    A resume writes its trace where the run did: ``trace`` is kept absolute (a resume from another working
+    directory writes it there too), with ``trace_anchor``, the run directory it was written in. A resume in that
+    same directory writes the same file. A run directory that was moved, or a checkpoint copied into a new one (to
+    continue a set-aside branch, say), is not that run: a trace inside the old directory moves with it (the same
+    place relative to the run), and one outside it is not written (it would write over the other run's), unless
+    --trace names one; a line says so. Checkpoints without ``trace_anchor`` resume as before it."""
+    if trace is None:
+        return dict(trace=None)
+    return dict(trace=os.path.abspath(trace), trace_anchor=os.path.abspath(root))
+
+
+def _resumed_trace(base: dict, out: Path, given: dict) -> str | None:
+    """The trace a resume of the run in ``out`` writes, from its saved settings ``base`` (which lose
+    ``trace_anchor``): Note [Where a resumed run writes its trace]."""
+    trace, anchor = base.get("trace"), base.pop("trace_anchor", None)
+    if trace is None or anchor is None or "trace" in given:
+        return trace
+    here = os.path.abspath(out)
+    if anchor == here:
+        return trace
+    if Path(trace).is_relative_to(anchor):  # inside the run's old directory: it moved with the run
+        return os.path.join(here, os.path.relpath(trace, anchor))
+    if _launched()[0] == 0:
+        print(f"pyengine train: note: the checkpoint's run, in {anchor}, wrote its trace to {trace}, outside it; "
+              "this resume is in another directory and writes no trace (give --trace to write one)",
+              file=sys.stderr, flush=True)
+    return None
 
 
 def _trace_path(trace: str | None, mode: str, all_modes: bool) -> Path | None:
@@ -696,8 +740,9 @@ def _saved_config(cfg: dict) -> dict:
 
 
 def _set_aside_later(out: Path, step: int) -> Path | None:
-    """Resuming from a checkpoint older than the run's newest forks the run: the checkpoints after ``step`` and the
-    metrics lines after it belong to the abandoned continuation. They are moved, not deleted, into
+    """Resuming from a checkpoint older than the run's newest forks the run: the checkpoints after ``step``, the
+    metrics lines after it and the summary and plot of its end belong to the abandoned continuation. They are
+    moved, not deleted, into
     ``out/superseded-<time>/``, so that a later ``--resume out`` continues this run (not the abandoned one) and
     nothing is lost. Returns that folder, or None when no checkpoint comes after ``step``: resuming from the newest
     one (after a crash, say) forks nothing, and the metrics lines of steps after it are redone, bit for bit."""
@@ -720,6 +765,9 @@ def _set_aside_later(out: Path, step: int) -> Path | None:
         f.writelines(dropped)
     for path in later:
         path.rename(aside / path.name)
+    for name in ("summary.json", *_RUN_PLOTS):  # the abandoned continuation's result, if it ended
+        if (out / name).exists():
+            (out / name).rename(aside / name)
     return aside
 
 
@@ -858,10 +906,10 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         def elapsed() -> float:
             return elapsed_offset + time.perf_counter() - state["t0"]
 
-        # a --mode all sub-run saves the trace path it writes (t-<mode>.json), so that a resume writes there too
-        # absolute: a resume from another working directory writes it where this run does
-        own_trace = (os.path.abspath(_trace_path(cfg["trace"], mode, cfg["mode"] == "all"))
-                     if cfg["trace"] is not None else None)
+        # a --mode all sub-run saves the trace path it writes (t-<mode>.json): Note [Where a resumed run writes
+        # its trace]
+        own_trace = _saved_trace(_trace_path(cfg["trace"], mode, cfg["mode"] == "all"),
+                                 out.parent if cfg["mode"] == "all" else out)
 
         def save_checkpoint(prune: bool = True) -> Path:
             """Saves this step (rank 0; the others only note rank 0's path) and, with ``prune``, keeps the newest
@@ -872,7 +920,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
                 state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])  # rank 0's, once the next agreement passed
                 return state["last_ckpt"]
-            config = _saved_config(dict(cfg, mode=mode, out=str(out), trace=own_trace,
+            config = _saved_config(dict(cfg, mode=mode, out=str(out), **own_trace,
                                         **({} if pipeline else {"microbatches": own_microbatches})))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
                            batches_beyond=sorted(state["applied_beyond"]), elapsed_s=elapsed(), mode=mode,
@@ -1198,6 +1246,8 @@ def _resumed(given: dict) -> tuple[dict, Path, dict]:
             resumes = {base["mode"]: payload}
     except ckpt.CheckpointError as exc:
         raise UsageError(f"cannot resume: {exc}") from None
+    base = dict(base)
+    base["trace"] = _resumed_trace(base, out, given)
     cfg = _apply_resume_flags(base, given)
     cfg["out"] = str(out)
     return cfg, out, resumes
@@ -1366,13 +1416,22 @@ def _train(given: dict) -> int:
         from . import distributed
 
         if not dist.is_initialized():
-            distributed.init_process_group("gloo", timeout_s=_dist_timeout())
+            try:
+                distributed.init_process_group("gloo", timeout_s=_dist_timeout())
+            except ValueError as exc:  # the environment lacks torchrun's variables
+                raise UsageError(f"WORLD_SIZE={world}: {exc}") from None
+            except (RuntimeError, OSError) as exc:  # no rendezvous (DistStoreError, a refused or timed-out connect)
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UsageError(f"WORLD_SIZE={world}: could not join the process group at "
+                                 f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within "
+                                 f"{DIST_TIMEOUT_ENV}'s {_dist_timeout():g} s: {type(exc).__name__}: {first}") from None
     cfg, out, resumes, dataset = _on_every_rank(world, lambda: _checked(given, world), _compared)
     if world > 1 and out is None:  # a new run's folder is rank 0's (a default one is named after the time)
         out = _agreed_out(Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"]), rank)
     out = _on_every_rank(world, lambda: _prepare_out(cfg, out, rank, resumed="resume" in given))
     if cfg["mode"] == "all" and rank == 0:  # before any mode trains: --resume <out> continues it as a whole
-        _write_json(out / ALL_CONFIG, dict(kind="pyengine.train", **_saved_config(cfg)))
+        _write_json(out / ALL_CONFIG, dict(kind="pyengine.train",
+                                           **_saved_config(dict(cfg, **_saved_trace(cfg["trace"], out)))))
     warnings.filterwarnings("ignore", message=r".*pin='auto'.*")
     return _train_modes(cfg, out, dataset, resumes, rank)
 
@@ -1453,8 +1512,11 @@ def _checked(given: dict, world: int) -> tuple:
     if cfg["mode"] in ("pipeline", "all"):
         from . import models
 
-        check_pipeline_layers(cfg, len(models.as_layers(models.build(cfg["model"], dataset, cfg["seed"],
-                                                                      cfg["hidden"]))))
+        import torch
+
+        with torch.device("meta"):  # the layers counted, no memory taken: a --hidden too large to allocate fails
+            layers = len(models.as_layers(models.build(cfg["model"], dataset, cfg["seed"], cfg["hidden"])))
+        check_pipeline_layers(cfg, layers)  # later, as in hybrid mode, as one line (it was a traceback here)
     if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
     _check_resume_steps(cfg, resumes, dataset.steps_per_epoch(cfg["batch_size"]))
@@ -1480,6 +1542,11 @@ def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) 
                                  "nothing to resume; remove it or choose another --out")
             raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
                              "another --out")
+        if rank == 0:
+            taken = [name for name in _RUN_PLOTS if (out / name).exists()]
+            if taken:  # not a run's folder, but one this run would write over
+                raise UsageError(f"--out {out} holds {' and '.join(taken)}, which this run would write over; "
+                                 "choose another --out (or move the file)")
         _check_writable(out, "--out")
     except UsageError:
         _remove_empty(made)

@@ -2,6 +2,7 @@
 validation, bad input, Ctrl-C."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -284,15 +285,19 @@ def test_a_run_that_fails_at_its_first_step_says_so_in_one_line(tmp_path, capsys
 
 def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, capsys):
     """Resuming from a checkpoint file older than the run's newest forks the run: the later checkpoints and metrics
-    lines move to a superseded-* folder (nothing deleted), and the next `--resume DIR` continues the fork."""
+    lines, and the summary and plot of the run's end, move to a superseded-* folder (nothing deleted), and the next
+    `--resume DIR` continues the fork."""
     run = tmp_path / "run"
     common = ["--quiet", "--checkpoint-every", "2", *SHORT]
     assert train("--steps", "6", "--out", str(run), *common) == 0
     first = (run / "metrics.jsonl").read_text().splitlines()
+    ended = {name: (run / name).read_bytes() for name in ("summary.json", "loss.png")}
     assert train("--resume", str(ckpt.path_for(run / "checkpoints", 2)), "--steps", "3", "--quiet") == 0
     assert "moved to" in capsys.readouterr().err
     [aside] = run.glob("superseded-*")
     assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(aside)] == [4, 6]
+    for name, content in ended.items():  # the abandoned continuation's summary and plot (were written over)
+        assert (aside / name).read_bytes() == content, name
     assert (aside / "metrics.jsonl").read_text().splitlines() == first[2:]  # steps 3..6 of the first run, kept
     assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(run / "checkpoints")] == [2, 3]
     assert train("--resume", str(run), "--steps", "5", "--quiet") == 0
@@ -384,6 +389,114 @@ def test_a_relative_trace_path_is_written_to_the_same_place_by_a_resume_from_els
     monkeypatch.chdir(other)
     assert train("--resume", str(tmp_path / "run"), "--steps", "3", "--quiet") == 0
     assert (first / "t.json").exists() and not (other / "t.json").exists()
+
+
+def test_a_copied_or_moved_run_writes_its_trace_in_its_own_folder_and_no_other_runs(tmp_path, capsys):
+    """Note [Where a resumed run writes its trace]: a checkpoint copied into a new run directory (as the message
+    about set-aside checkpoints suggests) wrote the trace into the first run's folder, over its trace.json; a
+    moved run re-created its old folder for it. A trace inside the run moves with it; one outside is not written
+    by a resume in another directory (a note says so) unless --trace names one; the same run still writes it."""
+    first, copy_, outside = tmp_path / "first", tmp_path / "copy", tmp_path / "traces" / "t.json"
+    assert train("--steps", "2", "--out", str(first), "--trace", str(first / "trace.json"), "--quiet", *SHORT) == 0
+    original = (first / "trace.json").read_bytes()
+    (copy_ / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpt.latest(first / "checkpoints"), copy_ / "checkpoints")
+    assert train("--resume", str(copy_), "--steps", "3", "--quiet") == 0
+    assert (first / "trace.json").read_bytes() == original and (copy_ / "trace.json").exists()
+    moved = tmp_path / "moved"
+    first.rename(moved)
+    assert train("--resume", str(moved), "--steps", "3", "--quiet") == 0
+    assert not first.exists() and (moved / "trace.json").read_bytes() != original
+    assert json.loads((moved / "summary.json").read_text())["trace"] == str(moved / "trace.json")
+
+    second = tmp_path / "second"
+    assert train("--steps", "2", "--out", str(second), "--trace", str(outside), "--quiet", *SHORT) == 0
+    written = outside.read_bytes()
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpt.latest(second / "checkpoints"), other / "checkpoints")
+    capsys.readouterr()
+    assert train("--resume", str(other), "--steps", "3", "--quiet") == 0
+    assert outside.read_bytes() == written and json.loads((other / "summary.json").read_text())["trace"] is None
+    assert f"wrote its trace to {outside}, outside it; this resume is in another directory and writes no " \
+           "trace (give --trace to write one)" in capsys.readouterr().err
+    assert train("--resume", str(second), "--steps", "3", "--quiet") == 0  # the same run: the same file
+    assert outside.read_bytes() != written
+
+
+def test_a_mode_all_resume_from_elsewhere_writes_its_traces_where_the_run_did(tmp_path, monkeypatch):
+    """config.json kept --trace as given: a relative one was taken from the resuming shell's working directory."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir()
+    other.mkdir()
+    monkeypatch.chdir(first)
+    stop_after_first_mode = ["--steps", "2", "--out", str(tmp_path / "all"), "--trace", "t.json", "--quiet"]
+    assert train("--mode", "all", *stop_after_first_mode, *SHORT) == 0
+    for file in first.glob("t-*.json"):
+        file.unlink()
+    (tmp_path / "all" / "async" / "summary.json").unlink()  # async is trained again by the resume
+    monkeypatch.chdir(other)
+    assert train("--resume", str(tmp_path / "all"), "--steps", "2", "--quiet") == 0
+    assert (first / "t-async.json").exists() and not list(other.iterdir())
+
+
+def test_an_out_folder_with_a_plot_of_the_users_is_refused(tmp_path):
+    """--out names a folder that is not a run's but holds a file the run would write: refused, the file kept."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "loss.png").write_bytes(b"my plot")
+    code = train("--steps", "1", "--out", str(folder), "--quiet", *SHORT)
+    assert code == 2 and (folder / "loss.png").read_bytes() == b"my plot"
+    assert sorted(p.name for p in folder.iterdir()) == ["loss.png"]
+
+
+def _refuses_40_gb() -> bool:
+    """Whether this machine refuses a 40 GB allocation at once (the kernel's default overcommit heuristic, with less
+    memory than that), so that a test can ask for one without touching it."""
+    try:
+        policy = Path("/proc/sys/vm/overcommit_memory").read_text().strip()
+        return policy == "0" and os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") < 32 * 2**30
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(not _refuses_40_gb(), reason="needs a machine that refuses a 40 GB allocation at once")
+def test_a_pipeline_too_large_to_allocate_is_one_line_as_in_hybrid_mode(tmp_path, capsys):
+    """--mode pipeline (and all) built the model to count its layers before any error handling: a --hidden too
+    large to allocate was a traceback there (hybrid: one line). The layers are counted on the meta device now."""
+    code = train("--mode", "pipeline", "--hidden", str(10**5), "--steps", "1", "--out", str(tmp_path / "run"),
+                 "--quiet", "--devices", "cpu", "--workers", "2")
+    err = capsys.readouterr().err
+    assert code == 1 and "training failed: RuntimeError" in err and "can't allocate memory" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_launch_without_a_rendezvous_is_one_line(tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE without torchrun's other variables, or with a rendezvous nobody hosts: one line, exit 2 (both were
+    tracebacks, the second after the group's timeout)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert train("--steps", "1", "--out", str(tmp_path / "run"), *SHORT) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "WORLD_SIZE=2: init_process_group: the environment lacks ['MASTER_ADDR', " \
+        "'MASTER_PORT']" in err, err
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "PYENGINE_DIST_TIMEOUT_S": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "pyengine", "train", "--steps", "1", "--out", str(tmp_path / "r1"),
+                           *SHORT], capture_output=True, text=True, timeout=120, env=env)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert last.startswith("pyengine train: error: WORLD_SIZE=2: could not join the process group at 127.0.0.1:"), last
+
+
+@pytest.mark.parametrize("flag", ["--out", "--trace", "--resume"])
+def test_an_empty_path_is_refused(flag, capsys):
+    """``--out "$OUT"`` with OUT unset: refused, not taken for the default (it wrote runs/<time> in the cwd)."""
+    with pytest.raises(SystemExit) as exit_:
+        train(flag, "", "--steps", "1", *SHORT)
+    assert exit_.value.code == 2 and f"argument {flag}: expected a path; got ''" in capsys.readouterr().err
 
 
 def test_the_first_checkpoint_makes_its_folder_durable(tmp_path, monkeypatch):
@@ -919,17 +1032,21 @@ def test_under_torchrun_command_lines_alike_once_resolved_train_together(tmp_pat
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == per_epoch
 
 
-def _two_ranks(tmp_path, argvs, script=None, timeout=90, **extra_env):
-    """Ranks 0 and 1 of a 2-process run, each with its own command line (``argvs[rank]``, after ``train``), in the
-    torchrun environment without torchrun (which gives every rank the same one); ``script``: run by ``python -c``
-    instead of ``-m pyengine``. Returns [(returncode, stderr)] and the seconds until both ended."""
+def _free_port() -> int:
+    """A local TCP port free a moment ago."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               WORLD_SIZE="2", **extra_env)
+        return sock.getsockname()[1]
+
+
+def _two_ranks(tmp_path, argvs, script=None, timeout=90, **extra_env):
+    """Ranks 0 and 1 of a 2-process run, each with its own command line (``argvs[rank]``, after ``train``), in the
+    torchrun environment without torchrun (which gives every rank the same one); ``script``: run by ``python -c``
+    instead of ``-m pyengine``. Returns [(returncode, stderr)] and the seconds until both ended."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), WORLD_SIZE="2", **extra_env)
     command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "pyengine"]
     procs = [subprocess.Popen([*command, "train", *argvs[rank]], cwd=tmp_path, env=dict(env, RANK=str(rank)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
