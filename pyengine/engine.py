@@ -315,14 +315,40 @@ class Engine:
         # version is the same on all), so all raise here and none leaves the others inside a collective.
         self.lr_at(self.version + 1)
         self.begin_rng_step(self._counters["steps"])  # the step's number: restored on resume, skipped steps too
+        steps, generators = self._counters["steps"], self._global_generators()
         with deferred_interrupt(f"step {self.version + 1}", self._abandon):  # Note [Ctrl-C inside a step]
-            if self.mode == "pipeline":
-                self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data replicas
-                return self._record(self.pipeline.step(batch))
-            if self.mode == "hybrid":
-                return self._record(self.dist.step(self, batch) if self.dist is not None else
-                                    hybrid_step(self, batch))
-            return self._record(sync_step(self, batch))
+            try:
+                if self.mode == "pipeline":
+                    self.share_buffers(range(self._num_replicas()))  # broadcast_buffers across the data replicas
+                    return self._record(self.pipeline.step(batch))
+                if self.mode == "hybrid":
+                    return self._record(self.dist.step(self, batch) if self.dist is not None else
+                                        hybrid_step(self, batch))
+                return self._record(sync_step(self, batch))
+            except BaseException:
+                if self._counters["steps"] == steps and generators is not None:  # a failed step, not a counted one
+                    self._set_global_generators(generators)
+                raise
+
+    def _global_generators(self):
+        """Note [A failed step leaves the generators alone]
+        Workers that draw from torch's own generators (a lone worker, sync mode, a pipeline on one device: the
+        others have their own, seeded per step from the step count, which a failed step does not advance) leave
+        them advanced by a failed step's forwards, so the steps after it would draw other dropout masks than had
+        it never been tried. Their states (the CPU's and each CUDA device's in use; a few KB, no device sync; 1 us
+        on the CPU) are taken before each step and put back when the step fails before it counts (a worker's or
+        stage's error); a step that counts (one skipped or raised for a non-finite gradient) keeps them, as it
+        keeps its BatchNorm statistics (Note [A failed step leaves the buffers alone]). None when no worker draws
+        from them."""
+        if self._worker_rngs:
+            return None
+        return torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in self._cuda_indices()]
+
+    def _set_global_generators(self, generators) -> None:
+        cpu, cuda = generators
+        torch.set_rng_state(cpu)
+        for index, state in cuda:
+            torch.cuda.set_rng_state(state, index)
 
     def fit(self, batches, steps: int | None = None, epochs: int | None = None, callbacks=()) -> list[dict]:
         """Trains on ``batches`` (an iterable; re-iterated per epoch) for ``steps`` updates or ``epochs`` passes.

@@ -1076,6 +1076,39 @@ def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
         assert engine.version == 0
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 1), ("hybrid", 2), ("sync", 2), ("pipeline", 1),
+                                          ("pipeline", 2)])
+def test_the_steps_after_a_failed_one_draw_as_if_it_had_never_been_tried(rng, mode, workers):
+    """Note [A failed step leaves the generators alone]: workers drawing from torch's own generator (a lone worker,
+    sync, a pipeline on one device) left it advanced by the failed step's forward: the steps after it drew other
+    dropout masks than a run that never tried it (concurrent workers' own generators were right already)."""
+    batches = make_batches(rng, 3, 12)
+    armed = {"on": False}
+
+    def failing_once(model, batch):
+        loss = loss_fn(model, batch)  # the forward, and its dropout draws, ran
+        if armed["on"]:
+            raise RuntimeError("injected")
+        return loss
+
+    def run(fail):
+        options = dict(stages=workers, microbatches=2) if mode == "pipeline" else {}
+        with Engine(make_model(dropout=0.3), failing_once, devices=["cpu"] * workers, mode=mode, seed=3,
+                    optimizer=AdamW(**OPT), **options) as engine:
+            engine.step(batches[0])
+            if fail:
+                armed["on"] = True
+                with pytest.raises(WorkerError, match="injected"):
+                    engine.step(batches[1])
+                armed["on"] = False
+            losses = [engine.step(b)["loss"] for b in batches[1:]]
+            return losses, engine.master_state_dict()
+
+    (clean_losses, clean), (losses, weights) = run(False), run(True)
+    assert losses == clean_losses
+    assert all(torch.equal(weights[k], clean[k]) for k in clean)
+
+
 Pair = collections.namedtuple("Pair", ["x", "y"])
 
 
