@@ -128,7 +128,14 @@ class _Stopped(Exception):
 
 def as_sequential(model) -> torch.nn.Sequential:
     """``model`` as an ``nn.Sequential`` of its layers: a list or tuple of modules, or an ``nn.ModuleList``, is
-    wrapped (its layers named ``"0"``, ``"1"``, ..., as a ModuleList names them)."""
+    wrapped (its layers named ``"0"``, ``"1"``, ..., as a ModuleList names them). A container holding parameters or
+    buffers of its own, outside every layer, is refused: no stage would hold them (a buffer of its own trained,
+    then state_dict() raised KeyError)."""
+    if isinstance(model, torch.nn.Module):
+        own = [name for name, value in (*model._parameters.items(), *model._buffers.items()) if value is not None]
+        if own and isinstance(model, (torch.nn.Sequential, torch.nn.ModuleList)):
+            raise ValueError(f"mode='pipeline': the {type(model).__name__} holds {own} itself, outside its layers, "
+                             "and the stages are its layers; move them into a layer (a module of their own)")
     if isinstance(model, torch.nn.Sequential):
         return model
     if (isinstance(model, (list, tuple, torch.nn.ModuleList)) and len(model)

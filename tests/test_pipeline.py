@@ -163,6 +163,18 @@ def test_list_of_layers_and_resume(rng, worker_device):
         assert torch.equal(expected[name], got[name]), name
 
 
+@pytest.mark.parametrize("kind", ["buffer", "parameter"])
+@pytest.mark.parametrize("container", [torch.nn.Sequential, torch.nn.ModuleList])
+def test_a_container_holding_a_tensor_outside_its_layers_is_refused(kind, container):
+    """No stage holds a buffer or parameter registered on the Sequential itself: the model trained, then
+    state_dict() raised KeyError (hybrid takes such a model; the pipeline now refuses it, naming the tensor)."""
+    model = container(make_model())
+    register = model.register_buffer if kind == "buffer" else model.register_parameter
+    register("extra", torch.ones(3) if kind == "buffer" else torch.nn.Parameter(torch.ones(3)))
+    with pytest.raises(ValueError, match=rf"the {container.__name__} holds \['extra'\] itself, outside its layers"):
+        pipeline(model, ["cpu"] * 2, microbatches=2)
+
+
 def test_trace_has_one_row_per_stage(rng, tmp_path):
     with pipeline(make_model(), ["cpu"] * 3, stages=3, microbatches=2) as engine:
         engine.step(make_batches(rng, 1, 8)[0])
