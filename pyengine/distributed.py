@@ -540,6 +540,22 @@ class DistributedHybrid(_FailureNaming):
             self._mine = [torch.zeros(max(self.part)) for _ in range(2)]
         else:
             self.reduced = torch.zeros(store.numel)
+        # Note [Collective tensors outlive their work] (pipeline_distributed.py): every tensor a step hands to a
+        # collective is one of these, kept for the engine's life, views included (a view is a tensor object of its
+        # own). A temporary's last reference could be dropped on gloo's worker thread, which then takes the GIL to
+        # free its Python object: during interpreter shutdown that ends the thread inside a destructor, and the
+        # process aborts ("terminate called without an active exception", seen on ranks exiting after a failed
+        # step, a failed step's pending bucket reductions still queued).
+        self._sizes = torch.zeros(3, dtype=torch.float64)  # this rank's sample count, refusal flag, version
+        self._all_sizes = torch.zeros(self.world, 3, dtype=torch.float64)
+        self._all_sizes_flat = self._all_sizes.view(-1)
+        self._loss = torch.zeros(1, dtype=torch.float64)
+        self._norms = torch.zeros(2, dtype=torch.float64)  # the sharded update's squared norm and non-finite flag
+        if shard_update:  # bucket k's reduction and all-gather region, and this rank's part of the gather
+            self._regions = [self._ring[k % 2][:self.world * self.part[k]] for k in range(len(self.buckets))]
+            self._mine_parts = [self._mine[k % 2][:self.part[k]] for k in range(len(self.buckets))]
+        else:
+            self._regions = [self.reduced[b.begin:b.end] for b in self.buckets]
         with _collective("broadcast of the initial weights from rank 0", self.rank, self._explain):
             dist.broadcast(store.param, src=dist.get_global_rank(group, 0), group=group)
         for worker in engine.workers:
@@ -564,11 +580,11 @@ class DistributedHybrid(_FailureNaming):
             # every rank's batch size, whether its shard is too small for its micro-batches, and its version (Note
             # [Every rank at the same version]): on a refusal every rank refuses this step together, before any
             # work, and the group stays usable
-            mine = torch.tensor([float(sum(sizes)), float(refused is not None), float(engine.version)],
-                                dtype=torch.float64)
-            counts = torch.zeros(self.world, len(mine), dtype=torch.float64)
+            self._sizes.copy_(torch.tensor([float(sum(sizes)), float(refused is not None), float(engine.version)],
+                                           dtype=torch.float64))
+            counts = self._all_sizes  # Note [Collective tensors outlive their work]
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
-                _all_gather_flat(counts.view(-1), mine, group=self.group)
+                _all_gather_flat(self._all_sizes_flat, self._sizes, group=self.group)
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)
@@ -627,7 +643,8 @@ class DistributedHybrid(_FailureNaming):
                         self._finish_reduce(works, k)
                     else:
                         _wait(work, "gradient bucket reduction", self.rank, self._explain)
-            loss = torch.tensor([sum(results[i][0] * n for i, n in enumerate(sizes))], dtype=torch.float64)
+            loss = self._loss  # Note [Collective tensors outlive their work]
+            loss.fill_(sum(results[i][0] * n for i, n in enumerate(sizes)))
             with _collective("allreduce of the loss", self.rank, self._explain):
                 dist.all_reduce(loss, group=self.group)
             reduced = time.perf_counter()
@@ -686,14 +703,14 @@ class DistributedHybrid(_FailureNaming):
                 if self.shard_update:
                     if k >= 2:  # Note [Two reused bucket buffers]
                         self._finish_reduce(works, k - 2)
-                    region = self._ring[k % 2][:self.world * self.part[k]]
+                    region = self._regions[k]  # Note [Collective tensors outlive their work]
                     self._local_sum(region[:e - b], [s[b:e] for s in slots], weights)
                     region[e - b:].zero_()
                     with _collective("reduction of a gradient bucket", self.rank, self._explain):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
                     self.launched_at.append(time.perf_counter())
                 else:
-                    region = self.reduced[b:e]
+                    region = self._regions[k]  # Note [Collective tensors outlive their work]
                     self._local_sum(region, [s[b:e] for s in slots], weights)
                     with _collective("allreduce of a gradient bucket", self.rank, self._explain):
                         works.append(dist.all_reduce(region, group=self.group, async_op=True))
@@ -727,7 +744,8 @@ class DistributedHybrid(_FailureNaming):
             if grad.numel():
                 norm, nonfinite = ops.mean_grad_norm([grad])
                 sq, bad = sq + norm.double().item() ** 2, max(bad, nonfinite.item())
-        summary = torch.tensor([sq, bad], dtype=torch.float64)
+        summary = self._norms  # Note [Collective tensors outlive their work]
+        summary[0], summary[1] = sq, bad
         with _collective("allreduce of the shard norms", self.rank, self._explain):
             dist.all_reduce(summary, group=self.group)
         if not engine.admit_update(summary[1].item() != 0.0 or not math.isfinite(summary[0].item()), [],
@@ -756,10 +774,9 @@ class DistributedHybrid(_FailureNaming):
         for k, part in enumerate(parts):
             if len(pending) == 2:
                 self._unpack_gathered(*pending.popleft(), out, what)
-            mine = self._mine[k % 2][:self.part[k]]
+            mine, region = self._mine_parts[k], self._regions[k]  # Note [Collective tensors outlive their work]
             mine[:part.numel()] = part
             mine[part.numel():].zero_()
-            region = self._ring[k % 2][:self.world * self.part[k]]
             with _collective(f"all-gather of {what}", self.rank, self._explain):
                 pending.append((k, _all_gather_flat(region, mine, group=self.group, async_op=True)))
         while pending:
@@ -878,14 +895,19 @@ def _share_store(engine, group, spans, explain=None) -> None:
     store. A collective; ``explain`` names a rank behind a failure (:meth:`_FailureNaming._explain`)."""
     store = engine.store
     rank = dist.get_rank(group)
+    version = torch.tensor([float(engine.version)], dtype=torch.float64)
+    scaler = torch.tensor([engine.scaler.scale, float(engine.scaler.growth_tracker)], dtype=torch.float64) \
+        if engine.scaler is not None else None
+    views = [(flat[lo:hi], src) for flat in (store.param, store.exp_avg, store.exp_avg_sq, store.max_exp_avg_sq)
+             if flat is not None for src, lo, hi in spans]
+    # Note [Collective tensors outlive their work] (pipeline_distributed.py): the engine keeps what this call hands
+    # to the collectives until its next call
+    engine._shared_for_collectives = (views, version, scaler)
     with _collective("broadcast of the async store", rank, explain):
-        for flat in (store.param, store.exp_avg, store.exp_avg_sq, store.max_exp_avg_sq):
-            for src, lo, hi in spans if flat is not None else ():
-                dist.broadcast(flat[lo:hi], src=dist.get_global_rank(group, src), group=group)
-        version = torch.tensor([float(engine.version)], dtype=torch.float64)
+        for view, src in views:
+            dist.broadcast(view, src=dist.get_global_rank(group, src), group=group)
         dist.broadcast(version, src=dist.get_global_rank(group, 0), group=group)
-        if engine.scaler is not None:  # rank 0's decides (Note [Loss scaling]); the same options on every rank
-            scaler = torch.tensor([engine.scaler.scale, float(engine.scaler.growth_tracker)], dtype=torch.float64)
+        if scaler is not None:  # rank 0's decides (Note [Loss scaling]); the same options on every rank
             dist.broadcast(scaler, src=dist.get_global_rank(group, 0), group=group)
     engine.version = int(version.item())
     if engine.scaler is not None:

@@ -232,6 +232,7 @@ class Engine:
                    else None)
             for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
+        self._shared_for_collectives = None  # distributed._share_store's tensors (multi-node async)
         # The store's mutex: async pulls and pushes hold it, and so do the readers of the state (state_dict, stats)
         # and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while async
         # workers run] in asynchronous.py).

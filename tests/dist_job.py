@@ -88,6 +88,40 @@ def hybrid(seed, rank, world):
     return out
 
 
+def kept_tensors(seed, rank, world):
+    """Note [Collective tensors outlive their work]: every tensor object a hybrid step (replicated; sharded, with
+    its update's all-gathers) hands to a collective is still alive after the step, kept by the engine (gc is off:
+    only references keep it). Returns, per kind, how many were handed over and how many of them are gone."""
+    import torch.distributed as dist
+
+    handed = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            handed.extend(weakref.ref(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            return fn(*args, **kwargs)
+        return call
+
+    patched = {(dist, name): getattr(dist, name) for name in ("all_reduce", "broadcast")}
+    patched[(distributed, "_all_gather_flat")] = distributed._all_gather_flat
+    for (module, name), fn in patched.items():
+        setattr(module, name, recording(fn))
+    out = {}
+    try:
+        batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
+        for name, shard in (("replicated", False), ("sharded", True)):
+            with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
+                                 pin=False, bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
+                handed.clear()
+                for b in batches:
+                    engine.step(b)
+                out[name] = dict(handed=len(handed), gone=sum(ref() is None for ref in handed))
+    finally:
+        for (module, name), fn in patched.items():
+            setattr(module, name, fn)
+    return out
+
+
 FP16 = dict(steps=12, batch=26, poisoned=6, scaler=dict(init_scale=2.0 ** 24, growth_interval=3))
 
 
@@ -669,6 +703,7 @@ def main():
                     for k in (1, 2)},
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
+                 "kept-tensors": kept_tensors,
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
                  "overlap": overlap, "bad-local-batch": bad_local_batch, "mismatch": mismatch, "dropout-resume": dropout_resume,
                  "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,
