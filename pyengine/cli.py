@@ -1005,7 +1005,10 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
 
             from .distributed import _collective
 
-            flag = torch.tensor([1.0 if stop.requested else 0.0])
+            # one tensor for every agreement, kept by this run: Note [Collective tensors outlive their work] (a
+            # temporary freed on gloo's thread can abort the process at exit, right after the last agreement)
+            flag = state.setdefault("stop_flag", torch.zeros(1))
+            flag.fill_(1.0 if stop.requested else 0.0)
             late = None
             if saved and not primary:  # this rank cannot tell a slow write from a dead rank 0
                 late = (f"rank 0 wrote the checkpoint of step {state['step']} before it: a write longer than the "
