@@ -908,8 +908,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
 
         # a --mode all sub-run saves the trace path it writes (t-<mode>.json): Note [Where a resumed run writes
         # its trace]
-        own_trace = _saved_trace(_trace_path(cfg["trace"], mode, cfg["mode"] == "all"),
-                                 out.parent if cfg["mode"] == "all" else out)
+        own_trace = _saved_trace(_trace_path(cfg["trace"], mode, cfg["mode"] == "all"), out)
 
         def save_checkpoint(prune: bool = True) -> Path:
             """Saves this step (rank 0; the others only note rank 0's path) and, with ``prune``, keeps the newest
