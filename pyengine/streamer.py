@@ -398,7 +398,11 @@ class GradientStreamer:
                 self._begin_backward(queue_end=False)
             finish = self._in_backward
         if finish:
-            self._end_backward()
+            try:
+                self._end_backward()
+            except BaseException:  # unused="error" for a pass that reached no parameter: as a failed backward
+                self.reset()
+                raise
 
     def accumulate(self, n: int) -> "GradientStreamer":
         """Copy gradients after every ``n``-th backward pass (gradient accumulation; ``param.grad`` accumulates as

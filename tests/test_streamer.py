@@ -580,7 +580,14 @@ def test_backward_reaching_no_parameter_ends_the_pass():
         with pytest.raises(RuntimeError, match=r"received no gradient"):
             with streamer.backward_pass():
                 torch.zeros((), requires_grad=True).backward()
+        # a failed pass, as when some parameters got no gradient: reset, so no wait returns on its buckets (the
+        # next step's waits returned at once on this one's zeros)
+        assert not streamer.wait(0, timeout=0)
+        model.zero_grad()
+        with streamer.backward_pass():
+            model(batch()).backward()
         streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
 
 
 @pytest.mark.parametrize("unused,error", [("zero", None), ("error", "received no gradient")])
