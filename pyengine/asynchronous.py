@@ -65,11 +65,15 @@ class _BatchSource:
                         self._done = True
                     else:
                         self._it, self._fresh = iter(self._batches), True
+                except Exception as exc:  # the iterable's own error: fit raises it as itself
+                    self._done = True
+                    raise _AsItself(exc) from exc
         return list(range(first, first + len(out))), out
 
 
-class _CallbackError(Exception):
-    """A callback's error, carried out of a worker's loop so that fit raises it as itself."""
+class _AsItself(Exception):
+    """An error that is not the worker's (a callback's, or the ``batches`` iterable's), carried out of a worker's
+    loop so that fit raises it as itself, as sync and hybrid do."""
 
     def __init__(self, error: BaseException):
         super().__init__(str(error))
@@ -127,13 +131,16 @@ def _raise_first(engine, errors: list) -> None:
     the list is emptied and the exception kept in this frame only, or they would be a cycle through the engine."""
     index, exc, own_thread = errors[0]
     errors.clear()
-    if isinstance(exc, _CallbackError):
-        raise exc.error
-    if not own_thread and not isinstance(exc, Exception):  # Ctrl-C on the calling thread: as itself
-        raise exc
-    if engine._closed:  # close() from a callback: the other workers' transfers were shut under them
-        raise _closed_during_fit() from exc
-    raise WorkerError(index, engine.devices[index], exc) from exc
+    try:
+        if isinstance(exc, _AsItself):
+            raise exc.error
+        if not own_thread and not isinstance(exc, Exception):  # Ctrl-C on the calling thread: as itself
+            raise exc
+        if engine._closed:  # close() from a callback: the other workers' transfers were shut under them
+            raise _closed_during_fit() from exc
+        raise WorkerError(index, engine.devices[index], exc) from exc
+    finally:  # this frame is in the raised error's traceback: it must not hold the error (a cycle)
+        exc = None
 
 
 def _end(engine, run) -> None:
@@ -184,7 +191,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             for callback in callbacks:
                 callback(engine, metrics)
         except BaseException as exc:  # noqa: BLE001 - re-raised by fit as itself
-            raise _CallbackError(exc) from exc
+            raise _AsItself(exc) from exc
         if engine.stop_requested or (steps is not None and engine.stats()["pushes"] - pushes_before >= steps):
             stop.set()
 
@@ -231,34 +238,43 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                         loss, compute, wait, _ = worker.compute(engine.loss_fn, minibatches, loss_scale=scale)
                     # Note [Ctrl-C inside a step]: a push is applied whole (the lone CPU worker runs here, on the
                     # calling thread, where Ctrl-C lands)
-                    with engine.mutex, deferred_interrupt("an async push", engine._abandon):
-                        # stopped (by this run or engine.stop() from any thread) or closed: the computation is
-                        # discarded
-                        if stop.is_set() or engine.stop_requested or engine._closed:
-                            unpushed(saved)
-                            return
-                        with engine.phase("push", worker.index):
-                            raised = engine._counters["raised_steps"]
-                            try:
-                                metrics = push(worker, pulled, scale, loss, samples, compute, wait, copied,
-                                               ordinals)
-                            except FloatingPointError:
-                                if engine._counters["raised_steps"] != raised:  # nonfinite="raise": a push counted
+                    with engine.mutex:
+                        try:
+                            with deferred_interrupt("an async push", engine._abandon):
+                                # stopped (by this run or engine.stop() from any thread) or closed: the computation
+                                # is discarded
+                                if stop.is_set() or engine.stop_requested or engine._closed:
+                                    unpushed(saved)
+                                    return
+                                with engine.phase("push", worker.index):
+                                    raised = engine._counters["raised_steps"]
+                                    try:
+                                        metrics = push(worker, pulled, scale, loss, samples, compute, wait, copied,
+                                                       ordinals)
+                                    except FloatingPointError:
+                                        if engine._counters["raised_steps"] != raised:  # nonfinite="raise": counted
+                                            saved = None
+                                            pushed(worker)
+                                        raise
+                                if metrics is not None:
                                     saved = None
                                     pushed(worker)
-                                raise
-                        if metrics is not None:
-                            saved = None
-                            pushed(worker)
-                            called_back(metrics)
-                            break
-                        unpushed(saved)  # a refresh: the same mini-batches are computed again
+                                    called_back(metrics)
+                                    break
+                                unpushed(saved)  # a refresh: the same mini-batches are computed again
+                        except BaseException:
+                            # Note [The push that ends a run]: the run stops before the mutex is released, so no
+                            # other worker's push is applied after this one's error (a callback's, a non-finite
+                            # gradient raised, a Ctrl-C held until the push was whole); set after the mutex, a
+                            # waiting worker took it in between and applied one more push (1 run in 3, 2 workers)
+                            stop.set()
+                            raise
                     pulled, scale, copied, _, saved = pull(worker)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
+            stop.set()  # first: no other worker's push is applied once this one failed
             with engine.mutex:
                 unpushed(saved)
             errors.append((worker.index, exc, own_thread))
-            stop.set()
         finally:
             if own_thread:  # a thread started after this one ended may get its id (close() compares ids)
                 run.threads.discard(ident)

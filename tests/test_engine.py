@@ -1109,6 +1109,65 @@ def test_the_steps_after_a_failed_one_draw_as_if_it_had_never_been_tried(rng, mo
     assert all(torch.equal(weights[k], clean[k]) for k in clean)
 
 
+def test_no_push_is_applied_after_the_one_whose_callback_raised(rng):
+    """Note [The push that ends a run]: the run stopped only after the failing push released the mutex, and the
+    other worker, waiting on it, applied one more push (and the callbacks ran again): 1 run in 3 here. Several runs,
+    so that the old order fails almost surely."""
+    batches = make_batches(rng, 20, 8)
+    for _ in range(5):
+        seen = []
+
+        def refuse_third(engine, metrics):
+            seen.append(engine.stats()["pushes"])
+            if seen[-1] == 3:
+                time.sleep(0.05)  # the other worker finishes its computation and waits on the mutex
+                raise RuntimeError("the callback says stop")
+
+        with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT)) as engine:
+            with pytest.raises(RuntimeError, match="the callback says stop"):
+                engine.fit(batches, callbacks=[refuse_third])
+            assert (engine.stats()["pushes"], engine.version, seen) == (3, 3, [1, 2, 3])
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 1), ("async", 1), ("async", 2)])
+def test_an_error_of_the_batches_iterable_is_raised_as_itself(rng, mode, workers):
+    """A data loader's error ends fit as itself in every mode (async wrapped it in a WorkerError naming the worker
+    that happened to ask for the next batch: an ``except OSError`` missed it); the batches before it trained."""
+    batches = make_batches(rng, 6, 8)
+
+    def loader():
+        for i, b in enumerate(batches):
+            if i == 3:
+                raise OSError("corrupt shard file")
+            yield b
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        with pytest.raises(OSError, match="corrupt shard file"):
+            engine.fit(loader())
+        # async with 2 workers: the other's computation in flight when the loader failed may be discarded
+        assert engine.version == 3 if (mode, workers) != ("async", 2) else engine.version in (2, 3)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_async_engine_whose_callback_raised_is_freed_by_reference_counting(rng, workers):
+    """The raised callback error's traceback held the frame that held it (fit's own frame): a cycle through the
+    engine, freed only by the garbage collector (Note [A task's exception and its callers' frames])."""
+    def refuse(engine, metrics):
+        raise RuntimeError("the callback says stop")
+
+    gc.disable()
+    try:
+        engine = Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", pin=False)
+        with pytest.raises(RuntimeError, match="the callback says stop"):
+            engine.fit(make_batches(rng, 4, 8), callbacks=[refuse])
+        engine.close()
+        refs = weakref.ref(engine), weakref.ref(engine.store)
+        del engine
+        assert [r() is None for r in refs] == [True, True]
+    finally:
+        gc.enable()
+
+
 Pair = collections.namedtuple("Pair", ["x", "y"])
 
 
