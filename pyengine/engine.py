@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 import warnings
@@ -571,7 +572,16 @@ class Engine:
                 raise ValueError(f"buffer {name!r}: expected {current[name].dtype} {tuple(current[name].shape)}; got "
                                  f"{_describe(value)}")
         differing = self._optimizer_differences(sd.get("optimizer_config"))
-        step = self.optimizer.check_torch_state_dict(self.store, sd["optimizer"], self.param_names)
+        # The state's torch indices follow the groups of the optimizer that saved it: read with its no_decay, so
+        # that each parameter gets its own moments when no_decay changed (they went to the parameters the new
+        # groups put at those indices)
+        saved_layout = self.optimizer
+        if isinstance(sd.get("optimizer_config"), dict):
+            try:
+                saved_layout = dataclasses.replace(self.optimizer, no_decay=sd["optimizer_config"]["no_decay"])
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"the state's optimizer_config: {exc}") from None
+        step = saved_layout.check_torch_state_dict(self.store, sd["optimizer"], self.param_names)
         version = sd["version"]
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"the state's version must be an int >= 0; got {version!r}")
@@ -612,7 +622,7 @@ class Engine:
             for buffer in (self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq):
                 if buffer is not None:
                     buffer.zero_()
-        self.optimizer.load_torch_state_dict(self.store, sd["optimizer"], self.param_names)
+        saved_layout.load_torch_state_dict(self.store, sd["optimizer"], self.param_names)
         with torch.no_grad():  # values that require grad (a model's parameters, say) must not tie the store to autograd
             for name, value in master.items():
                 views[name].copy_(value.detach())

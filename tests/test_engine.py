@@ -210,8 +210,9 @@ def test_no_decay_equals_torch_param_groups(rng, mode, workers, options, worker_
 
 
 def test_no_decay_bad_values_and_a_one_group_state(rng):
-    """Bad no_decay values are TypeErrors; the state of an engine without no_decay (one param group) does not load
-    into one with it (two groups), and the refused load changes nothing."""
+    """Bad no_decay values are TypeErrors; a state of one param group without the optimizer's config (which says
+    how its groups were made; with it, it loads: test_a_state_loads_each_parameters_moments_when_no_decay_changed)
+    does not load into an engine with two, and the refused load changes nothing."""
     for bad in ("bias", (1,), ("",), None):
         with pytest.raises(TypeError, match="no_decay must be a tuple of non-empty strings"):
             AdamW(no_decay=bad)
@@ -224,7 +225,7 @@ def test_no_decay_bad_values_and_a_one_group_state(rng):
         engine.step(batch)
         before = engine.state_dict()
         with pytest.raises(ValueError, match=r"two groups \(AdamW\(no_decay=...\)"):
-            engine.load_state_dict(one_group)
+            engine.load_state_dict({k: v for k, v in one_group.items() if k != "optimizer_config"})
         swapped = copy.deepcopy(before)  # a torch dict whose second group decays: its groups in the other order
         swapped["optimizer"]["param_groups"][1]["weight_decay"] = 0.01
         with pytest.raises(ValueError, match=r"param_groups\[1\] has weight_decay 0.01; expected 0"):
@@ -1330,6 +1331,29 @@ def test_invalid_state_changes_nothing(rng, what, corrupt, error):
         for index, entry in before["optimizer"]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("saved,loaded", [(("0.bias",), ("2.bias",)), (("bias",), ()), ((), ("weight",))],
+                         ids=["same-sizes", "two-groups-to-one", "one-group-to-two"])
+def test_a_state_loads_each_parameters_moments_when_no_decay_changed(rng, saved, loaded):
+    """The state's torch indices follow the groups of the optimizer that saved it: with another no_decay they were
+    read in the loading engine's order, and two parameters of one shape swapped their moments (only a warning)."""
+    def moments_by_name(engine):
+        state = engine.optimizer_state_dict()["state"]
+        order = [n for names, _ in engine.optimizer.param_groups(engine.param_names) for n in names]
+        return {n: (state[i]["exp_avg"], state[i]["exp_avg_sq"]) for i, n in enumerate(order)}
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))  # equal shapes
+    batch = (torch.randn(8, 4, generator=rng), torch.randint(0, 4, (8,), generator=rng))
+    with Engine(copy.deepcopy(model), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT, no_decay=saved)) as source:
+        source.step(batch)
+        state, expected = source.state_dict(), moments_by_name(source)
+    with Engine(copy.deepcopy(model), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT, no_decay=loaded)) as engine:
+        with pytest.warns(UserWarning, match="no_decay"):
+            engine.load_state_dict(state)
+        got = moments_by_name(engine)
+    for name, (m, v) in expected.items():
+        assert torch.equal(got[name][0], m) and torch.equal(got[name][1], v), name
 
 
 def test_a_state_without_the_models_buffers_is_refused(rng):
