@@ -443,10 +443,15 @@ class Engine:
         """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers.
         Pipeline stages across processes: a collective (Note [Distributed pipeline store])."""
         self._gather_stages()
+        buffers, named = self.buffers_state_dict(), dict(model.named_buffers())
+        wrong = [f"{name!r} (the engine's {tuple(value.shape)}; model: "
+                 f"{tuple(named[name].shape) if name in named else 'none'})"
+                 for name, value in buffers.items() if name not in named or named[name].shape != value.shape]
+        if wrong:  # checked before the weights are written: nothing is written
+            raise ValueError(f"copy_to: the model lacks or reshapes the engine's buffers: {', '.join(wrong)}")
         self.store.copy_to(model)
-        named = dict(model.named_buffers())
         with torch.no_grad():
-            for name, value in self.buffers_state_dict().items():
+            for name, value in buffers.items():
                 named[name].copy_(value)
 
     @_under_mutex
@@ -548,12 +553,12 @@ class Engine:
                    if k not in sd]
         if missing:
             raise ValueError(f"the engine state lacks {missing}")
-        if list(sd["names"]) != list(self.store.names):
+        if not isinstance(sd["names"], (list, tuple)) or list(sd["names"]) != list(self.store.names):
             raise ValueError(f"the state's parameters {sd['names']} do not match this model's {self.store.names}")
         views = self.store.views(self.store.param)
         master = sd["master"]
-        if not isinstance(master, dict) or sorted(master) != sorted(views):
-            found = sorted(master) if isinstance(master, dict) else type(master).__name__
+        if not isinstance(master, dict) or set(master) != set(views):
+            found = sorted(master, key=repr) if isinstance(master, dict) else type(master).__name__
             raise ValueError(f"the state's master weights {found} do not match this model's {sorted(views)}")
         for name, value in master.items():
             if (not _is_dense(value) or tuple(value.shape) != tuple(views[name].shape)
@@ -563,8 +568,9 @@ class Engine:
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
         source = self._replica_buffers(self.buffer_source)  # shapes and dtypes only: no gather (a collective)
         current = {name: source[name] for name in self.buffer_names}
-        if not isinstance(buffers, dict) or ("buffers" in sd and sorted(buffers) != sorted(current)):
-            found = sorted(buffers) if isinstance(buffers, dict) else type(buffers).__name__
+        if not isinstance(buffers, dict) or ("buffers" in sd and set(buffers) != set(current)) or any(
+                name not in current for name in buffers):
+            found = sorted(buffers, key=repr) if isinstance(buffers, dict) else type(buffers).__name__
             raise ValueError(f"the state's buffers {found} do not match this model's {sorted(current)}")
         for name, value in buffers.items():
             if (not _is_dense(value) or tuple(value.shape) != tuple(current[name].shape)

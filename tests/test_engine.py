@@ -1302,6 +1302,8 @@ def _corruptions():
         ("master weight sparse", spoil(("master", "2.weight"), lambda t: t.to_sparse()), r"torch.sparse_coo"),
         ("Adam state sparse", spoil(("optimizer", "state", 3, "exp_avg"), lambda t: t.to_sparse()),
          r"torch.sparse_coo"),
+        ("names not a list", spoil(("names",), 5), "do not match this model's"),
+        ("a master key not a string", spoil(("master", 7), torch.zeros(1)), "master weights"),
         ("no counters", spoil(("counters",), KeyError), "lacks"),
         ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
     ]
@@ -1761,6 +1763,19 @@ def test_sync_buffers_follow_the_batches_like_sequential_training(rng, worker_de
         copied = make_bn_model(seed=5)
         engine.copy_to(copied)
         assert_buffers_match(dict(copied.named_buffers()), reference.model)
+
+
+def test_copy_to_a_model_without_the_engines_buffers_writes_nothing(rng):
+    """copy_to wrote the weights, then raised a bare KeyError on the first buffer the model lacks."""
+    with Engine(make_bn_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.step(make_batches(rng, 1, 8)[0])
+        target = make_bn_model(seed=5)
+        target[1] = torch.nn.BatchNorm1d(24, track_running_stats=False)  # the same parameters, no statistics
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        with pytest.raises(ValueError, match=r"copy_to: the model lacks or reshapes the engine's buffers: "
+                                             r"'1.running_mean' \(the engine's \(24,\); model: none\)"):
+            engine.copy_to(target)
+        assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
 def test_hybrid_buffers_come_from_worker_0_and_resume(rng, worker_device):
