@@ -19,12 +19,14 @@ resumes a single-process engine, a replicated run or a sharded run with another 
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import os
 import re
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -44,7 +46,38 @@ class CheckpointError(ValueError):
 
 
 def path_for(directory, step: int) -> Path:
+    """The file of ``step`` (an int >= 0) in ``directory``."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint: step must be an int >= 0; got {step!r}")  # -1 made a name no listing sees
     return Path(directory) / f"step-{step:08d}{SUFFIX}"
+
+
+# What a payload may hold: what torch.load(weights_only=True) reads back (tensors, numbers, strings, plain
+# containers). A payload of anything else would be written, and then never load.
+_LEAVES = (torch.Tensor, str, bytes, int, float, bool, type(None), torch.dtype, torch.Size, torch.device)
+_CONTAINERS = (dict, list, tuple, collections.OrderedDict, collections.Counter)
+
+
+def _check_payload(value, where: str = "payload") -> None:
+    """ValueError naming the first entry of ``value`` that a checkpoint cannot hold."""
+    if isinstance(value, torch.Tensor):
+        return
+    if type(value) in _LEAVES:
+        return
+    if type(value) in _CONTAINERS:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict):
+                _check_payload(key, f"a key of {where}")
+            _check_payload(item, f"{where}[{key!r}]")
+        return
+    raise ValueError(f"checkpoint: {where} is a {type(value).__qualname__}; a checkpoint holds tensors, numbers, "
+                     "strings and dicts, lists and tuples of them (it is read back with weights_only=True)")
+
+
+# A temporary file older than this is one a writer left when it crashed before its rename; younger ones may be
+# another writer's, still being written (two savers into one folder deleted each other's files).
+STALE_TMP_S = 3600.0
 
 
 def _process_umask() -> int:
@@ -61,15 +94,29 @@ def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
     otherwise an int >= 1, checked before anything is written)."""
     if keep is not None:
         _check_keep(keep, "save")
+    final = path_for(directory, step)
+    if not isinstance(payload, dict):
+        raise ValueError(f"checkpoint.save: payload must be a dict; got {type(payload).__name__}")
+    _check_payload(payload)
     directory = Path(directory)
+    if keep is not None:  # written, then pruned at once: refused before anything is written
+        newer = [p for p in list_checkpoints(directory) if step_of(p) > step]
+        if len(newer) >= keep:
+            raise ValueError(f"checkpoint.save: step {step} is older than the newest {keep} kept in {directory} "
+                             f"(up to {newer[-1].name}): pruning would delete it at once; save it with keep=None or "
+                             "elsewhere")
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    final = path_for(directory, step)
-    for stale in directory.glob(f".step-*{SUFFIX}.*.tmp"):  # a writer that crashed before its rename (one writer)
-        stale.unlink(missing_ok=True)
+    now = time.time()
+    for stale in directory.glob(f".step-*{SUFFIX}.*.tmp"):  # a writer that crashed before its rename
+        try:
+            if now - stale.stat().st_mtime > STALE_TMP_S:
+                stale.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep the run's other users from resuming it
@@ -97,26 +144,32 @@ def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
 def load(path) -> dict:
     """Reads and validates a checkpoint file; raises :class:`CheckpointError` with the reason."""
     path = Path(path)
-    try:
-        blob = path.read_bytes()
+    try:  # the header, then the payload it announces as one bytes object: one copy of the file in memory (a read
+        # of the whole file, sliced, held two; so did read() of the rest, which grows its buffer to fit)
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + _HEADER.size)
+            data, available = b"", 0
+            if head.startswith(MAGIC) and len(head) == len(MAGIC) + _HEADER.size:
+                available = os.fstat(f.fileno()).st_size - len(head)
+                length = _HEADER.unpack(head[len(MAGIC):])[1]
+                if length <= available:  # a header saying more (truncated, corrupted) reads nothing
+                    data = f.read(length)
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
-    if not blob.startswith(MAGIC):
-        if MAGIC.startswith(blob):
-            raise CheckpointError(f"checkpoint {path} is truncated ({len(blob)} bytes, not even a header)")
+    if not head.startswith(MAGIC):
+        if MAGIC.startswith(head):
+            raise CheckpointError(f"checkpoint {path} is truncated ({len(head)} bytes, not even a header)")
         raise CheckpointError(f"{path} is not a pyengine checkpoint (no {MAGIC[:-1].decode()} header; "
                               "is it a file from another program?)")
-    header = blob[len(MAGIC):len(MAGIC) + _HEADER.size]
-    if len(header) < _HEADER.size:
-        raise CheckpointError(f"checkpoint {path} is truncated ({len(blob)} bytes, header incomplete)")
-    version, length, digest = _HEADER.unpack(header)
+    if len(head) < len(MAGIC) + _HEADER.size:
+        raise CheckpointError(f"checkpoint {path} is truncated ({len(head)} bytes, header incomplete)")
+    version, length, digest = _HEADER.unpack(head[len(MAGIC):])
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}; this pyengine reads version "
                               f"{FORMAT_VERSION}")
-    data = blob[len(MAGIC) + _HEADER.size:]
-    if len(data) != length:
-        what = "truncated" if len(data) < length else "has trailing bytes"
-        raise CheckpointError(f"checkpoint {path} is {what}: payload is {len(data)} bytes, header says {length} "
+    if available != length or len(data) != length:
+        what = "is truncated" if available < length else "has trailing bytes"
+        raise CheckpointError(f"checkpoint {path} {what}: payload is {available} bytes, header says {length} "
                               "(an interrupted copy?)")
     if hashlib.sha256(data).digest() != digest:
         raise CheckpointError(f"checkpoint {path} is corrupted: its SHA-256 does not match the header")

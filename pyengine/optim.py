@@ -231,7 +231,8 @@ class WarmupCosine:
     Linear warmup over the first ``warmup_steps`` updates, ``(step + 1) / warmup_steps``; then 1 when
     ``total_steps`` is None, else a cosine from 1 down to ``min_factor`` that reaches it at ``step ==
     total_steps``, the update after the first ``total_steps`` (the last of ``total_steps`` updates still has a small
-    lr), and keeps it after. A plain class, so it pickles with a checkpoint.
+    lr), and keeps it after. Not part of a checkpoint (a checkpoint holds tensors, numbers and plain containers):
+    give the engine that loads one the same schedule.
     """
 
     warmup_steps: int = 0

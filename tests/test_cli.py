@@ -6,12 +6,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import pyengine
 from pyengine import checkpoint as ckpt
 from pyengine.cli import main
 
@@ -509,6 +511,74 @@ def test_the_first_checkpoint_makes_its_folder_durable(tmp_path, monkeypatch):
     assert synced == [tmp_path / "run" / "checkpoints", tmp_path / "run", tmp_path / "run" / "checkpoints"]
 
 
+@pytest.mark.parametrize("payload,where", [
+    ({"schedule": pyengine.WarmupCosine(warmup_steps=2)}, r"payload\['schedule'\] is a WarmupCosine"),
+    ({"x": {"deep": [1, object()]}}, r"payload\['x'\]\['deep'\]\[1\] is a object"),
+    ([1, 2], r"payload must be a dict; got list"),
+])
+def test_save_refuses_a_payload_that_would_not_load_and_keeps_the_last_good_one(tmp_path, payload, where):
+    """torch.save pickles anything; load reads with weights_only: such a file never loaded, and keep=1 had pruned
+    the good checkpoint before it."""
+    folder = tmp_path / "checkpoints"
+    ckpt.save(folder, 1, {"x": 1})
+    with pytest.raises(ValueError, match=where):
+        ckpt.save(folder, 2, payload, keep=1)
+    assert [p.name for p in folder.iterdir()] == ["step-00000001.pyeckpt"]
+
+
+def test_save_refuses_a_step_it_would_prune_at_once_and_steps_that_name_no_checkpoint(tmp_path):
+    """An older step with keep: written, then deleted by its own prune (the returned path did not exist); a
+    negative step made a name that no listing, latest() or prune() sees."""
+    folder = tmp_path / "checkpoints"
+    ckpt.save(folder, 10, {"x": 10})
+    with pytest.raises(ValueError, match=r"step 5 is older than the newest 1 kept .* pruning would delete it"):
+        ckpt.save(folder, 5, {"x": 5}, keep=1)
+    assert ckpt.save(folder, 5, {"x": 5}, keep=2).exists()  # within the two kept
+    for bad in (-1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match=r"step must be an int >= 0"):
+            ckpt.save(folder, bad, {"x": 0})
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(folder)] == [5, 10]
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def test_two_writers_into_one_folder_keep_each_others_temporary_files(tmp_path):
+    """Each save removed every temporary file it found, another writer's too, just before that one's rename
+    (FileNotFoundError): only those older than STALE_TMP_S (a crashed writer's) are removed now."""
+    folder = tmp_path / "checkpoints"
+    errors = []
+
+    def writer(base):
+        try:
+            for step in range(base, base + 25):
+                ckpt.save(folder, step, {"x": torch.zeros(4096)})
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(base,)) for base in (0, 1000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert len(ckpt.list_checkpoints(folder)) == 50
+
+
+def test_load_holds_one_copy_of_the_file(tmp_path):
+    """load read the whole file, then sliced the payload out of it: two copies of a large checkpoint at once, on
+    top of its tensors. Python allocations measured: the file's bytes once (torch's tensors are not Python's)."""
+    import tracemalloc
+
+    path = ckpt.save(tmp_path, 1, {"x": torch.zeros(5 * 2**20 // 4)})  # 5 MiB
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        ckpt.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5 * size, (peak, size)
+
+
 def test_a_folder_named_like_a_checkpoint_is_not_one(tmp_path):
     """list_checkpoints took a folder named step-*.pyeckpt for the newest checkpoint: prune then failed on it."""
     folder = tmp_path / "checkpoints"
@@ -654,7 +724,10 @@ def finished_run(tmp_path_factory):
     (lambda b: b[:10], "is truncated"),
     (lambda b: b"PK\x03\x04 some zip from another program" + b[40:], "is not a pyengine checkpoint"),
     (lambda b: b[:-100] + bytes(x ^ 0xFF for x in b[-100:]), "is corrupted"),
-], ids=["half", "header", "foreign", "bitflip"])
+    (lambda b: b + b"\0", "has trailing bytes"),
+    # a header whose length field says 2**60 bytes: told from the file's size, nothing that large read
+    (lambda b: b[:len(ckpt.MAGIC) + 4] + (2 ** 60).to_bytes(8, "little") + b[len(ckpt.MAGIC) + 12:], "is truncated"),
+], ids=["half", "header", "foreign", "bitflip", "trailing", "huge-length"])
 def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, damage, message):
     run = tmp_path / "copy"
     (run / "checkpoints").mkdir(parents=True)
@@ -1261,8 +1334,12 @@ def test_stale_temporary_checkpoints_are_removed_and_superseded_ones_not_resumed
     assert train("--steps", "4", "--checkpoint-every", "2", "--quiet", "--out", str(run), *SHORT) == 0
     stale = run / "checkpoints" / ".step-00000006.pyeckpt.abc123.tmp"  # a writer killed before its rename
     stale.write_bytes(b"partial")
+    old = time.time() - ckpt.STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    live = run / "checkpoints" / ".step-00000007.pyeckpt.def456.tmp"  # another writer's, being written
+    live.write_bytes(b"partial")
     assert train("--resume", str(ckpt.path_for(run / "checkpoints", 2)), "--steps", "3", "--quiet") == 0
-    assert not stale.exists()
+    assert not stale.exists() and live.exists()
     [aside] = run.glob("superseded-*")
     assert train("--resume", str(ckpt.path_for(aside, 4)), "--steps", "5", "--quiet") == 2
     assert "set aside" in capsys.readouterr().err
