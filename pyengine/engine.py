@@ -197,7 +197,6 @@ class Engine:
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"seed must be an int; got {seed!r}")
             self.seed = seed
-            torch.manual_seed(seed)
             self.random_modules = _module_classes(random_modules)
             self._worker_rngs: list[WorkerRNG] = []  # the workers' or pipeline stages' own generators (begin_rng_step)
             if self.optimizer.no_decay and shard_update:
@@ -205,6 +204,7 @@ class Engine:
                                  "one weight decay over each rank's ranges; leave out one of them")
             self.scaler: LossScaler | None = make_scaler(loss_scale, autocast)
             grad_dtype = autocast if autocast is not None else torch.float32
+            torch.manual_seed(seed)  # once every option is checked: a refused engine leaves the generator alone
         except Exception as exc:
             distributed.report_failed_config(process_group, exc)
             raise
@@ -998,7 +998,12 @@ class Engine:
         step = max(1, step)
         key = (step, self.lr_schedule, self.optimizer.lr)
         if self._lr[0] != key:
-            self._lr = (key, self.optimizer.lr * check_lr_factor(self.lr_schedule(step - 1), step - 1))
+            factor = self.lr_schedule(step - 1)
+            lr = self.optimizer.lr * check_lr_factor(factor, step - 1)
+            if not lr <= _F32_MAX:  # the kernel's float32 lr: refused here, before the update counts
+                raise ValueError(f"lr_schedule({step - 1}) returned {factor!r}: times the optimizer's lr "
+                                 f"{self.optimizer.lr} that is {lr}, beyond float32's range")
+            self._lr = (key, lr)
         return self._lr[1]
 
     def loss_scale_now(self) -> float | None:
@@ -1110,6 +1115,9 @@ def _samples(schedule) -> list | None:
         except (TypeError, ValueError, RuntimeError):
             values.append(repr(value))
     return values
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _call(fn):

@@ -43,7 +43,10 @@ class AdamW:
         def number(value, name):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"AdamW: {name} must be a number; got {value!r}")
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int past float's range: a value error like inf's
+                raise ValueError(f"AdamW: {name} must be a finite number; got {value!r}") from None
 
         if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
             raise ValueError(f"AdamW: betas must be two numbers in [0, 1); got {self.betas!r}")
@@ -215,7 +218,7 @@ def check_lr_factor(factor, step: int) -> float:
     one) must be a finite number >= 0."""
     try:
         value = None if isinstance(factor, (bool, str, bytes)) else float(factor)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         value = None
     if value is None or not math.isfinite(value) or value < 0:
         raise ValueError(f"lr_schedule({step}) returned {factor!r}; it must return a finite number >= 0 (the factor "

@@ -22,6 +22,7 @@ of our own:
 """
 from __future__ import annotations
 
+import copy
 import math
 import struct
 
@@ -41,16 +42,27 @@ def _f32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _finite(value) -> float | None:
+    """``value`` as a finite float, or None when it is not a finite real number (an int past float's range too:
+    math.isfinite raised OverflowError on 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def _factor(name: str, value, least: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= least:
+    if _finite(value) is None or value <= least:
         raise ValueError(f"LossScaler: {name} must be a finite number > {least}; got {value!r}")
     return value
 
 
 def _positive(name: str, value) -> float:
     """``value`` as a float32 scale: a normal float32 > 0 (a smaller one would divide the gradients by 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            not _F32_TINY <= _f32(value) < math.inf:
+    if _finite(value) is None or not _F32_TINY <= _f32(value) < math.inf:
         raise ValueError(f"LossScaler: {name} must be a normal float32 > 0; got {value!r}")
     return _f32(value)
 
@@ -140,8 +152,7 @@ class LossScaler:
             found = list(sd) if isinstance(sd, dict) else type(sd).__name__
             raise ValueError(f"the state's loss scaler must be {{'scale': float, 'growth_tracker': int}}; got {found}")
         scale, tracker = sd["scale"], sd["growth_tracker"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or \
-                not _F32_TINY <= _f32(scale) < math.inf:
+        if _finite(scale) is None or not _F32_TINY <= _f32(scale) < math.inf:
             raise ValueError(f"the state's loss scale must be a normal float32 > 0; got {scale!r}")
         if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
             raise ValueError(f"the state's loss scaler growth_tracker must be an int >= 0; got {tracker!r}")
@@ -164,8 +175,8 @@ def make_scaler(loss_scale, autocast) -> LossScaler | None:
         return LossScaler() if autocast is torch.float16 else None
     if loss_scale is None:
         return None
-    if isinstance(loss_scale, LossScaler):
-        return loss_scale
+    if isinstance(loss_scale, LossScaler):  # a copy: the engine's scale moves, the object given is configuration
+        return copy.deepcopy(loss_scale)  # (shared, two engines moved one scale, and a third started from it)
     if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return LossScaler()
     if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):

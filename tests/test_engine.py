@@ -292,7 +292,7 @@ def test_lr_schedule_counts_applied_updates_and_reaches_a_state_dict_reload(rng)
         assert resumed.step(batches[4])["lr"] == pytest.approx(OPT["lr"] / 5, rel=1e-15)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), "0.1", None, True])
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), "0.1", None, True, 10 ** 400, 1e308])
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline", "async"])
 def test_lr_schedule_bad_value_raises_before_anything_changes(rng, bad, mode):
     """A schedule value that is not a finite number >= 0 is a ValueError naming the step and the value (async: the
@@ -308,8 +308,11 @@ def test_lr_schedule_bad_value_raises_before_anything_changes(rng, bad, mode):
 
         step(batches[0])
         before, stats = engine.state_dict(), engine.stats()
+        # 10**400: an OverflowError; 1e308: finite, but times the lr past float32's range (the update counted, then
+        # the kernel refused the lr)
+        what = "beyond float32's range" if bad == 1e308 else "finite number >= 0"
         expected = (WorkerError, r"ValueError: lr_schedule\(1\) returned") if mode == "async" else \
-            (ValueError, r"lr_schedule\(1\) returned .*finite number >= 0")
+            (ValueError, rf"lr_schedule\(1\) returned .*{what}")
         with pytest.raises(expected[0], match=expected[1]) as raised:
             step(batches[1])
         if mode == "async":

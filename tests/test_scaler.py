@@ -308,10 +308,40 @@ def test_async_workers_that_overflow_together_back_off_once_each_scale(rng):
     (dict(loss_scale="sometimes"), "loss_scale must be"), (dict(loss_scale=0.0), "static loss_scale"),
     (dict(loss_scale=math.inf), "loss_scale"), (dict(loss_scale=True), "loss_scale must be"),
     (dict(loss_scale=1e-50), "normal float32"), (dict(loss_scale=1e39), "normal float32"),
+    (dict(loss_scale=10 ** 400), "normal float32"),  # an int past float's range: was an OverflowError
 ])
 def test_bad_loss_scale_options(kwargs, error):
+    """A ValueError, and torch's generator as it was (the engine seeded it before this check)."""
+    model = make_model()
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
     with pytest.raises(ValueError, match=error):
-        Engine(make_model(), loss_fn, devices=["cpu"], autocast=F16, **kwargs)
+        Engine(model, loss_fn, devices=["cpu"], autocast=F16, seed=7, **kwargs)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_engines_given_one_loss_scaler_each_keep_their_own_scale(rng):
+    """The LossScaler given is configuration: each engine scales with its own copy (one object was shared: an
+    overflow in one engine halved the other's scale, and an engine built later started from it)."""
+    given = LossScaler(init_scale=2.0 ** 24, growth_interval=3)
+    x, y = make_batches(rng, 1, 8)[0]
+    x[0, 0] = 1e6  # overflows float16
+    with Engine(make_model(), loss_fn, devices=["cpu"], mode="sync", autocast=F16, loss_scale=given) as a, \
+            Engine(make_model(), loss_fn, devices=["cpu"], mode="sync", autocast=F16, loss_scale=given) as b:
+        a.step((x, y))
+        assert (a.scaler.scale, b.scaler.scale, given.scale) == (2.0 ** 23, 2.0 ** 24, 2.0 ** 24)
+        with Engine(make_model(), loss_fn, devices=["cpu"], mode="sync", autocast=F16, loss_scale=given) as c:
+            assert c.scaler.scale == 2.0 ** 24
+
+
+def test_numbers_past_floats_range_are_value_errors():
+    """10**400 (an int) raised OverflowError from the checks meant to say ValueError."""
+    with pytest.raises(ValueError, match="init_scale must be a normal float32"):
+        LossScaler(init_scale=10 ** 400)
+    with pytest.raises(ValueError, match="loss scale must be a normal float32"):
+        LossScaler().load_state_dict({"scale": 10 ** 400, "growth_tracker": 0})
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        AdamW(lr=10 ** 400)
 
 
 @pytest.mark.parametrize("kwargs,error", [
