@@ -13,7 +13,11 @@ def step_metrics(engine: Engine, *, loss: float, samples: int, wall: float, comp
     staleness damping not included), None when the step was skipped. ``loss_scale``: the scale the step computed
     with, reported when the engine scales the loss."""
     lr = engine.lr_at(engine.version if lr_step is None else lr_step) if applied else None
-    return dict(step=len(engine.history) + 1, version=engine.version, loss=loss, samples=samples, lr=lr,
+    # step: the steps (async: pushes) the engine has counted, this one included, as stats() counts them (the
+    # length of history was not: a step raised for a non-finite gradient is counted and not recorded, and
+    # load_state_dict restores the counts, not the history)
+    step = engine._counters["pushes" if engine.mode == "async" else "steps"]
+    return dict(step=step, version=engine.version, loss=loss, samples=samples, lr=lr,
                 samples_per_s=samples / wall if wall > 0 else math.inf, wall_s=wall, compute_s=compute,
                 transfer_wait_s=transfer_wait, update_s=update, copy_back_s=copy_back,
                 overlap_efficiency=min(1.0, (compute + update) / wall) if wall > 0 else 1.0, applied=applied,

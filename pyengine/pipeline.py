@@ -583,6 +583,7 @@ class Pipeline:
             with self._autocast(device):
                 times = measure_layer_times([layer for _, layer in self.layers], inputs[0][0], device=device)
             self._build(partition(times, self.num_stages))
+        built = time.perf_counter()  # the copy back's window starts here: not the first step's layer timing
         buffers = self._save_buffers()  # Note [Stopping a failed pipeline]: restored if the step fails
         stop, failures, futures = threading.Event(), [], {}
         try:
@@ -622,7 +623,7 @@ class Pipeline:
         with engine.phase("update"):
             applied = engine.apply_update(list(range(self.replicas)), weights, loss_scale=scale)
         end = time.perf_counter()
-        return self._metrics(results, shard_sizes, start, pulled, schedule_end, updated, end, applied, scale)
+        return self._metrics(results, shard_sizes, start, built, pulled, schedule_end, updated, end, applied, scale)
 
     def _save_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(buffer, a copy of it) for every buffer of every stage (Note [Stopping a failed pipeline]). On CUDA the
@@ -759,7 +760,8 @@ class Pipeline:
                              f"loss over the micro-batch); got {shape}")
         return loss
 
-    def _metrics(self, results, shard_sizes, start, pulled, schedule_end, updated, end, applied, scale) -> dict:
+    def _metrics(self, results, shard_sizes, start, built, pulled, schedule_end, updated, end, applied,
+                 scale) -> dict:
         S, R, M = self.num_stages, self.replicas, self.microbatches
         wall = schedule_end - pulled
         busy = [[results[(s, r)]["busy"] for r in range(R)] for s in range(S)]
@@ -768,7 +770,7 @@ class Pipeline:
         return step_metrics(
             self.engine, loss=loss / total, samples=total, wall=end - start,
             compute=max(max(row) for row in busy), update=end - updated,
-            transfer_wait=max(res["pushed"] for res in results.values()), copy_back=pulled - start, applied=applied,
+            transfer_wait=max(res["pushed"] for res in results.values()), copy_back=pulled - built, applied=applied,
             loss_scale=scale,
             stages=S, replicas=R, microbatches=M, schedule=self.schedule, stage_sizes=list(self.sizes),
             schedule_s=wall, stage_busy_s=[sum(row) / R for row in busy],

@@ -5,6 +5,7 @@ import copy
 import gc
 import json
 import os
+import statistics
 import threading
 import time
 import warnings
@@ -1170,6 +1171,35 @@ def test_an_async_engine_whose_callback_raised_is_freed_by_reference_counting(rn
         assert [r() is None for r in refs] == [True, True]
     finally:
         gc.enable()
+
+
+def test_an_async_push_wall_counts_its_waits_for_the_store(rng):
+    """A push's wall was the sum of its parts: the wait for the store's mutex (here: the other worker's callbacks,
+    30 ms each) was left out, and samples/s was many times the real rate."""
+    def slow_callback(engine, metrics):
+        time.sleep(0.03)
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT)) as engine:
+        metrics = engine.fit(make_batches(rng, 12, 8), callbacks=[slow_callback])
+    walls = [m["wall_s"] for m in metrics]
+    assert statistics.median(walls) >= 0.02, walls  # most pushes waited for a callback of the other worker
+
+
+def test_the_metrics_step_is_the_step_count_of_stats(rng):
+    """step was the position in history: a step raised for a non-finite gradient is counted and not recorded, and
+    load_state_dict restores the counts, not the history."""
+    batches = make_batches(rng, 4, 8)
+    poisoned = (batches[1][0].clone(), batches[1][1])
+    poisoned[0][0, 0] = float("nan")
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), nonfinite="raise") as engine:
+        assert engine.step(batches[0])["step"] == 1
+        with pytest.raises(FloatingPointError):
+            engine.step(poisoned)
+        assert engine.step(batches[2])["step"] == engine.stats()["steps"] == 3
+        state = engine.state_dict()
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.step(batches[3])["step"] == 4
 
 
 Pair = collections.namedtuple("Pair", ["x", "y"])

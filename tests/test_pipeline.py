@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pyengine import AdamW, Engine, LossScaler, StageError
-from pyengine import pipeline_distributed
+from pyengine import pipeline as pipeline_module, pipeline_distributed
 from pyengine.pipeline import partition, schedule_actions, split_layers
 
 from conftest import loss_fn, make_batches
@@ -161,6 +161,20 @@ def test_list_of_layers_and_resume(rng, worker_device):
     assert sorted(got) == sorted(expected)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+def test_the_first_steps_copy_back_leaves_out_the_layer_timing_of_balance_time(rng, monkeypatch):
+    """balance="time" times the layers in the first step: that was counted as the step's copy back."""
+    timing = pipeline_module.measure_layer_times
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return timing(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module, "measure_layer_times", slow)
+    with pipeline(make_model(), ["cpu"] * 2, microbatches=2, balance="time") as engine:
+        first = engine.step(make_batches(rng, 1, 8)[0])
+    assert first["wall_s"] >= 0.3 and first["copy_back_s"] < 0.15, first
 
 
 @pytest.mark.parametrize("kind", ["buffer", "parameter"])
