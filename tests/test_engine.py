@@ -1540,22 +1540,32 @@ def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng):
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("the test runner handles SIGINT itself")
 
-    def slower_loss(model, batch):
-        time.sleep(1.0)
+    release = threading.Event()  # the workers' computations end only once fit has handled both signals
+
+    def held_loss(model, batch):
+        release.wait(60)
         return loss_fn(model, batch)
 
-    engine = Engine(make_model(), slower_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT), pin=False)
+    engine = Engine(make_model(), held_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT), pin=False)
 
     def interrupt_twice():
         # the first once the workers compute, the second once fit handles the first (two signals the main thread
-        # has not run between would count as one)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(t.name == "pyengine-async-1" for t in threading.enumerate()):
-            time.sleep(0.005)
-        os.kill(os.getpid(), signal.SIGINT)
-        while time.monotonic() < deadline and not (engine._async_run is not None and engine._async_run.stop.is_set()):
-            time.sleep(0.001)
-        os.kill(os.getpid(), signal.SIGINT)
+        # has not run between would count as one); the workers are held until fit gave the engine up (with a
+        # computation of a fixed length, a loaded machine let them finish before the second signal came)
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline and not any(t.name == "pyengine-async-1"
+                                                          for t in threading.enumerate()):
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGINT)
+            while time.monotonic() < deadline and not (engine._async_run is not None
+                                                       and engine._async_run.stop.is_set()):
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
+            while time.monotonic() < deadline and not engine._abandoned:
+                time.sleep(0.001)
+        finally:
+            release.set()
 
     controller = threading.Thread(target=interrupt_twice)
     controller.start()
@@ -1565,7 +1575,11 @@ def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng):
     with pytest.raises(RuntimeError, match="abandoned by a second Ctrl-C"):
         engine.fit(make_batches(rng, 2, 8))
     engine.close()
+    # close() returned once every worker had set its done event, its last act; the threads then end
+    for thread in [t for t in threading.enumerate() if t.name.startswith("pyengine-async")]:
+        thread.join(10)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async")]
+    assert engine.stats()["pushes"] == 0  # the computations in flight at the first Ctrl-C were not pushed
 
 
 def _new_thread_count() -> int:
