@@ -115,10 +115,17 @@ def stage_inputs(modules, microbatch: torch.Tensor, device: torch.device, contex
             with context(device):
                 x = functional_call(module, state, (x,))
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"stage {s}'s output is a {type(x).__name__}, not one tensor")
+                raise _StageOutputError(f"stage {s}'s output is a {type(x).__name__}; a stage before the last must "
+                                        "return one floating-point tensor (it travels to the next stage's process)")
             inputs.append(x)
-    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
-            for t in inputs]
+    # contiguous: what travels between the processes (gloo sends contiguous tensors only; the stages' outputs are
+    # made so, Note [Activations travel contiguous])
+    return [torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad) for t in inputs]
+
+
+class _StageOutputError(TypeError):
+    """A stage before the last returns something other than one tensor: the model's error, the same on every rank
+    (each computes every stage's metadata), raised by every rank rather than taken for a failure to infer shapes."""
 
 
 def _batch_problem(inputs, targets) -> str | None:
@@ -274,9 +281,12 @@ class _PipelinedLayers(torch.nn.Module):
             return x.view_as(x)
         try:
             with self.context(x.device):
-                return self.layers(x)
+                out = self.layers(x)
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise self.failure(exc) from exc
+        # Note [Activations travel contiguous]: gloo sends and receives contiguous tensors only; a transposed
+        # output failed the exchange on both ranks, each naming the other (the in-process pipeline trains it)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
 
 
 def batch_checksum(t: torch.Tensor) -> float:
@@ -588,6 +598,8 @@ class DistributedPipeline(_FailureNaming):
         microbatch = torch.tensor_split(inputs, self.microbatches)[0]
         try:
             metas = stage_inputs(self._split, microbatch, self.device, self._wrapped.context)
+        except _StageOutputError as exc:  # the model's error, on every rank: not a shape the fake forward missed
+            raise ValueError(f"mode='pipeline' across processes: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the same on every rank: each computes every stage's metadata
             warnings.warn(f"pyengine: the pipeline stages' input and output shapes for inputs of shape "
                           f"{tuple(inputs.shape)} could not be computed on fake tensors ({type(exc).__name__}: "
@@ -673,6 +685,12 @@ class DistributedPipeline(_FailureNaming):
             with engine.phase("update"):
                 applied, loss_sum, bubble, wall = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
                                                                scheduled - began, self._scale)
+        except FloatingPointError:
+            # nonfinite="raise" (Engine.admit_update): every rank took this decision from the same all-reduced
+            # flag, after the update's collectives, so the group is still in step: no rank failed, the engine stays
+            # usable, as in one process and in multi-node hybrid (it was taken for a failed rank: every later step
+            # refused)
+            raise
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc

@@ -1172,6 +1172,79 @@ def _batch_kinds_worker(rank, world, init_file, out_dir):
         dist.destroy_process_group()
 
 
+class _Transposed(torch.nn.Module):
+    """A stage output that is not contiguous: (N, 4, 3) -> a transposed (N, 3, 4) view."""
+
+    def forward(self, x):
+        return x.view(x.shape[0], 4, 3).transpose(1, 2)
+
+
+class _Pair(torch.nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def _transposed_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 12), _Transposed(), torch.nn.Flatten(), torch.nn.Linear(12, 3))
+
+
+def _stage_kinds_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        batches = make_batches(torch.Generator().manual_seed(5), 4, 12)
+        poisoned = (batches[1][0].clone(), batches[1][1])
+        poisoned[0][0, 0] = float("nan")
+        out = {}
+        with Engine(_transposed_model(), loss_fn, devices=["cpu"], mode="pipeline", microbatches=2, pin=False,
+                    optimizer=AdamW(**OPT), nonfinite="raise", balance=[2, 2]) as engine:
+            out["losses"] = [engine.step(batches[0])["loss"]]
+            try:
+                engine.step(poisoned)
+            except FloatingPointError as error:
+                out["raised"] = str(error)
+            out["losses"] += [engine.step(b)["loss"] for b in batches[2:]]  # the group is still usable
+            out["master"] = engine.master_state_dict()
+        model = torch.nn.Sequential(torch.nn.Linear(10, 12), _Pair(), torch.nn.Linear(12, 3))
+        try:
+            with Engine(model, loss_fn, devices=["cpu"], mode="pipeline", microbatches=2, pin=False,
+                        balance=[2, 1]) as engine:
+                engine.step(batches[0])
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            out["tuple"] = f"{type(error).__name__}: {error}"
+        torch.save(out, f"{out_dir}/stage-kinds-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_stage_outputs_and_a_raised_nonfinite_step_across_processes(tmp_path):
+    """Across processes: a stage whose output is not contiguous trains as in process (gloo refused it on both
+    ranks, each naming the other); nonfinite="raise" raises FloatingPointError on every rank and the engine goes on
+    (it was taken for a failed rank: every later step refused); a stage returning a tuple is one ValueError naming
+    it on every rank (a TypeError from inside torch's schedule, blaming the other rank)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_stage_kinds_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    batches = make_batches(torch.Generator().manual_seed(5), 4, 12)
+    poisoned = (batches[1][0].clone(), batches[1][1])
+    poisoned[0][0, 0] = float("nan")
+    with Engine(_transposed_model(), loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2, microbatches=2,
+                optimizer=AdamW(**OPT), nonfinite="raise", balance=[2, 2], pin=False) as local:
+        losses = [local.step(batches[0])["loss"]]
+        with pytest.raises(FloatingPointError):
+            local.step(poisoned)
+        losses += [local.step(b)["loss"] for b in batches[2:]]
+        master = local.master_state_dict()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"stage-kinds-{rank}.pt", weights_only=False)
+        assert "non-finite" in got["raised"], got
+        assert got["losses"] == pytest.approx(losses, rel=1e-6)
+        for name, value in master.items():
+            torch.testing.assert_close(got["master"][name], value, rtol=1e-6, atol=1e-7)
+        assert got["tuple"].startswith("ValueError: mode='pipeline' across processes: stage 0's output is a tuple"), got
+
+
 def _energy(model, batch):
     """A loss that needs no targets: (inputs, None) batches."""
     x, targets = batch
