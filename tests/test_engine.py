@@ -1160,11 +1160,19 @@ def test_an_async_engine_whose_callback_raised_is_freed_by_reference_counting(rn
     def refuse(engine, metrics):
         raise RuntimeError("the callback says stop")
 
+    assert_freed_after(lambda: Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", pin=False),
+                       lambda engine: engine.fit(make_batches(rng, 4, 8), callbacks=[refuse]), RuntimeError,
+                       "the callback says stop")
+
+
+def assert_freed_after(build, fail, error, match):
+    """The engine ``build()`` makes, after ``fail(engine)`` raised ``error`` and close(), is freed with its store by
+    reference counting alone (the garbage collector off)."""
     gc.disable()
     try:
-        engine = Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", pin=False)
-        with pytest.raises(RuntimeError, match="the callback says stop"):
-            engine.fit(make_batches(rng, 4, 8), callbacks=[refuse])
+        engine = build()
+        with pytest.raises(error, match=match):
+            fail(engine)
         engine.close()
         refs = weakref.ref(engine), weakref.ref(engine.store)
         del engine
@@ -1653,18 +1661,10 @@ def test_an_engine_whose_step_failed_is_freed_by_reference_counting(rng, mode, w
     def failing(model, batch):
         raise RuntimeError("injected")
 
-    gc.disable()
-    try:
-        options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
-        engine = Engine(make_model(), failing, devices=["cpu"] * workers, mode=mode, pin=False, **options)
-        with pytest.raises((WorkerError, pyengine.StageError), match="injected"):
-            engine.fit(make_batches(rng, 1, 8))
-        engine.close()
-        refs = weakref.ref(engine), weakref.ref(engine.store)
-        del engine
-        assert [r() is None for r in refs] == [True, True]
-    finally:
-        gc.enable()
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+    assert_freed_after(lambda: Engine(make_model(), failing, devices=["cpu"] * workers, mode=mode, pin=False,
+                                      **options),
+                       lambda engine: engine.fit(make_batches(rng, 1, 8)), WorkerError, "injected")
 
 
 def test_optimizer_state_dict_matches_torch(rng, worker_device):
