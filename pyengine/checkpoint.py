@@ -188,7 +188,9 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
     With a process group (``engine.process_group``) this is a collective: every rank must call it with the same
     ``step``. Every rank takes the state (a sharded engine all-gathers its Adam state there, so the file holds the
     full state), rank 0 of the group writes the file and then tells every rank whether it could, so on return the
-    file exists for every rank. Returns the checkpoint's path on every rank. When rank 0's write fails (disk full,
+    file exists for every rank. The file holds every rank's counters (``stats()``), and :func:`load_engine` gives
+    each rank of a group of the same size its own (an async client's pushes are not the server's). Returns the
+    checkpoint's path on every rank. When rank 0's write fails (disk full,
     no permission), every rank raises :class:`CheckpointError` naming the file and rank 0's error, and the group
     stays in step: a rank that catches it may train on.
     """
@@ -197,6 +199,13 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
     if group is None:
         return save(directory, step, payload, keep=keep)
     import torch.distributed as dist
+
+    # Note [Every rank resumes its own counters]: an async run's ranks count different things (a client its own
+    # pushes and refreshes, a server the pushes it applied), and a client's count seeds its next push's draws; rank
+    # 0 writes the file, so every rank's counters travel in it, and load_state_dict takes its own rank's
+    ranks = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, {k: payload["engine"][k] for k in ("counters", "staleness")}, group=group)
+    payload["engine"]["ranks"] = ranks
 
     path, failure, error = path_for(directory, step), None, None
     if dist.get_rank(group) == 0:

@@ -606,7 +606,7 @@ class Engine:
         seed = sd.get("seed", self.seed)  # absent in states written before workers had their own generators
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"the state's seed must be an int; got {seed!r}")
-        counters, staleness = sd["counters"], sd["staleness"]
+        counters, staleness = self._own_counters(sd)
         try:
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
                 raise TypeError("keys must be str and values int")
@@ -650,6 +650,21 @@ class Engine:
                 mine = self._replica_buffers(index)
                 for name, value in buffers.items():
                     mine[name].copy_(value)
+
+    def _own_counters(self, sd: dict) -> tuple:
+        """The state's counters and staleness for this engine: this rank's when the state holds every rank's (a
+        checkpoint of :func:`pyengine.checkpoint.save_engine` across a group of this engine's size: Note [Every
+        rank resumes its own counters] there), else the ones of the engine that took it."""
+        ranks = sd.get("ranks")  # absent in a state of Engine.state_dict() and in checkpoints before it was saved
+        if ranks is not None and (not isinstance(ranks, (list, tuple)) or not all(
+                isinstance(r, dict) and {"counters", "staleness"} <= set(r) for r in ranks)):
+            raise ValueError(f"the state's ranks must be a list of {{'counters': ..., 'staleness': ...}} dicts, one "
+                             f"per rank; got {ranks!r:.200}")
+        if (ranks is None or self.process_group is None
+                or len(ranks) != torch.distributed.get_world_size(self.process_group)):  # another group: rank 0's
+            return sd["counters"], sd["staleness"]
+        mine = ranks[torch.distributed.get_rank(self.process_group)]
+        return mine["counters"], mine["staleness"]
 
     def _cuda_indices(self) -> list[int]:
         return sorted({d.index for d in self.devices if d.type == "cuda"})

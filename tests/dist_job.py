@@ -231,17 +231,26 @@ def load_divergence(seed, rank, world):
 ASYNC = dict(pushes=24, per_client=40)
 
 
-def asynchronous(seed, rank, world):
-    """Rank 0 serves; the others push gradients of their own mini-batches (max_staleness=0 forces refreshes)."""
+def asynchronous(seed, rank, world, out_dir):
+    """Rank 0 serves; the others push gradients of their own mini-batches (max_staleness=0 forces refreshes). After
+    the first run a checkpoint is saved and loaded into a fresh engine on every rank: its stats are recorded."""
     batches = [client_batch(seed, rank, i) for i in range(ASYNC["per_client"])] if rank else []
-    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
-                         pin=False, max_staleness=0) as engine:
+
+    def make_engine():
+        return pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                               pin=False, max_staleness=0)
+
+    with make_engine() as engine:
         with warnings.catch_warnings(record=True) as enough:
             warnings.simplefilter("always")
             engine.fit(batches, steps=ASYNC["pushes"])
         out = dict(history=[{k: m[k] for k in ("rank", "push_id", "version_at_pull", "applied") +
                              (("staleness", "version_at_apply") if rank == 0 else ())} for m in engine.history],
                    stats=engine.stats(), master=engine.master_state_dict())
+        path = checkpoint.save_engine(os.path.join(out_dir, "ckpt"), 1, engine)
+        with make_engine() as resumed:
+            checkpoint.load_engine(path, resumed)
+            out["resumed_stats"] = resumed.stats()
         with warnings.catch_warnings(record=True) as short:  # 2 batches per client (one pass) for 100 pushes
             warnings.simplefilter("always")
             engine.fit(iter(batches[:2]) if rank else [], steps=100)
@@ -688,7 +697,7 @@ def main():
     distributed.init_process_group("gloo", timeout_s=float(os.environ.get("PYENGINE_TEST_PG_TIMEOUT", "20")))
     group = weakref.ref(torch.distributed.group.WORLD)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    scenarios = {"hybrid": hybrid, "async": asynchronous, "async-failure": async_failure,
+    scenarios = {"hybrid": hybrid, "async": lambda s, r, w: asynchronous(s, r, w, out_dir), "async-failure": async_failure,
                  "shard-state": lambda s, r, w: shard_state(s, r, w, False, out_dir),
                  "shard-state-amsgrad": lambda s, r, w: shard_state(s, r, w, True, out_dir),
                  "async-sharded": async_sharded,

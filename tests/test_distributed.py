@@ -403,6 +403,9 @@ def test_async_applies_every_push_exactly_once(tmp_path, seed):
         assert ids == list(range(1, len(ids) + 1)), f"rank {rank}: pushes lost or reordered: {ids}"
         assert [m["push_id"] for m in client["history"]] == ids, f"rank {rank}: acknowledgements differ"
         assert client["stats"]["pushes"] - client["stats"]["refreshes"] in (len(ids), len(ids) + 1)
+    # a checkpoint resumes every rank's own counters: a client's pushes are not the server's
+    assert [r["resumed_stats"] for r in (server, *clients)] == [r["stats"] for r in (server, *clients)]
+    assert server["stats"] != clients[0]["stats"]
     # fit's "batches ran out" warning: `steps` counts the run's pushes, which the server counts, not a client; the
     # second fit's clients bring 2 batches each (a one-shot iterator) for 100 pushes
     ran_out = f"fit: the batches ran out after {2 * (world - 1)} of the 100 steps asked"

@@ -1347,6 +1347,7 @@ def _corruptions():
         ("a master key not a string", spoil(("master", 7), torch.zeros(1)), "master weights"),
         ("no counters", spoil(("counters",), KeyError), "lacks"),
         ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
+        ("ranks not a list of counters", spoil(("ranks",), [{"counters": {}}]), "the state's ranks"),
     ]
 
 
