@@ -33,6 +33,21 @@ from pyengine import _C, ops  # noqa: E402
 from pyengine.store import huge_page_bytes, section_stagger  # noqa: E402
 
 
+def huge_bytes(tensors) -> int:
+    """Bytes of transparent huge pages behind ``tensors``: each mapping holding one of them counted once (an arena's
+    buffers share one mapping; torch's tensors have one each)."""
+    def mapping(address: int) -> tuple[int, int] | None:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= address < hi:
+                    return lo, hi
+        return None
+
+    starts = {m[0] for m in (mapping(t.data_ptr()) for t in tensors) if m is not None}
+    return sum(huge_page_bytes(start) for start in starts)
+
+
 def carve(kind: str, n: int, g: int) -> list[torch.Tensor]:
     """param, exp_avg, exp_avg_sq and g gradients of n floats each, from one block of the kind's memory, laid out as
     the store lays out its sections (Note [Staggered sections])."""
@@ -86,7 +101,7 @@ def main(argv=None) -> int:
         base = times["torch"][1:]
         for kind in kinds:
             t = times[kind][1:]
-            huge = huge_page_bytes(buffers[kind][0].data_ptr()) >> 20
+            huge = huge_bytes(buffers[kind]) >> 20
             paired = statistics.median(b / a for b, a in zip(base, t))
             lines.append(f"| {kind} | {huge} | {threads} | {1e3 * statistics.median(t):.2f} | "
                          f"{nbytes / statistics.median(t) / 1e9:.1f} | {paired:.3f}x |")

@@ -174,15 +174,23 @@ class Workspace:
             assert worst <= 2 * LR * (1 + 1e-3), f"stack vs stock, N={self.n} G={self.g}: {worst} apart (> 2 lr)"
 
 
+SPIN_CYCLES = 4_000_000  # ~2 ms at 2 GHz: longer than any path's launches take on the host
+
+
 def sync(device: str):
     if device == "cuda":
         torch.cuda.synchronize()
 
 
 def time_once(fn, device: str) -> float:
-    """Seconds of one call: host clock on the CPU, CUDA events on the GPU."""
+    """Seconds of one call: host clock on the CPU, CUDA events on the GPU. On the GPU the stream first spins ~2 ms
+    (``torch.cuda._sleep``), so that the start event and the call's kernels are all queued before the start is
+    stamped: the time is the device's, not the host's launch delay before the first kernel (without the spin the
+    stream is idle at ``start.record()``, which the GPU stamps at once)."""
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
         end.record()

@@ -54,6 +54,8 @@ LOGS="$SCRATCH/logs"
 mkdir -p "$LOGS"
 trap 'rm -rf "$SCRATCH"' EXIT
 declare -a ROWS=()
+STAGE_PID=
+CURRENT=
 
 # stage NAME LOG TIMEOUT_S COMMAND...: runs the command, appends its output to LOG, records status and time.
 stage() {
@@ -65,14 +67,34 @@ stage() {
     (( limit < 1 )) && { ROWS+=("| $name | SKIPPED (no time left) | 0 | |"); return; }
   fi
   echo "== $name: $*" | tee -a "$log"
-  local start=$SECONDS rc
-  timeout "$limit" bash -c '"$@"' stage "$@" >>"$log" 2>&1  # bash -c: the exported shell functions run too
-  rc=$?
+  STAGE_START=$SECONDS CURRENT=$name CURRENT_LOG=$log
+  # bash -c: the exported shell functions run too. In the background, waited for: a signal to this script then
+  # runs its trap at once, which stops the stage (timeout passes the signal on to the stage's processes); -k: a
+  # stage that ignores the signal is killed 10 s later.
+  timeout -k 10 "$limit" bash -c '"$@"' stage "$@" >>"$log" 2>&1 &
+  STAGE_PID=$!
+  wait "$STAGE_PID"
+  local rc=$?
+  STAGE_PID= CURRENT=
   local status=ok
   [[ $rc -ne 0 ]] && status="FAILED (rc=$rc$([[ $rc -eq 124 ]] && echo ", timed out after ${limit}s"))"
-  ROWS+=("| $name | $status | $((SECONDS - start)) | $(basename "$log") |")
+  ROWS+=("| $name | $status | $((SECONDS - STAGE_START)) | $(basename "$log") |")
   echo "== $name: $status" | tee -a "$log"
   tail -n 5 "$log"
+  finish  # summary.md and logs.tgz after every stage: a call cut short still brings back what ran
+}
+
+# Stopped from outside (the machine's hold ending, Ctrl-C): the running stage is stopped, recorded as such, and the
+# summary and logs are written before the scratch folder goes.
+on_signal() {
+  trap - TERM INT
+  if [[ -n $STAGE_PID ]]; then
+    kill -TERM "$STAGE_PID" 2>/dev/null
+    wait "$STAGE_PID" 2>/dev/null
+    ROWS+=("| $CURRENT | FAILED (stopped by a signal) | $((SECONDS - STAGE_START)) | $(basename "$CURRENT_LOG") |")
+  fi
+  finish
+  exit 143
 }
 
 build() {
@@ -163,7 +185,7 @@ nvtx_check() {
               'regex:pyengine/worker0/forward_backward'; do
     runs=$((runs + 1))
     inside=$(ncu --nvtx --nvtx-include "$form" --launch-count 3 --section LaunchStats "$PYTHON" "${train[@]}" \
-      --out "$SCRATCH/ncu-run$runs" 2>&1 | tee /dev/stderr | grep -c "==PROF== Profiling")
+      --out "$SCRATCH/ncu-run$runs" 2>&1 | tee -a /dev/stderr | grep -c "==PROF== Profiling")  # -a: the log stays
     echo "ncu --nvtx-include '$form': $inside kernels profiled"
     [[ $inside -gt 0 ]] && break
   done
@@ -224,53 +246,59 @@ if [[ -n ${DRY_RUN:-} ]]; then  # DRY_RUN=1: say which stages would run, in orde
   echo "stages in order: ${ORDER[*]}"
   exit 0
 fi
+# summary.md (the stages so far, the benchmarks' tables) and logs.tgz under $OUT: after every stage and at the end.
+finish() {
+  [[ -n ${TORCH_VERSION:-} ]] || TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')
+  {
+    echo "# pyengine GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo none)"
+    echo "torch: $TORCH_VERSION"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    echo
+    echo "| stage | status | seconds | log |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${ROWS[@]}"
+    echo
+    echo "stages run: ${STAGES[*]}"
+    echo
+    if [[ -s "$LOGS/bench_cuda.md" ]]; then
+      echo "## CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
+      echo
+      cat "$LOGS/bench_cuda.md"
+    fi
+    if [[ -s "$LOGS/kernel_ab.md" ]]; then
+      echo
+      echo "## The update kernel's block shape (bench/cuda_kernel_ab.py; of copy: GB/s by single-pass bytes / copy GB/s)"
+      echo
+      cat "$LOGS/kernel_ab.md"
+    fi
+    if [[ -s "$LOGS/transfer.md" ]]; then
+      echo
+      echo "## Gradient transfer and engine on the GPU"
+      echo
+      cat "$LOGS/transfer.md"
+    fi
+    if [[ -s "$LOGS/arena.md" ]]; then
+      echo
+      echo "## The host arena's pages: the host update and D2H copies (bench/bench_arena.py)"
+      echo
+      cat "$LOGS/arena.md"
+    fi
+    if [[ -s "$LOGS/pipeline.md" ]]; then
+      echo
+      echo "## Pipeline stages as workers on one GPU"
+      echo
+      cat "$LOGS/pipeline.md"
+    fi
+  } >"$SUMMARY"
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+}
+
+trap on_signal TERM INT
 for s in "${ORDER[@]}"; do run_stage "$s"; done
 # The built extension comes back too, so that a later call on a fresh machine can use it instead of building again.
 wants build && cp pyengine/_C*.so "$OUT/" 2>/dev/null
-
-{
-  echo "# pyengine GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo
-  echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo none)"
-  echo "torch: $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  echo
-  echo "| stage | status | seconds | log |"
-  echo "|---|---|---|---|"
-  printf '%s\n' "${ROWS[@]}"
-  echo
-  echo "stages run: ${STAGES[*]}"
-  echo
-  if [[ -s "$LOGS/bench_cuda.md" ]]; then
-    echo "## CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
-    echo
-    cat "$LOGS/bench_cuda.md"
-  fi
-  if [[ -s "$LOGS/kernel_ab.md" ]]; then
-    echo
-    echo "## The update kernel's block shape (bench/cuda_kernel_ab.py; of copy: GB/s by single-pass bytes / copy GB/s)"
-    echo
-    cat "$LOGS/kernel_ab.md"
-  fi
-  if [[ -s "$LOGS/transfer.md" ]]; then
-    echo
-    echo "## Gradient transfer and engine on the GPU"
-    echo
-    cat "$LOGS/transfer.md"
-  fi
-  if [[ -s "$LOGS/arena.md" ]]; then
-    echo
-    echo "## The host arena's pages: the host update and D2H copies (bench/bench_arena.py)"
-    echo
-    cat "$LOGS/arena.md"
-  fi
-  if [[ -s "$LOGS/pipeline.md" ]]; then
-    echo
-    echo "## Pipeline stages as workers on one GPU"
-    echo
-    cat "$LOGS/pipeline.md"
-  fi
-} >"$SUMMARY"
-tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+finish
 cat "$SUMMARY"
 ! grep -q FAILED "$SUMMARY"

@@ -1,4 +1,5 @@
 """The benchmark scripts run (on CPU here; the GPU suite runs them on CUDA), and the arithmetic of their summaries."""
+import contextlib
 import json
 import os
 import sys
@@ -219,3 +220,51 @@ def test_gpu_check_runs_env_and_the_build_first_then_the_stages_in_the_order_nam
     assert done.stdout.strip() == f"stages in order: {order}"
     bad = subprocess.run(["bash", script, "env", "benchmark"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "unknown stage 'benchmark'" in bad.stderr, bad.stderr
+
+
+def test_gpu_check_stopped_by_a_signal_stops_its_stage_and_leaves_the_summary_and_logs(tmp_path):
+    """A GPU machine's hold may end during a stage: the script then stops the running stage (its processes too),
+    records it, and leaves summary.md and logs.tgz under $OUT with every stage so far (they were left only at the
+    very end, and the running stage's processes went on). A fake interpreter stands in for a GPU machine's: it
+    answers the import check and sleeps in the benchmark, writing its pid first."""
+    import signal
+    import subprocess
+    import tarfile
+    import time
+
+    fake = tmp_path / "python"
+    pidfile = tmp_path / "stage.pid"
+    fake.write_text(f"""#!/bin/bash
+if [[ $1 != bench/bench_fused_adamw.py ]]; then echo 2.0-fake; exit 0; fi
+echo $$ > {pidfile}
+exec sleep 120
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    script = os.path.join(BENCH, "gpu_check.sh")
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake)}
+    run = subprocess.Popen(["bash", script, "env", "bench"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            assert time.monotonic() < deadline and run.poll() is None, "the bench stage never started"
+            time.sleep(0.1)
+        stage = int(pidfile.read_text())
+        assert (out / "summary.md").exists()  # written after the env stage already
+        run.send_signal(signal.SIGTERM)
+        output, _ = run.communicate(timeout=30)
+    finally:
+        run.kill()
+        if pidfile.exists() and pidfile.read_text().strip():  # a failed run leaves no sleeper behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    assert run.returncode == 143, output
+    summary = (out / "summary.md").read_text()
+    assert "| env |" in summary and "| bench | FAILED (stopped by a signal) |" in summary, summary
+    with tarfile.open(out / "logs.tgz") as logs:
+        assert {"./env.log", "./bench.log"} <= set(logs.getnames()), logs.getnames()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{stage}") and "zombie" not in open(f"/proc/{stage}/status").read().lower():
+        assert time.monotonic() < deadline, "the stage's process outlived the script"
+        time.sleep(0.1)
