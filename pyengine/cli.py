@@ -549,9 +549,9 @@ def _agreed_out(out: Path, rank: int) -> Path:
     """Rank 0's run directory on every rank (a default one is named after the time, which may differ by rank)."""
     import torch.distributed as dist
 
-    agreed = [str(out) if rank == 0 else None]
-    dist.broadcast_object_list(agreed, src=0)
-    return Path(agreed[0])
+    from . import distributed
+
+    return Path(distributed.broadcast_object(str(out) if rank == 0 else None, dist.group.WORLD))
 
 
 _RUN_PLOTS = ("loss.png", "compare.png")  # what a run writes in its folder beside the files _holds_run looks for
@@ -1004,9 +1004,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
 
             from .distributed import _collective
 
-            # one tensor for every agreement, kept by this run: Note [Collective tensors outlive their work] (a
-            # temporary freed on gloo's thread can abort the process at exit, right after the last agreement)
-            flag = state.setdefault("stop_flag", torch.zeros(1))
+            flag = state.setdefault("stop_flag", torch.zeros(1))  # one tensor for every agreement
             flag.fill_(1.0 if stop.requested else 0.0)
             late = None
             if saved and not primary:  # this rank cannot tell a slow write from a dead rank 0
@@ -1019,7 +1017,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                         "stopped waiting (set it above the time a checkpoint takes to write)")
             with _collective(f"the agreement after step {state['step']} whether to stop", rank,
                              lambda: engine.recorded_failure() or late):  # a peer's recorded error comes first
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                # its work kept: Note [Gloo's works are released by the thread that waits] (the last agreement
+                # is the run's last collective, just before the exit)
+                engine.collective_works.run(dist.all_reduce, flag, op=dist.ReduceOp.MAX)
             if flag.item() > 0:
                 stop.requested = True  # the summary then says "interrupted" on every rank
             return flag.item() > 0

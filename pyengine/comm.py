@@ -303,13 +303,15 @@ def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> floa
 
     if op not in ("all_reduce", "broadcast"):
         raise ValueError(f"time_collective: op must be 'all_reduce' or 'broadcast'; got {op!r}")
+    from .distributed import run as run_kept  # works kept: Note [Gloo's works are released by the thread that waits]
+
     tensor = torch.ones(max(1, nbytes // 4))
-    run = (lambda: dist.all_reduce(tensor, group=group)) if op == "all_reduce" else \
-        (lambda: dist.broadcast(tensor, src=0, group=group))
+    run = (lambda: run_kept(dist.all_reduce, tensor, group=group)) if op == "all_reduce" else \
+        (lambda: run_kept(dist.broadcast, tensor, src=0, group=group))
     run()
     times = []
     for _ in range(repeats):
-        dist.barrier(group=group)
+        run_kept(dist.barrier, group=group)
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)

@@ -168,6 +168,10 @@ class Engine:
             slots = len(self.devices)
             group = distributed.resolve_group(process_group, shard_update, mode)
             self.process_group = group
+            # the works of this engine's collectives: Note [Gloo's works are released by the thread that waits]
+            self.collective_works = distributed.KeptWorks(4096)
+            if group is not None:
+                distributed.keep_through_exit(self)
             if mode == "pipeline" and group is not None:  # rank s runs stage s (pyengine.pipeline_distributed)
                 stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
                                                             balance, group), 1
@@ -233,7 +237,6 @@ class Engine:
                    else None)
             for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
-        self._shared_for_collectives = None  # distributed._share_store's tensors (multi-node async)
         # The store's mutex: async pulls and pushes hold it, and so do the readers of the state (state_dict, stats)
         # and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while async
         # workers run] in asynchronous.py).

@@ -439,6 +439,7 @@ class DistributedPipeline(_FailureNaming):
                  autocast: torch.dtype | None, group):
         # weak: Note [No reference cycle through the engine] (pyengine.pipeline)
         self.engine, self.store, self.group = weakref.proxy(engine), engine.store, group
+        self.works = engine.collective_works  # Note [Gloo's works are released by the thread that waits]
         world = dist.get_world_size(group)
         self.num_stages, self.replicas = stages, world // stages  # Note [Replicas of stages across processes]
         self.stage, self.replica = divmod(dist.get_rank(group), self.replicas)
@@ -492,18 +493,11 @@ class DistributedPipeline(_FailureNaming):
         self._enter("the construction of the engine")
         with _collective("broadcast of the initial weights, frozen parameters and buffers from rank 0", self.rank,
                          self._explain):
-            dist.broadcast(self.store.param, src=dist.get_global_rank(group, 0), group=group)
-            # The Python objects kept, their memory freed: Note [Collective tensors outlive their work]
-            self._initial_state = self._rank0_state(model, group)
+            self.works.run(dist.broadcast, self.store.param, src=dist.get_global_rank(group, 0), group=group)
+            self._rank0_state(model, group)
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
-        # Note [Collective tensors outlive their work]
-        # A gloo collective's work keeps its tensors and is released on gloo's worker thread, possibly after the
-        # call returned. If that release drops the last reference of a tensor whose Python object is gone, the
-        # worker thread takes the GIL to free that object; during interpreter shutdown taking the GIL ends the
-        # thread inside a destructor (std::terminate: "terminate called without an active exception"; a spawned
-        # test rank aborted so at exit, the core showed gloo's runLoop freeing a broadcast of gather()). So every
-        # tensor this class passes to a collective is a buffer it keeps. (Destroying the group before exit, which
-        # joins those threads, is the other half: Note [No reference cycle through the engine].)
+        # Every tensor this class hands to a collective is a buffer it keeps (no allocation per step); the works
+        # are kept too: Note [Gloo's works are released by the thread that waits] (pyengine.distributed)
         flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
         self._gather_views = [(flat[begin:end], self._ranks_of(s, group)) for flat in flats if flat is not None
                               for s, (begin, end) in enumerate(self.ranges)]
@@ -527,12 +521,12 @@ class DistributedPipeline(_FailureNaming):
                              if e.name in held and self.tied[e.name][0] != self.stage]
 
     @torch.no_grad()
-    def _rank0_state(self, model: torch.nn.Module, group) -> list[torch.Tensor]:
+    def _rank0_state(self, model: torch.nn.Module, group) -> None:
         """Rank 0's frozen parameters and buffers (BatchNorm statistics) into this rank's copies: its stage's, and its
         CPU copies of the other stages' buffers; the trainable parameters come with the store (Note [Every rank
-        starts from rank 0's model]). One broadcast per dtype of a flat buffer, which it returns emptied: the
-        broadcast has completed when it returns, so only the tensor objects must outlive gloo's release of its
-        work (Note [Collective tensors outlive their work]), not a second copy of every frozen weight."""
+        starts from rank 0's model]). One broadcast per dtype of a flat buffer, emptied once copied: its work
+        keeps the tensor object (Note [Gloo's works are released by the thread that waits]), not a second copy of
+        every frozen weight."""
         held = collections.defaultdict(list)  # the model's name -> this rank's tensors holding it
         for name, t in itertools.chain(self.module.named_parameters(remove_duplicate=False),
                                        self.module.named_buffers(remove_duplicate=False)):
@@ -544,18 +538,15 @@ class DistributedPipeline(_FailureNaming):
         frozen = ((n, p) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
         for name, t in itertools.chain(frozen, model.named_buffers(remove_duplicate=False)):
             by_dtype[t.dtype].append((name, t))
-        flats = []
         for items in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in items])
-            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+            self.works.run(dist.broadcast, flat, src=dist.get_global_rank(group, 0), group=group)
             offset = 0
             for name, t in items:
                 for mine in held.get(name, ()):
                     mine.copy_(flat[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
-            flat.set_()  # its storage goes now; gloo's work holds the tensor, not the storage
-            flats.append(flat)
-        return flats
+            flat.set_()  # its storage goes now; the kept work holds the tensor object, not the storage
 
     def _ranks_of(self, stage: int, group) -> int:
         """The global rank of replica 0 of ``stage`` (group rank s * R + r runs stage s of replica r)."""
@@ -742,10 +733,10 @@ class DistributedPipeline(_FailureNaming):
         a sum's last bits depend on how many intra-op threads split it, and ranks may run different counts. Targets
         None, and a batch this pipeline cannot run (:func:`_batch_problem`, which step() raises after this exchange,
         so that every rank takes part in it whatever it was given), have fingerprints of their own."""
-        both = self._fingerprint  # Note [Collective tensors outlive their work]
+        both = self._fingerprint  # Note [Gloo's works are released by the thread that waits]
         (both[0], both[2]), (both[1], both[3]) = _fingerprint(inputs), _fingerprint(targets)
         both[4:] = -both[:4]
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        self.works.run(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
         return torch.equal(both[:4], -both[4:])
 
     @torch.no_grad()
@@ -759,16 +750,16 @@ class DistributedPipeline(_FailureNaming):
             mine = self.buffers[name]
             if self.replica == 0 and exchanged is not mine:
                 exchanged.copy_(mine)
-            dist.broadcast(exchanged, src=source, group=self._dp_group)
+            self.works.run(dist.broadcast, exchanged, src=source, group=self._dp_group)
             if exchanged is not mine:
                 mine.copy_(exchanged)
 
     @torch.no_grad()
     def _start_clock(self) -> float:
         """The start of the schedule's common clock (Note [Bubble across processes]): a barrier over the group (one
-        all-reduce of a kept tensor: Note [Collective tensors outlive their work]), then this rank's time."""
+        all-reduce of a kept tensor: Note [Gloo's works are released by the thread that waits]), then this rank's time."""
         self._clock.zero_()
-        dist.all_reduce(self._clock, group=self.group)
+        self.works.run(dist.all_reduce, self._clock, group=self.group)
         return time.perf_counter()
 
     @torch.no_grad()
@@ -789,20 +780,20 @@ class DistributedPipeline(_FailureNaming):
         if self._dp_group is not None:  # Note [Replicas of stages across processes]
             mean = self._mean_grad
             mean.copy_(self._stage_grad).mul_(weight)
-            dist.all_reduce(mean, group=self._dp_group)
+            self.works.run(dist.all_reduce, mean, group=self._dp_group)
             self._stage_grad.copy_(mean)
         if self.tied:
-            dist.all_reduce(self._tied_grad, group=self.group)
+            self.works.run(dist.all_reduce, self._tied_grad, group=self.group)
             for name, part in self._tied_parts:
                 self._slot[name].copy_(part)
         norm, nonfinite = ops.mean_grad_norm([self._stage_grad])
-        reduced = self._reduced  # Note [Collective tensors outlive their work]
+        reduced = self._reduced  # Note [Gloo's works are released by the thread that waits]
         # every stage's squared norm once (from replica 0; the replicas hold the same mean gradient)
         reduced[0] = norm.double().square() if self.replica == 0 else 0.0
         reduced[1], reduced[2], reduced[3] = nonfinite.double(), loss_sum * weight, busy
-        dist.all_reduce(reduced, group=self.group)
+        self.works.run(dist.all_reduce, reduced, group=self.group)
         self._clock[0] = elapsed
-        dist.all_reduce(self._clock, op=dist.ReduceOp.MAX, group=self.group)
+        self.works.run(dist.all_reduce, self._clock, op=dist.ReduceOp.MAX, group=self.group)
         wall, ranks = float(self._clock[0]), dist.get_world_size(self.group)
         bubble = max(0.0, 1.0 - float(reduced[3]) / (ranks * wall)) if wall > 0 else 0.0
         if not self.engine.admit_update(reduced[1].item() != 0.0, [], loss_scale=scale):
@@ -825,13 +816,13 @@ class DistributedPipeline(_FailureNaming):
             with _collective("the gather of every stage's weights, Adam state and buffers", self.rank,
                              self._explain):
                 for view, src in self._gather_views:
-                    dist.broadcast(view, src=src, group=self.group)
+                    self.works.run(dist.broadcast, view, src=src, group=self.group)
                 with torch.no_grad():  # Note [Buffers of stages across processes]
                     for name, exchanged, src in self._buffer_exchange:
                         mine = self.buffers[name]
                         if src == dist.get_rank() and exchanged is not mine:
                             exchanged.copy_(mine)  # a stage on a GPU: its buffer goes through a CPU copy
-                        dist.broadcast(exchanged, src=src, group=self.group)
+                        self.works.run(dist.broadcast, exchanged, src=src, group=self.group)
         except BaseException:
             self.broken = True
             raise

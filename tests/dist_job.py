@@ -88,34 +88,50 @@ def hybrid(seed, rank, world):
     return out
 
 
-def kept_tensors(seed, rank, world):
-    """Note [Collective tensors outlive their work]: every tensor object a hybrid step (replicated; sharded, with
-    its update's all-gathers) hands to a collective is still alive after the step, kept by the engine (gc is off:
-    only references keep it). Returns, per kind, how many were handed over and how many of them are gone."""
+def kept_works(seed, rank, world, out_dir):
+    """Note [Gloo's works are released by the thread that waits]: every collective an engine issues (hybrid steps,
+    replicated and sharded with its update's all-gathers; a pipeline across processes: its steps and its gather;
+    a checkpoint) is issued with async_op=True and its work is kept by the engine (gc is off: only references keep
+    it). Returns, per kind, how many collectives were issued, how many blocking and how many works not kept."""
     import torch.distributed as dist
 
-    handed = []
+    issued = []
 
     def recording(fn):
         def call(*args, **kwargs):
-            handed.extend(weakref.ref(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            return fn(*args, **kwargs)
+            work = fn(*args, **kwargs)
+            issued.append((kwargs.get("async_op", False), work))
+            return work
         return call
 
     patched = {(dist, name): getattr(dist, name) for name in ("all_reduce", "broadcast")}
     patched[(distributed, "_all_gather_flat")] = distributed._all_gather_flat
     for (module, name), fn in patched.items():
         setattr(module, name, recording(fn))
+
+    def count(engine) -> dict:
+        kept = {id(w) for w in engine.collective_works.works}
+        return dict(issued=len(issued), blocking=sum(not a for a, _ in issued),
+                    not_kept=sum(id(w) not in kept for _, w in issued))
+
     out = {}
     try:
         batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
         for name, shard in (("replicated", False), ("sharded", True)):
             with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
                                  pin=False, bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
-                handed.clear()
+                issued.clear()
                 for b in batches:
                     engine.step(b)
-                out[name] = dict(handed=len(handed), gone=sum(ref() is None for ref in handed))
+                checkpoint.save_engine(os.path.join(out_dir, name), 1, engine)
+                out[name] = count(engine)
+        with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="pipeline", microbatches=2,
+                             optimizer=pyengine.AdamW(**OPT), pin=False) as engine:
+            issued.clear()
+            for b in global_batches(seed, 2, 8):
+                engine.step(b)
+            engine.master_state_dict()
+            out["pipeline"] = count(engine)
     finally:
         for (module, name), fn in patched.items():
             setattr(module, name, fn)
@@ -712,7 +728,7 @@ def main():
                     for k in (1, 2)},
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
-                 "kept-tensors": kept_tensors,
+                 "kept-works": lambda s, r, w: kept_works(s, r, w, out_dir),
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
                  "overlap": overlap, "bad-local-batch": bad_local_batch, "mismatch": mismatch, "dropout-resume": dropout_resume,
                  "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,

@@ -101,16 +101,18 @@ def assert_identical(a, b, what):
 
 
 @pytest.mark.timeout(90)
-def test_every_tensor_a_step_hands_to_a_collective_is_kept_by_the_engine(tmp_path, seed):
-    """Note [Collective tensors outlive their work]: a temporary's last reference could be dropped on gloo's worker
-    thread, which then takes the GIL: at interpreter shutdown that aborted the process ("terminate called without
-    an active exception"; seen on ranks exiting after a failed step). Checked by reference: every tensor object
-    the steps hand to all_reduce, broadcast or the all-gather is alive after them."""
-    codes, logs, _ = launch("kept-tensors", 2, tmp_path, seed)
+def test_every_collective_an_engine_issues_keeps_its_work(tmp_path, seed):
+    """Note [Gloo's works are released by the thread that waits]: a work whose last reference gloo's worker thread
+    drops takes the GIL there, which at interpreter shutdown aborted the process ("terminate called without an
+    active exception"). Checked by reference: every collective of hybrid steps (replicated, sharded), of a
+    checkpoint, and of a pipeline across processes (steps and gather) is issued with async_op=True and its work is
+    kept by the engine."""
+    codes, logs, _ = launch("kept-works", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     for rank in results(tmp_path, 2):
-        for kind in ("replicated", "sharded"):
-            assert rank[kind]["handed"] >= 3 * 3 and rank[kind]["gone"] == 0, (kind, rank[kind])
+        for kind in ("replicated", "sharded", "pipeline"):
+            assert rank[kind]["issued"] >= 3 * 3 and rank[kind]["blocking"] == 0 == rank[kind]["not_kept"], \
+                (kind, rank[kind])
 
 
 @pytest.mark.timeout(90)
