@@ -101,6 +101,7 @@ import torch
 
 from .metrics import step_metrics
 from .workers import WorkerError, _map, _tensors, batch_size, set_worker_threads, split_batch, to_device
+from .workers import autocast as autocast_region
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
            "schedule_actions", "split_layers", "stage_range"]
@@ -656,7 +657,7 @@ class Pipeline:
                 slot[name].copy_(total)
 
     def _autocast(self, device: torch.device):
-        return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
+        return autocast_region(device, self.autocast)  # Note [Autocast without its cast cache] (pyengine.workers)
 
     def _split(self, batch):
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):

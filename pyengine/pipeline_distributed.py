@@ -40,6 +40,7 @@ from .metrics import step_metrics
 from .distributed import DistributedError, _collective, _FailureNaming
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, owned_names,
                        partition, split_layers, stage_range, stage_store_names)
+from .workers import autocast as autocast_region
 from .workers import batch_size
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
@@ -266,7 +267,7 @@ class _PipelinedLayers(torch.nn.Module):
         self.stage, self.replica, self.device = stage, replica, device
 
     def context(self, device: torch.device):
-        return torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None)
+        return autocast_region(device, self.autocast)  # Note [Autocast without its cast cache] (pyengine.workers)
 
     def failure(self, exc: BaseException) -> StageError:
         """This rank's own failure ``exc`` (its layers' forward or backward, or the loss) as the StageError naming

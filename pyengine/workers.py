@@ -97,6 +97,20 @@ def split_microbatches(batch, parts: int, what: str = "a batch") -> tuple[list, 
     return chunks, [batch_size(c) / n for c in chunks]
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """The engine's autocast region: ``torch.autocast`` to ``dtype`` (none when None), without its cast cache.
+
+    Note [Autocast without its cast cache]
+    torch's autocast keeps the low-precision casts of leaf tensors (the weights) in one map for the whole process,
+    and empties it whenever any thread leaves its outermost autocast region. Workers (and pipeline stages) run their
+    forwards concurrently on threads, so one worker's end emptied the map under another's forward: a weight used
+    twice in that forward was cast once or twice depending on timing, and its two uses' gradients were summed in
+    low precision (one cast) or in float32 (two): the same seed and data gave different weights from run to run
+    (tested: bfloat16, a layer applied twice, hybrid and pipeline). Without the cache every use casts its weight:
+    the same work each time, the gradients always summed in float32, and the cost one more cast per reuse."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False)
+
+
 def to_device(batch, device: torch.device):
     return _map(batch, lambda t: t.to(device, non_blocking=True))
 
@@ -291,7 +305,7 @@ class Worker:
         given); returns the loss, detached, on the device (reading it would make the host wait for the device: the
         caller reads it after its last micro-batch). Gradients stream to the host as they are ready."""
         batch = to_device(batch, self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        with autocast(self.device, self.autocast_dtype):
             loss = loss_fn(self.replica, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

@@ -1334,8 +1334,12 @@ def _rank0_init_worker(rank, world, init_file, out_dir):
     dist = _join_gloo_group(rank, world, init_file)
     try:
         with Engine(frozen_bn_model(seed=rank), loss_fn, devices=["cpu"], **FROZEN_OPTIONS) as engine:
-            # no second copy of the frozen weights and buffers stays behind after the broadcast
-            kept = sum(t.untyped_storage().nbytes() for t in engine.pipeline._initial_state)
+            # no second copy of the frozen weights and buffers stays behind after the broadcast (its work is kept:
+            # Note [Gloo's works are released by the thread that waits]); the store's own weights are the others
+            arena = engine.store.param.untyped_storage().data_ptr()
+            tensors = [t for work in engine.collective_works.works for t in work.result()]
+            assert len(tensors) >= 2, len(tensors)  # the store's weights and one flat buffer per dtype at least
+            kept = sum(t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() != arena)
             losses = [engine.step(b)["loss"] for b in make_batches(torch.Generator().manual_seed(1), 3, 8)]
             torch.save({"losses": losses, "state": engine.state_dict(), "kept": kept}, f"{out_dir}/init-{rank}.pt")
     finally:
