@@ -559,6 +559,12 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     ``grad_scale``, ``found_inf`` and ``weights`` are passed to the fused op as they are; ``copy_back=False`` leaves
     the copies back to the caller (:meth:`GradientStreamer.copy_back`).
 
+    With ``copy_back=True`` bucket k's new weights are copied into the replicas while their backward may still run:
+    right for a model whose later backward kernels do not read bucket k's weights once its gradients are complete,
+    which holds unless the forward used a weight outside autograd too (``w.detach()``, ``w.data``: the gradient
+    hook fires when the tracked uses are done, and the detached use's input-gradient kernel may read the weight
+    later, half copied). For such a model pass ``copy_back=False`` and copy back after backward, as the engine does.
+
     Returns the norm of the mean gradient when clipping, else None.
     """
     streamers = list(streamers)
