@@ -530,6 +530,10 @@ class Engine:
             "counters": dict(self._counters),
             "staleness": dict(self._staleness),
             "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
+            # a pipeline's layers per stage (None: not a pipeline, or balance="time" before its first step): Note
+            # [A resumed pipeline keeps its split]
+            "pipeline_sizes": None if self.pipeline is None or self.pipeline.sizes is None else list(
+                self.pipeline.sizes),
         }
 
     @_under_mutex
@@ -620,11 +624,14 @@ class Engine:
         scaler = sd.get("loss_scaler")  # absent in states written before loss scaling; None: saved without it
         if scaler is not None:
             LossScaler.check_state_dict(scaler)
+        split = self._saved_split(sd.get("pipeline_sizes"))  # absent in states written before it was saved
         # Valid: from here on nothing raises on the state's account.
         if differing:
             warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
                           f"({ {k: self.optimizer.config()[k] for k in differing} }) is used from here on",
                           stacklevel=3)  # past _under_mutex
+        if split is not None:  # first: the only step here that may still raise, and it leaves the pipeline unbuilt
+            self.pipeline._build(split)
         for worker in self.workers:  # the last step's copies back still read the weights written below
             worker.wait_copies_back()
         if step == 0:  # a state saved before any update: a fresh optimizer
@@ -653,6 +660,31 @@ class Engine:
                 mine = self._replica_buffers(index)
                 for name, value in buffers.items():
                     mine[name].copy_(value)
+
+    def _saved_split(self, saved) -> list[int] | None:
+        """Note [A resumed pipeline keeps its split]
+        ``balance="time"`` chooses the layers per stage from timings at the first step, and timings vary: two fresh
+        runs may split differently, and a split draws its own dropout masks (each stage has its generators). So the
+        state holds the split, and a pipeline with ``balance="time"`` that has not chosen yet takes the saved one
+        (returned here, built by the caller): a resume continues the saved run bit for bit. A pipeline already split
+        otherwise (explicit sizes, by parameters, or timed) keeps its split, with a warning that the run then
+        differs from the saved one. ValueError unless ``saved`` is None or a list of positive ints."""
+        if saved is None:
+            return None
+        if not isinstance(saved, (list, tuple)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in saved):
+            raise ValueError(f"the state's pipeline_sizes must be None or a list of positive ints; got {saved!r:.200}")
+        pipeline = self.pipeline
+        if pipeline is None:
+            return None
+        if pipeline.sizes is None and len(saved) == pipeline.num_stages and sum(saved) == len(pipeline.layers):
+            return list(saved)
+        if list(saved) != (pipeline.sizes or []):
+            warnings.warn(f"load_state_dict: the state was trained with {list(saved)} layers per stage; this "
+                          f"pipeline {'splits ' + str(pipeline.sizes) if pipeline.sizes else 'has another shape'} "
+                          f"(its dropout draws and the order of its sums differ from the saved run's)",
+                          stacklevel=3)  # past _under_mutex
+        return None
 
     def _own_counters(self, sd: dict) -> tuple:
         """The state's counters and staleness for this engine: this rank's when the state holds every rank's (a

@@ -517,7 +517,8 @@ class Pipeline:
         microbatches: M >= 1 micro-batches per replica per step.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         balance: ``"params"``, ``"time"`` (measured on the first step's first micro-batch, on ``devices[0]``: Note
-            [Timing the layers on stage 0's device]) or a list of S sizes.
+            [Timing the layers on stage 0's device]; a state loaded before that step gives its split instead: Note
+            [A resumed pipeline keeps its split] in pyengine.engine) or a list of S sizes.
         unused: ``"zero"`` or ``"error"`` for parameters that got no gradient in a step.
         autocast: None, ``torch.bfloat16`` or ``torch.float16``: every stage's forward (and the loss) runs under
             ``torch.autocast`` on its device, as hybrid workers do; activations and their gradients travel between

@@ -1348,6 +1348,7 @@ def _corruptions():
         ("no counters", spoil(("counters",), KeyError), "lacks"),
         ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
         ("ranks not a list of counters", spoil(("ranks",), [{"counters": {}}]), "the state's ranks"),
+        ("pipeline_sizes not a list of ints", spoil(("pipeline_sizes",), [3.5]), "pipeline_sizes"),
     ]
 
 

@@ -163,6 +163,36 @@ def test_list_of_layers_and_resume(rng, worker_device):
         assert torch.equal(expected[name], got[name]), name
 
 
+def test_a_time_balanced_pipeline_resumes_with_the_saved_split(rng):
+    """balance="time" chooses the split from timings, which vary: a state loaded before the first step gave no
+    split, so the resumed engine timed its own, and a different split draws other dropout masks (5 of 8 resumes
+    differed in a fuzzer). The state holds the split and such an engine takes it (Note [A resumed pipeline keeps
+    its split]); one already split otherwise warns; a bad saved split is a ValueError."""
+    batches = make_batches(rng, 4, 12)
+    model = make_model(dropout=0.3)  # 10 layers; [2, 8] is not what timing them would give
+    with pipeline(copy.deepcopy(model), ["cpu"] * 2, microbatches=2, balance=[2, 8]) as straight:
+        straight.fit(batches)
+        expected = straight.master_state_dict()
+    with pipeline(copy.deepcopy(model), ["cpu"] * 2, microbatches=2, balance=[2, 8]) as first:
+        first.fit(batches[:2])
+        state = first.state_dict()
+    assert state["pipeline_sizes"] == [2, 8]
+    with pipeline(make_model(seed=3, dropout=0.3), ["cpu"] * 2, microbatches=2, balance="time") as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.pipeline.sizes == [2, 8]
+        resumed.fit(batches[2:])
+        got = resumed.master_state_dict()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    with pipeline(make_model(dropout=0.3), ["cpu"] * 2, microbatches=2, balance=[4, 6]) as other:
+        with pytest.warns(UserWarning, match=r"trained with \[2, 8\] layers per stage; this pipeline splits "
+                                             r"\[4, 6\]"):
+            other.load_state_dict(state)
+        assert other.pipeline.sizes == [4, 6]
+        with pytest.raises(ValueError, match="pipeline_sizes must be None or a list of positive ints"):
+            other.load_state_dict({**state, "pipeline_sizes": [2, "8"]})
+
+
 def test_the_first_steps_copy_back_leaves_out_the_layer_timing_of_balance_time(rng, monkeypatch):
     """balance="time" times the layers in the first step: that was counted as the step's copy back."""
     timing = pipeline_module.measure_layer_times
