@@ -1509,7 +1509,7 @@ def _checked(given: dict, world: int) -> tuple:
                          f"processes x {len(cfg['devices'])} workers")
     from . import data as data_mod
 
-    dataset = data_mod.load(cfg["data"], seed=cfg["seed"])
+    dataset = data_mod.load(cfg["data"])  # the data is fixed (split_seed); --seed orders the batches
     check_config(cfg, dataset.train_size)
     if cfg["mode"] in ("pipeline", "all"):
         from . import models

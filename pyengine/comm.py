@@ -16,8 +16,9 @@ algorithm          steps                            link_bytes               byt
 ps (1 server)      2 (push, pull)                   2 P N (the server's)     N (its push)
 ps (S shards)      2                                2 max(N, P N / S)        N (N / S to each shard)
 tree (binomial)    2 ceil(log2 P) (reduce, bcast)   2 ceil(log2 P) N         ceil(log2 P) N (the root)
-butterfly          log2 P (+2 if P is no power of   (steps) N                (steps) N
-                   two: fold in, fold out)
+butterfly          log2 P (+2 if P is no power of   (steps) N                log2 P N (+N if P is no power of
+                   two: fold in, fold out)                                   two: the fold-out; log2 P rounded
+                                                                             down)
 ring               2 (P - 1)                        2 (P - 1) / P N          2 (P - 1) / P N
 =================  ===============================  =======================  =================================
 
@@ -33,6 +34,7 @@ Calibration: :func:`fit_network` fits alpha and B by least squares on relative e
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -52,6 +54,8 @@ class Network:
     bandwidth: float
 
     def __post_init__(self):
+        _check_real(self.alpha, "Network: alpha (latency, s)")
+        _check_real(self.bandwidth, "Network: bandwidth (bytes/s)")
         if not (math.isfinite(self.alpha) and self.alpha >= 0):
             raise ValueError(f"Network: alpha (latency, s) must be a finite number >= 0; got {self.alpha}")
         if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
@@ -71,6 +75,23 @@ class Cost:
     time_s: float
 
 
+def _check_real(value, what: str) -> None:
+    """A TypeError naming ``what`` unless ``value`` is a real number (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number; got {type(value).__name__} {value!r}")
+
+
+def _check_network(network) -> None:
+    if not isinstance(network, Network):
+        raise TypeError(f"network must be a comm.Network(alpha, bandwidth); got {type(network).__name__} "
+                        f"{network!r}")
+
+
+def _check_servers(servers) -> None:
+    if servers is not None and (isinstance(servers, bool) or not isinstance(servers, int) or servers < 1):
+        raise ValueError(f"servers must be None (one shard per node) or an integer >= 1; got {servers!r}")
+
+
 def _check_nodes(nodes) -> int:
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be an integer >= 1; got {nodes!r}")
@@ -84,11 +105,15 @@ def _log2_ceil(p: int) -> int:
 def exchange_cost(algorithm: str, nodes: int, nbytes: float, network: Network, servers: int | None = None) -> Cost:
     """The gradient exchange of ``nbytes`` per node among ``nodes`` nodes with ``algorithm`` (see the module table).
 
-    ``servers``: the number of server shards of ``"ps-sharded"`` (default: ``nodes``). One node exchanges nothing.
+    ``servers``: the number of server shards of ``"ps-sharded"`` (default: ``nodes``; checked whatever the
+    algorithm). One node exchanges nothing.
     """
     p = _check_nodes(nodes)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    _check_real(nbytes, "nbytes")
+    _check_network(network)
+    _check_servers(servers)
     if not (math.isfinite(nbytes) and nbytes >= 0):
         raise ValueError(f"nbytes must be a finite number >= 0; got {nbytes}")
     n = float(nbytes)
@@ -99,8 +124,6 @@ def exchange_cost(algorithm: str, nodes: int, nbytes: float, network: Network, s
         steps, link, node = 2, 2 * p * n, n
     elif algorithm == "ps-sharded":
         s = p if servers is None else servers
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise ValueError(f"servers must be an integer >= 1; got {servers!r}")
         # a worker sends N/S to each shard (N through its own link); a shard's link carries P N / S
         steps, link, node = 2, 2 * max(n, p * n / s), n
     elif algorithm == "tree":
@@ -110,9 +133,12 @@ def exchange_cost(algorithm: str, nodes: int, nbytes: float, network: Network, s
         link, node = steps * n, steps // 2 * n
     elif algorithm == "butterfly":
         # recursive doubling: log2 P rounds of full-size pairwise exchanges; a P that is no power of two folds the
-        # extra nodes into a power of two first and back after (two more rounds)
-        steps = p.bit_length() - 1 + (0 if p & (p - 1) == 0 else 2)
-        link, node = steps * n, steps * n
+        # extra nodes into a power of two first and back after (two more rounds). A partner of an extra node sends
+        # in every exchange round and in the fold-out (it only receives the fold-in); an extra node sends once
+        rounds = p.bit_length() - 1
+        folds = 0 if p & (p - 1) == 0 else 2
+        steps = rounds + folds
+        link, node = steps * n, (rounds + folds // 2) * n
     else:  # ring: reduce-scatter then all-gather, P - 1 rounds each of N / P
         steps = 2 * (p - 1)
         link = node = 2 * (p - 1) / p * n
@@ -133,6 +159,11 @@ def plan(nodes: int, params: float, grad_bytes: int, network: Network, compute_s
     """Step time of every algorithm: ``compute_s + (1 - overlap) * exchange``; efficiency = compute_s / step time
     (weak scaling: each node keeps its batch, so 1.0 is perfect linear speed-up)."""
     _check_nodes(nodes)
+    _check_real(params, "params")
+    _check_real(compute_s, "compute_s")
+    _check_real(overlap, "overlap")
+    _check_network(network)
+    _check_servers(servers)
     if not (math.isfinite(params) and params > 0):
         raise ValueError(f"params must be a number > 0; got {params}")
     if grad_bytes not in (2, 4):
@@ -157,7 +188,7 @@ def best(rows: list[PlanRow]) -> PlanRow:
 def efficiency_curve(node_counts, params, grad_bytes, network, compute_s, **kwargs) -> dict[str, list[float]]:
     """algorithm -> scaling efficiency at each of ``node_counts``."""
     curves = {a: [] for a in ALGORITHMS}
-    for p in node_counts:
+    for p in list(node_counts):
         for row in plan(p, params, grad_bytes, network, compute_s, **kwargs):
             curves[row.cost.algorithm].append(row.efficiency)
     return curves
@@ -253,17 +284,33 @@ def parse_dtype(text: str) -> int:
 
 # ---- calibration ------------------------------------------------------------------------------------------------
 
+def _checked_samples(where: str, samples) -> list:
+    """``samples`` as a list, each checked: a measurement of a network (nodes >= 2) that took a finite time > 0."""
+    checked = []
+    for i, sample in enumerate(samples):
+        algorithm, nodes, nbytes, seconds = sample
+        _check_real(seconds, f"{where}: sample {i} {sample!r}: measured seconds")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{where}: sample {i} {sample!r}: measured seconds must be a finite number > 0; got "
+                             f"{seconds}")
+        _check_nodes(nodes)
+        if nodes < 2:
+            raise ValueError(f"{where}: sample {i} {sample!r}: nodes must be >= 2 (one node exchanges nothing, so its "
+                             f"time says nothing about the network); got {nodes}")
+        checked.append(sample)
+    return checked
+
+
 def fit_network(samples) -> Network:
     """Fits alpha and the bandwidth to measured exchanges.
 
     ``samples``: iterable of ``(algorithm, nodes, nbytes, seconds)``. Each predicts ``steps * alpha + link_bytes *
     (1/B)``, linear in (alpha, 1/B); the fit minimises the sum of squared *relative* errors (small and large
-    messages count alike) with both parameters kept >= 0.
+    messages count alike) with both parameters kept >= 0. Every sample needs ``nodes >= 2`` and a finite
+    ``seconds > 0`` (ValueError naming the sample otherwise).
     """
     rows = []
-    for algorithm, nodes, nbytes, seconds in samples:
-        if not seconds > 0:
-            raise ValueError(f"fit_network: measured seconds must be > 0; got {seconds}")
+    for algorithm, nodes, nbytes, seconds in _checked_samples("fit_network", samples):
         c = exchange_cost(algorithm, nodes, nbytes, Network(0.0, 1.0))
         rows.append((c.steps / seconds, c.link_bytes / seconds))  # divide by t: relative error
     if len(rows) < 2:
@@ -288,14 +335,22 @@ def fit_network(samples) -> Network:
 
 
 def model_errors(samples, network: Network) -> list[float]:
-    """Relative error (model - measured) / measured of each ``(algorithm, nodes, nbytes, seconds)`` sample."""
+    """Relative error (model - measured) / measured of each ``(algorithm, nodes, nbytes, seconds)`` sample (checked
+    as :func:`fit_network` checks them)."""
+    samples = _checked_samples("model_errors", samples)
     return [(exchange_cost(a, p, n, network).time_s - t) / t for a, p, n, t in samples]
 
 
 def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> float:
     """Median seconds of one gloo ``all_reduce`` or ``broadcast`` (from rank 0) of ``nbytes`` of float32 in the
     initialized torch.distributed group, after a warm-up; a barrier before each timed call. Every rank must call it
-    with the same arguments."""
+    with the same arguments. ``nbytes``: an integer >= 4 (one float32); ``repeats``: an integer >= 1."""
+    for name, value, least in (("nbytes", nbytes, 4), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"time_collective: {name} must be an integer >= {least}; got {type(value).__name__} "
+                            f"{value!r}")
+        if value < least:
+            raise ValueError(f"time_collective: {name} must be an integer >= {least}; got {value}")
     import time
 
     import torch
@@ -327,6 +382,7 @@ def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    node_counts = list(node_counts)  # drawn twice (curves, x axis): a generator would be spent after the first
     curves = efficiency_curve(node_counts, params, grad_bytes, network, compute_s, servers=servers, overlap=overlap)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for algorithm, values in curves.items():

@@ -11,6 +11,7 @@ resumed run sees exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -35,12 +36,23 @@ class Dataset:
         return self.x_train.shape[0]
 
     def steps_per_epoch(self, batch_size: int) -> int:
-        """Full batches per pass over the training split (the last partial batch is dropped)."""
+        """Full batches per pass over the training split (the last partial batch is dropped; 0 when
+        ``batch_size`` exceeds the split)."""
+        _check_int(batch_size, "batch_size", 1)
         return self.train_size // batch_size
 
-    def batch(self, step: int, batch_size: int, seed: int):
-        """The batch of global step ``step`` (0-based): epoch ``step // steps_per_epoch`` of a per-epoch shuffle."""
+    def _check_batch(self, batch_size: int) -> int:
         per_epoch = self.steps_per_epoch(batch_size)
+        if per_epoch < 1:
+            raise ValueError(f"batch_size must be at most the {self.name} training split's {self.train_size} samples "
+                             f"(the last partial batch is dropped); got {batch_size}")
+        return per_epoch
+
+    def batch(self, step: int, batch_size: int, seed: int):
+        """The batch of global step ``step`` (0-based): epoch ``step // steps_per_epoch`` of a per-epoch shuffle.
+        ``step >= 0``; ``1 <= batch_size <= train_size``."""
+        _check_int(step, "step", 0)
+        per_epoch = self._check_batch(batch_size)
         epoch, index = divmod(step, per_epoch)
         generator = torch.Generator().manual_seed(_mix(seed, epoch))
         order = torch.randperm(self.train_size, generator=generator)
@@ -49,7 +61,13 @@ class Dataset:
 
     def stream(self, start: int, batch_size: int, seed: int, skip=frozenset(), indices: list | None = None):
         """Batches of steps ``start, start + 1, ...`` without end (the caller stops), leaving out the steps in
-        ``skip``; the step of each batch yielded is appended to ``indices`` when given."""
+        ``skip``; the step of each batch yielded is appended to ``indices`` when given. The arguments are checked
+        here, not at the first batch (``start >= 0``, ``batch_size`` as in :meth:`batch`)."""
+        _check_int(start, "start", 0)
+        self._check_batch(batch_size)
+        return self._stream(start, batch_size, seed, skip, indices)
+
+    def _stream(self, start: int, batch_size: int, seed: int, skip, indices: list | None):
         step = start
         while True:
             if step not in skip:
@@ -59,16 +77,44 @@ class Dataset:
             step += 1
 
 
+def _check_int(value, what: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer >= {least}; got {type(value).__name__} {value!r}")
+    if value < least:
+        raise ValueError(f"{what} must be an integer >= {least}; got {value}")
+    return value
+
+
 def _mix(seed: int, epoch: int) -> int:
     return (seed * 1_000_003 + epoch * 7919 + 12345) % (2**63 - 1)
 
 
-def load(name: str, *, seed: int = 0, split_seed: int = 0, test_fraction: float = 0.2, **kwargs) -> Dataset:
+TOKENS_OPTIONS = ("train", "test", "seq_len", "vocab", "p_follow")
+
+
+def load(name: str, *, split_seed: int = 0, test_fraction: float | None = None, **kwargs) -> Dataset:
+    """The dataset ``name``. ``split_seed`` fixes the data (digits: its held-out split; tokens: the chain and the
+    sequences); the training seed does not enter (it orders the batches: :meth:`Dataset.batch`). digits:
+    ``test_fraction`` (default 0.2); tokens: the options of :func:`synthetic_tokens` (``train=``, ``test=``, ...).
+    An argument the dataset does not use is refused (TypeError)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
+    if "seed" in kwargs:
+        raise TypeError(f"load: no seed argument (the training seed orders the batches, Dataset.batch(step, "
+                        f"batch_size, seed); the data is fixed by split_seed); got seed={kwargs['seed']!r}")
     if name == "digits":
-        return load_digits(split_seed=split_seed, test_fraction=test_fraction)
-    if name == "tokens":
-        return synthetic_tokens(seed=split_seed, **kwargs)
-    raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
+        if kwargs:
+            raise TypeError(f"load('digits'): unexpected argument(s) {', '.join(sorted(kwargs))}; digits takes "
+                            f"split_seed and test_fraction")
+        return load_digits(split_seed=split_seed, test_fraction=0.2 if test_fraction is None else test_fraction)
+    if test_fraction is not None:
+        raise TypeError(f"load('tokens'): test_fraction does not apply (the split is train= and test= sequences); "
+                        f"got test_fraction={test_fraction!r}")
+    unknown = sorted(set(kwargs) - set(TOKENS_OPTIONS))
+    if unknown:
+        raise TypeError(f"load('tokens'): unexpected argument(s) {', '.join(unknown)}; tokens takes split_seed and "
+                        f"{', '.join(TOKENS_OPTIONS)}")
+    return synthetic_tokens(seed=split_seed, **kwargs)
 
 
 def load_digits(split_seed: int = 0, test_fraction: float = 0.2) -> Dataset:
@@ -89,7 +135,15 @@ def load_digits(split_seed: int = 0, test_fraction: float = 0.2) -> Dataset:
 
 def synthetic_tokens(seed: int = 0, *, train: int = 4096, test: int = 512, seq_len: int = 64, vocab: int = 256,
                      p_follow: float = 0.8) -> Dataset:
-    """Sequences from a random bigram chain: next = succ[token] with probability ``p_follow``, else uniform."""
+    """Sequences from a random bigram chain: next = succ[token] with probability ``p_follow``, else uniform.
+    ``train``, ``test``, ``seq_len`` and ``vocab`` are integers >= 1, ``0 <= p_follow <= 1``."""
+    for what, value in (("train", train), ("test", test), ("seq_len", seq_len), ("vocab", vocab)):
+        _check_int(value, f"synthetic_tokens: {what}", 1)
+    if isinstance(p_follow, bool) or not isinstance(p_follow, numbers.Real):
+        raise TypeError(f"synthetic_tokens: p_follow must be a probability in [0, 1]; got {type(p_follow).__name__} "
+                        f"{p_follow!r}")
+    if not 0 <= p_follow <= 1:
+        raise ValueError(f"synthetic_tokens: p_follow must be a probability in [0, 1]; got {p_follow}")
     g = torch.Generator().manual_seed(10_007 + seed)
     successor = torch.randperm(vocab, generator=g)
     n = train + test

@@ -105,13 +105,20 @@ def as_layers(model: nn.Module) -> nn.Sequential:
 
 
 def build(name: str, dataset, seed: int, hidden: int | None = None) -> nn.Module:
-    """The model ``name`` sized for ``dataset``, initialised from ``seed``."""
+    """The model ``name`` sized for ``dataset`` (of the model's task: ``TASK_OF_MODEL``), initialised from ``seed``.
+    ``hidden``: the width (None: 256 for the MLP, 128 for the transformer), an integer >= 1."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+    if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1):
+        raise ValueError(f"build: hidden must be None (the model's default width) or an integer >= 1; got {hidden!r}")
+    task = TASK_OF_MODEL[name]
+    if dataset.task != task:
+        raise ValueError(f"build: model {name!r} needs a dataset of task {task!r}; got {dataset.name!r} of task "
+                         f"{dataset.task!r}")
     torch.manual_seed(seed)
     if name == "mlp":
-        return MLP(dataset.info["features"], hidden or 256, dataset.info["classes"])
-    if name == "transformer":
-        return TinyTransformer(dataset.info["vocab"], dataset.info["seq_len"], d=hidden or 128)
-    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+        return MLP(dataset.info["features"], 256 if hidden is None else hidden, dataset.info["classes"])
+    return TinyTransformer(dataset.info["vocab"], dataset.info["seq_len"], d=128 if hidden is None else hidden)
 
 
 def loss_fn(model, batch):
@@ -123,7 +130,13 @@ def loss_fn(model, batch):
 
 @torch.no_grad()
 def evaluate(model, x, y, batch_size: int = 512) -> dict:
-    """Held-out mean loss and accuracy (per sample for classification, per token for the LM)."""
+    """Held-out mean loss and accuracy (per sample for classification, per token for the LM) of a non-empty set,
+    ``batch_size`` (an integer >= 1) samples at a time."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"evaluate: batch_size must be an integer >= 1; got {batch_size!r}")
+    if x.shape[0] == 0 or y.numel() == 0:
+        raise ValueError(f"evaluate: the evaluation set is empty (x of shape {tuple(x.shape)}, y of shape "
+                         f"{tuple(y.shape)}); expected at least one sample")
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for i in range(0, x.shape[0], batch_size):

@@ -1096,7 +1096,7 @@ def test_under_torchrun_command_lines_alike_once_resolved_train_together(tmp_pat
     updates as --epochs), and a hybrid rank's --microbatches is its own (a memory setting: the same step)."""
     from pyengine import data
 
-    per_epoch = data.load("digits", seed=0).steps_per_epoch(32)
+    per_epoch = data.load("digits").steps_per_epoch(32)
     common = [*SHORT[:4], "--devices", "cpu", "--workers", "1", "--quiet", "--out", str(tmp_path / "run")]
     argvs = [[*common, "--epochs", "1", "--checkpoint-every", str(per_epoch), "--microbatches", "2"],
              [*common, "--steps", str(per_epoch)]]

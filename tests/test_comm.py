@@ -219,3 +219,111 @@ def test_bench_comm_under_torchrun_measures_the_launched_group_and_checks_nomina
     bad = subprocess.run([sys.executable, str(repo / "bench" / "bench_comm.py"), "--bandwidth", "10Gbit"],
                          capture_output=True, text=True, timeout=60, cwd=repo)
     assert bad.returncode != 0 and "torchrun" in bad.stderr
+
+
+def _recursive_doubling_sends(p: int) -> tuple[int, float]:
+    """Rounds and the most messages (of N bytes) one node sends in recursive doubling with fold-in and fold-out
+    (MPICH's scheme for a P that is no power of two), simulated message by message."""
+    k = p.bit_length() - 1
+    extra = p - (1 << k)
+    sent, rounds = [0] * p, 0
+    schedule = ([[(1 << k) + i for i in range(extra)]] if extra else []) + \
+        [list(range(1 << k)) for _ in range(k)] + ([list(range(extra))] if extra else [])
+    for senders in schedule:  # fold in (extra node -> partner), k exchange rounds (everyone), fold out (partner)
+        rounds += 1
+        for s in senders:
+            sent[s] += 1
+    return rounds, max(sent)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 7, 8, 9, 12, 100, 1000])
+def test_butterfly_busiest_worker_sends_one_message_per_round_it_sends_in(p, nbytes):
+    """A partner of an extra node receives the fold-in and sends in every exchange round and the fold-out:
+    (floor(log2 P) + 1) N, not (floor(log2 P) + 2) N (it once counted every round); steps and link bytes keep the
+    fold-in."""
+    rounds, sends = _recursive_doubling_sends(p)
+    fly = comm.exchange_cost("butterfly", p, nbytes, NET)
+    assert fly.steps == rounds
+    assert fly.link_bytes == pytest.approx(rounds * nbytes, rel=1e-12)
+    assert fly.node_bytes == pytest.approx(sends * nbytes, rel=1e-12)
+    assert fly.node_bytes == pytest.approx(((p.bit_length() - 1) + (p & (p - 1) != 0)) * nbytes, rel=1e-12)
+
+
+def test_plan_command_prints_the_butterfly_sends_of_three_nodes(capsys):
+    assert main(["plan", "--nodes", "3", "--params", "1e9", "--bandwidth", "25Gbit", "--compute-ms", "100"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("butterfly"))
+    assert row.split()[1:6] == ["3", "8.00", "GB", "12.00", "GB"], row  # sends 2 N of 4 GB; 3 rounds of N
+
+
+@pytest.mark.parametrize("bad,message", [
+    (("ring", 2, 1e7, float("inf")), r"sample 2 \('ring', 2, 10000000.0, inf\): measured seconds must be a finite"),
+    (("ring", 2, 1e7, float("nan")), "sample 2 .*measured seconds must be a finite number > 0; got nan"),
+    (("ring", 2, 1e7, 0.0), "sample 2 .*measured seconds must be a finite number > 0; got 0.0"),
+    (("ring", 2, 1e7, -1e-3), "sample 2 .*measured seconds must be a finite number > 0; got -0.001"),
+    (("ring", 1, 1e7, 1e-2), r"sample 2 \('ring', 1, 10000000.0, 0.01\): nodes must be >= 2 \(one node exchanges "
+                             r"nothing.*got 1"),
+])
+def test_fit_and_model_errors_refuse_a_sample_that_measures_no_network(bad, message):
+    """An infinite time once gave a made-up fit, a sample of one node counted as one of the two needed (and then a
+    wrong diagnosis), a zero time divided by zero in model_errors and a negative one gave a meaningless error."""
+    good = [("ring", 2, 1e3, 1e-3), ("ring", 2, 1e6, 1e-2)]
+    with pytest.raises(ValueError, match="fit_network: " + message):
+        comm.fit_network([*good, bad])
+    with pytest.raises(ValueError, match="model_errors: " + message):
+        comm.model_errors([*good, bad], NET)
+    with pytest.raises(TypeError, match=r"fit_network: sample 0 .*measured seconds must be a number; got str"):
+        comm.fit_network([("ring", 2, 1e3, "1ms"), *good])
+
+
+@pytest.mark.parametrize("algorithm", comm.ALGORITHMS)
+@pytest.mark.parametrize("nodes", [1, 4])
+@pytest.mark.parametrize("servers", [0, -5, 2.0, True, "2"])
+def test_servers_is_checked_whatever_the_algorithm_and_node_count(algorithm, nodes, servers):
+    """plan(1 node, servers=-5) once printed "ps (-5 shards)"; exchange_cost took a bad servers for every algorithm
+    but ps-sharded on more than one node."""
+    with pytest.raises(ValueError, match=r"servers must be None \(one shard per node\) or an integer >= 1; got "):
+        comm.exchange_cost(algorithm, nodes, 1e6, NET, servers)
+    with pytest.raises(ValueError, match="servers must be None"):
+        comm.plan(nodes, 1e9, 4, NET, 0.1, servers=servers)
+    assert comm.exchange_cost(algorithm, nodes, 1e6, NET, 3).nodes == nodes  # a good one: as before
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: comm.plan(4, "1e9", 4, NET, 0.1), "params must be a number; got str '1e9'"),
+    (lambda: comm.plan(4, 1e9, 4, NET, "0.1"), "compute_s must be a number; got str '0.1'"),
+    (lambda: comm.plan(4, 1e9, 4, NET, 0.1, overlap=None), "overlap must be a number; got NoneType None"),
+    (lambda: comm.plan(4, 1e9, 4, None, 0.1), r"network must be a comm.Network\(alpha, bandwidth\); got NoneType"),
+    (lambda: comm.plan(4, 1e9, 4, (5e-6, 1e9), 0.1), "network must be a comm.Network.*; got tuple"),
+    (lambda: comm.exchange_cost("ring", 4, "1e6", NET), "nbytes must be a number; got str '1e6'"),
+    (lambda: comm.exchange_cost("ring", 4, 1e6, None), "network must be a comm.Network"),
+    (lambda: comm.Network("5us", 1e9), r"Network: alpha \(latency, s\) must be a number; got str '5us'"),
+    (lambda: comm.Network(5e-6, "25Gbit"), r"Network: bandwidth \(bytes/s\) must be a number; got str '25Gbit'"),
+])
+def test_a_wrong_type_is_a_type_error_naming_the_argument(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(nbytes=4000, repeats=0), ValueError, "repeats must be an integer >= 1; got 0"),
+    (dict(nbytes=4000, repeats=-3), ValueError, "repeats must be an integer >= 1; got -3"),
+    (dict(nbytes=4000, repeats=2.0), TypeError, "repeats must be an integer >= 1; got float 2.0"),
+    (dict(nbytes=4e3, repeats=3), TypeError, "nbytes must be an integer >= 4; got float 4000.0"),
+    (dict(nbytes=-100, repeats=3), ValueError, "nbytes must be an integer >= 4; got -100"),
+    (dict(nbytes=2, repeats=3), ValueError, "nbytes must be an integer >= 4; got 2"),
+])
+def test_time_collective_checks_its_arguments_first(kwargs, error, message):
+    """Before any collective (so no process group is needed here): repeats=0 once failed with an IndexError after
+    the collectives, a float nbytes in torch.ones and a negative one timed a one-element tensor."""
+    with pytest.raises(error, match="time_collective: " + message):
+        comm.time_collective("all_reduce", **kwargs)
+
+
+def test_plot_and_curve_take_node_counts_from_a_generator(tmp_path):
+    """A generator of node counts once reached matplotlib spent (or as a generator: "does not support generators")."""
+    counts = [2 ** i for i in range(7)]
+    curves = comm.plot_efficiency(tmp_path / "e.png", (c for c in counts), 1.3e9, 2, NET, 0.3)
+    assert curves == comm.efficiency_curve(counts, 1.3e9, 2, NET, 0.3)
+    assert curves == comm.efficiency_curve(iter(counts), 1.3e9, 2, NET, 0.3)
+    assert all(len(v) == len(counts) for v in curves.values())
+    assert (tmp_path / "e.png").read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,147 @@
+"""The embedded datasets (pyengine.data) and the CLI's models (pyengine.models): argument checks of the API."""
+import pytest
+import torch
+
+from pyengine import data, models
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return data.load("digits")
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return data.synthetic_tokens(train=16, test=8, seq_len=8, vocab=16)
+
+
+@pytest.mark.parametrize("args,error,message", [
+    ((0, 10_000, 0), ValueError, "batch_size must be at most the digits training split's 1437 samples .*; got 10000"),
+    ((0, 1438, 0), ValueError, "batch_size must be at most .*; got 1438"),
+    ((0, 0, 0), ValueError, "batch_size must be an integer >= 1; got 0"),
+    ((0, -4, 0), ValueError, "batch_size must be an integer >= 1; got -4"),
+    ((0, 32.0, 0), TypeError, "batch_size must be an integer >= 1; got float 32.0"),
+    ((-1, 64, 0), ValueError, "step must be an integer >= 0; got -1"),
+    ((1.5, 64, 0), TypeError, "step must be an integer >= 0; got float 1.5"),
+])
+def test_batch_refuses_a_batch_size_or_step_out_of_range(digits, args, error, message):
+    """A batch larger than the split (or 0) once divided by zero; step -1 gave a batch of the last epoch's end."""
+    with pytest.raises(error, match=message):
+        digits.batch(*args)
+
+
+def test_batch_and_stream_at_the_edges(digits):
+    x, y = digits.batch(0, digits.train_size, 3)  # the whole split is one batch
+    assert x.shape[0] == digits.train_size and sorted(y.tolist()) == sorted(digits.y_train.tolist())
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1; got 0"):
+        digits.steps_per_epoch(0)
+    assert digits.steps_per_epoch(digits.train_size + 1) == 0  # the CLI's "no full batch" check reads this
+    taken = []
+    stream = digits.stream(5, 64, 1, skip={6}, indices=taken)
+    for expected in (5, 7):
+        assert torch.equal(next(stream)[0], digits.batch(expected, 64, 1)[0])
+    assert taken == [5, 7]
+
+
+@pytest.mark.parametrize("args,error,message", [
+    ((-1, 64, 0), ValueError, "start must be an integer >= 0; got -1"),
+    (("0", 64, 0), TypeError, "start must be an integer >= 0; got str '0'"),
+    ((0, 0, 0), ValueError, "batch_size must be an integer >= 1; got 0"),
+    ((0, 10_000, 0), ValueError, "batch_size must be at most"),
+])
+def test_stream_checks_its_arguments_when_called(digits, args, error, message):
+    """A negative start once streamed the batches of "steps" -1, 0, ...; the checks run at the call, not at the
+    first batch."""
+    with pytest.raises(error, match=message):
+        digits.stream(*args)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(train=-1), ValueError, "synthetic_tokens: train must be an integer >= 1; got -1"),
+    (dict(train=0), ValueError, "synthetic_tokens: train must be an integer >= 1; got 0"),
+    (dict(test=0), ValueError, "synthetic_tokens: test must be an integer >= 1; got 0"),
+    (dict(seq_len=0), ValueError, "synthetic_tokens: seq_len must be an integer >= 1; got 0"),
+    (dict(vocab=0), ValueError, "synthetic_tokens: vocab must be an integer >= 1; got 0"),
+    (dict(vocab=16.0), TypeError, "synthetic_tokens: vocab must be an integer >= 1; got float 16.0"),
+    (dict(p_follow=1.5), ValueError, r"synthetic_tokens: p_follow must be a probability in \[0, 1\]; got 1.5"),
+    (dict(p_follow=-0.1), ValueError, r"synthetic_tokens: p_follow must be a probability in \[0, 1\]; got -0.1"),
+    (dict(p_follow=float("nan")), ValueError, "p_follow must be a probability .*; got nan"),
+    (dict(p_follow="0.8"), TypeError, "p_follow must be a probability .*; got str '0.8'"),
+])
+def test_synthetic_tokens_refuses_sizes_below_one_and_a_probability_outside_0_1(kwargs, error, message):
+    """train=-1 once gave a split of 6 and 1 sequences whose info said train=-1; p_follow=1.5 was recorded as
+    given; vocab=0 failed inside torch."""
+    with pytest.raises(error, match=message):
+        data.synthetic_tokens(**{"train": 8, "test": 8, "seq_len": 4, "vocab": 8, **kwargs})
+
+
+def test_synthetic_tokens_at_the_edges():
+    one = data.synthetic_tokens(train=1, test=1, seq_len=1, vocab=1, p_follow=0)
+    assert one.x_train.shape == (1, 1) and one.x_test.shape == (1, 1)
+    always = data.synthetic_tokens(train=4, test=1, seq_len=6, vocab=8, p_follow=1)
+    assert len({(a, b) for a, b in zip(always.x_train.flatten().tolist(), always.y_train.flatten().tolist())}) <= 8
+
+
+@pytest.mark.parametrize("name,kwargs,message", [
+    ("tokens", dict(seed=1), "load: no seed argument .*split_seed.*; got seed=1"),
+    ("digits", dict(seed=0), "load: no seed argument"),
+    ("digits", dict(train=10, vocab=3), r"load\('digits'\): unexpected argument\(s\) train, vocab; digits takes "
+                                        "split_seed and test_fraction"),
+    ("tokens", dict(test_fraction=0.5), r"load\('tokens'\): test_fraction does not apply .*; got test_fraction=0.5"),
+    ("tokens", dict(classes=3), r"load\('tokens'\): unexpected argument\(s\) classes; tokens takes split_seed and "
+                                "train, test, seq_len, vocab, p_follow"),
+])
+def test_load_refuses_an_argument_the_dataset_does_not_use(name, kwargs, message):
+    """load once took a seed it never used (two seeds, the same tokens), dropped digits' other arguments and the
+    tokens' test_fraction without a word."""
+    with pytest.raises(TypeError, match=message):
+        data.load(name, **kwargs)
+
+
+def test_load_passes_on_what_each_dataset_uses():
+    small = data.load("tokens", split_seed=1, train=8, test=4, seq_len=5, vocab=7)
+    assert small.x_train.shape == (8, 5) and small.x_test.shape == (4, 5) and small.info["vocab"] == 7
+    assert not torch.equal(small.x_train, data.load("tokens", split_seed=2, train=8, test=4, seq_len=5,
+                                                    vocab=7).x_train)
+    half = data.load("digits", test_fraction=0.5)
+    assert half.x_test.shape[0] in (898, 899) and data.load("digits").x_test.shape[0] == 360
+    with pytest.raises(ValueError, match="unknown dataset 'mnist'"):
+        data.load("mnist")
+
+
+def test_evaluate_refuses_an_empty_set_and_a_batch_size_below_one(digits):
+    """An empty set once divided by zero; batch_size 0 failed inside range()."""
+    model = models.build("mlp", digits, 0, hidden=8)
+    with pytest.raises(ValueError, match=r"evaluate: the evaluation set is empty \(x of shape \(0, 64\), y of shape "
+                                         r"\(0,\)\); expected at least one sample"):
+        models.evaluate(model, digits.x_test[:0], digits.y_test[:0])
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=f"evaluate: batch_size must be an integer >= 1; got {bad}"):
+            models.evaluate(model, digits.x_test, digits.y_test, batch_size=bad)
+    whole = models.evaluate(model, digits.x_test, digits.y_test)
+    one_by_one = models.evaluate(model, digits.x_test[:3], digits.y_test[:3], batch_size=1)
+    assert 0 <= whole["test_accuracy"] <= 1 and one_by_one["test_loss"] > 0
+
+
+@pytest.mark.parametrize("hidden", [0, -8, 8.0, True])
+def test_build_refuses_a_width_below_one(digits, tokens, hidden):
+    """hidden=0 once built the default width 256 (``hidden or 256``)."""
+    for name, dataset in (("mlp", digits), ("transformer", tokens)):
+        with pytest.raises(ValueError, match=r"build: hidden must be None \(the model's default width\) or an integer "
+                                             f">= 1; got {hidden!r}"):
+            models.build(name, dataset, 0, hidden)
+    assert models.build("mlp", digits, 0).net[0].out_features == 256
+    assert models.build("mlp", digits, 0, 1).net[0].out_features == 1
+    assert models.build("transformer", tokens, 0).tok.embedding_dim == 128
+
+
+def test_build_refuses_a_dataset_of_another_task(digits, tokens):
+    """An MLP on the tokens once failed with KeyError: 'features' (a transformer on digits with KeyError: 'vocab')."""
+    with pytest.raises(ValueError, match="build: model 'mlp' needs a dataset of task 'classify'; got 'tokens' of "
+                                         "task 'lm'"):
+        models.build("mlp", tokens, 0)
+    with pytest.raises(ValueError, match="build: model 'transformer' needs a dataset of task 'lm'; got 'digits' of "
+                                         "task 'classify'"):
+        models.build("transformer", digits, 0)
+    with pytest.raises(ValueError, match="unknown model 'cnn'"):
+        models.build("cnn", digits, 0)
