@@ -231,27 +231,39 @@ void check_update_args(const UpdateArgs& a) {
   check_no_overlap(std::move(outputs), inputs);
 }
 
+namespace {
+// float(x) for an update scalar: the kernels compute in float32, and narrowing a double beyond float's range is
+// undefined behaviour (lr = 1e300 was accepted and wrote -inf into the weights).
+float narrowed(double x, const char* what) {
+  TORCH_CHECK_VALUE(std::abs(x) <= static_cast<double>(std::numeric_limits<float>::max()), what, " = ", x,
+                    " is beyond float32's range (the update computes in float32)");
+  return static_cast<float>(x);
+}
+}  // namespace
+
 UpdateScalars make_update_scalars(const UpdateArgs& a) {
   const AdamWHyper& h = a.hyper;
   const double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
   const double mean_mult = a.weights.has_value() ? 1.0 : 1.0 / static_cast<double>(a.num_workers());
   UpdateScalars s{};
-  s.lr = static_cast<float>(h.lr);
+  s.lr = narrowed(h.lr, "lr");
   s.beta1 = static_cast<float>(h.beta1);
   s.beta2 = static_cast<float>(h.beta2);
   s.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
   s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  s.eps = static_cast<float>(h.eps);
-  s.weight_decay = static_cast<float>(h.weight_decay);
-  s.step_size = static_cast<float>(h.lr / bias_correction1);
+  s.eps = narrowed(h.eps, "eps");
+  s.weight_decay = narrowed(h.weight_decay, "weight_decay");
+  s.step_size = narrowed(h.lr / bias_correction1, "lr / (1 - beta1^step)");
   s.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
-  s.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  s.decay = narrowed(1.0 - h.lr * h.weight_decay, "1 - lr * weight_decay");
   s.grad_mult = static_cast<float>(h.maximize ? -mean_mult : mean_mult);
   // A positive bound below float's range must still clip (to ~0), not turn clipping off by rounding to 0.
-  s.max_grad_norm = h.max_grad_norm > 0.0
-      ? std::max(static_cast<float>(h.max_grad_norm), std::numeric_limits<float>::denorm_min())
-      : 0.0f;
+  // Beyond float's range (finite or not): a bound no float norm reaches, infinity.
+  s.max_grad_norm = h.max_grad_norm > static_cast<double>(std::numeric_limits<float>::max())
+      ? std::numeric_limits<float>::infinity()
+      : h.max_grad_norm > 0.0 ? std::max(static_cast<float>(h.max_grad_norm), std::numeric_limits<float>::denorm_min())
+                              : 0.0f;
   s.adamw = h.adamw;
   s.amsgrad = h.amsgrad;
   return s;

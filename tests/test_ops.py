@@ -453,7 +453,27 @@ BAD_CALLS = {
                              r"max_exp_avg_sq must be float32"),
     "max_exp_avg_sq is exp_avg_sq": (_amsgrad_with(lambda a: a["exp_avg_sq"]), r"overlap"),
     "max_grad_norm None": (_set("max_grad_norm", None), r"max_grad_norm must be a number > 0"),
+    # the kernels compute in float32: a double beyond its range was narrowed (undefined; -inf in the weights)
+    "lr beyond float32": (_set("lr", 1e300), r"lr = 1e\+300 is beyond float32's range"),
+    "eps beyond float32": (_set("eps", 1e39), r"eps = 1e\+39 is beyond float32's range"),
+    "lr x weight_decay beyond float32": (lambda a: a.update(lr=1e30, weight_decay=1e30),
+                                         r"1 - lr \* weight_decay = .* is beyond float32's range"),
+    "lr / bias correction beyond float32": (lambda a: a.update(lr=1e38, beta1=0.9),
+                                            r"lr / \(1 - beta1\^step\) = .* is beyond float32's range"),
 }
+
+
+def test_a_clipping_bound_beyond_float32_does_not_clip(device):
+    """max_grad_norm past float's range (finite) was narrowed to float (undefined behaviour); it is a bound no norm
+    reaches: the same bits as no clipping."""
+    clipped = valid_call(device)
+    plain = {k: v.clone() for k, v in clipped.items() if isinstance(v, torch.Tensor)}
+    grads = [g.clone() for g in clipped["grads"]]
+    ops.mean_grad_adamw_(plain["param"], plain["exp_avg"], plain["exp_avg_sq"], grads, lr=1e-3, step=1)
+    ops.mean_grad_adamw_clipped_(clipped["param"], clipped["exp_avg"], clipped["exp_avg_sq"], clipped["grads"],
+                                 lr=1e-3, step=1, max_grad_norm=1e300)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(clipped[key], plain[key]), key
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))

@@ -757,9 +757,19 @@ def test_transfer_checks_its_arguments():
         with pytest.raises(ValueError, match="negative view"):
             transfer.launch(0, 1, *pair)
     assert torch.equal(dst, torch.full((5,), 9.0))
+    shared = torch.arange(1000.0)  # overlapping source and destination: memcpy's result is undefined
+    with pytest.raises(ValueError, match=r"srcs\[0\] and dsts\[0\] overlap in memory"):
+        transfer.launch(0, 1, [shared[:900]], [shared[100:]])
+    assert torch.equal(shared, torch.arange(1000.0))
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds .* got NaN"):
+        transfer.wait(0, 1, True, float("nan"))  # it returned at once, as a timeout
     transfer.launch(0, 1, [None], [dst])
     transfer.wait(0, 1, True)
     assert torch.count_nonzero(dst) == 0
+    empty = torch.zeros(0)  # zero elements: no memcpy/memset of a null pointer (found by UBSan)
+    transfer.launch(0, 0, [torch.zeros(0)], [empty])
+    transfer.launch(0, 0, [None], [empty])
+    assert transfer.wait(0, 0, True, 10.0)
     transfer.close()
     with pytest.raises(RuntimeError, match="closed"):
         transfer.launch(0, 0, [None], [dst])

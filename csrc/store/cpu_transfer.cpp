@@ -58,6 +58,7 @@ void copy_bytes(void* dst, const void* src, size_t nbytes) {
 }
 
 void copy_pair(const at::Tensor& src, const at::Tensor& dst) {
+  if (dst.nbytes() == 0) return;  // an empty tensor's data_ptr() may be null, which memcpy/memset must never get
   if (!src.defined()) {
     std::memset(dst.data_ptr(), 0, dst.nbytes());
     return;

@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 
 #include "nvtx.h"
 
@@ -29,6 +31,10 @@ void check_pair(const at::Tensor& src, const at::Tensor& dst, size_t i) {
                     "] must be float32, bfloat16 or float16; got ", src.scalar_type());
   TORCH_CHECK_VALUE(src.numel() == dst.numel(), "BucketTransfer: srcs[", i, "] has ", src.numel(),
                     " elements but dsts[", i, "] has ", dst.numel());
+  // Overlapping memory would make the copy's result depend on its order (memcpy's is undefined)
+  const auto s = reinterpret_cast<uintptr_t>(src.data_ptr()), d = reinterpret_cast<uintptr_t>(dst.data_ptr());
+  TORCH_CHECK_VALUE(src.nbytes() == 0 || s + src.nbytes() <= d || d + dst.nbytes() <= s, "BucketTransfer: srcs[",
+                    i, "] and dsts[", i, "] overlap in memory; a copy needs a destination of its own");
 }
 
 }  // namespace
@@ -83,6 +89,8 @@ void BucketTransfer::launch(int64_t channel, int64_t bucket, std::vector<at::Ten
 
 bool BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched, double timeout_s) {
   check_index(channel, bucket, "wait");
+  TORCH_CHECK_VALUE(!std::isnan(timeout_s), "BucketTransfer.wait: timeout_s must be a number of seconds (< 0: no "
+                    "timeout); got NaN");
   NvtxRange range(range_name("wait", channel, bucket));
   std::unique_lock<std::mutex> lock(mutex_);
   Counters& c = counters(channel, bucket);
