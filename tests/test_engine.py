@@ -793,17 +793,19 @@ def test_async_callback_error_is_raised_as_itself_and_the_push_keeps_its_statist
     """A callback that raises after a push was applied ends fit with its own error (as in sync and hybrid; it was a
     WorkerError naming worker 0), and the buffers keep that push's batch: BatchNorm counts every applied push of the
     source replica (the failure path put them back to before that push)."""
-    batches = make_batches(rng, 8, 8)
+    batches = make_batches(rng, 16, 8)
+    refused = []
 
-    def refuse_third(engine_, metrics):
-        if engine_.stats()["pushes"] == 3:
+    def refuse(engine_, metrics):  # a push of worker 0 (the source replica), the third push or a later one: with two
+        if metrics["worker"] == 0 and engine_.stats()["pushes"] >= 3:  # workers on a loaded machine worker 1 may
+            refused.append(engine_.stats()["pushes"])  # make the first three
             raise RuntimeError("the callback says stop")
 
     with Engine(make_bn_model(), loss_fn, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT)) as engine:
         with pytest.raises(RuntimeError, match="the callback says stop") as info:
-            engine.fit(batches, steps=20, callbacks=[refuse_third])
+            engine.fit(batches, steps=40, callbacks=[refuse])
         assert not isinstance(info.value, WorkerError)
-        assert engine.stats()["pushes"] == engine.version == 3
+        assert engine.stats()["pushes"] == engine.version == refused[0] >= 3
         counted = engine.buffers_state_dict()["1.num_batches_tracked"]
         assert counted == sum(1 for m in engine.history if m["worker"] == 0) >= 1
 
