@@ -246,6 +246,15 @@ if [[ -n ${DRY_RUN:-} ]]; then  # DRY_RUN=1: say which stages would run, in orde
   echo "stages in order: ${ORDER[*]}"
   exit 0
 fi
+# section FILE TITLE...: a benchmark's table under its title in the summary, when the benchmark wrote one.
+section() {
+  local file=$LOGS/$1
+  shift
+  [[ -s $file ]] || return 0
+  printf '\n## %s\n\n' "$*"
+  cat "$file"
+}
+
 # summary.md (the stages so far, the benchmarks' tables) and logs.tgz under $OUT: after every stage and at the end.
 finish() {
   [[ -n ${TORCH_VERSION:-} ]] || TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '?')
@@ -262,35 +271,12 @@ finish() {
     echo
     echo "stages run: ${STAGES[*]}"
     echo
-    if [[ -s "$LOGS/bench_cuda.md" ]]; then
-      echo "## CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
-      echo
-      cat "$LOGS/bench_cuda.md"
-    fi
-    if [[ -s "$LOGS/kernel_ab.md" ]]; then
-      echo
-      echo "## The update kernel's block shape (bench/cuda_kernel_ab.py; of copy: GB/s by single-pass bytes / copy GB/s)"
-      echo
-      cat "$LOGS/kernel_ab.md"
-    fi
-    if [[ -s "$LOGS/transfer.md" ]]; then
-      echo
-      echo "## Gradient transfer and engine on the GPU"
-      echo
-      cat "$LOGS/transfer.md"
-    fi
-    if [[ -s "$LOGS/arena.md" ]]; then
-      echo
-      echo "## The host arena's pages: the host update and D2H copies (bench/bench_arena.py)"
-      echo
-      cat "$LOGS/arena.md"
-    fi
-    if [[ -s "$LOGS/pipeline.md" ]]; then
-      echo
-      echo "## Pipeline stages as workers on one GPU"
-      echo
-      cat "$LOGS/pipeline.md"
-    fi
+    section bench_cuda.md "CUDA benchmark (ours vs stock; GB/s by single-pass bytes; copy = device dst.copy_(src))"
+    section kernel_ab.md "The update kernel's block shape (bench/cuda_kernel_ab.py; of copy: GB/s by single-pass" \
+      "bytes / copy GB/s)"
+    section transfer.md "Gradient transfer and engine on the GPU"
+    section arena.md "The host arena's pages: the host update and D2H copies (bench/bench_arena.py)"
+    section pipeline.md "Pipeline stages as workers on one GPU"
   } >"$SUMMARY"
   tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 }

@@ -233,8 +233,9 @@ def _gather_configs(group, rank: int, config: dict) -> list:
 # during finalization either. An engine freed just before the exit (a local of ``main()``, the script ending with a
 # checkpoint) drops its works with it, and gloo's thread may still hold the last one; so the exit also waits 50 ms
 # with the GIL released (atexit), in which such a thread takes the GIL and lets go. A precaution whose effect was
-# too small to measure: such a script aborted once in 20 exits, then in none of 85 without the wait and 70 with it. (Tested by reference: every collective of a step, a gather and a checkpoint is kept;
-# the exit itself is a race, measured in bench/RESULTS.md: 0 aborts in 70 runs of a 2-rank script, 5 in 40 before.)
+# too small to measure: such a script aborted once in 20 exits, then in none of 85 without the wait and 70 with it.
+# (Tested by reference: every collective of a step, a gather and a checkpoint is kept; the exit itself is a race,
+# measured in bench/RESULTS.md: 0 aborts in 70 runs of a 2-rank script, 5 in 40 before.)
 
 
 class KeptWorks:
@@ -286,11 +287,16 @@ def _keep_at_exit() -> None:
 atexit.register(_keep_at_exit)
 
 
+def _pickled(obj) -> torch.Tensor:
+    """``obj`` pickled into a uint8 tensor of its own (what the object exchanges below send)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).clone()
+
+
 def all_gather_object(obj, group, works: KeptWorks = _WORKS) -> list:
     """``torch.distributed.all_gather_object`` whose works are kept (torch's are not: Note [Gloo's works are
     released by the thread that waits]). Pickles: for the engine's own small dicts between the ranks of one job."""
     world = dist.get_world_size(group)
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).clone()
+    data = _pickled(obj)
     size, sizes = torch.tensor([data.numel()], dtype=torch.int64), torch.zeros(world, dtype=torch.int64)
     works.run(_all_gather_flat, sizes, size, group=group)
     longest = int(sizes.max())
@@ -307,7 +313,7 @@ def broadcast_object(obj, group, src: int = 0, works: KeptWorks = _WORKS):
     size = torch.zeros(1, dtype=torch.int64)
     data = None
     if dist.get_rank(group) == src:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).clone()
+        data = _pickled(obj)
         size[0] = data.numel()
     works.run(dist.broadcast, size, src=source, group=group)
     if data is None:
