@@ -178,7 +178,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                                copy_back=copy_back, applied=applied, worker=worker.index, version_at_pull=pulled,
                                version_at_apply=engine.version - int(applied), staleness=staleness,
                                loss_scale=scale, batches=ordinals)
-        engine.history.append(metrics)
+        engine._record(metrics)
         return metrics
 
     def pushed(worker) -> None:

@@ -868,7 +868,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                     loss_scale=None if cfg["loss_scale"] == "none" else cfg["loss_scale"],
                     accumulate=cfg["accumulate"] if mode == "async" else 1,
                     max_staleness=cfg["max_staleness"] if mode == "async" else None,
-                    staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin, **options)
+                    staleness_lr=cfg["staleness_lr"] if mode == "async" else "none", pin=pin,
+                    keep_history=0,  # every step's metrics go to metrics.jsonl (on_step): none held in memory
+                    **options)
     metrics_path = out / "metrics.jsonl"
     try:
         start_step, batches_done, elapsed_offset, applied_beyond = 0, 0, 0.0, set()

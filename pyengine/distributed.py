@@ -1236,7 +1236,7 @@ class AsyncServer:
                                    version_at_apply=engine.version - int(applied), staleness=staleness,
                                    server=self.rank, adam_step=step if applied else None, lr_step=step or None,
                                    loss_scale=scale)
-            engine.history.append(metrics)
+            engine._record(metrics)
             for callback in self.callbacks:
                 callback(engine, metrics)
             if self.rank == 0 and (engine.stop_requested or
@@ -1353,6 +1353,7 @@ class _AsyncClient:
         self.waiting: set[int] = set()  # the servers waiting for a header from this rank
         self.announced_wait = _ANNOUNCE_WAIT_S  # spent on the first failed exchange (Note [A timeout names the ...])
         self.sent_at = 0  # version at pull of the last push sent
+        self.acknowledged = 0  # the last of this fit's pushes that server 0 said it applied (push ids start at 1)
 
     def run(self, batches, epochs) -> None:
         try:
@@ -1465,9 +1466,12 @@ class _AsyncClient:
             self._exchange(dist.recv, text, server, "receive from")
         if status not in (_STOP, _ABORT):
             self.waiting.add(server)
-        history = self.engine.history
-        if server == 0 and applied and (not history or history[-1]["push_id"] != applied):
-            history.append(dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at))
+        # recorded once per push (headers repeat the last applied one); not looked up in the engine's history,
+        # which keep_history may have emptied
+        if server == 0 and applied and self.acknowledged != applied:
+            self.acknowledged = applied
+            self.engine._record(dict(push_id=int(applied), rank=self.rank, applied=True,
+                                     version_at_pull=self.sent_at))
         return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text), scale or None
 
     def _receive_state(self, server: int) -> tuple[float, int, float | None]:

@@ -91,6 +91,9 @@ class Engine:
             concurrent workers] in :mod:`pyengine.rng`).
         random_modules: module classes (besides dropout, RReLU and MultiheadAttention) whose forward draws random
             numbers, to be routed to the workers' own generators too.
+        keep_history: the most step (async: push) metrics :attr:`history` keeps, the oldest dropped first (each is
+            about 1 kB); None keeps every one. What :meth:`fit` returns comes from it: the metrics of its steps
+            that are still kept (callbacks see every one).
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
         eager_mb: gradients of at least this many MiB start their copy to the host as soon as they are ready, ahead of
             their bucket (None: whole buckets only); see :class:`~pyengine.GradientStreamer`.
@@ -147,10 +150,14 @@ class Engine:
                  nonfinite: str = "skip", accumulate: int = 1, max_staleness: int | None = None,
                  staleness_lr: str = "none", batch_schedule=None, pin="auto", process_group="auto",
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
-                 schedule: str = "1f1b", balance="params", loss_scale="auto", random_modules=()):
+                 schedule: str = "1f1b", balance="params", loss_scale="auto", random_modules=(),
+                 keep_history: int | None = None):
         try:  # this rank's own checks; a failure is reported to the other ranks (Note [Every rank's engine alike])
             self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                                 loss_fn)
+            if keep_history is not None and (not isinstance(keep_history, int) or isinstance(keep_history, bool)
+                                             or keep_history < 0):
+                raise ValueError(f"keep_history must be an integer >= 0 or None; got {keep_history!r}")
             check_mode_options(mode, stages, microbatches, schedule, balance)
             check_streamer_options(bucket_mb, first_bucket_mb, unused, eager_mb, who="Engine")
             check_pin(pin, who="Engine")
@@ -244,6 +251,8 @@ class Engine:
         self._async_run = None  # the async fit running now (asynchronous.AsyncRun), for close()
         self.recorder = PhaseRecorder()
         self.history: list[dict] = []
+        self.keep_history = keep_history
+        self._recorded = 0  # metrics recorded so far, the ones dropped from history included (fit counts with it)
         self._counters = collections.Counter()
         self._staleness = collections.Counter()
         # Note [One CPU worker runs on the calling thread] (submit_workers); async follows it too
@@ -361,7 +370,8 @@ class Engine:
         ``steps`` counts this call's steps (hybrid, sync) or pushes (async), whatever ran before. Each callback is
         called as ``callback(engine, metrics)`` after every step or push; a callback may call :meth:`stop` to end
         training after the current step (async: after the push being applied; the other workers' computations in
-        flight are discarded, their mini-batches not pushed). Returns the metrics of this call's steps.
+        flight are discarded, their mini-batches not pushed). Returns the metrics of this call's steps (the last
+        ``keep_history`` of them when the engine was given a bound).
         """
         with self.mutex:
             if self._fitting:
@@ -396,7 +406,7 @@ class Engine:
             warnings.warn(f"fit: epochs={epochs} over a one-shot iterator ({type(batches).__name__}): its first "
                           "pass uses it up, so later epochs get no batches; pass a list or a re-iterable (a "
                           "DataLoader)", RuntimeWarning, stacklevel=3)
-        start = len(self.history)
+        start = self._recorded
         if steps == 0:
             return []
         if self.mode == "async" and self.process_group is not None:
@@ -412,7 +422,7 @@ class Engine:
                     callback(self, metrics)
                 if self._stop.is_set():
                     break
-        done = len(self.history) - start
+        done = self._recorded - start
         # across processes an async client's history holds its own pushes, the servers' the run's (which `steps`
         # counts): a server says when the clients' batches ran out
         client = (self.mode == "async" and self.process_group is not None
@@ -421,7 +431,7 @@ class Engine:
             warnings.warn(f"fit: the batches ran out after {done} of the {steps} steps asked"
                           + (" (a one-shot iterator is not iterated again: pass a list or a DataLoader)" if one_shot
                              else ""), RuntimeWarning, stacklevel=3)
-        return self.history[start:]
+        return self.history[max(0, len(self.history) - done):] if done else []
 
     def stop(self) -> None:
         """Ends the running :meth:`fit` after the current step (for callbacks: early stopping, time budgets); async:
@@ -1066,7 +1076,11 @@ class Engine:
     # ---- internals --------------------------------------------------------------------------------------------
 
     def _record(self, metrics: dict) -> dict:
+        """Appends a step's (or push's) metrics to ``history``, dropping the oldest beyond ``keep_history``."""
         self.history.append(metrics)
+        self._recorded += 1
+        if self.keep_history is not None and len(self.history) > self.keep_history:
+            del self.history[:len(self.history) - self.keep_history]
         return metrics
 
     def _gather_stages(self) -> None:

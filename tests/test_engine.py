@@ -1931,3 +1931,43 @@ def test_autocast_with_a_weight_used_twice_is_reproducible(mode):
         again = run()
         assert all(torch.equal(first[k], again[k]) for k in first), \
             max((first[k] - again[k]).abs().max().item() for k in first)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
+def test_keep_history_bounds_the_history_and_fit_counts_every_step(rng, mode):
+    seen = []
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT),
+                keep_history=3) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # fit counts its steps, not the history's length: no "ran out" warning
+            returned = engine.fit(make_batches(rng, 10, 8), steps=10, callbacks=[lambda e, m: seen.append(m)])
+        assert len(seen) == 10, "callbacks see every step"
+        assert engine.history == seen[-3:] and returned == seen[-3:]
+        assert [m["step"] for m in returned] == [8, 9, 10]
+        returned = engine.fit(make_batches(rng, 2, 8))
+        assert [m["step"] for m in returned] == [11, 12] and returned == engine.history[-2:]
+        assert len(engine.history) == 3
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT),
+                keep_history=0) as engine:
+        assert engine.fit(make_batches(rng, 4, 8), steps=4) == [] == engine.history
+        assert engine.stats()["pushes" if mode == "async" else "steps"] == 4
+
+
+def test_a_callback_may_clear_the_history(rng):
+    """fit counted its steps by the history's length: a callback emptying it made fit warn that the batches ran out
+    and return nothing."""
+    def clear(engine, metrics):
+        if metrics["step"] == 4:
+            engine.history.clear()
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            returned = engine.fit(make_batches(rng, 6, 8), steps=6, callbacks=[clear])
+    assert [m["step"] for m in returned] == [5, 6]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "all"])
+def test_keep_history_must_be_a_count(bad):
+    with pytest.raises(ValueError, match="keep_history must be an integer >= 0 or None"):
+        Engine(make_model(), loss_fn, devices=["cpu"], keep_history=bad)
