@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -257,7 +258,10 @@ class Engine:
         self._staleness = collections.Counter()
         # Note [One CPU worker runs on the calling thread] (submit_workers); async follows it too
         self.inline_worker = len(self.devices) == 1 and self.devices[0].type == "cpu"
-        self._intra_op_threads = torch.get_num_threads()  # close() restores it (Note [Worker threads' count])
+        # close() restores it, and so does an engine dropped unclosed (Note [Worker threads' count])
+        self._intra_op_threads = torch.get_num_threads()
+        self._restore_threads = weakref.finalize(self, torch.set_num_threads, self._intra_op_threads)
+        self._restore_threads.atexit = False
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=set_worker_threads, initargs=(self.devices,))
@@ -795,7 +799,7 @@ class Engine:
             self.pipeline.close()
         for worker in self.workers:
             worker.close()
-        torch.set_num_threads(self._intra_op_threads)  # Note [Worker threads' count] (pyengine.workers)
+        self._restore_threads()  # torch.set_num_threads(self._intra_op_threads): Note [Worker threads' count]
 
     def __enter__(self):
         return self

@@ -162,7 +162,7 @@ def set_worker_threads(devices: list[torch.device]) -> None:
     ``torch.set_num_threads`` sets the calling thread's OpenMP count and also the count every thread started later
     begins with (ATen keeps the last value set on any thread). So after an engine's workers set theirs, a thread the
     user starts would run with the workers' share of the cores; :meth:`Engine.close` sets the count the constructing
-    thread had back (tested: tests/test_engine.py)."""
+    thread had back, and so does an engine collected without close() (a finalizer; tested: tests/test_engine.py)."""
     cpu_workers = sum(d.type == "cpu" for d in devices)
     if cpu_workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))

@@ -1616,6 +1616,17 @@ def test_close_gives_later_threads_the_callers_thread_count(rng, mode):
     assert _new_thread_count() == share + 1
 
 
+def test_an_engine_dropped_without_close_gives_later_threads_the_callers_thread_count(rng):
+    share = max(1, (os.cpu_count() or 1) // 4)
+    torch.set_num_threads(share + 1)
+    engine = Engine(make_model(), loss_fn, devices=["cpu"] * 4, pin=False)
+    engine.fit(make_batches(rng, 2, 8))
+    assert _new_thread_count() == share  # the premise: the effect exists
+    del engine
+    gc.collect()
+    assert _new_thread_count() == share + 1
+
+
 @pytest.mark.parametrize("workers,serial", [(2, True), (1, False)])
 def test_hybrid_host_ops_beside_cpu_workers_run_on_the_host_thread_alone(rng, monkeypatch, workers, serial):
     """Note [Host threads beside CPU workers]: the per-bucket norm and a small update run on the host thread alone
