@@ -1163,10 +1163,12 @@ def _load_resume(target: str) -> tuple[dict, Path]:
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         file = ckpt.latest(folder)
         if file is None:
-            saved_none = (f": the run there saved none (it ended before its first checkpoint), so there is nothing "
-                          f"to continue; start a new run (remove {path}, or choose another --out)"
-                          if _holds_run(path) else "")
-            raise UsageError(f"--resume {target}: no checkpoint (step-*.pyeckpt) in {folder}{saved_none}")
+            why = (f": the run there saved none (it ended before its first checkpoint), so there is nothing to "
+                   f"continue; start a new run (remove {path}, or choose another --out)" if _holds_run(path)
+                   else f": the folder is empty (a run stopped before it wrote anything?): start a new run with "
+                   f"--out {path}" if not any(path.iterdir())
+                   else ": --resume takes the directory of a pyengine train run or one of its checkpoint files")
+            raise UsageError(f"--resume {target}: no checkpoint (step-*.pyeckpt) in {folder}{why}")
     else:
         file = path
     file = Path(os.path.abspath(file))  # its folders name the run (a bare file name has none)
@@ -1380,6 +1382,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # before _StopFlag's handler is installed (or after it is gone): nothing to save
+        # Note [Ctrl-C while the data's libraries import]
+        # The digits come from scikit-learn, whose first import (scipy, numpy's submodules) takes a second or two. A
+        # KeyboardInterrupt raised inside it can leave a module half imported, and what surfaces is another error
+        # (a RecursionError in numpy's __getattr__, seen): so the data is loaded with the first Ctrl-C deferred
+        # (workers.deferred_interrupt), which then arrives here as a KeyboardInterrupt. A second one gets out at once.
         message = "interrupted before training started; nothing to save" if prog == PROG else "interrupted"
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
         return 130
@@ -1510,8 +1517,12 @@ def _checked(given: dict, world: int) -> tuple:
         raise UsageError(f"--batch-size {cfg['batch_size']} gives fewer than one sample to each of the {world} "
                          f"processes x {len(cfg['devices'])} workers")
     from . import data as data_mod
+    from .workers import deferred_interrupt
 
-    dataset = data_mod.load(cfg["data"])  # the data is fixed (split_seed); --seed orders the batches
+    # the data is fixed (split_seed); --seed orders the batches. A Ctrl-C waits for the load: Note [Ctrl-C while
+    # the data's libraries import]
+    with deferred_interrupt("loading the data"):
+        dataset = data_mod.load(cfg["data"])
     check_config(cfg, dataset.train_size)
     if cfg["mode"] in ("pipeline", "all"):
         from . import models

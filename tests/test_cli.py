@@ -615,6 +615,23 @@ def test_a_run_stopped_before_its_first_checkpoint_says_so_on_resume_and_on_out(
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing removed
 
 
+def test_resume_of_a_folder_without_a_run_says_what_to_do(tmp_path, capsys):
+    """A run killed after it made --out and before it wrote anything leaves an empty folder: --resume said "no
+    checkpoint" and nothing more."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train("--resume", str(empty), "--quiet") == 2
+    assert f"the folder is empty (a run stopped before it wrote anything?): start a new run with --out {empty}" in \
+        capsys.readouterr().err
+    assert train("--steps", "2", "--out", str(empty), "--quiet", *SHORT) == 0  # what it says works
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    assert train("--resume", str(other), "--quiet") == 2
+    assert "--resume takes the directory of a pyengine train run or one of its checkpoint files" in \
+        capsys.readouterr().err
+
+
 def test_the_printed_resume_command_pastes_into_a_shell(tmp_path, capsys):
     """The resume command of a failure in a folder with a space and parentheses is quoted for the shell."""
     import shlex
@@ -925,6 +942,57 @@ def test_ctrl_c_during_start_up_is_one_line_exit_130(tmp_path, capsys, monkeypat
         pytest.fail("KeyboardInterrupt escaped main (a traceback)")
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and err == ["pyengine train: interrupted before training started; nothing to save"], err
+    assert not out.exists()
+
+
+def test_ctrl_c_waits_for_the_data_to_load(tmp_path, capsys, monkeypatch):
+    """Note [Ctrl-C while the data's libraries import]: a Ctrl-C landing inside scikit-learn's first import left
+    numpy half imported and surfaced as a RecursionError traceback. Here a real SIGINT arrives while the data loads,
+    and the load turns a KeyboardInterrupt into the error numpy's import gave: deferred, it never sees one."""
+    import signal
+
+    import pyengine.data
+
+    real_load = pyengine.data.load
+
+    def load(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the interrupt is delivered here, unless deferred
+        except KeyboardInterrupt:
+            raise RecursionError("maximum recursion depth exceeded (a module left half imported)") from None
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(pyengine.data, "load", load)
+    out = tmp_path / "run"
+    code = train("--steps", "2", "--out", str(out), *SHORT)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and err == ["pyengine train: interrupted before training started; nothing to save"], err
+    assert not out.exists()
+
+
+def test_ctrl_c_while_python_m_pyengine_imports_the_package_waits_for_the_imports(tmp_path):
+    """A real SIGINT while `python -m pyengine` imports the package, inside an import that turns a KeyboardInterrupt
+    into another error (as numpy's did): deferred until the imports are done, then one line, exit 130."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal, sys, time\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'pyengine.engine':\n"
+        "            try:\n"
+        "                os.kill(os.getpid(), signal.SIGINT)\n"
+        "                time.sleep(0.2)\n"
+        "            except KeyboardInterrupt:\n"
+        "                raise RecursionError('a module left half imported') from None\n"
+        "sys.meta_path.insert(0, Interrupt())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "pyengine", "train", "--steps", "2", "--out", str(out)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 130 and run.stderr.splitlines() == [
+        "pyengine: interrupted while starting; nothing was written"], (run.returncode, run.stderr)
     assert not out.exists()
 
 
