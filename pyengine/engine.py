@@ -245,8 +245,9 @@ class Engine:
                    else None)
             for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
-        # The store's mutex: async pulls and pushes hold it, and so do the readers of the state (state_dict, stats)
-        # and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while async
+        # The store's mutex: async pulls and pushes hold it, and so do step() (from its start to its end: concurrent
+        # steps crashed the process, "free(): corrupted unsorted chunks"), the readers of the state (state_dict,
+        # stats) and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while async
         # workers run] in asynchronous.py).
         self.mutex = threading.RLock()
         self._async_run = None  # the async fit running now (asynchronous.AsyncRun), for close()
@@ -324,7 +325,14 @@ class Engine:
 
     def step(self, batch) -> dict:
         """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn; pipeline:
-        ``(inputs, targets)`` through the stages in micro-batches)."""
+        ``(inputs, targets)`` through the stages in micro-batches).
+
+        A step holds the engine's mutex: :meth:`state_dict` and the other readers, :meth:`close` and steps called
+        from other threads wait for it to end (steps from several threads run one after another)."""
+        with self.mutex:
+            return self._step(batch)
+
+    def _step(self, batch) -> dict:
         self._check_open()
         if self.mode == "async":
             raise ValueError("step() is for mode='hybrid', 'sync' or 'pipeline'; async workers pull batches: use "

@@ -1982,3 +1982,39 @@ def test_a_callback_may_clear_the_history(rng):
 def test_keep_history_must_be_a_count(bad):
     with pytest.raises(ValueError, match="keep_history must be an integer >= 0 or None"):
         Engine(make_model(), loss_fn, devices=["cpu"], keep_history=bad)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline"])
+def test_steps_from_several_threads_run_one_after_another(rng, mode):
+    """step() holds the engine's mutex: two threads stepping at once ran two steps on the same streamers at once (a
+    WorkerError, then "free(): corrupted unsorted chunks" and the process gone); a state read from a third thread
+    lies between two steps. Every step uses the same batch, so any order gives the weights of 40 steps in a row."""
+    batch = make_batches(rng, 1, 16)[0]
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as reference:
+        for _ in range(40):
+            reference.step(batch)
+        expected = reference.master_state_dict()
+    errors, versions = [], []
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        def steps():
+            try:
+                for _ in range(20):
+                    engine.step(batch)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        def reads():
+            while any(t.is_alive() for t in threads[:2]):
+                state = engine.state_dict()
+                versions.append((state["version"], state["counters"]["steps"]))  # counted before the update
+
+        threads = [threading.Thread(target=steps), threading.Thread(target=steps), threading.Thread(target=reads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert engine.stats()["steps"] == 40 == engine.version
+        assert all(v == s for v, s in versions), "a state read during a step mixed two steps"
+        for name, value in engine.master_state_dict().items():
+            assert torch.equal(value, expected[name]), name
