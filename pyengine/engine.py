@@ -247,8 +247,8 @@ class Engine:
         self.version = 0  # applied updates: the optimizer's step count
         # The store's mutex: async pulls and pushes hold it, and so do step() (from its start to its end: concurrent
         # steps crashed the process, "free(): corrupted unsorted chunks"), the readers of the state (state_dict,
-        # stats) and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while async
-        # workers run] in asynchronous.py).
+        # stats) and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while
+        # async workers run] in asynchronous.py).
         self.mutex = threading.RLock()
         self._async_run = None  # the async fit running now (asynchronous.AsyncRun), for close()
         self.recorder = PhaseRecorder()
