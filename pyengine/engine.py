@@ -27,6 +27,7 @@ import collections.abc
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 import warnings
 import weakref
@@ -250,6 +251,7 @@ class Engine:
         # stats) and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while
         # async workers run] in asynchronous.py).
         self.mutex = threading.RLock()
+        self._pid = os.getpid()  # Note [An engine in a forked process]
         self._async_run = None  # the async fit running now (asynchronous.AsyncRun), for close()
         self.recorder = PhaseRecorder()
         self.history: list[dict] = []
@@ -329,6 +331,7 @@ class Engine:
 
         A step holds the engine's mutex: :meth:`state_dict` and the other readers, :meth:`close` and steps called
         from other threads wait for it to end (steps from several threads run one after another)."""
+        self._check_process()  # before the mutex, which a fork may have copied held
         with self.mutex:
             return self._step(batch)
 
@@ -385,6 +388,7 @@ class Engine:
         flight are discarded, their mini-batches not pushed). Returns the metrics of this call's steps (the last
         ``keep_history`` of them when the engine was given a bound).
         """
+        self._check_process()
         with self.mutex:
             if self._fitting:
                 raise RuntimeError("fit() is already running on this Engine (on another thread, or this is one of its "
@@ -792,7 +796,12 @@ class Engine:
     def close(self) -> None:
         """Stops the worker threads and removes every hook. Idempotent. During an async :meth:`fit` on another
         thread: the push being applied completes, no other is applied, and close() returns once the workers have
-        stopped (their computations in flight are discarded); that fit then raises RuntimeError."""
+        stopped (their computations in flight are discarded); that fit then raises RuntimeError. In a process
+        forked from the one that built it: marks it closed and touches nothing else (Note [An engine in a forked
+        process])."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         with self.mutex:  # a push being applied completes first; none is applied after (asynchronous.py)
             if self._closed:
                 return
@@ -1099,7 +1108,22 @@ class Engine:
         if isinstance(self.pipeline, DistributedPipeline):
             self.pipeline.gather()
 
+    def _check_process(self) -> None:
+        """Note [An engine in a forked process]
+        A fork copies the engine's memory into the child but none of its threads: the worker pool's, the copy
+        threads of the transfers (a CUDA context is not usable there either), and its locks as they were at that
+        instant, possibly held by a thread that is not there. A step or fit in the child waited for those threads
+        for good, and close() or the exit crashed or hung joining them. So in the child the engine refuses to train,
+        close() only marks it closed, and its transfers are never joined or freed there (Note [A transfer in a
+        forked process] in csrc/store/transfer.h); readers of the state (state_dict) work on the child's copy.
+        A DataLoader's forked workers are not affected: they never touch the engine."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this Engine was built in process {self._pid} and this is process {os.getpid()}, a "
+                               "fork of it: its worker and copy threads are not here. Build an Engine in this "
+                               "process (or start the process with the 'spawn' method)")
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise RuntimeError("this Engine is closed")
         if self._abandoned:

@@ -965,7 +965,12 @@ def test_ctrl_c_waits_for_the_data_to_load(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(pyengine.data, "load", load)
     out = tmp_path / "run"
-    code = train("--steps", "2", "--out", str(out), *SHORT)
+    # Python's own handler, as in a terminal (a runner started in the background inherits SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = train("--steps", "2", "--out", str(out), *SHORT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and err == ["pyengine train: interrupted before training started; nothing to save"], err
     assert not out.exists()
@@ -978,6 +983,7 @@ def test_ctrl_c_while_python_m_pyengine_imports_the_package_waits_for_the_import
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal\n"
         "class Interrupt:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'pyengine.engine':\n"

@@ -2018,3 +2018,23 @@ def test_steps_from_several_threads_run_one_after_another(rng, mode):
         assert all(v == s for v, s in versions), "a state read during a step mixed two steps"
         for name, value in engine.master_state_dict().items():
             assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.parametrize("action", ["close", "exit"])
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
+def test_an_engine_in_a_forked_process_refuses_to_train_and_exits_cleanly(mode, action):
+    """Note [An engine in a forked process]: in a child forked after the engine had trained, a step or fit waited for
+    the parent's worker threads for good, and close() or the exit crashed (joining the copy thread of another
+    process) or hung. The child is refused with a clear error, reads the state, closes or exits cleanly; the parent
+    trains on."""
+    import subprocess
+    import sys
+
+    job = os.path.join(os.path.dirname(__file__), "fork_job.py")
+    run = subprocess.run([sys.executable, job, mode, action], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    updates = 2 if mode == "async" else 1  # what one train() call applies
+    assert run.stdout.splitlines() == [
+        "child: engine refused, True", "child: transfer refused, True", f"child: state version {updates}",
+        "parent: child exit 0", f"parent: updates {2 * updates}"], (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0, run.stderr[-2000:]

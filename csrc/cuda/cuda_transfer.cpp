@@ -38,7 +38,7 @@ class CudaTransfer final : public BucketTransfer {
     }
   }
 
-  void order_current_stream(int64_t channel) override {
+  void order_stream(int64_t channel) override {
     c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
     std::lock_guard<std::mutex> lock(mutex_);
@@ -47,12 +47,12 @@ class CudaTransfer final : public BucketTransfer {
     }
   }
 
-  void drain() override {
+  void drain_copies() override {
     c10::cuda::CUDAGuard guard(device_);
     copy_stream_.synchronize();  // a failure path: every copy enqueued so far, early parts included
   }
 
-  void close() override {
+  void close_copies() override {
     {
       std::lock_guard<std::mutex> order(launch_mutex_);  // a launch in progress enqueues before the synchronize
       std::lock_guard<std::mutex> lock(mutex_);

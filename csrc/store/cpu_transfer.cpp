@@ -83,9 +83,9 @@ class CpuTransfer final : public BucketTransfer {
 
   ~CpuTransfer() override { close(); }
 
-  void order_current_stream(int64_t channel) override { wait_all(channel, /*until_launched=*/false); }
+  void order_stream(int64_t channel) override { wait_all(channel, /*until_launched=*/false); }
 
-  void drain() override {
+  void drain_copies() override {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       const int64_t target = queued_;
@@ -94,7 +94,7 @@ class CpuTransfer final : public BucketTransfer {
     release_retired();  // a reset step's gradients are not kept until the next launch
   }
 
-  void close() override {
+  void close_copies() override {
     {
       // launch_mutex_ first: a launch that passed its closed_ check finishes queueing its job before closed_ is
       // set, so the thread still runs it (a job queued after the thread returned would never complete).

@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -51,8 +53,34 @@ int64_t checked_num_buckets(int64_t num_buckets) {  // before counters_ is sized
 }  // namespace
 
 BucketTransfer::BucketTransfer(int64_t num_buckets, std::string label)
-    : num_buckets_(checked_num_buckets(num_buckets)), label_(std::move(label)),
+    : num_buckets_(checked_num_buckets(num_buckets)), label_(std::move(label)), owner_pid_(getpid()),
       counters_(kNumChannels * num_buckets_) {}
+
+bool BucketTransfer::forked() const { return getpid() != owner_pid_; }
+
+void BucketTransfer::check_process(const char* what) const {
+  TORCH_CHECK(!forked(), "BucketTransfer.", what, ": this transfer (", label_, ") was made in process ", owner_pid_,
+              " and this is process ", getpid(), ", a fork of it: its copy thread or CUDA stream is not here. Build "
+              "the engine or streamer in this process (or start it with the 'spawn' method)");
+}
+
+void BucketTransfer::order_current_stream(int64_t channel) {
+  check_process("order_current_stream");
+  order_stream(channel);
+}
+
+void BucketTransfer::drain() {
+  check_process("drain");
+  drain_copies();
+}
+
+void BucketTransfer::close() {
+  if (!forked()) close_copies();
+}
+
+void ForkSafeDelete::operator()(BucketTransfer* transfer) const {
+  if (transfer != nullptr && !transfer->forked()) delete transfer;
+}
 
 void BucketTransfer::check_index(int64_t channel, int64_t bucket, const char* what) const {
   TORCH_CHECK_VALUE(channel == kGrads || channel == kWeights, "BucketTransfer.", what,
@@ -68,6 +96,7 @@ std::string BucketTransfer::range_name(const char* verb, int64_t channel, int64_
 
 void BucketTransfer::launch(int64_t channel, int64_t bucket, std::vector<at::Tensor> srcs,
                             std::vector<at::Tensor> dsts, bool completes_bucket) {
+  check_process("launch");
   check_index(channel, bucket, "launch");
   TORCH_CHECK_VALUE(srcs.size() == dsts.size(), "BucketTransfer.launch: srcs and dsts must have the same length; got ",
                     srcs.size(), " and ", dsts.size());
@@ -88,6 +117,7 @@ void BucketTransfer::launch(int64_t channel, int64_t bucket, std::vector<at::Ten
 }
 
 bool BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched, double timeout_s) {
+  check_process("wait");
   check_index(channel, bucket, "wait");
   TORCH_CHECK_VALUE(!std::isnan(timeout_s), "BucketTransfer.wait: timeout_s must be a number of seconds (< 0: no "
                     "timeout); got NaN");
@@ -120,6 +150,7 @@ void BucketTransfer::wait_all(int64_t channel, bool until_launched) {
 }
 
 void BucketTransfer::release(int64_t channel, int64_t bucket) {
+  check_process("release");
   check_index(channel, bucket, "release");
   std::lock_guard<std::mutex> lock(mutex_);
   Counters& c = counters(channel, bucket);

@@ -80,17 +80,32 @@ class BucketTransfer {
 
   // Orders later work after every launched copy of the channel: on CUDA the current stream waits on the bucket
   // events (no host block); on CPU the host waits.
-  virtual void order_current_stream(int64_t channel) = 0;
+  void order_current_stream(int64_t channel);
 
   // Blocks until every copy started so far has completed, early parts included, and changes no counter: a waiter
   // of a bucket whose completing launch never came (a failed step) keeps waiting. For failure paths (the CUDA
   // backend synchronizes its copy stream). Returns at once on a closed transfer (close() completed its copies).
-  virtual void drain() = 0;
+  void drain();
 
-  // Completes the copies in flight and releases the copy thread / stream resources. Idempotent.
-  virtual void close() = 0;
+  // Completes the copies in flight and releases the copy thread / stream resources. Idempotent. In a forked
+  // process: returns at once (Note [A transfer in a forked process]).
+  void close();
+
+  // Note [A transfer in a forked process]
+  // A fork copies the transfer's memory into the child but not its copy thread (or a usable CUDA context), and its
+  // mutexes and condition variables as they were at that instant, possibly held or waited on. In the child every
+  // call but close() raises (a wait would wait for a thread that is not there: a hang), close() returns at once,
+  // and the object must not be destroyed there: joining a thread of another process crashed, and destroying a
+  // condition variable the parent's copy thread was waiting on blocks for good. ForkSafeDelete leaks it instead
+  // (the memory is the child's copy; the parent's transfer is unaffected).
+  bool forked() const;
 
  protected:
+  // The backend's halves of order_current_stream(), drain() and close(), called in the process that made it.
+  virtual void order_stream(int64_t channel) = 0;
+  virtual void drain_copies() = 0;
+  virtual void close_copies() = 0;
+
   struct Counters {
     int64_t launched = 0;   // completing launches so far (early parts are not counted)
     int64_t completed = 0;  // their completions so far (copies of one bucket and channel complete in launch order)
@@ -108,13 +123,21 @@ class BucketTransfer {
   // "pyengine/<verb> <channel> b<bucket> [early ]<label>" (early: a part launched ahead of its bucket).
   std::string range_name(const char* verb, int64_t channel, int64_t bucket, bool part = false) const;
 
+  void check_process(const char* what) const;  // raises in a forked process (Note [A transfer in a forked process])
+
   const int64_t num_buckets_;
   const std::string label_;
+  const int64_t owner_pid_;  // the process that made it
   std::mutex mutex_;
   std::condition_variable changed_;  // notified on every launch and completion
   std::mutex launch_mutex_;          // keeps the order of start() calls equal to the order of launches
   std::vector<Counters> counters_;
   bool closed_ = false;
+};
+
+// Deletes a transfer in the process that made it; in a forked one leaves it (Note [A transfer in a forked process]).
+struct ForkSafeDelete {
+  void operator()(BucketTransfer* transfer) const;
 };
 
 // A transfer for a replica on `device`: the copy thread for CPU, the copy stream for CUDA (CUDA builds only).
