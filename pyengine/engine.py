@@ -94,8 +94,7 @@ class Engine:
         random_modules: module classes (besides dropout, RReLU and MultiheadAttention) whose forward draws random
             numbers, to be routed to the workers' own generators too.
         keep_history: the most step (async: push) metrics :attr:`history` keeps, the oldest dropped first (each is
-            about 1 kB); None keeps every one. What :meth:`fit` returns comes from it: the metrics of its steps
-            that are still kept (callbacks see every one).
+            about 1 kB), and the most :meth:`fit` returns; None keeps every one. Callbacks see every one.
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
         eager_mb: gradients of at least this many MiB start their copy to the host as soon as they are ready, ahead of
             their bucket (None: whole buckets only); see :class:`~pyengine.GradientStreamer`.
@@ -422,9 +421,10 @@ class Engine:
             warnings.warn(f"fit: epochs={epochs} over a one-shot iterator ({type(batches).__name__}): its first "
                           "pass uses it up, so later epochs get no batches; pass a list or a re-iterable (a "
                           "DataLoader)", RuntimeWarning, stacklevel=3)
-        start = self._recorded
         if steps == 0:
             return []
+        mine = collections.deque(maxlen=self.keep_history)  # this fit's metrics, the last keep_history of them
+        recorded, done = self._recorded, 0
         if self.mode == "async" and self.process_group is not None:
             distributed.run_async(self, self.process_group, batches, servers=self.servers, steps=steps,
                                   epochs=epochs if epochs is not None or steps is not None else 1, callbacks=callbacks)
@@ -434,11 +434,15 @@ class Engine:
         else:
             for batch in _batches(batches, steps, epochs):
                 metrics = self.step(batch)
+                done += 1
+                mine.append(metrics)  # its own: step() may run on other threads meanwhile
                 for callback in callbacks:
                     callback(self, metrics)
                 if self._stop.is_set():
                     break
-        done = self._recorded - start
+        if self.mode == "async":  # what its pushes recorded: no step() runs beside an async fit
+            done = self._recorded - recorded
+            mine.extend(self.history[max(0, len(self.history) - done):] if done else [])
         # across processes an async client's history holds its own pushes, the servers' the run's (which `steps`
         # counts): a server says when the clients' batches ran out
         client = (self.mode == "async" and self.process_group is not None
@@ -447,7 +451,7 @@ class Engine:
             warnings.warn(f"fit: the batches ran out after {done} of the {steps} steps asked"
                           + (" (a one-shot iterator is not iterated again: pass a list or a DataLoader)" if one_shot
                              else ""), RuntimeWarning, stacklevel=3)
-        return self.history[max(0, len(self.history) - done):] if done else []
+        return list(mine)
 
     def stop(self) -> None:
         """Ends the running :meth:`fit` after the current step (for callbacks: early stopping, time budgets); async:

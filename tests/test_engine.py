@@ -1966,7 +1966,7 @@ def test_keep_history_bounds_the_history_and_fit_counts_every_step(rng, mode):
 
 def test_a_callback_may_clear_the_history(rng):
     """fit counted its steps by the history's length: a callback emptying it made fit warn that the batches ran out
-    and return nothing."""
+    and return nothing. fit returns its steps' metrics whatever the history holds."""
     def clear(engine, metrics):
         if metrics["step"] == 4:
             engine.history.clear()
@@ -1975,7 +1975,21 @@ def test_a_callback_may_clear_the_history(rng):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             returned = engine.fit(make_batches(rng, 6, 8), steps=6, callbacks=[clear])
-    assert [m["step"] for m in returned] == [5, 6]
+        assert [m["step"] for m in engine.history] == [5, 6]
+    assert [m["step"] for m in returned] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline"])
+def test_fit_returns_its_own_steps_while_another_thread_steps(rng, mode):
+    """fit returned every step recorded while it ran, other threads' step() calls included (35-40 for its 20)."""
+    mine, others = make_batches(rng, 20, 8), make_batches(rng, 20, 4)  # told apart by their sizes
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        other = threading.Thread(target=lambda: [engine.step(b) for b in others])
+        other.start()
+        returned = engine.fit(mine, steps=20)
+        other.join(120)
+        assert engine.stats()["steps"] == 40
+    assert [m["samples"] for m in returned] == [8] * 20
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "all"])
