@@ -128,8 +128,8 @@ class CudaTransfer final : public BucketTransfer {
 
 }  // namespace
 
-std::unique_ptr<BucketTransfer> make_cuda_transfer(int64_t num_buckets, const at::Device& device, std::string label) {
-  return std::make_unique<CudaTransfer>(num_buckets, device, std::move(label));
+TransferPtr make_cuda_transfer(int64_t num_buckets, const at::Device& device, std::string label) {
+  return TransferPtr(new CudaTransfer(num_buckets, device, std::move(label)));
 }
 
 }  // namespace pyengine::store

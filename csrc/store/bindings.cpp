@@ -34,12 +34,11 @@ void init_store_bindings(pybind11::module_& m) {
   m.def("_nvtx_pop", &nvtx_pop, "Closes the innermost NVTX range.");
 
   // held with ForkSafeDelete: Note [A transfer in a forked process]
-  py::class_<BucketTransfer, std::unique_ptr<BucketTransfer, ForkSafeDelete>>(m, "BucketTransfer",
+  py::class_<BucketTransfer, TransferPtr>(m, "BucketTransfer",
                              "Per-bucket copies of one worker: channel 0 grads (replica -> host slot), channel 1 "
                              "weights (host -> replica), on a copy stream (CUDA) or a copy thread (CPU).")
       .def(py::init([](int64_t num_buckets, const std::string& device, std::string label) {
-             return std::unique_ptr<BucketTransfer, ForkSafeDelete>(
-                 make_transfer(num_buckets, at::Device(device), std::move(label)).release());
+             return make_transfer(num_buckets, at::Device(device), std::move(label));
            }),
            py::arg("num_buckets"), py::arg("device"), py::arg("label"))
       .def_property_readonly("num_buckets", &BucketTransfer::num_buckets)

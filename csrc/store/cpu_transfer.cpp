@@ -195,8 +195,8 @@ void copy_on_host(const CopyJob& job) {
   for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
 }
 
-std::unique_ptr<BucketTransfer> make_cpu_transfer(int64_t num_buckets, std::string label) {
-  return std::make_unique<CpuTransfer>(num_buckets, std::move(label));
+TransferPtr make_cpu_transfer(int64_t num_buckets, std::string label) {
+  return TransferPtr(new CpuTransfer(num_buckets, std::move(label)));
 }
 
 }  // namespace pyengine::store

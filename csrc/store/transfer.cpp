@@ -157,7 +157,7 @@ void BucketTransfer::release(int64_t channel, int64_t bucket) {
   c.released = c.launched;
 }
 
-std::unique_ptr<BucketTransfer> make_transfer(int64_t num_buckets, const at::Device& device, std::string label) {
+TransferPtr make_transfer(int64_t num_buckets, const at::Device& device, std::string label) {
   if (device.is_cpu()) return make_cpu_transfer(num_buckets, std::move(label));
 #ifdef PYENGINE_WITH_CUDA
   if (device.is_cuda()) return make_cuda_transfer(num_buckets, device, std::move(label));

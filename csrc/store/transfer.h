@@ -96,8 +96,8 @@ class BucketTransfer {
   // mutexes and condition variables as they were at that instant, possibly held or waited on. In the child every
   // call but close() raises (a wait would wait for a thread that is not there: a hang), close() returns at once,
   // and the object must not be destroyed there: joining a thread of another process crashed, and destroying a
-  // condition variable the parent's copy thread was waiting on blocks for good. ForkSafeDelete leaks it instead
-  // (the memory is the child's copy; the parent's transfer is unaffected).
+  // condition variable the parent's copy thread was waiting on blocks for good. The factories' TransferPtr
+  // (ForkSafeDelete) leaks it there instead (the memory is the child's copy; the parent's transfer is unaffected).
   bool forked() const;
 
  protected:
@@ -139,13 +139,14 @@ class BucketTransfer {
 struct ForkSafeDelete {
   void operator()(BucketTransfer* transfer) const;
 };
+using TransferPtr = std::unique_ptr<BucketTransfer, ForkSafeDelete>;
 
 // A transfer for a replica on `device`: the copy thread for CPU, the copy stream for CUDA (CUDA builds only).
-std::unique_ptr<BucketTransfer> make_transfer(int64_t num_buckets, const at::Device& device, std::string label);
+TransferPtr make_transfer(int64_t num_buckets, const at::Device& device, std::string label);
 
-std::unique_ptr<BucketTransfer> make_cpu_transfer(int64_t num_buckets, std::string label);
+TransferPtr make_cpu_transfer(int64_t num_buckets, std::string label);
 #ifdef PYENGINE_WITH_CUDA
-std::unique_ptr<BucketTransfer> make_cuda_transfer(int64_t num_buckets, const at::Device& device, std::string label);
+TransferPtr make_cuda_transfer(int64_t num_buckets, const at::Device& device, std::string label);
 #endif
 
 }  // namespace pyengine::store

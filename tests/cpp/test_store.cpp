@@ -2,12 +2,17 @@
 //   - allocate_arena: exact size, page alignment, zeroed; the pinned path's error without a usable CUDA device;
 //   - the CPU BucketTransfer: copies (same dtype, converting to bf16 like Tensor.to, zero-fill), per-bucket waits,
 //     release, the launch timeout, a wait woken by a launch from another thread, early parts of a bucket (not counted
-//     as its launch; drain), errors for bad arguments and for a transfer closed before the bucket came.
+//     as its launch; drain), errors for bad arguments and for a transfer closed before the bucket came, a transfer
+//     in a forked process.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -124,11 +129,39 @@ void test_bad_arguments() {
   CHECK(error.find("closed before bucket 1 was launched") != std::string::npos, "closed transfer: " << error);
 }
 
+// Note [A transfer in a forked process]: in a child forked while the copy thread waits for work, every call but
+// close() raises, close() returns at once and the transfer is left undestroyed (joining the parent's thread crashed;
+// destroying the condition variable it waited on blocks); the parent's transfer goes on.
+void test_fork() {
+  auto transfer = pyengine::store::make_cpu_transfer(1, "fork");
+  at::Tensor src = at::randn({64}), dst = at::zeros({64});
+  transfer->launch(kGrads, 0, {src}, {dst});
+  CHECK(transfer->wait(kGrads, 0, true), "the first copy");
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the copy thread back to waiting for work
+  const pid_t child = fork();
+  if (child == 0) {
+    const std::string error = error_of([&] { transfer->wait(kGrads, 0, false); });
+    const bool refused = error.find("a fork of it") != std::string::npos &&
+                         !error_of([&] { transfer->launch(kGrads, 0, {src}, {dst}); }).empty();
+    transfer->close();
+    transfer.reset();  // left, not destroyed
+    std::_Exit(refused ? 0 : 3);
+  }
+  int status = 0;
+  CHECK(waitpid(child, &status, 0) == child, "waitpid");
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the forked child: status " << status);
+  at::Tensor src2 = at::randn({64});
+  transfer->launch(kGrads, 0, {src2}, {dst});
+  CHECK(transfer->wait(kGrads, 0, true) && at::equal(dst, src2), "the parent's transfer after the fork");
+  transfer->close();
+}
+
 }  // namespace
 
 int main() {
   test_arena();
   test_copies_and_waits();
   test_bad_arguments();
+  test_fork();
   return pyengine::test::finish("test_store");
 }
