@@ -738,7 +738,7 @@ class DistributedHybrid(_FailureNaming):
             self._record_failure(exc)
             raise
         reducer.join()
-        engine.count("steps")
+        engine.begin_update()  # Note [A step's update under the mutex]
         computed = time.perf_counter()
         try:
             if errors:  # the list emptied and nothing of it kept in this frame, which the traceback holds: no cycle

@@ -66,6 +66,33 @@ def _under_mutex(method):
     return locked
 
 
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """A fork happens between two updates of every engine (Note [An engine in a forked process])."""
+    for engine in list(_LIVE_ENGINES):
+        engine._fork_held = engine.mutex.acquire(timeout=10)
+
+
+def _after_fork_in_parent() -> None:
+    for engine in list(_LIVE_ENGINES):
+        if getattr(engine, "_fork_held", False):
+            engine._fork_held = False
+            engine.mutex.release()
+
+
+def _after_fork_in_child() -> None:
+    """The locks as the child's own, free (the threads that held them are not there)."""
+    for engine in list(_LIVE_ENGINES):
+        engine.mutex, engine._step_lock, engine._update_held, engine._fork_held = (
+            threading.RLock(), threading.RLock(), 0, False)
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
 class Engine:
     """Trains ``model`` with G workers; see the module docstring.
 
@@ -245,17 +272,20 @@ class Engine:
                    else None)
             for i, d in enumerate(self.devices)]
         self.version = 0  # applied updates: the optimizer's step count
-        # The store's mutex: async pulls and pushes hold it, and so do step() (from its start to its end: concurrent
-        # steps crashed the process, "free(): corrupted unsorted chunks"), the readers of the state (state_dict,
-        # stats) and close(). Re-entrant: a callback runs under it and may call them (Note [Reading the state while
-        # async workers run] in asynchronous.py).
+        # The store's mutex: async pulls and pushes hold it, and so do a step's update (Note [A step's update under
+        # the mutex]), the readers of the state (state_dict, stats) and close(). Re-entrant: a callback runs under it
+        # and may call them (Note [Reading the state while async workers run] in asynchronous.py).
         self.mutex = threading.RLock()
+        self._step_lock = threading.RLock()  # one step at a time (Note [A step's update under the mutex])
+        self._update_held = 0  # times the running step took the mutex in begin_update
         self._pid = os.getpid()  # Note [An engine in a forked process]
+        _LIVE_ENGINES.add(self)
         self._async_run = None  # the async fit running now (asynchronous.AsyncRun), for close()
         self.recorder = PhaseRecorder()
         self.history: list[dict] = []
         self.keep_history = keep_history
         self._recorded = 0  # metrics recorded so far, the ones dropped from history included (fit counts with it)
+        self._fit_records = None  # an async fit's own metrics, recorded by its pushes (_fit)
         self._counters = collections.Counter()
         self._staleness = collections.Counter()
         # Note [One CPU worker runs on the calling thread] (submit_workers); async follows it too
@@ -328,11 +358,29 @@ class Engine:
         """One training step on ``batch`` (hybrid: split across workers; sync: the next worker in turn; pipeline:
         ``(inputs, targets)`` through the stages in micro-batches).
 
-        A step holds the engine's mutex: :meth:`state_dict` and the other readers, :meth:`close` and steps called
-        from other threads wait for it to end (steps from several threads run one after another)."""
-        self._check_process()  # before the mutex, which a fork may have copied held
-        with self.mutex:
-            return self._step(batch)
+        Steps run one at a time: one called from another thread meanwhile, and :meth:`close`, wait for it. Its
+        update holds the engine's mutex (Note [A step's update under the mutex])."""
+        self._check_process()
+        with self._step_lock:
+            try:
+                return self._step(batch)
+            finally:
+                while self._update_held:
+                    self._update_held -= 1
+                    self.mutex.release()
+
+    def begin_update(self) -> None:
+        """Note [A step's update under the mutex]
+        Called by each schedule once its workers' computations are over, before it counts the step and changes the
+        store: the step holds the engine's mutex from here to its end, so :meth:`state_dict` and the other readers
+        (which take it) on other threads see the state of a whole number of steps. Only the update holds it: a
+        loss_fn, a hook or a stage's code that reads the state on a worker thread while the step computes goes on
+        (with the whole step under the mutex that read waited for the step, which waited for it: a deadlock).
+        Two steps at once ran two steps on the same streamers (the process crashed, "free(): corrupted unsorted
+        chunks"): step() itself is serialised by a lock of its own, which readers do not take."""
+        self.mutex.acquire()
+        self._update_held += 1
+        self.count("steps")
 
     def _step(self, batch) -> dict:
         self._check_open()
@@ -425,12 +473,19 @@ class Engine:
             return []
         mine = collections.deque(maxlen=self.keep_history)  # this fit's metrics, the last keep_history of them
         recorded, done = self._recorded, 0
-        if self.mode == "async" and self.process_group is not None:
-            distributed.run_async(self, self.process_group, batches, servers=self.servers, steps=steps,
-                                  epochs=epochs if epochs is not None or steps is not None else 1, callbacks=callbacks)
-        elif self.mode == "async":
-            run_async(self, batches, steps=steps, epochs=epochs if epochs is not None or steps is not None else 1,
-                      callbacks=callbacks)
+        if self.mode == "async":
+            self._fit_records = mine  # its pushes record into it (_record): no step() runs beside an async fit
+            try:
+                if self.process_group is not None:
+                    distributed.run_async(self, self.process_group, batches, servers=self.servers, steps=steps,
+                                          epochs=epochs if epochs is not None or steps is not None else 1,
+                                          callbacks=callbacks)
+                else:
+                    run_async(self, batches, steps=steps,
+                              epochs=epochs if epochs is not None or steps is not None else 1, callbacks=callbacks)
+            finally:
+                self._fit_records = None
+            done = self._recorded - recorded
         else:
             for batch in _batches(batches, steps, epochs):
                 metrics = self.step(batch)
@@ -440,9 +495,6 @@ class Engine:
                     callback(self, metrics)
                 if self._stop.is_set():
                     break
-        if self.mode == "async":  # what its pushes recorded: no step() runs beside an async fit
-            done = self._recorded - recorded
-            mine.extend(self.history[max(0, len(self.history) - done):] if done else [])
         # across processes an async client's history holds its own pushes, the servers' the run's (which `steps`
         # counts): a server says when the clients' batches ran out
         client = (self.mode == "async" and self.process_group is not None
@@ -815,11 +867,12 @@ class Engine:
                 run.stop.set()
         if run is not None and threading.get_ident() not in run.threads:  # not from a callback of that fit
             run.finished.wait()
-        self._pool.shutdown(wait=True)
-        if self.pipeline is not None:
-            self.pipeline.close()
-        for worker in self.workers:
-            worker.close()
+        with self._step_lock:  # a step running on another thread ends first
+            self._pool.shutdown(wait=True)
+            if self.pipeline is not None:
+                self.pipeline.close()
+            for worker in self.workers:
+                worker.close()
         self._restore_threads()  # torch.set_num_threads(self._intra_op_threads): Note [Worker threads' count]
 
     def __enter__(self):
@@ -1104,6 +1157,8 @@ class Engine:
         """Appends a step's (or push's) metrics to ``history``, dropping the oldest beyond ``keep_history``."""
         self.history.append(metrics)
         self._recorded += 1
+        if self._fit_records is not None:
+            self._fit_records.append(metrics)
         if self.keep_history is not None and len(self.history) > self.keep_history:
             del self.history[:len(self.history) - self.keep_history]
         return metrics
@@ -1119,7 +1174,9 @@ class Engine:
         instant, possibly held by a thread that is not there. A step or fit in the child waited for those threads
         for good, and close() or the exit crashed or hung joining them. So in the child the engine refuses to train,
         close() only marks it closed, and its transfers are never joined or freed there (Note [A transfer in a
-        forked process] in csrc/store/transfer.h); readers of the state (state_dict) work on the child's copy.
+        forked process] in csrc/store/transfer.h); readers of the state (state_dict) work on the child's copy, taken
+        between two updates (the fork waits for the engine's mutex; the child gets fresh locks: os.register_at_fork
+        above).
         A DataLoader's forked workers are not affected: they never touch the engine."""
         if os.getpid() != self._pid:
             raise RuntimeError(f"this Engine was built in process {self._pid} and this is process {os.getpid()}, a "

@@ -51,7 +51,7 @@ def hybrid_step(engine, batch) -> dict:
             squares += float(norm) ** 2
             nonfinite |= bool(flag)
     results = engine.gather_workers(futures)
-    engine.count("steps")
+    engine.begin_update()  # Note [A step's update under the mutex]
     updated = time.perf_counter()
     with engine.phase("update"), host_threads(engine.devices, engine.store.numel, engine.inline_worker):
         try:

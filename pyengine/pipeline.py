@@ -618,7 +618,7 @@ class Pipeline:
             self._restore_buffers(buffers)
             raise
         schedule_end = max(res["end"] for res in results.values())
-        engine.count("steps")
+        engine.begin_update()  # Note [A step's update under the mutex]
         total = sum(shard_sizes)
         weights = None if len(set(shard_sizes)) == 1 else [n / total for n in shard_sizes]
         updated = time.perf_counter()

@@ -670,7 +670,7 @@ class DistributedPipeline(_FailureNaming):
             _run_schedule(schedule, self.device, m, inputs if self.is_first else None,
                           targets if self.is_last else None, losses)
             scheduled = time.perf_counter()
-            engine.count("steps")
+            engine.begin_update()  # Note [A step's update under the mutex]
             loss_sum = sum(float(l.detach()) for l in losses)  # the schedule's losses are scaled: unscale the sum
             loss_sum = loss_sum if self._scale is None else loss_sum / self._scale
             meter = self._meter

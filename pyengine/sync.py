@@ -26,7 +26,7 @@ def sync_step(engine, batch) -> dict:
             return worker.compute(engine.loss_fn, *parts, loss_scale=scale)
 
     loss, compute, wait, weights_wait = engine.run_workers({worker.index: run})[worker.index]
-    engine.count("steps")
+    engine.begin_update()  # Note [A step's update under the mutex]
     engine.buffer_source = worker.index
     updated = time.perf_counter()
     with engine.phase("update"):

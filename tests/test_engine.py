@@ -1964,14 +1964,15 @@ def test_keep_history_bounds_the_history_and_fit_counts_every_step(rng, mode):
         assert engine.stats()["pushes" if mode == "async" else "steps"] == 4
 
 
-def test_a_callback_may_clear_the_history(rng):
+@pytest.mark.parametrize("mode", ["hybrid", "async"])
+def test_a_callback_may_clear_the_history(rng, mode):
     """fit counted its steps by the history's length: a callback emptying it made fit warn that the batches ran out
     and return nothing. fit returns its steps' metrics whatever the history holds."""
     def clear(engine, metrics):
         if metrics["step"] == 4:
             engine.history.clear()
 
-    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             returned = engine.fit(make_batches(rng, 6, 8), steps=6, callbacks=[clear])
@@ -2051,4 +2052,42 @@ def test_an_engine_in_a_forked_process_refuses_to_train_and_exits_cleanly(mode, 
     assert run.stdout.splitlines() == [
         "child: engine refused, True", "child: transfer refused, True", f"child: state version {updates}",
         "parent: child exit 0", f"parent: updates {2 * updates}"], (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline"])
+def test_a_loss_fn_on_a_worker_thread_may_read_the_state(rng, mode):
+    """Note [A step's update under the mutex]: with the whole step under the engine's mutex, a loss_fn (run on a
+    worker or stage thread) that read engine.stats() waited for the step, which waited for it: a deadlock."""
+    seen = []
+
+    def annealed(model, batch):
+        seen.append(engine.stats()["steps"])
+        return loss_fn(model, batch)
+
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+    engine = Engine(make_model(), annealed, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), **options)
+    try:
+        done = threading.Event()
+        runner = threading.Thread(target=lambda: (engine.fit(make_batches(rng, 3, 8)), done.set()), daemon=True)
+        runner.start()
+        assert done.wait(60), "the step waited for its own loss_fn"
+    finally:
+        if done.is_set():
+            engine.close()
+    assert engine.stats()["steps"] == 3 and set(seen) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline"])
+def test_a_fork_while_another_thread_steps_gives_the_child_a_readable_state(mode):
+    """Note [An engine in a forked process]: the child got the engine's mutex as held by the stepping thread, which
+    it does not have: its state_dict() hung. The fork now waits for the update in progress; the child's locks are
+    its own."""
+    import subprocess
+    import sys
+
+    job = os.path.join(os.path.dirname(__file__), "fork_job.py")
+    run = subprocess.run([sys.executable, job, mode, "stepping"], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.stdout.splitlines() == ["parent: child exit 0"] * 3, (run.returncode, run.stdout, run.stderr[-2000:])
     assert run.returncode == 0, run.stderr[-2000:]
