@@ -29,6 +29,21 @@ def worker_device(request):
     return request.param
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, as in a terminal: a runner started in the background inherits SIGINT
+    ignored (the tests that raise SIGINT then skipped, or got no interrupt at all). Skips when the runner has a
+    handler of its own."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGINT)
+    if previous not in (signal.default_int_handler, signal.SIG_IGN, signal.SIG_DFL):
+        pytest.skip("the test runner handles SIGINT itself")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(autouse=True)
 def _restore_intra_op_threads():
     """torch.set_num_threads() on any thread (engine workers, pipeline stages) also sets the count that every thread

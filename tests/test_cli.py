@@ -945,7 +945,7 @@ def test_ctrl_c_during_start_up_is_one_line_exit_130(tmp_path, capsys, monkeypat
     assert not out.exists()
 
 
-def test_ctrl_c_waits_for_the_data_to_load(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_waits_for_the_data_to_load(tmp_path, capsys, monkeypatch, python_sigint):
     """Note [Ctrl-C while the data's libraries import]: a Ctrl-C landing inside scikit-learn's first import left
     numpy half imported and surfaced as a RecursionError traceback. Here a real SIGINT arrives while the data loads,
     and the load turns a KeyboardInterrupt into the error numpy's import gave: deferred, it never sees one."""
@@ -965,12 +965,7 @@ def test_ctrl_c_waits_for_the_data_to_load(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(pyengine.data, "load", load)
     out = tmp_path / "run"
-    # Python's own handler, as in a terminal (a runner started in the background inherits SIGINT ignored)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        code = train("--steps", "2", "--out", str(out), *SHORT)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    code = train("--steps", "2", "--out", str(out), *SHORT)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and err == ["pyengine train: interrupted before training started; nothing to save"], err
     assert not out.exists()

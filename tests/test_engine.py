@@ -1470,14 +1470,12 @@ def test_a_channels_last_model_is_refused_before_the_store_is_made():
 
 
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 2), ("hybrid", 1), ("pipeline", 2)])
-def test_ctrl_c_inside_a_step_completes_it_then_raises(rng, mode, workers):
+def test_ctrl_c_inside_a_step_completes_it_then_raises(rng, mode, workers, python_sigint):
     """Note [Ctrl-C inside a step]: SIGINT arriving in the middle of the update (hybrid: between two buckets) is held
     until the step is complete; then KeyboardInterrupt. The weights are those of the whole step (as an engine that was
     not interrupted), and the next step trains normally. A second SIGINT in a step gets out at once and leaves the
     engine refusing further work until it is closed."""
     import signal
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("the test runner handles SIGINT itself")
     options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
     batches = make_batches(rng, 2, 8)
     kwargs = dict(devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT), pin=False, **TINY_BUCKETS, **options)
@@ -1516,12 +1514,10 @@ def test_ctrl_c_inside_a_step_completes_it_then_raises(rng, mode, workers):
 
 
 @pytest.mark.parametrize("workers", [2, 1])  # 1: the lone CPU worker runs its loop on the calling thread
-def test_ctrl_c_during_async_fit_stops_every_worker(rng, workers):
+def test_ctrl_c_during_async_fit_stops_every_worker(rng, workers, python_sigint):
     """Ctrl-C while async workers run: fit raises KeyboardInterrupt once every worker has stopped after its current
     push (none left running, every push applied whole), and the engine trains on afterwards."""
     import signal
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("the test runner handles SIGINT itself")
     batches = make_batches(rng, 4, 8)
 
     def interrupt_at_5(engine, metrics):
@@ -1543,14 +1539,12 @@ def test_ctrl_c_during_async_fit_stops_every_worker(rng, workers):
         assert engine.stats()["pushes"] == stats["pushes"] + 3
 
 
-def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng):
+def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng, python_sigint):
     """A second Ctrl-C while fit waits for the workers to finish their pushes (after the first): fit raises with
     workers still running, so the engine refuses more work as after a second Ctrl-C inside a step (it accepted a new
     fit beside the old run's threads), and close() waits for them."""
     import os
     import signal
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("the test runner handles SIGINT itself")
 
     release = threading.Event()  # the workers' computations end only once fit has handled both signals
 
