@@ -971,52 +971,48 @@ def test_ctrl_c_waits_for_the_data_to_load(tmp_path, capsys, monkeypatch, python
     assert not out.exists()
 
 
-def test_ctrl_c_while_python_m_pyengine_imports_the_package_waits_for_the_imports(tmp_path):
-    """A real SIGINT while `python -m pyengine` imports the package, inside an import that turns a KeyboardInterrupt
-    into another error (as numpy's did): deferred until the imports are done, then one line, exit 130."""
+def _hooked_env(tmp_path, at_import: str) -> dict:
+    """An environment whose sitecustomize runs ``at_import`` (lines of Python, indented for a method body) when
+    pyengine.engine is imported."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal\n"
         "class Interrupt:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'pyengine.engine':\n"
-        "            try:\n"
-        "                os.kill(os.getpid(), signal.SIGINT)\n"
-        "                time.sleep(0.2)\n"
-        "            except KeyboardInterrupt:\n"
-        "                raise RecursionError('a module left half imported') from None\n"
+        "        if name == 'pyengine.engine':\n" + at_import +
         "sys.meta_path.insert(0, Interrupt())\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
-    out = tmp_path / "run"
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+
+
+def _start_interrupted(env: dict, out: Path) -> None:
+    """`python -m pyengine train` with ``env``: one line, exit 130, nothing written."""
     run = subprocess.run([sys.executable, "-m", "pyengine", "train", "--steps", "2", "--out", str(out)], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 130 and run.stderr.splitlines() == [
         "pyengine: interrupted while starting; nothing was written"], (run.returncode, run.stderr)
     assert not out.exists()
+
+
+def test_ctrl_c_while_python_m_pyengine_imports_the_package_waits_for_the_imports(tmp_path):
+    """A real SIGINT while `python -m pyengine` imports the package, inside an import that turns a KeyboardInterrupt
+    into another error (as numpy's did): deferred until the imports are done, then one line, exit 130. The process
+    gets Python's own SIGINT handler first, as in a terminal."""
+    env = _hooked_env(tmp_path, "            try:\n"
+                                "                os.kill(os.getpid(), signal.SIGINT)\n"
+                                "                time.sleep(0.2)\n"
+                                "            except KeyboardInterrupt:\n"
+                                "                raise RecursionError('a module left half imported') from None\n"
+                                "signal.signal(signal.SIGINT, signal.default_int_handler)\n")
+    _start_interrupted(env, tmp_path / "run")
 
 
 def test_ctrl_c_while_python_m_pyengine_imports_the_package_is_one_line_exit_130(tmp_path):
     """Ctrl-C while `python -m pyengine` imports the package (torch with it), before main() runs: one line, exit 130.
     The interrupt is raised by an import hook (a sitecustomize) at the import of pyengine.engine; imported by
     anything else, the package lets the interrupt through."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class Interrupt:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'pyengine.engine':\n"
-        "            raise KeyboardInterrupt\n"
-        "sys.meta_path.insert(0, Interrupt())\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
-    out = tmp_path / "run"
-    run = subprocess.run([sys.executable, "-m", "pyengine", "train", "--steps", "2", "--out", str(out)], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 130 and run.stderr.splitlines() == [
-        "pyengine: interrupted while starting; nothing was written"], (run.returncode, run.stderr)
-    assert not out.exists()
+    env = _hooked_env(tmp_path, "            raise KeyboardInterrupt\n")
+    _start_interrupted(env, tmp_path / "run")
     # imported by another program, even one whose own arguments say "-m pyengine": the interrupt goes through
     other = subprocess.run([sys.executable, "-c", "import pyengine", "-m", "pyengine"], env=env, capture_output=True,
                            text=True, timeout=120)
