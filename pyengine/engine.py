@@ -360,8 +360,7 @@ class Engine:
 
         Steps run one at a time: one called from another thread meanwhile, and :meth:`close`, wait for it. Its
         update holds the engine's mutex (Note [A step's update under the mutex])."""
-        self._check_process()
-        with self._step_lock:
+        with self._step_lock:  # in a forked child a lock of its own (_after_fork_in_child); _step checks the process
             try:
                 return self._step(batch)
             finally:
