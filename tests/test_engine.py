@@ -1995,9 +1995,9 @@ def test_keep_history_must_be_a_count(bad):
 
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline"])
 def test_steps_from_several_threads_run_one_after_another(rng, mode):
-    """step() holds the engine's mutex: two threads stepping at once ran two steps on the same streamers at once (a
-    WorkerError, then "free(): corrupted unsorted chunks" and the process gone); a state read from a third thread
-    lies between two steps. Every step uses the same batch, so any order gives the weights of 40 steps in a row."""
+    """Steps run one at a time and their updates under the engine's mutex (Note [A step's update under the mutex]):
+    two threads stepping at once ran two steps on the same streamers at once (a WorkerError, then "free(): corrupted
+    unsorted chunks" and the process gone); a state read from a third thread lies between two steps. Every step uses the same batch, so any order gives the weights of 40 steps in a row."""
     batch = make_batches(rng, 1, 16)[0]
     with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as reference:
         for _ in range(40):
