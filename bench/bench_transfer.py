@@ -14,17 +14,19 @@ which is how the script itself is checked on machines without a GPU):
    (``eager_mb=None``, the ``bucketed_*`` columns: the A/B of Note [Early copies of large gradients]).
    Target: streamed step <= 1.1 x max(backward, copy).
    With ``--grad-dtype bfloat16`` the store's gradient slots are bfloat16 (``HostStore(grad_dtype=...)``): the copy
-   converts on the device and moves half the bytes (the raw copy moves the same half). Prediction for the H100 of
-   2026-11-25 (copy-bound at batch 64 and 256: fp32 copy 3.9 ms against 1.8 ms of forward, step_over_max 1.49 and
-   1.57): copy_ms about 2.0 ms, so the floor becomes forward + backward and step_over_max falls to 1.05-1.15 there;
-   bandwidth_ratio below the fp32 one by the conversion kernels' share of the copy stream.
+   converts on the device and moves half the bytes (the raw copy moves the same half). Measured on the H100
+   (2026-11-26, RESULTS.md): copy_ms 2.3 ms at 0.79-0.82 of the raw copy (fp32: 0.96-0.98), the conversion kernels
+   then ran on the copy stream between the copies. Prediction for the conversions on a stream of their own (Note
+   [Gradients converted on a stream of their own], csrc/cuda/cuda_transfer.cpp): bfloat16 bandwidth_ratio 0.92-0.97
+   (copy_ms 1.95-2.05: the copy engine waits only for the first bucket's conversions), step_over_floor at batch 64
+   1.23 -> <= 1.10 and 1.02-1.07 at 256 and 1024; the float32 rows unchanged (no conversion, the same path).
 3. Engine: hybrid with 4 workers on the one device vs plain single-replica training (torch.optim.AdamW, fused when
    the device is CUDA) on the same global batch: samples/s, the engine's overlap efficiency and its phases.
 
 With ``--trace-dir D``, one streamed step and one hybrid step more run under ``torch.profiler`` (CUDA activity:
-kernels and memcpys on every stream, as an Nsight timeline shows them): Chrome traces ``D/streamed_trace.json``,
-``D/hybrid_trace.json`` and the engine's own phase trace ``D/hybrid_phases.json``, and a table of the streamed
-step's copy timeline: when the first gradient copy starts after backward's first kernel, how long the copy engine
+kernels and memcpys on every stream, as an Nsight timeline shows them): Chrome traces
+``D/streamed_trace_<grads>.json`` (the first batch of each gradient dtype), ``D/hybrid_trace.json`` and the engine's
+own phase trace ``D/hybrid_phases.json``, and a table of the streamed steps' copy timelines: when the first gradient copy starts after backward's first kernel, how long the copy engine
 sits idle while backward still runs, and how long copies go on after backward's last kernel.
 """
 from __future__ import annotations
@@ -175,7 +177,7 @@ def transfer_and_overlap(device, params_m, rounds, trace_dir=None, batch=64,
             loss = model(x).square().mean()
             sync(device)  # the forward's kernels end before the trace begins
             spans = profiled(lambda: timed(lambda: (loss.backward(), delivered(streamer)), device),
-                             os.path.join(trace_dir, "streamed_trace.json"))
+                             os.path.join(trace_dir, f"streamed_trace_{str(grad_dtype).split('.')[-1]}.json"))
         timeline = copy_timeline(*spans)
     transfer.close()
     for name, view in store.views(slot).items():  # the last streamed step's slot holds exactly the gradients
@@ -246,10 +248,10 @@ def engine_vs_single(device, rounds, workers=4, trace_dir=None) -> dict:
 
 
 def table(title, *rows) -> str:
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for row in rows for k in row))  # every row's columns, in order of appearance
     lines = [f"### {title}\n", f"| {' | '.join(keys)} |", f"|{'---|' * len(keys)}"]
     for row in rows:
-        lines.append(f"| {' | '.join(f'{row[k]:.3f}' if isinstance(row[k], float) else str(row[k]) for k in keys)} |")
+        lines.append(f"| {' | '.join(f'{row[k]:.3f}' if isinstance(row.get(k), float) else str(row.get(k, '')) for k in keys)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -272,17 +274,19 @@ def main(argv=None) -> int:
     text = f"device: {name}, torch {torch.__version__}\n\n"
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
-    rows, timeline = [], None
-    cases = [(dtype, batch) for dtype in args.grad_dtype for batch in args.batch]
-    for k, (dtype, batch) in enumerate(cases):
-        row, spans = transfer_and_overlap(device, args.params_m, args.rounds, args.trace_dir if k == 0 else None,
-                                          batch, getattr(torch, dtype))
-        rows.append({"grads": dtype, "batch": batch, **row})
-        timeline = spans if k == 0 else timeline
+    rows, timelines = [], []
+    for dtype in args.grad_dtype:
+        for batch in args.batch:
+            first = batch == args.batch[0]  # traced: the first batch of each gradient dtype
+            row, spans = transfer_and_overlap(device, args.params_m, args.rounds, args.trace_dir if first else None,
+                                              batch, getattr(torch, dtype))
+            rows.append({"grads": dtype, "batch": batch, **row})
+            if spans is not None:
+                timelines.append({"grads": dtype, "batch": batch, **spans})
     text += table("D2H bandwidth and backward overlap (target: ratio >= 0.9, step_over_max <= 1.1; step_over_floor: "
                   "over max(forward + backward, forward + copy))", *rows) + "\n"
-    if timeline is not None:
-        text += table("copy timeline of one streamed step (device activity, torch.profiler)", timeline) + "\n"
+    if timelines:
+        text += table("copy timeline of one streamed step (device activity, torch.profiler)", *timelines) + "\n"
     text += table("hybrid, 4 workers on one device, vs single-replica torch.optim.AdamW",
                   engine_vs_single(device, args.rounds, trace_dir=args.trace_dir))
     print(text)

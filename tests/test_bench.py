@@ -49,7 +49,8 @@ def test_bench_transfer_runs_on_cpu(tmp_path):
     assert "step_over_floor" in text, text
     assert "bucketed_over_max" in text and "eager_speedup" in text, text
     assert bench_transfer.paired([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0  # median of the per-round ratios
-    for name in ("streamed_trace.json", "hybrid_trace.json", "hybrid_phases.json"):
+    for name in ("streamed_trace_float32.json", "streamed_trace_bfloat16.json", "hybrid_trace.json",
+                 "hybrid_phases.json"):  # a trace of each gradient dtype's first batch
         assert json.loads((tmp_path / name).read_text())["traceEvents"], name
 
 

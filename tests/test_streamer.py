@@ -4,6 +4,7 @@ Every comparison is bit for bit: slots against param.grad, the pipelined update 
 store after all gradients arrived, replicas against the store after the copy back."""
 import copy
 import gc
+import json
 import threading
 import time
 import weakref
@@ -100,6 +101,47 @@ def test_low_precision_replicas(replica_dtype, grad_dtype):
         model(batch()).backward()
         streamer.wait_all()
         assert_slots_equal_grads(store, model, 0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("eager_mb", [0.01, None])
+@pytest.mark.parametrize("pin", [True, False])
+def test_cuda_conversions_run_beside_the_copies_and_keep_the_bits(eager_mb, pin, tmp_path):
+    """Float32 and bfloat16 gradients into bfloat16 slots, in one bucket: the float32 ones are converted on a stream
+    of their own, never on the stream of the copies (Note [Gradients converted on a stream of their own]), and every
+    slot equals its gradient as torch converts it, step after step (early copies of the large gradient or not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wide = torch.nn.Linear(64, 4097).cuda()  # float32 gradients: converted
+    narrow = torch.nn.Linear(64, 33).cuda().bfloat16()  # bfloat16 gradients: copied as they are
+    model = torch.nn.ModuleDict({"wide": wide, "narrow": narrow})
+    store = pyengine.HostStore(model, grad_dtype=torch.bfloat16, pin=pin)
+
+    def backward():
+        x = torch.randn(8, 64, device="cuda")
+        model.zero_grad()
+        (wide(x).square().mean() + narrow(x.bfloat16()).float().square().mean()).backward()
+
+    with pyengine.GradientStreamer(model, store, bucket_mb=25, first_bucket_mb=25, eager_mb=eager_mb) as streamer:
+        assert len(streamer.buckets) == 1
+        for _ in range(3):
+            backward()
+            streamer.wait_all()
+            assert_slots_equal_grads(store, model, 0)
+            streamer.copy_back()
+        streamer.wait_weights()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            backward()
+            streamer.wait_all()
+            torch.cuda.synchronize()
+        assert_slots_equal_grads(store, model, 0)
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    copy_streams = {e["args"]["stream"] for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"]}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert copy_streams and kernels
+    assert [e["name"] for e in kernels if e["args"]["stream"] in copy_streams] == []
 
 
 def test_zero_size_parameter():
