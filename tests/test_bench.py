@@ -46,7 +46,7 @@ def test_bench_transfer_runs_on_cpu(tmp_path):
     assert "bandwidth_ratio" in text and "hybrid_over_single" in text and "update_ms" in text
     for dtype in ("float32", "bfloat16"):
         assert f"\n| {dtype} | 8 | " in text and f"\n| {dtype} | 16 | " in text, text
-    assert "step_over_floor" in text, text
+    assert "step_over_floor" in text and "bwd_step_over_max" in text, text
     assert "bucketed_over_max" in text and "eager_speedup" in text, text
     assert bench_transfer.paired([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0  # median of the per-round ratios
     for name in ("streamed_trace_float32.json", "streamed_trace_bfloat16.json", "hybrid_trace.json",
