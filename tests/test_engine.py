@@ -100,6 +100,40 @@ def test_cuda_step_called_on_a_side_stream_waits_for_the_batch_written_there(rng
         assert_matches(engine, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_low_precision_model_trains_on_float32_master_weights(rng, workers, dtype, worker_device):
+    """A model whose weights are bfloat16/float16: the replicas hold the float32 master weights rounded as torch
+    rounds them, bit for bit, after every step, and each update is AdamW (float64 torch reference) on the mean of
+    the replicas' own gradients. The reference's gradients come from a copy of the model holding the replicas'
+    weights (the engine's master rounded): its own float64 master rounds the same way but for ties."""
+    def low_loss(model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+
+    model = make_model().to(dtype)
+    reference = TorchReference(model, **OPT)
+    twin = copy.deepcopy(model)  # computes the reference's gradients from the replicas' weights
+    with Engine(model, low_loss, devices=[worker_device] * workers, optimizer=AdamW(**OPT)) as engine:
+        for b in make_batches(rng, 5, 32):
+            master = engine.master_state_dict()
+            for worker in engine.workers:
+                worker.streamer.wait_weights()  # the last step's copies back (the next forward waits for them too)
+                for name, p in worker.replica.named_parameters():
+                    assert p.dtype == dtype and torch.equal(p.detach().cpu(), master[name].to(dtype)), name
+            twin.load_state_dict({name: value.to(dtype) for name, value in master.items()})
+            reference.opt.zero_grad()
+            for shard in (tuple(torch.tensor_split(t, workers)[g] for t in b) for g in range(workers)):
+                twin.zero_grad()
+                low_loss(twin, shard).backward()  # equal shards: the mean gradient is the shards' mean
+                for p, q in zip(reference.model.parameters(), twin.parameters(), strict=True):
+                    p.grad = q.grad.double() / workers + (0 if p.grad is None else p.grad)
+            reference.opt.step()
+            engine.step(b)
+        assert_matches(engine, reference)
+        assert engine.stats()["applied_updates"] == 5
+
+
 @pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])
 def test_hybrid_with_clipping(rng, buckets, worker_device):
     opt = OPT

@@ -12,10 +12,14 @@
 // streamed bfloat16 slots at 0.79-0.82 of a raw copy of the same bytes, float32 slots at 0.96-0.98. Conversions now
 // run on a second stream (made at the first one, so transfers without conversions take no stream from the pool):
 // it waits on the bucket's ready event, converts, records the bucket's converted event, and the copy stream waits on
-// that; a bucket's conversion then runs while the previous bucket's copy is in flight. The converted tensors come
-// from the caching allocator on the conversion stream and are recorded on the copy stream (copy_pair), the
-// gradients read by a conversion on the conversion stream; the conversion is Tensor.to, the kernel copy_ used, so
-// the slots' bits are unchanged.
+// that; a launch's conversion then runs while the previous launch's copy is in flight. The conversions write into
+// two staging buffers of the transfer's own, used in turn: a conversion into one first waits (on the device) for
+// the copies that read it last time, so at most two launches' converted gradients are held on the device, each
+// buffer as large as the largest launch so far (a bucket, or an early part), in the slots' dtype. (Converted
+// tensors allocated per launch would be held until their copies complete, which the host learns only later: in a
+// copy-bound step, up to every converted gradient of the step.) The buffers are recorded on the copy stream
+// (copy_pair), the gradients read by a conversion on the conversion stream; the conversion is the kernel copy_ used,
+// so the slots' bits are unchanged.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -93,20 +97,41 @@ class CudaTransfer final : public BucketTransfer {
     // after the work enqueued so far on the current stream.
     at::cuda::CUDAEvent& ready = ready_[bucket];
     ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+    int staging = -1;  // the staging buffer this launch converts into, if any
     if (converts(job)) {  // Note [Gradients converted on a stream of their own]
       if (!convert_stream_) convert_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
-      ready.block(*convert_stream_);
-      {
-        c10::cuda::CUDAStreamGuard convert_guard(*convert_stream_);
-        for (size_t i = 0; i < job.srcs.size(); ++i) {
-          if (!converts(job.srcs[i], job.dsts[i])) continue;
-          const at::Tensor& grad = job.srcs[i];
-          c10::cuda::CUDACachingAllocator::recordStream(grad.storage().data_ptr(), *convert_stream_);
-          job.srcs[i] = grad.view(job.dsts[i].sizes()).to(job.dsts[i].scalar_type());
-        }
+      const c10::cuda::CUDAStream convert = *convert_stream_;
+      staging = next_staging_;
+      next_staging_ = 1 - next_staging_;
+      int64_t bytes = 0;
+      const at::Tensor* first = nullptr;  // a converted gradient (an unused parameter's source is undefined)
+      for (size_t i = 0; i < job.srcs.size(); ++i) {
+        if (!converts(job.srcs[i], job.dsts[i])) continue;
+        bytes += staged_bytes(job.dsts[i]);
+        if (first == nullptr) first = &job.srcs[i];
+      }
+      ready.block(convert);
+      staging_free_[staging].block(convert);  // the copies that read this buffer last time have completed
+      c10::cuda::CUDAStreamGuard convert_guard(convert);
+      at::Tensor& buffer = staging_[staging];
+      if (!buffer.defined() || buffer.numel() < bytes) {
+        buffer.reset();  // back to the allocator once the copies recorded on it are done
+        buffer = first->new_empty({bytes}, first->options().dtype(at::kByte));
+      }
+      int64_t offset = 0;
+      for (size_t i = 0; i < job.srcs.size(); ++i) {
+        if (!converts(job.srcs[i], job.dsts[i])) continue;
+        const at::Tensor& grad = job.srcs[i];
+        const at::Tensor& dst = job.dsts[i];
+        at::Tensor out = buffer.narrow(0, offset, dst.numel() * dst.element_size()).view(dst.scalar_type());
+        out = out.view(dst.sizes());
+        out.copy_(grad.view(dst.sizes()));  // the conversion, on the conversion stream
+        c10::cuda::CUDACachingAllocator::recordStream(grad.storage().data_ptr(), convert);
+        job.srcs[i] = out;
+        offset += staged_bytes(dst);
       }
       at::cuda::CUDAEvent& converted = converted_[bucket];
-      converted.record(*convert_stream_);
+      converted.record(convert);
       converted.block(copy_stream_);  // after ready too: the conversion stream waited on it
     } else {
       ready.block(copy_stream_);
@@ -125,6 +150,7 @@ class CudaTransfer final : public BucketTransfer {
     // it completes after them too; and the zero-fill above waits for the previous step's copies of the bucket,
     // not for an early part of this step still queued behind backward's kernels (a host stall mid-backward).
     if (job.completes_bucket) done_[channel * num_buckets_ + bucket].record(copy_stream_);
+    if (staging >= 0) staging_free_[staging].record(copy_stream_);
   }
 
   void wait_completed(int64_t channel, int64_t bucket, int64_t target, std::unique_lock<std::mutex>& lock) override {
@@ -143,6 +169,10 @@ class CudaTransfer final : public BucketTransfer {
   // A device gradient into a host slot of another dtype: converted before its copy.
   static bool converts(const at::Tensor& src, const at::Tensor& dst) {
     return src.defined() && src.is_cuda() && !dst.is_cuda() && src.scalar_type() != dst.scalar_type();
+  }
+  static int64_t staged_bytes(const at::Tensor& dst) {  // a converted gradient's room in a staging buffer
+    constexpr int64_t kAlign = 256;
+    return (dst.numel() * dst.element_size() + kAlign - 1) / kAlign * kAlign;
   }
   static bool converts(const CopyJob& job) {
     for (size_t i = 0; i < job.srcs.size(); ++i) {
@@ -163,10 +193,23 @@ class CudaTransfer final : public BucketTransfer {
       return;
     }
     // Equal element counts, any shapes (a [7, 7] gradient into its flat slot): view the contiguous src as dst.
-    dst.copy_(src.view(dst.sizes()), /*non_blocking=*/true);
-    // The caching allocator must not reuse a device block before this stream is done with it.
+    // The caching allocator must not reuse a device block before this stream is done with it (recorded first: a
+    // copy that raises after enqueueing still has its blocks recorded).
     if (src.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), copy_stream_);
     if (dst.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(dst.storage().data_ptr(), copy_stream_);
+    const at::Tensor from = src.view(dst.sizes());
+    if (!src.is_cuda() && dst.is_cuda() && src.scalar_type() != dst.scalar_type()) {
+      // Note [Weights converted on the device]: float32 master weights into a bfloat16/float16 replica. copy_ would
+      // convert on the host, on this (the launching) thread, into fresh pageable memory, then copy from pageable
+      // memory: a synchronous stall of tens of ms a step for a 50M-parameter replica (a 50M conversion alone:
+      // 82 ms with fresh memory, 15 ms into reused memory, one thread of the 2-vCPU machine in RESULTS). Instead
+      // the source's own bytes travel asynchronously (from the pinned store) into a device buffer of the caching
+      // allocator on this stream, and the conversion runs here after them (round to nearest even, as on the
+      // host). The buffer is used on this stream alone: freed at return, reused only by later work of it.
+      dst.copy_(from.to(dst.device(), src.scalar_type(), /*non_blocking=*/true));
+    } else {
+      dst.copy_(from, /*non_blocking=*/true);
+    }
   }
 
   const at::Device device_;
@@ -174,6 +217,9 @@ class CudaTransfer final : public BucketTransfer {
   std::optional<c10::cuda::CUDAStream> convert_stream_;  // made at the first conversion (start, under launch_mutex_)
   std::vector<at::cuda::CUDAEvent> ready_;      // per bucket: compute-stream point the copies start after
   std::vector<at::cuda::CUDAEvent> converted_;  // per bucket: the conversions' end on convert_stream_
+  at::Tensor staging_[2];                       // bytes the conversions write, used in turn (start, launch_mutex_)
+  at::cuda::CUDAEvent staging_free_[2];         // the end of the copies that read each staging buffer last
+  int next_staging_ = 0;
   std::vector<at::cuda::CUDAEvent> done_;       // per channel and bucket: completion of the last launch
 };
 
