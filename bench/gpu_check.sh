@@ -14,7 +14,7 @@
 #   env        nvidia-smi, the machine's own torch and nvcc
 #   build      pip install -e . --no-build-isolation --no-deps with that torch (fallback: setup.py build_ext --inplace)
 #   tests      pytest tests: the whole suite, the CUDA twins first (`-k cuda`: most have never run on a GPU, and a
-#              run cut short should have their results), then the rest (`-k "not cuda"`)
+#              run cut short should have their results), then the rest (`-k "not cuda"`, the CLI's tests last)
 #   cudatests  the CUDA twins alone (`-k cuda`, about 70 s on an H100): for a hold too short for the whole suite
 #   ctest      the CMake build with PYENGINE_WITH_CUDA=ON and its C++ tests
 #   sanitizer  compute-sanitizer memcheck (and racecheck) on a small case calling every op on CUDA
@@ -161,10 +161,12 @@ sanitize() {
   return $rc
 }
 
-run_tests() {  # the CUDA twins first, then everything else; fails if either part fails
-  local rc=0
+run_tests() {  # the CUDA twins first, then everything else (the CLI's last: its torchrun tests take 15-80 s each on
+  # a GPU machine, and a stage cut short should have run the engine's tests); fails if either part fails
+  local rc=0 files
   "$PYTHON" -m pytest tests -q -rfE -p no:cacheprovider -k cuda || rc=1
-  "$PYTHON" -m pytest tests -q -rfE -p no:cacheprovider -k "not cuda" || rc=1
+  files=$(ls tests/test_*.py | grep -v '^tests/test_cli.py$')
+  "$PYTHON" -m pytest $files tests/test_cli.py -q -rfE -p no:cacheprovider -k "not cuda" || rc=1
   return $rc
 }
 
