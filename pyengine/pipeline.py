@@ -408,13 +408,7 @@ class _Stage:
         """Master weights -> this stage's parameters (non-blocking on the stage's stream on CUDA)."""
         with self.context():
             for name, p in self.params:
-                master = self._master[name]
-                if p.is_cuda and p.dtype != master.dtype:
-                    # a bfloat16/float16 stage: the master's bytes travel as they are and are converted on the device
-                    # (copy_ would convert on the host into pageable memory: Note [Weights converted on the device]
-                    # in csrc/cuda/cuda_transfer.cpp)
-                    master = master.to(p.device, non_blocking=True)
-                p.copy_(master, non_blocking=True)
+                p.copy_(self._master[name], non_blocking=True)
 
     @torch.no_grad()
     def push_grads(self, unused: str) -> dict[str, torch.Tensor | None]:

@@ -106,14 +106,16 @@ def test_a_low_precision_model_trains_on_float32_master_weights(rng, workers, dt
     """A model whose weights are bfloat16/float16: the replicas hold the float32 master weights rounded as torch
     rounds them, bit for bit, after every step, and each update is AdamW (float64 torch reference) on the mean of
     the replicas' own gradients. The reference's gradients come from a copy of the model holding the replicas'
-    weights (the engine's master rounded): its own float64 master rounds the same way but for ties."""
+    weights (the engine's master rounded), on the workers' device and shards (the same kernels: low-precision
+    gradients of another device or summation order differ by whole ulps, which Adam does not damp below the
+    tolerance); its own float64 master rounds the same way but for ties."""
     def low_loss(model, batch):
         x, y = batch
         return torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
 
     model = make_model().to(dtype)
     reference = TorchReference(model, **OPT)
-    twin = copy.deepcopy(model)  # computes the reference's gradients from the replicas' weights
+    twin = copy.deepcopy(model).to(worker_device)  # the reference's gradients, from the replicas' weights
     with Engine(model, low_loss, devices=[worker_device] * workers, optimizer=AdamW(**OPT)) as engine:
         for b in make_batches(rng, 5, 32):
             master = engine.master_state_dict()
@@ -123,11 +125,12 @@ def test_a_low_precision_model_trains_on_float32_master_weights(rng, workers, dt
                     assert p.dtype == dtype and torch.equal(p.detach().cpu(), master[name].to(dtype)), name
             twin.load_state_dict({name: value.to(dtype) for name, value in master.items()})
             reference.opt.zero_grad()
-            for shard in (tuple(torch.tensor_split(t, workers)[g] for t in b) for g in range(workers)):
+            for g in range(workers):
+                shard = tuple(torch.tensor_split(t, workers)[g].to(worker_device) for t in b)
                 twin.zero_grad()
                 low_loss(twin, shard).backward()  # equal shards: the mean gradient is the shards' mean
                 for p, q in zip(reference.model.parameters(), twin.parameters(), strict=True):
-                    p.grad = q.grad.double() / workers + (0 if p.grad is None else p.grad)
+                    p.grad = q.grad.cpu().double() / workers + (0 if p.grad is None else p.grad)
             reference.opt.step()
             engine.step(b)
         assert_matches(engine, reference)

@@ -74,29 +74,17 @@ def pipeline(model, devices, **options):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stages_of_a_low_precision_model_get_the_master_weights_rounded(worker_device, dtype, tmp_path):
-    """bfloat16/float16 stages pull the float32 master weights rounded as torch rounds them; on CUDA the master's
-    bytes travel from the pinned store and are converted on the device, never on the host into pageable memory."""
+def test_stages_of_a_low_precision_model_get_the_master_weights_rounded(worker_device, dtype):
+    """bfloat16/float16 stages pull the float32 master weights rounded as torch rounds them on the host."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(dtype)
-    with pipeline(model, [worker_device] * 2, stages=2, microbatches=2, pin=worker_device != "cpu") as engine:
+    with pipeline(model, [worker_device] * 2, stages=2, microbatches=2) as engine:
         engine.store.param.copy_(torch.randn(engine.store.numel))  # new weights: every stage must change
         stages = [stage for row in engine.pipeline.stages for stage in row]
-        if worker_device == "cpu":
-            for stage in stages:
-                stage.pull()
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for stage in stages:
-                    stage.pull()
-                torch.cuda.synchronize()
-            trace = tmp_path / "trace.json"
-            prof.export_chrome_trace(str(trace))
-            copies = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]
-                      if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
-            assert copies and all("Pinned" in name for name in copies), copies
+        for stage in stages:
+            stage.pull()
+        if worker_device != "cpu":
+            torch.cuda.synchronize()
         master = engine.store.views(engine.store.param)
         pulled = 0
         for stage in stages:

@@ -147,28 +147,18 @@ def test_cuda_conversions_run_beside_the_copies_and_keep_the_bits(eager_mb, pin,
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("replica_dtype", [torch.bfloat16, torch.float16])
-def test_cuda_weights_into_low_precision_replicas_are_converted_on_the_device(replica_dtype, tmp_path):
-    """The float32 master weights go back to a bfloat16/float16 replica as they are, from the pinned store (no
-    conversion on the host into pageable memory: Note [Weights converted on the device]), and the replica holds
-    them rounded as torch rounds them."""
-    from torch.profiler import ProfilerActivity, profile
-
+def test_cuda_low_precision_replicas_get_the_master_weights_rounded(replica_dtype):
+    """The float32 master weights copied back into a bfloat16/float16 replica on the GPU hold them rounded as torch
+    rounds them on the host, bit for bit."""
     model = Net(dtype=replica_dtype).cuda()
     store = pyengine.HostStore(model, pin=True)
     store.param.copy_(torch.randn(store.numel))  # new weights: the replica must change
     with pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001) as streamer:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            streamer.copy_back()
-            streamer.wait_weights()
-            torch.cuda.synchronize()
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            assert torch.equal(param.detach().cpu(), store.views(store.param)[name].to(replica_dtype)), name
-    trace = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    copies = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]
-              if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
-    assert copies and all("Pinned" in name for name in copies), copies
+        streamer.copy_back()
+        streamer.wait_weights()
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                assert torch.equal(param.detach().cpu(), store.views(store.param)[name].to(replica_dtype)), name
 
 
 def test_zero_size_parameter():

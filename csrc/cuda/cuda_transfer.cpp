@@ -99,7 +99,13 @@ class CudaTransfer final : public BucketTransfer {
     ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
     int staging = -1;  // the staging buffer this launch converts into, if any
     if (converts(job)) {  // Note [Gradients converted on a stream of their own]
-      if (!convert_stream_) convert_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
+      if (!convert_stream_) {
+        convert_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
+        // the pool hands out its 32 streams round-robin: this transfer's copy stream again, once in 32 transfers
+        if (*convert_stream_ == copy_stream_) {
+          convert_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
+        }
+      }
       const c10::cuda::CUDAStream convert = *convert_stream_;
       staging = next_staging_;
       next_staging_ = 1 - next_staging_;
@@ -145,7 +151,13 @@ class CudaTransfer final : public BucketTransfer {
       }
     }
     c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
-    for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
+    try {
+      for (size_t i = 0; i < job.dsts.size(); ++i) copy_pair(job.srcs[i], job.dsts[i]);
+    } catch (...) {
+      // copies enqueued before the error may still read the staging buffer: its next conversion waits for them
+      if (staging >= 0) staging_free_[staging].record(copy_stream_);
+      throw;
+    }
     // Only a completing launch records the bucket's event: it follows the bucket's early parts on this stream, so
     // it completes after them too; and the zero-fill above waits for the previous step's copies of the bucket,
     // not for an early part of this step still queued behind backward's kernels (a host stall mid-backward).
@@ -197,19 +209,7 @@ class CudaTransfer final : public BucketTransfer {
     // copy that raises after enqueueing still has its blocks recorded).
     if (src.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), copy_stream_);
     if (dst.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(dst.storage().data_ptr(), copy_stream_);
-    const at::Tensor from = src.view(dst.sizes());
-    if (!src.is_cuda() && dst.is_cuda() && src.scalar_type() != dst.scalar_type()) {
-      // Note [Weights converted on the device]: float32 master weights into a bfloat16/float16 replica. copy_ would
-      // convert on the host, on this (the launching) thread, into fresh pageable memory, then copy from pageable
-      // memory: a synchronous stall of tens of ms a step for a 50M-parameter replica (a 50M conversion alone:
-      // 82 ms with fresh memory, 15 ms into reused memory, one thread of the 2-vCPU machine in RESULTS). Instead
-      // the source's own bytes travel asynchronously (from the pinned store) into a device buffer of the caching
-      // allocator on this stream, and the conversion runs here after them (round to nearest even, as on the
-      // host). The buffer is used on this stream alone: freed at return, reused only by later work of it.
-      dst.copy_(from.to(dst.device(), src.scalar_type(), /*non_blocking=*/true));
-    } else {
-      dst.copy_(from, /*non_blocking=*/true);
-    }
+    dst.copy_(src.view(dst.sizes()), /*non_blocking=*/true);
   }
 
   const at::Device device_;

@@ -18,8 +18,9 @@
 //     previous step's copy back of bucket k has completed;
 //   * the next forward of a replica runs only after order_current_stream(kWeights): on CUDA its compute stream waits
 //     on the copy-back events (no host block), on CPU the host waits for the copy thread.
-// On CUDA a replica's gradient is also busy for the copy stream: it is recorded on the copy stream, so the caching
-// allocator does not hand its memory to the next step before the D2H copy has read it.
+// On CUDA a replica's gradient is also busy for the stream that reads it: it is recorded on the copy stream (or, when
+// it is converted to the slot's dtype first, on the conversion stream), so the caching allocator does not hand its
+// memory to the next step before the D2H copy (or the conversion) has read it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
