@@ -262,6 +262,24 @@ def engine_vs_single(device, rounds, workers=4, trace_dir=None) -> dict:
             **{k.replace("_s", "_ms"): 1e3 * statistics.median(v) for k, v in phases.items()}}
 
 
+def engine_rows(device, rounds, trace_dir, host_threads) -> list[dict]:
+    """engine_vs_single with every intra-op thread (traced), then once for each of ``host_threads`` (GPU workers
+    only: with CPU workers the engine divides the threads among them itself). Why: on the H100 machine's 16 cores
+    the hybrid step's host phases (norm, update) varied 2-7x from step to step with 16 threads beside 4 worker
+    threads (RESULTS.md, 2026-11-26); libgomp's team spins after each region."""
+    default = torch.get_num_threads()
+    rows = [{"host_threads": default, **engine_vs_single(device, rounds, trace_dir=trace_dir)}]
+    for n in host_threads or []:
+        if device.type != "cuda" or n == default:
+            continue
+        torch.set_num_threads(n)
+        try:
+            rows.append({"host_threads": n, **engine_vs_single(device, rounds)})
+        finally:
+            torch.set_num_threads(default)
+    return rows
+
+
 def table(title, *rows) -> str:
     keys = list(dict.fromkeys(k for row in rows for k in row))  # every row's columns, in order of appearance
     lines = [f"### {title}\n", f"| {' | '.join(keys)} |", f"|{'---|' * len(keys)}"]
@@ -280,6 +298,9 @@ def main(argv=None) -> int:
                         "on an H100 (one row each; the traces are of the first)")
     parser.add_argument("--grad-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="the store's gradient slot dtypes to measure (one row per dtype and batch)")
+    parser.add_argument("--host-threads", type=int, nargs="+", default=None,
+                        help="GPU workers: also run the hybrid comparison with the host's ops on this many intra-op "
+                             "threads (torch.set_num_threads), one row each after the default's")
     parser.add_argument("--out", default=None, help="also write the markdown tables here")
     parser.add_argument("--trace-dir", default=None, help="write profiler traces of one streamed and one hybrid step "
                         "here, and the streamed step's copy timeline to the tables")
@@ -304,7 +325,7 @@ def main(argv=None) -> int:
     if timelines:
         text += table("copy timeline of one streamed step (device activity, torch.profiler)", *timelines) + "\n"
     text += table("hybrid, 4 workers on one device, vs single-replica torch.optim.AdamW",
-                  engine_vs_single(device, args.rounds, trace_dir=args.trace_dir))
+                  *engine_rows(device, args.rounds, args.trace_dir, args.host_threads))
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -26,7 +26,8 @@
 #              inside pyengine/worker0/forward_backward+transfer, none inside a range that does not exist)
 #   transfer   bench/bench_transfer.py --batch 64 256 1024: streamer D2H bandwidth vs raw pinned copy, backward
 #              overlap with early copies of large gradients and with whole buckets only (paired), a profiler copy
-#              timeline and Chrome traces in logs.tgz, hybrid with 4 workers on the GPU vs single-replica training;
+#              timeline and Chrome traces in logs.tgz, hybrid with 4 workers on the GPU vs single-replica training
+#              (the host's ops on every intra-op thread, then on 4 and 8);
 #              float32 and bfloat16 gradient slots (--grad-dtype: half the bytes to copy)
 #   pipeline   bench/bench_pipeline.py --device cuda:0: S stages as S workers on one GPU (each its own stream),
 #              S in {2, 4}, M in {1, 4, 16}, 1F1B and GPipe, samples/s and bubble vs single-device training
@@ -228,7 +229,8 @@ run_stage() {
       --out "$LOGS/kernel_ab.md" ;;
     nvtx) stage nvtx "$LOGS/nvtx.log" 300 nvtx_check ;;
     transfer) stage transfer "$LOGS/transfer.log" 900 "$PYTHON" bench/bench_transfer.py --device cuda:0 \
-      --batch 64 256 1024 --grad-dtype float32 bfloat16 --out "$LOGS/transfer.md" --trace-dir "$LOGS" ;;
+      --batch 64 256 1024 --grad-dtype float32 bfloat16 --host-threads 4 8 --out "$LOGS/transfer.md" \
+      --trace-dir "$LOGS" ;;
     pipeline) stage pipeline "$LOGS/pipeline.log" 600 bash -c "set -o pipefail; \"$PYTHON\" \
       bench/bench_pipeline.py --device cuda:0 --width 4096 --batch 512 | tee \"$LOGS/pipeline.md\"" ;;
     arena) stage arena "$LOGS/arena.log" 300 "$PYTHON" bench/bench_arena.py --threads 1 16 --out "$LOGS/arena.md" ;;

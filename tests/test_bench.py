@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import bench_fused_adamw  # noqa: E402
@@ -41,9 +42,11 @@ def test_bench_transfer_runs_on_cpu(tmp_path):
     out = tmp_path / "transfer.md"
     assert bench_transfer.main(["--device", "cpu", "--params-m", "1", "--rounds", "1", "--out", str(out),
                                 "--trace-dir", str(tmp_path), "--batch", "8", "16", "--grad-dtype", "float32",
-                                "bfloat16"]) == 0  # the bfloat16 rows' slots hold the converted gradients (checked)
+                                "bfloat16", "--host-threads", "1"]) == 0  # the bfloat16 slots: checked inside
+    # (--host-threads applies to GPU workers only: on CPU the one row with the default thread count)
     text = out.read_text()
     assert "bandwidth_ratio" in text and "hybrid_over_single" in text and "update_ms" in text
+    assert f"\n| {torch.get_num_threads()} | 4 | " in text, text  # host_threads, workers
     for dtype in ("float32", "bfloat16"):
         assert f"\n| {dtype} | 8 | " in text and f"\n| {dtype} | 16 | " in text, text
     assert "step_over_floor" in text and "bwd_step_over_max" in text, text
