@@ -17,6 +17,12 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
+def pytest_configure(config):
+    # A test's helper thread that dies of an exception fails its test: pytest only warns by default, and a test
+    # whose reader thread died at its first read once passed having checked nothing.
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnhandledThreadExceptionWarning")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
