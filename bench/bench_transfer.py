@@ -30,8 +30,9 @@ which is how the script itself is checked on machines without a GPU):
 With ``--trace-dir D``, one streamed step and one hybrid step more run under ``torch.profiler`` (CUDA activity:
 kernels and memcpys on every stream, as an Nsight timeline shows them): Chrome traces
 ``D/streamed_trace_<grads>.json`` (the first batch of each gradient dtype), ``D/hybrid_trace.json`` and the engine's
-own phase trace ``D/hybrid_phases.json``, and a table of the streamed steps' copy timelines: when the first gradient copy starts after backward's first kernel, how long the copy engine
-sits idle while backward still runs, and how long copies go on after backward's last kernel.
+own phase trace ``D/hybrid_phases.json``, and a table of the streamed steps' copy timelines: when the first gradient
+copy starts after backward's first kernel, how long the copy engine sits idle while backward still runs, and how
+long copies go on after backward's last kernel.
 """
 from __future__ import annotations
 
@@ -284,7 +285,8 @@ def table(title, *rows) -> str:
     keys = list(dict.fromkeys(k for row in rows for k in row))  # every row's columns, in order of appearance
     lines = [f"### {title}\n", f"| {' | '.join(keys)} |", f"|{'---|' * len(keys)}"]
     for row in rows:
-        lines.append(f"| {' | '.join(f'{row[k]:.3f}' if isinstance(row.get(k), float) else str(row.get(k, '')) for k in keys)} |")
+        cells = (f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys)
+        lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 

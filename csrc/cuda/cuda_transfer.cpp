@@ -97,8 +97,15 @@ class CudaTransfer final : public BucketTransfer {
     // after the work enqueued so far on the current stream.
     at::cuda::CUDAEvent& ready = ready_[bucket];
     ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+    int64_t bytes = 0;                  // the converted gradients' room in a staging buffer
+    const at::Tensor* first = nullptr;  // the first gradient to convert, if any (an unused parameter's is undefined)
+    for (size_t i = 0; i < job.srcs.size(); ++i) {
+      if (!converts(job.srcs[i], job.dsts[i])) continue;
+      bytes += staged_bytes(job.dsts[i]);
+      if (first == nullptr) first = &job.srcs[i];
+    }
     int staging = -1;  // the staging buffer this launch converts into, if any
-    if (converts(job)) {  // Note [Gradients converted on a stream of their own]
+    if (first != nullptr) {  // Note [Gradients converted on a stream of their own]
       if (!convert_stream_) {
         convert_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
         // the pool hands out its 32 streams round-robin: this transfer's copy stream again, once in 32 transfers
@@ -109,13 +116,6 @@ class CudaTransfer final : public BucketTransfer {
       const c10::cuda::CUDAStream convert = *convert_stream_;
       staging = next_staging_;
       next_staging_ = 1 - next_staging_;
-      int64_t bytes = 0;
-      const at::Tensor* first = nullptr;  // a converted gradient (an unused parameter's source is undefined)
-      for (size_t i = 0; i < job.srcs.size(); ++i) {
-        if (!converts(job.srcs[i], job.dsts[i])) continue;
-        bytes += staged_bytes(job.dsts[i]);
-        if (first == nullptr) first = &job.srcs[i];
-      }
       ready.block(convert);
       staging_free_[staging].block(convert);  // the copies that read this buffer last time have completed
       c10::cuda::CUDAStreamGuard convert_guard(convert);
@@ -129,8 +129,8 @@ class CudaTransfer final : public BucketTransfer {
         if (!converts(job.srcs[i], job.dsts[i])) continue;
         const at::Tensor& grad = job.srcs[i];
         const at::Tensor& dst = job.dsts[i];
-        at::Tensor out = buffer.narrow(0, offset, dst.numel() * dst.element_size()).view(dst.scalar_type());
-        out = out.view(dst.sizes());
+        at::Tensor out =
+            buffer.narrow(0, offset, dst.numel() * dst.element_size()).view(dst.scalar_type()).view(dst.sizes());
         out.copy_(grad.view(dst.sizes()));  // the conversion, on the conversion stream
         c10::cuda::CUDACachingAllocator::recordStream(grad.storage().data_ptr(), convert);
         job.srcs[i] = out;
@@ -185,12 +185,6 @@ class CudaTransfer final : public BucketTransfer {
   static int64_t staged_bytes(const at::Tensor& dst) {  // a converted gradient's room in a staging buffer
     constexpr int64_t kAlign = 256;
     return (dst.numel() * dst.element_size() + kAlign - 1) / kAlign * kAlign;
-  }
-  static bool converts(const CopyJob& job) {
-    for (size_t i = 0; i < job.srcs.size(); ++i) {
-      if (converts(job.srcs[i], job.dsts[i])) return true;
-    }
-    return false;
   }
 
   // Runs on the copy stream (current under the caller's guard).
