@@ -119,8 +119,11 @@ def save(directory, step: int, payload: dict, keep: int | None = None) -> Path:
             pass
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep the run's other users from resuming it
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:  # the file object owns the descriptor: closed whatever fails below
+            try:  # mkstemp's 0600 would keep the run's other users from resuming it
+                os.fchmod(f.fileno(), 0o666 & ~_UMASK)
+            except OSError:  # a filesystem without Unix permissions (vfat, some network mounts): its own modes
+                pass
             f.write(MAGIC)
             f.write(_HEADER.pack(FORMAT_VERSION, len(data), hashlib.sha256(data).digest()))
             f.write(data)

@@ -1053,7 +1053,11 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         metrics_file.close()
         if stop.requested:
             interrupted = True
-        path = save_checkpoint()
+        try:
+            path = save_checkpoint()
+        except Exception as exc:  # the run's last step (or a Ctrl-C's) unsaved: name the newest checkpoint there is
+            engine.record_failure(exc)
+            raise TrainingFailed(state["step"], *failed_run_checkpoint()) from exc
         trace = _trace_path(cfg["trace"], mode, cfg["mode"] == "all") if primary else None
         if trace is not None:
             engine.trace(trace)
@@ -1145,6 +1149,9 @@ def _read_checkpoint(file: Path) -> dict:
         refuse(f"its config lacks {lacking}", sorted(config))
     if payload["mode"] not in MODES or config["mode"] != payload["mode"]:
         refuse(f"its mode and its config's must be one of {MODES}, the same", (payload["mode"], config["mode"]))
+    error = _saved_setting_error(_saved_run_config(config))
+    if error is not None:
+        raise ckpt.CheckpointError(f"{file} is not a usable `pyengine train` checkpoint: {error}")
     return payload
 
 
@@ -1181,6 +1188,42 @@ def _load_resume(target: str) -> tuple[dict, Path]:
     return payload, run_dir
 
 
+def _saved_setting_error(config: dict) -> str | None:
+    """What in a saved run configuration no ``train`` command line could have given (a checkpoint or config.json
+    edited, or written by something else): None, or one line naming the setting, what it must be and its value.
+    Each setting is read back through its own flag's parser (its type's checks and its choices): a value that
+    does not come back as itself is refused. Settings that every run has may not be None."""
+    import argparse
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    always = {k for k, v in _resolve({}).items() if v is not None} - {"epochs"}  # epochs: None when --steps given
+    for action in commands.choices["train"]._actions:
+        key = action.dest
+        if key not in config or key in ("help", "resume", "out", "trace", "devices") or (
+                action.type is None and action.choices is None):
+            continue
+        value = config[key]
+        if value is None:
+            if key in always:
+                return f"its {key} must be set; got None"
+            continue
+        if action.choices is not None:
+            if value not in action.choices or not isinstance(value, str):
+                return f"its {key} must be one of {', '.join(action.choices)}; got {value!r}"
+            continue
+        text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        try:
+            back = action.type(text)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            return f"its {key} is not a value of --{key.replace('_', '-')} ({exc}); got {value!r}"
+        if type(back) is not type(value) or back != value:
+            return f"its {key} is not a value of --{key.replace('_', '-')}; got {value!r}"
+    devices = config.get("devices")
+    if not (isinstance(devices, list) and devices and all(isinstance(d, str) for d in devices)):
+        return f"its devices must be a non-empty list of device names; got {devices!r}"
+    return None
+
+
 def _all_config(path: Path) -> dict | None:
     """The configuration of the --mode all run in ``path`` (its config.json), or None when ``path`` is not one."""
     file = path / ALL_CONFIG
@@ -1197,6 +1240,9 @@ def _all_config(path: Path) -> dict | None:
     if missing:
         raise UsageError(f"--resume {path}: {file} lacks the settings {sorted(missing)}")
     config.pop("kind")
+    error = _saved_setting_error(config)
+    if error is not None:
+        raise UsageError(f"--resume {path}: {file} is not a usable configuration: {error}")
     return config
 
 

@@ -202,7 +202,7 @@ class AdamW:
         if len(steps) != 1:
             raise ValueError(f"every param must be at the same step; got steps {sorted(steps)}")
         step = steps.pop()
-        if not (step >= 1 and step == int(step)):
+        if not (step >= 1 and math.isfinite(step) and step == int(step)):
             raise ValueError(f"optimizer state: the step must be a whole number >= 1; got {step}")
         return int(step)
 

@@ -1,5 +1,6 @@
 """`python -m pyengine train` end to end, on short runs: the run directory of every mode, resume equality, checkpoint
 validation, bad input, Ctrl-C."""
+import errno
 import json
 import os
 import shutil
@@ -265,6 +266,31 @@ def test_a_failure_after_an_update_but_before_its_count_saves_nothing_wrong(tmp_
         "stands)",
         f"pyengine train: the last checkpoint is in {periodic}: resume with python -m pyengine train --resume {out}"], err
     assert ckpt.list_checkpoints(out / "checkpoints") == [periodic]
+
+
+def test_a_failed_final_save_names_the_last_checkpoint_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    """The run's last checkpoint (the one after its last step, or a Ctrl-C's) cannot be written (a full disk): the
+    run exits 1 with the error, why the step is not saved, and the newest checkpoint with the --resume command (it
+    printed the error alone); the resume then finishes the run."""
+    real = ckpt.save
+
+    def save(directory, step, payload, keep=None):
+        if step == 6:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(directory, step, payload, keep=keep)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt, "save", save)
+        assert train("--steps", "6", "--quiet", "--checkpoint-every", "2", "--out", str(out), *SHORT) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    periodic = ckpt.path_for(out / "checkpoints", 4)
+    assert err[-3].startswith("pyengine train: training failed: ") and "No space left on device" in err[-3], err
+    assert err[-2].startswith("pyengine train: step 6 could not be saved: OSError: "), err
+    assert err[-1] == (f"pyengine train: the last checkpoint is in {periodic}: resume with python -m pyengine train "
+                       f"--resume {out}"), err
+    assert train("--resume", str(out), "--steps", "6", "--quiet") == 0
+    assert master(out)["version"] == 6
 
 
 def test_mode_all_failing_before_a_checkpoint_still_says_how_to_resume(tmp_path, capsys, monkeypatch):
@@ -601,6 +627,21 @@ def test_checkpoint_files_follow_the_umask(tmp_path):
     assert ckpt.load(path) == {"x": 1}
 
 
+def test_a_filesystem_without_unix_modes_still_takes_checkpoints(tmp_path, monkeypatch):
+    """On a filesystem without Unix permissions (vfat, some network mounts) fchmod fails: the checkpoint is written
+    with the filesystem's own modes, and no descriptor is left open (a failed fchmod leaked one per save, and
+    failed the save)."""
+    def refused(fd, mode):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refused)
+    before = len(os.listdir("/proc/self/fd"))
+    paths = [ckpt.save(tmp_path, step, {"x": step}) for step in range(1, 6)]
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert [ckpt.load(p) for p in paths] == [{"x": step} for step in range(1, 6)]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_a_run_stopped_before_its_first_checkpoint_says_so_on_resume_and_on_out(tmp_path, capsys):
     """A run killed before its first checkpoint leaves only metrics.jsonl: --resume said "no checkpoint" and --out
     said "continue it with --resume", each pointing at the other."""
@@ -665,7 +706,17 @@ def test_the_printed_resume_command_pastes_into_a_shell(tmp_path, capsys):
     (lambda p: p.update(batches_beyond=[1]), "its batches_beyond must be distinct ints > its batches_done"),
     (lambda p: p.update(elapsed_s=float("nan")), "its elapsed_s must be a number of seconds >= 0"),
     (lambda p: p.update(mode="sync"), "its mode and its config's must be one of"),
-], ids=["config-list", "no-devices", "step-str", "step-name", "batches-neg", "beyond", "elapsed-nan", "mode"])
+    # settings no command line could give: each read back through its flag's parser
+    (lambda p: p["config"].update(batch_size="32"), "its batch_size is not a value of --batch-size; got '32'"),
+    (lambda p: p["config"].update(hidden=0), "its hidden is not a value of --hidden (expected a positive integer"),
+    (lambda p: p["config"].update(lr=-1.0), "its lr is not a value of --lr"),
+    (lambda p: p["config"].update(accumulate="x"), "its accumulate is not a value of --accumulate"),
+    (lambda p: p["config"].update(data="imagenet"), "its data must be one of digits, tokens; got 'imagenet'"),
+    (lambda p: p["config"].update(autocast="fp8"), "its autocast must be one of none, bf16, fp16; got 'fp8'"),
+    (lambda p: p["config"].update(devices=5), "its devices must be a non-empty list of device names; got 5"),
+    (lambda p: p["config"].update(seed=None), "its seed must be set; got None"),
+], ids=["config-list", "no-devices", "step-str", "step-name", "batches-neg", "beyond", "elapsed-nan", "mode",
+        "batch-str", "hidden-0", "lr-neg", "accumulate-str", "data", "autocast", "devices-int", "seed-none"])
 def test_a_checkpoint_with_an_unusable_payload_is_a_clear_error(finished_run, tmp_path, capsys, edit, message):
     """A checkpoint whose hash is right but whose contents are not those of a train run (another writer, a hand
     edit) is one line "cannot resume", not a traceback or a resume that says one step and trains from another."""
