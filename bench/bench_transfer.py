@@ -26,6 +26,12 @@ which is how the script itself is checked on machines without a GPU):
    1.23 -> <= 1.10 and 1.02-1.07 at 256 and 1024; the float32 rows unchanged (no conversion, the same path).
 3. Engine: hybrid with 4 workers on the one device vs plain single-replica training (torch.optim.AdamW, fused when
    the device is CUDA) on the same global batch: samples/s, the engine's overlap efficiency and its phases.
+4. The trip back of a bfloat16 model's weights (``weights_back``): its replica refreshed from the fp32 master vs from
+   the store's bfloat16 shadow (Note [The shadow follows the master weights], pyengine/store.py), and what writing
+   the shadow adds to the update. Predictions in RESULTS.md (2026-11-26, later): speedup 1.4-1.8x on the 2-vCPU CPU
+   VM, 1.8-2.0x on an H100 (half the bytes over PCIe); update_cost 1.04-1.10.
+
+``--parts`` picks the measurements (default: all).
 
 With ``--trace-dir D``, one streamed step and one hybrid step more run under ``torch.profiler`` (CUDA activity:
 kernels and memcpys on every stream, as an Nsight timeline shows them): Chrome traces
@@ -212,6 +218,53 @@ def transfer_and_overlap(device, params_m, rounds, trace_dir=None, batch=64,
             "eager_speedup": paired(times["bucketed"][1:], times["streamed"][1:])}, timeline
 
 
+def weights_back(device, params_m, rounds, dtype=torch.bfloat16) -> dict:
+    """The trip back of a low-precision model's weights: a ``dtype`` replica refreshed from the fp32 master (each
+    copy converts, and moves 4 bytes an element) vs from the store's ``dtype`` shadow (2 bytes, no conversion), the
+    copy back of every bucket and its wait timed; and what the shadow costs the update (G = 1, fp32 gradients,
+    ``param_out=store.shadow`` or not), timed on the host. Interleaved per round, medians; ``speedup`` and
+    ``update_cost`` are medians of the rounds' paired ratios."""
+    model = mlp(params_m).to(device=device, dtype=dtype)
+    store = pyengine.HostStore(model, workers=1, pin="auto", shadow_dtype=dtype)
+    streamer = pyengine.GradientStreamer(model, store, worker=0)
+    grad = torch.randn(store.numel).mul_(1e-3)
+    hyper = dict(lr=1e-3, weight_decay=0.01)
+    buckets = range(len(streamer.buckets))
+
+    def back(source):
+        streamer.copy_back(source=source)
+        for k in buckets:
+            streamer.wait_weights(k)
+
+    def update(step, shadow):
+        pyengine.ops.mean_grad_adamw_(store.param, store.exp_avg, store.exp_avg_sq, [grad], step=step,
+                                      param_out=store.shadow if shadow else None, **hyper)
+
+    times = {k: [] for k in ("fp32_source", "shadow_source", "update", "update_shadow")}
+    try:
+        for step in range(1, rounds + 2):  # the first round warms up (page faults, threads), not counted
+            got = {"fp32_source": timed(lambda: back(store.param), device),
+                   "shadow_source": timed(lambda: back(store.shadow), device),
+                   "update": timed(lambda: update(2 * step - 1, False), torch.device("cpu")),
+                   "update_shadow": timed(lambda: update(2 * step, True), torch.device("cpu"))}
+            for k, v in got.items():
+                if step > 1:
+                    times[k].append(v)
+        back(store.shadow)  # the replica holds the shadow's bits once copied from it
+        sync(device)
+        with torch.no_grad():
+            bits = all(torch.equal(p.detach().cpu().view(-1), store.shadow[e.offset:e.offset + e.numel])
+                       for e, p in zip(store.layout, reversed(list(model.parameters()))))
+    finally:
+        streamer.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"dtype": str(dtype).replace("torch.", ""), "params_m": store.numel / 1e6,
+            "fp32_source_ms": 1e3 * med["fp32_source"], "shadow_source_ms": 1e3 * med["shadow_source"],
+            "speedup": paired(times["fp32_source"], times["shadow_source"]),
+            "update_ms": 1e3 * med["update"], "update_shadow_ms": 1e3 * med["update_shadow"],
+            "update_cost": paired(times["update_shadow"], times["update"]), "replica_is_shadow": bits}
+
+
 def paired(before, after) -> float:
     """Median of the rounds' before/after time ratios (> 1: after is faster)."""
     return statistics.median(b / a for b, a in zip(before, after))
@@ -304,6 +357,9 @@ def main(argv=None) -> int:
                         help="GPU workers: also run the hybrid comparison with the host's ops on this many intra-op "
                              "threads (torch.set_num_threads), one row each after the default's")
     parser.add_argument("--out", default=None, help="also write the markdown tables here")
+    parser.add_argument("--parts", nargs="+", default=["overlap", "weights_back", "engine"],
+                        choices=["overlap", "weights_back", "engine"],
+                        help="which measurements to run: 1-2 (overlap), 4 (weights_back), 3 (engine)")
     parser.add_argument("--trace-dir", default=None, help="write profiler traces of one streamed and one hybrid step "
                         "here, and the streamed step's copy timeline to the tables")
     args = parser.parse_args(argv)
@@ -313,7 +369,7 @@ def main(argv=None) -> int:
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     rows, timelines = [], []
-    for dtype in args.grad_dtype:
+    for dtype in args.grad_dtype if "overlap" in args.parts else []:
         for batch in args.batch:
             first = batch == args.batch[0]  # traced: the first batch of each gradient dtype
             row, spans = transfer_and_overlap(device, args.params_m, args.rounds, args.trace_dir if first else None,
@@ -321,13 +377,19 @@ def main(argv=None) -> int:
             rows.append({"grads": dtype, "batch": batch, **row})
             if spans is not None:
                 timelines.append({"grads": dtype, "batch": batch, **spans})
-    text += table("D2H bandwidth and backward overlap (target: ratio >= 0.9, step <= 1.1 x max(backward, copy): "
-                  "step_over_max with the forward, bwd_step_over_max without; step_over_floor: over max(forward + "
-                  "backward, forward + copy))", *rows) + "\n"
+    if rows:
+        text += table("D2H bandwidth and backward overlap (target: ratio >= 0.9, step <= 1.1 x max(backward, copy): "
+                      "step_over_max with the forward, bwd_step_over_max without; step_over_floor: over "
+                      "max(forward + backward, forward + copy))", *rows) + "\n"
     if timelines:
         text += table("copy timeline of one streamed step (device activity, torch.profiler)", *timelines) + "\n"
-    text += table("hybrid, 4 workers on one device, vs single-replica torch.optim.AdamW",
-                  *engine_rows(device, args.rounds, args.trace_dir, args.host_threads))
+    if "weights_back" in args.parts:
+        text += table("a bfloat16 model's weights back to its replica: from the fp32 master vs from the store's "
+                      "shadow (speedup), and what the shadow adds to the update (update_cost)",
+                      weights_back(device, args.params_m, args.rounds)) + "\n"
+    if "engine" in args.parts:
+        text += table("hybrid, 4 workers on one device, vs single-replica torch.optim.AdamW",
+                      *engine_rows(device, args.rounds, args.trace_dir, args.host_threads))
     print(text)
     if args.out:
         with open(args.out, "w") as f:

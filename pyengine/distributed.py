@@ -70,6 +70,7 @@ import collections
 import contextlib
 import ctypes
 import datetime
+import itertools
 import math
 import os
 import pickle
@@ -362,12 +363,61 @@ def shard_ranges(buckets, rank: int, world: int) -> list[tuple[int, int]]:
 
 
 def owned_state_ranges(model, grad_dtype: torch.dtype, bucket_mb: float, first_bucket_mb: float,
-                       group) -> list[tuple[int, int]]:
+                       group, shadow_dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
     """This rank's :func:`shard_ranges` for ``model`` before any store exists: the ``state_ranges`` of the
-    :class:`~pyengine.HostStore` a sharded Engine creates (same layout, same buckets as its streamers)."""
-    layout, numel = layout_of(model, grad_dtype)
+    :class:`~pyengine.HostStore` a sharded Engine creates (same layout, same buckets as its streamers; the layout
+    depends on the store's dtypes, the shadow's included)."""
+    layout, numel = layout_of(model, grad_dtype, shadow_dtype)
     buckets = make_buckets(layout, numel, grad_dtype, bucket_mb, first_bucket_mb)
     return shard_ranges(buckets, dist.get_rank(group), dist.get_world_size(group))
+
+
+def receive_rank0_state(model, held: dict, group, works, buffers: bool = True) -> dict[str, str]:
+    """Note [Every rank starts from rank 0's model]
+    Ranks may build the model from different seeds (as DDP, rank 0's state wins). The trainable weights come from
+    rank 0 with the host store; this brings rank 0's frozen parameters and persistent buffers (BatchNorm statistics)
+    into this rank's tensors ``held[name]`` (a list per name of ``model``: the replicas' copies, a pipeline stage's
+    and its CPU copies of other stages' buffers). One broadcast per dtype of a flat buffer, in ``model``'s order
+    (the same on every rank: check_same_config compares names, shapes and dtypes), emptied once copied: its work
+    (kept by ``works``, Note [Gloo's works are released by the thread that waits]) keeps the tensor object, not a
+    second copy of every frozen weight. A collective. Tested on 2 ranks built from different seeds with a frozen
+    Linear and a BatchNorm with non-default statistics: hybrid (replicated, sharded) and the pipeline across
+    processes train as rank 0's model would (before, hybrid ranks kept their own frozen layers and trained on
+    them); multi-node async takes rank 0's frozen parameters too (``buffers=False``: each client's statistics are
+    its own, as before). Returns the digests of rank 0's frozen parameters (:func:`pyengine.engine.frozen_digests`),
+    the same on every rank."""
+    from .engine import frozen_digests
+
+    by_dtype, digests = collections.defaultdict(list), {}
+    frozen_names = {n for n, p in model.named_parameters() if not p.requires_grad}  # shared ones by first name
+    frozen = ((n, p) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
+    for name, t in itertools.chain(frozen, model.named_buffers(remove_duplicate=False) if buffers else ()):
+        by_dtype[t.dtype].append((name, t))
+    with torch.no_grad():
+        for items in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in items])
+            works.run(dist.broadcast, flat, src=dist.get_global_rank(group, 0), group=group)
+            offset = 0
+            for name, t in items:
+                received = flat[offset:offset + t.numel()].view(t.shape)
+                for mine in held.get(name, ()):
+                    mine.copy_(received)
+                if name in frozen_names:
+                    digests.update(frozen_digests([(name, received)]))
+                offset += t.numel()
+            flat.set_()  # its storage goes now; the kept work holds the tensor object, not the storage
+    return digests
+
+
+def replicas_held(engine) -> dict:
+    """name -> every local replica's tensor of that frozen parameter or buffer (:func:`receive_rank0_state`)."""
+    held = collections.defaultdict(list)
+    for worker in engine.workers:
+        for name, t in itertools.chain(worker.replica.named_parameters(remove_duplicate=False),
+                                       worker.replica.named_buffers(remove_duplicate=False)):
+            if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
+                held[name].append(t)
+    return held
 
 
 _TEXT_BYTES = 240  # what a failed rank tells the others (async: the bytes after ABORT and FAILED headers)
@@ -664,8 +714,11 @@ class DistributedHybrid(_FailureNaming):
             self._mine_parts = [self._mine[k % 2][:self.part[k]] for k in range(len(self.buckets))]
         else:
             self._regions = [self.reduced[b.begin:b.end] for b in self.buckets]
-        with _collective("broadcast of the initial weights from rank 0", self.rank, self._explain):
+        with _collective("broadcast of the initial weights, frozen parameters and buffers from rank 0", self.rank,
+                         self._explain):
             self.works.run(dist.broadcast, store.param, src=dist.get_global_rank(group, 0), group=group)
+            engine.frozen = receive_rank0_state(engine.workers[0].replica, replicas_held(engine), group, self.works)
+        store.refresh_shadow()  # Note [The shadow follows the master weights]
         for worker in engine.workers:
             worker.pull(wait=True)
 
@@ -871,8 +924,7 @@ class DistributedHybrid(_FailureNaming):
                     grad_scale=grad_scale_tensor(scale), found_inf=None, weights=None, param_out=None,
                     grad_norm=norm if clip else None, max_grad_norm=float(clip))
         self._all_gather([store.param[lo:hi] for lo, hi in self.owned], store.param, "the updated weights")
-        if store.shadow is not None:
-            store.shadow.copy_(store.param)
+        store.refresh_shadow()  # the other ranks' parts (Note [The shadow follows the master weights])
         return True
 
     def _all_gather(self, parts: list[torch.Tensor], out: torch.Tensor, what: str) -> None:
@@ -1017,8 +1069,7 @@ def _share_store(engine, group, spans, explain=None) -> None:
     engine.version = int(version.item())
     if engine.scaler is not None:
         engine.scaler.load_state_dict({"scale": scaler[0].item(), "growth_tracker": int(scaler[1].item())})
-    if store.shadow is not None:
-        store.shadow.copy_(store.param)
+    store.refresh_shadow()  # Note [The shadow follows the master weights]
 
 
 class AsyncServer:
@@ -1480,6 +1531,7 @@ class _AsyncClient:
         status, version, _, failed, _, text, scale = self._receive_header(server)
         lo, hi = self.spans[server]
         self._exchange(dist.recv, self.engine.store.param[lo:hi], server, "receive of the weights from")
+        self.engine.store.refresh_shadow(lo, hi)  # Note [The shadow follows the master weights]
         if status == _ABORT:
             raise _ClientAbort(failed, text, reporter=server)
         return status, version, scale

@@ -27,6 +27,7 @@ import collections.abc
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import os
 import threading
 import warnings
@@ -43,7 +44,7 @@ from .pipeline_distributed import DistributedPipeline, check_engine_options as c
 from .profiling import PhaseRecorder
 from .rng import WorkerRNG
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
-from .store import HostStore, check_pin
+from .store import HostStore, check_pin, replica_shadow_dtype
 from .streamer import check_options as check_streamer_options
 from .sync import sync_step
 from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, set_worker_threads
@@ -260,9 +261,12 @@ class Engine:
                 max_staleness=max_staleness, staleness_lr=staleness_lr, seed=seed, lr_schedule=_samples(lr_schedule),
                 random_modules=[c.__qualname__ for c in self.random_modules]), local=len(self.devices))
             self._first_worker = sum(workers[:group.rank()])  # the ranks' worker counts may differ
+        # a low-precision model's replicas pull a shadow of their dtype (Note [The shadow follows the master weights])
+        shadow_dtype = replica_shadow_dtype(model)
         self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
+                               shadow_dtype=shadow_dtype,
                                state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
-                                                                           first_bucket_mb, group)
+                                                                           first_bucket_mb, group, shadow_dtype)
                                if shard_update else None)
         self._decay_runs = (self.optimizer.no_decay, _decay_runs(self.store, self.optimizer))
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
@@ -317,6 +321,17 @@ class Engine:
             mode == "hybrid" else None
         # multi-node async: the ranks' check-ins between runs, so a rank gone before a run is named
         self.async_naming = distributed.AsyncNaming(group) if group is not None and mode == "async" else None
+        # Note [A state names the frozen parameters it was trained with]: under a process group rank 0's, which
+        # every rank takes (Note [Every rank starts from rank 0's model]): DistributedHybrid and the pipeline across
+        # processes took them above
+        if group is None:
+            self.frozen = frozen_digests(model.named_parameters())
+        elif mode == "async":  # each client's buffers stay its own
+            with distributed._collective("broadcast of the frozen parameters from rank 0", group.rank(),
+                                         self.async_naming._explain):
+                self.frozen = distributed.receive_rank0_state(
+                    self.workers[0].replica, distributed.replicas_held(self), group, self.collective_works,
+                    buffers=False)
 
     def _optimizer_differences(self, saved) -> dict:
         """The saved optimizer settings that differ from this engine's (None: a state that did not record them).
@@ -615,6 +630,7 @@ class Engine:
             # [A resumed pipeline keeps its split]
             "pipeline_sizes": None if self.pipeline is None or self.pipeline.sizes is None else list(
                 self.pipeline.sizes),
+            "frozen": dict(self.frozen),  # Note [A state names the frozen parameters it was trained with]
         }
 
     @_under_mutex
@@ -699,13 +715,14 @@ class Engine:
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
                 raise TypeError("keys must be str and values int")
             staleness = collections.Counter({int(k): int(v) for k, v in staleness.items()})
-        except (AttributeError, TypeError, ValueError) as exc:
+        except (AttributeError, TypeError, ValueError, OverflowError) as exc:  # int(inf): OverflowError
             raise ValueError(f"the state's counters / staleness are not {{name: count}} / {{staleness: count}} "
                              f"dicts: {exc}") from None
         scaler = sd.get("loss_scaler")  # absent in states written before loss scaling; None: saved without it
         if scaler is not None:
             LossScaler.check_state_dict(scaler)
         split = self._saved_split(sd.get("pipeline_sizes"))  # absent in states written before it was saved
+        self._check_frozen(sd.get("frozen"))  # absent in states written before it was saved
         # Valid: from here on nothing raises on the state's account.
         if differing:
             warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
@@ -723,6 +740,7 @@ class Engine:
         with torch.no_grad():  # values that require grad (a model's parameters, say) must not tie the store to autograd
             for name, value in master.items():
                 views[name].copy_(value.detach())
+        self.store.refresh_shadow()  # before the pulls below (Note [The shadow follows the master weights])
         self.version = version
         torch.set_rng_state(rng)
         for index, state in cuda_rng.items():
@@ -741,6 +759,27 @@ class Engine:
                 mine = self._replica_buffers(index)
                 for name, value in buffers.items():
                     mine[name].copy_(value)
+
+    def _check_frozen(self, saved) -> None:
+        """Note [A state names the frozen parameters it was trained with]
+        The state holds the trainable weights (the master copy), the buffers and the optimizer; a frozen parameter
+        (``requires_grad=False``: a pretrained layer, an embedding kept fixed) is the model's, never written by the
+        engine, so a resume takes it from the model it is given. Were that model's frozen weights other than the
+        saved run's (built from another seed, another pretrained file), the run would go on differently with
+        nothing to show for it: the state holds a digest of each (:func:`frozen_digests`; under a process group,
+        rank 0's, which every rank trains with) and a state whose digests differ from this engine's is refused.
+        None (a state written before they were saved) is not checked."""
+        if saved is None:
+            return
+        if not isinstance(saved, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in saved.items()):
+            raise ValueError(f"the state's frozen must be a {{name: digest}} dict of strings; got {saved!r:.200}")
+        differ = sorted(set(saved) ^ set(self.frozen) | {n for n in saved if n in self.frozen
+                                                           and saved[n] != self.frozen[n]})
+        if differ:
+            raise ValueError(f"the state was trained with other frozen parameters (requires_grad=False) than this "
+                             f"engine's model holds: {differ[:8]}{' ...' if len(differ) > 8 else ''}; a state keeps "
+                             "the trainable weights only: build the model with the frozen weights it was trained "
+                             "with (the same pretrained layers, the same seed)")
 
     def _saved_split(self, saved) -> list[int] | None:
         """Note [A resumed pipeline keeps its split]
@@ -1229,6 +1268,21 @@ def _on_stream(stream, fn):
         return fn()
     with torch.cuda.stream(stream):
         return fn()
+
+
+def frozen_digests(named) -> dict[str, str]:
+    """name -> a digest (SHA-256 of dtype, shape and bytes) of each frozen parameter of ``named`` ((name, tensor)
+    pairs: ``model.named_parameters()`` keeps those with ``requires_grad=False``). What a state keeps of the frozen
+    parameters (Note [A state names the frozen parameters it was trained with])."""
+    out = {}
+    for name, t in named:
+        if t.requires_grad:
+            continue
+        flat = t.detach().to("cpu").contiguous().view(-1)
+        digest = hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode())
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+        out[name] = digest.hexdigest()
+    return out
 
 
 def _module_classes(classes) -> tuple[type, ...]:

@@ -397,7 +397,8 @@ class _Stage:
         self.tied = tied
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.param_ptrs = {p.data_ptr() for p in self.module.parameters()}
-        self._master = store.views(store.param)
+        # what the stage pulls: the shadow of a low-precision model (Note [The shadow follows the master weights])
+        self._master = store.views(store.param if store.shadow is None else store.shadow)
         self._slot = store.views(store.grad_slot(replica))
 
     def context(self):

@@ -37,7 +37,7 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import DistributedError, _collective, _FailureNaming
+from .distributed import DistributedError, _collective, _FailureNaming, receive_rank0_state
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, owned_names,
                        partition, split_layers, stage_range, stage_store_names)
 from .workers import autocast as autocast_region
@@ -416,14 +416,11 @@ class DistributedPipeline(_FailureNaming):
     raises the same and the group stays usable. Tested on 2 ranks: equal to the in-process pipeline, and a dict or
     tuple refused on both ranks with the engine stepping on.
 
-    Note [Every rank starts from rank 0's model]
-    Ranks may build the model from different seeds (as DDP, rank 0's state wins): the construction broadcasts rank
-    0's trainable weights (the host store) and then its frozen parameters and buffers (BatchNorm statistics; one flat
-    buffer per dtype, in model order, which check_same_config makes the same on every rank) into each rank's stage
-    and its copies of the other stages' buffers. Tested on 2 ranks built from different seeds, a frozen Linear and a
-    BatchNorm with non-default statistics in stage 1: losses, weights and buffers equal the in-process pipeline of
-    rank 0's model (only the trainable weights were broadcast before: rank 1 trained with its own frozen layer and
-    statistics).
+    Rank 0's model on every rank (Note [Every rank starts from rank 0's model] in pyengine.distributed): the
+    construction broadcasts rank 0's trainable weights (the host store), then its frozen parameters and buffers
+    into each rank's stage and its copies of the other stages' buffers. Tested on 2 ranks built from different
+    seeds, a frozen Linear and a BatchNorm with non-default statistics in stage 1: losses, weights and buffers equal
+    the in-process pipeline of rank 0's model.
 
     Note [Distributed pipeline store]
     Each rank's host store (the Engine's, one gradient slot) covers the whole model, and stage s's parameters are one
@@ -467,7 +464,9 @@ class DistributedPipeline(_FailureNaming):
         engine.worker_rng(self.device, 0).install(self.module, engine.random_modules)
         # (store name, this rank's copy): a tied parameter's store name is its first name in the model
         self.params = list(zip(names[self.stage], (p for p in self.module.parameters() if p.requires_grad)))
-        self._master, self._slot = self.store.views(self.store.param), self.store.views(self.store.grad_slot(0))
+        # what the stage pulls: the shadow of a low-precision model (Note [The shadow follows the master weights])
+        self._master = self.store.views(self.store.param if self.store.shadow is None else self.store.shadow)
+        self._slot = self.store.views(self.store.grad_slot(0))
         self._gathered = (engine.version, 0)  # (version, steps) at the last gather: every rank starts equal
         self._scale = None  # the step's loss scale, which _loss multiplies in (Note [Loss scaling])
         self._targetless = False  # the step's batch is (inputs, None): _loss gives loss_fn None
@@ -496,6 +495,7 @@ class DistributedPipeline(_FailureNaming):
                          self._explain):
             self.works.run(dist.broadcast, self.store.param, src=dist.get_global_rank(group, 0), group=group)
             self._rank0_state(model, group)
+        self.store.refresh_shadow()  # Note [The shadow follows the master weights]
         self._schedules: collections.OrderedDict = collections.OrderedDict()  # Note [One schedule per batch shape]
         # Every tensor this class hands to a collective is a buffer it keeps (no allocation per step); the works
         # are kept too: Note [Gloo's works are released by the thread that waits] (pyengine.distributed)
@@ -525,9 +525,7 @@ class DistributedPipeline(_FailureNaming):
     def _rank0_state(self, model: torch.nn.Module, group) -> None:
         """Rank 0's frozen parameters and buffers (BatchNorm statistics) into this rank's copies: its stage's, and its
         CPU copies of the other stages' buffers; the trainable parameters come with the store (Note [Every rank
-        starts from rank 0's model]). One broadcast per dtype of a flat buffer, emptied once copied: its work
-        keeps the tensor object (Note [Gloo's works are released by the thread that waits]), not a second copy of
-        every frozen weight."""
+        starts from rank 0's model], :func:`pyengine.distributed.receive_rank0_state`)."""
         held = collections.defaultdict(list)  # the model's name -> this rank's tensors holding it
         for name, t in itertools.chain(self.module.named_parameters(remove_duplicate=False),
                                        self.module.named_buffers(remove_duplicate=False)):
@@ -535,19 +533,7 @@ class DistributedPipeline(_FailureNaming):
         for name, t in self.buffers.items():
             if all(t is not mine for mine in held[name]):
                 held[name].append(t)
-        by_dtype = collections.defaultdict(list)  # in model order: the same on every rank (check_same_config)
-        frozen = ((n, p) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
-        for name, t in itertools.chain(frozen, model.named_buffers(remove_duplicate=False)):
-            by_dtype[t.dtype].append((name, t))
-        for items in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in items])
-            self.works.run(dist.broadcast, flat, src=dist.get_global_rank(group, 0), group=group)
-            offset = 0
-            for name, t in items:
-                for mine in held.get(name, ()):
-                    mine.copy_(flat[offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
-            flat.set_()  # its storage goes now; the kept work holds the tensor object, not the storage
+        self.engine.frozen = receive_rank0_state(model, held, group, self.works)
 
     def _ranks_of(self, stage: int, group) -> int:
         """The global rank of replica 0 of ``stage`` (group rank s * R + r runs stage s of replica r)."""
@@ -827,6 +813,7 @@ class DistributedPipeline(_FailureNaming):
         except BaseException:
             self.broken = True
             raise
+        self.store.refresh_shadow()  # the other stages' weights (Note [The shadow follows the master weights])
         self._gathered = now
 
     def close(self) -> None:

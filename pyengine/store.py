@@ -29,7 +29,7 @@ import torch
 
 from . import _C
 
-__all__ = ["HostStore", "LayoutEntry", "huge_page_bytes", "layout_of"]
+__all__ = ["HostStore", "LayoutEntry", "huge_page_bytes", "layout_of", "replica_shadow_dtype"]
 
 _ALIGN_BYTES = 64
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,6 +70,15 @@ def _trainable(model_or_named_parameters) -> list[tuple[str, torch.nn.Parameter]
     if not out:
         raise ValueError("HostStore: the model has no trainable parameters (requires_grad=True)")
     return out
+
+
+def replica_shadow_dtype(model_or_named_parameters) -> torch.dtype | None:
+    """The shadow a store of these parameters holds for the trip back to replicas like them (``HostStore(...,
+    shadow_dtype="auto")``, as the Engine makes it): their dtype when every trainable parameter is bfloat16, or
+    every one float16; None otherwise (float32 replicas, or mixed dtypes, which a 2-byte copy would round)."""
+    dtypes = {param.dtype for _, param in _trainable(model_or_named_parameters)}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return dtype if dtype in _SHADOW_DTYPES else None
 
 
 def _padded(numel: int, dtype: torch.dtype) -> int:
@@ -183,7 +192,9 @@ class HostStore:
         pin: ``True`` (pinned or a clear error), ``False`` (pageable), or ``"auto"`` (pinned when a CUDA device is
             usable, else pageable with one warning).
         shadow_dtype: None, or bfloat16/float16 for a low-precision copy of the weights written by the update and
-            shipped back to the replicas (half the bytes of the fp32 master).
+            shipped back to the replicas (half the bytes of the fp32 master), or ``"auto"``: the parameters' dtype
+            when all of them are bfloat16 or all float16, else None (:func:`replica_shadow_dtype`). Note [The shadow
+            follows the master weights].
         amsgrad: also hold ``max_exp_avg_sq``.
         max_bytes: refuse to allocate an arena larger than this many bytes.
         state_ranges: None (the Adam state covers the whole layout) or increasing, disjoint ``(lo, hi)`` element
@@ -197,18 +208,21 @@ class HostStore:
     """
 
     def __init__(self, model_or_named_parameters, workers: int = 1, grad_dtype: torch.dtype = torch.float32,
-                 pin="auto", shadow_dtype: torch.dtype | None = None, amsgrad: bool = False,
+                 pin="auto", shadow_dtype: torch.dtype | str | None = None, amsgrad: bool = False,
                  max_bytes: int | None = None, state_ranges: Sequence[tuple[int, int]] | None = None):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"HostStore: workers must be an int >= 1; got {workers!r}")
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"HostStore: grad_dtype must be one of {_GRAD_DTYPES}; got {grad_dtype}")
-        if shadow_dtype is not None and shadow_dtype not in _SHADOW_DTYPES:
-            raise ValueError(f"HostStore: shadow_dtype must be None or one of {_SHADOW_DTYPES}; got {shadow_dtype}")
+        if shadow_dtype is not None and shadow_dtype != "auto" and shadow_dtype not in _SHADOW_DTYPES:
+            raise ValueError(f"HostStore: shadow_dtype must be None, 'auto' or one of {_SHADOW_DTYPES}; got "
+                             f"{shadow_dtype!r}")
         check_pin(pin)
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"HostStore: max_bytes must be None or an int >= 0 (bytes); got {max_bytes!r}")
         named = _trainable(model_or_named_parameters)
+        if isinstance(shadow_dtype, str):
+            shadow_dtype = replica_shadow_dtype(named)
         self.workers = workers
         self.grad_dtype = grad_dtype
         self.layout, self.numel = layout_of(named, grad_dtype, shadow_dtype)
@@ -343,8 +357,26 @@ class HostStore:
         named = self._named(model_or_named_parameters, "load_from")
         for name, view in self.views(self.param).items():
             view.copy_(named[name].detach())
-        if self.shadow is not None:
-            self.shadow.copy_(self.param)
+        self.refresh_shadow()
+
+    @torch.no_grad()
+    def refresh_shadow(self, lo: int = 0, hi: int | None = None) -> None:
+        """Note [The shadow follows the master weights]
+        The shadow (when the store has one) is what replicas pull: the Engine's workers and pipeline stages copy
+        it, not ``param``, so it must hold ``param`` rounded to its dtype whenever a pull may start. The update
+        writes both in one pass (``param_out``); every other writer of ``param`` calls this after writing elements
+        ``[lo, hi)`` (default: all): :meth:`load_from`, ``Engine.load_state_dict``, and in
+        :mod:`pyengine.distributed` and :mod:`pyengine.pipeline_distributed` the broadcasts of rank 0's weights,
+        the sharded update's and the pipeline's gathers and an async client's receives. A writer that forgets
+        leaves the replicas on the old weights with nothing to show for it but the loss: the tests pull after each
+        such write and compare the replicas with the master weights rounded. No-op without a shadow."""
+        if self.shadow is None:
+            return
+        hi = self.numel if hi is None else hi
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= self.numel):
+            raise IndexError(f"HostStore.refresh_shadow: expected ints 0 <= lo <= hi <= {self.numel}; got ({lo!r}, "
+                             f"{hi!r})")
+        self.shadow[lo:hi].copy_(self.param[lo:hi])
 
     @torch.no_grad()
     def copy_to(self, model_or_named_parameters) -> None:

@@ -274,6 +274,118 @@ def asynchronous(seed, rank, world, out_dir):
         return out
 
 
+def make_frozen_model(seed=0):
+    """make_model with its first Linear frozen (a pretrained layer, say)."""
+    model = make_model(seed)
+    model[0].requires_grad_(False)
+    return model
+
+
+def frozen_rank0(seed, rank, world):
+    """Note [Every rank starts from rank 0's model]: a model with a frozen first layer, built from another seed on
+    each rank, in replicated and sharded hybrid (2 local workers) and multi-node async (rank 0 serves): every
+    replica's frozen layer after construction (async: after a fit) and after its steps, and the master weights."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 2, 16)]
+
+    def frozen(engine):
+        return [{n: p.detach().clone() for n, p in w.replica.named_parameters() if not p.requires_grad}
+                for w in engine.workers]
+
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        with pyengine.Engine(make_frozen_model(seed=rank), loss_fn, devices=["cpu"] * 2, pin=False,
+                             optimizer=pyengine.AdamW(**OPT), shard_update=shard) as engine:
+            built = frozen(engine)
+            for b in batches:
+                engine.step(b)
+            out[name] = dict(frozen=built + frozen(engine), master=engine.master_state_dict())
+    pushes = [client_batch(seed, rank, i) for i in range(3)] if rank else []
+    with pyengine.Engine(make_frozen_model(seed=rank), loss_fn, devices=["cpu"], mode="async", pin=False,
+                         optimizer=pyengine.AdamW(**OPT), max_staleness=0) as engine:
+        engine.fit(pushes, steps=2)
+        out["async"] = dict(frozen=frozen(engine), master=engine.master_state_dict())
+    return out
+
+
+LOW = torch.bfloat16  # the low-precision scenarios' model dtype
+
+
+def low_loss(model, batch):
+    x, y = batch  # x already bfloat16: a pipeline's first stage reads it as it is
+    return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+def low_batch(batch):
+    return batch[0].to(LOW), batch[1]
+
+
+def shadow_checks(engine, replicas=True) -> dict:
+    """Note [The shadow follows the master weights]: whether the store's shadow is its master weights rounded, and
+    (``replicas``) whether every replica, or what this rank's pipeline stage copies at its next step, holds them."""
+    store = engine.store
+    ok = dict(shadow=store.shadow is not None and store.shadow.dtype == LOW
+              and torch.equal(store.shadow, store.param.to(LOW)))
+    master = store.views(store.param)
+    if not replicas:
+        return ok
+    if engine.pipeline is not None:
+        params = [(name, engine.pipeline._master[name]) for name, _ in engine.pipeline.params]
+    else:
+        for worker in engine.workers:
+            worker.streamer.wait_weights()
+        params = [item for w in engine.workers for item in w.replica.named_parameters()]
+    ok["replicas"] = all(torch.equal(p.detach(), master[name].to(LOW)) for name, p in params)
+    return ok
+
+
+def low_precision(seed, rank, world):
+    """A bfloat16 model, built from another seed on each rank (rank 0's weights are broadcast), in replicated and
+    sharded hybrid (2 local workers) and a pipeline across the ranks: :func:`shadow_checks` after construction
+    and after each step (the pipeline's after its gather), and the master weights."""
+    batches = [low_batch(rank_slice(b, rank, world)) for b in global_batches(seed, 3, 16)]
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        with pyengine.Engine(make_model(seed=rank).to(LOW), low_loss, devices=["cpu"] * 2, pin=False,
+                             optimizer=pyengine.AdamW(**OPT), bucket_mb=1e-5, first_bucket_mb=1e-5,
+                             shard_update=shard) as engine:
+            checks = [shadow_checks(engine)]
+            for b in batches:
+                engine.step(b)
+                checks.append(shadow_checks(engine))
+            out[name] = dict(checks=checks, master=engine.master_state_dict())
+    with pyengine.Engine(make_model(seed=rank).to(LOW), low_loss, devices=["cpu"], mode="pipeline", microbatches=2,
+                         optimizer=pyengine.AdamW(**OPT), pin=False) as engine:
+        checks = [shadow_checks(engine)]
+        for b in global_batches(seed, 2, 8):
+            engine.step(low_batch(b))
+            engine.master_state_dict()  # gathers every stage's weights into this rank's store
+            checks.append(shadow_checks(engine))
+        out["pipeline"] = dict(checks=checks, master=engine.master_state_dict())
+    return out
+
+
+def low_precision_async(seed, rank, world):
+    """A bfloat16 model, built from another seed on each rank, in multi-node async with 2 servers (ranks 0, 1) and
+    the other ranks clients: at every forward of a client, whether its replica holds the weights it received
+    (rounded); :func:`shadow_checks` after construction and after the fit (the shadow: the store's ends of a run
+    write every rank's weights, and a server's replica computes nothing), and the master weights."""
+    forwards, held = [], {}  # held: the store, not the engine (Note [No reference cycle through the engine])
+
+    def checking_loss(model, batch):
+        master = held["store"].views(held["store"].param)
+        forwards.append(all(torch.equal(p.detach(), master[n].to(LOW)) for n, p in model.named_parameters()))
+        return low_loss(model, batch)
+
+    pushes = [low_batch(client_batch(seed, rank, i)) for i in range(6)] if rank >= 2 else []
+    with pyengine.Engine(make_model(seed=rank).to(LOW), checking_loss, devices=["cpu"], mode="async", pin=False,
+                         optimizer=pyengine.AdamW(**OPT), servers=2, max_staleness=0) as engine:
+        held["store"] = engine.store
+        checks = [shadow_checks(engine)]
+        engine.fit(pushes, steps=4)
+        checks.append(shadow_checks(engine, replicas=False))
+        return dict(checks=checks, forwards=forwards, master=engine.master_state_dict())
+
+
 # 3 pushes; on 2 local workers 4/4 then 2/1; 1/- then 1/- (worker 1 sits this push out); 1/- then 3/3
 ACCUMULATE = dict(sizes=(8, 3, 1, 1, 1, 6), accumulate=2)
 
@@ -736,6 +848,8 @@ def main():
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
+                 "low-precision": low_precision, "low-precision-async": low_precision_async,
+                 "frozen-rank0": frozen_rank0,
                  "async-fp16": async_fp16, "async-accumulate": async_accumulate,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}

@@ -233,6 +233,54 @@ def test_hybrid_fp16_loss_scaling_equals_grad_scaler(tmp_path, seed):
 
 
 @pytest.mark.timeout(120)
+def test_hybrid_and_async_ranks_take_rank_0s_frozen_parameters(tmp_path, seed):
+    """Note [Every rank starts from rank 0's model]: ranks build a model with a frozen layer from different seeds;
+    every replica of every rank holds rank 0's frozen layer from the construction on (multi-node async: from its
+    fit), and keeps it through the steps (before, each hybrid and async rank trained on its own frozen layer)."""
+    world = 2
+    codes, logs, _ = launch("frozen-rank0", world, tmp_path, seed, timeout=90.0)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    expected = {n: p.detach() for n, p in dist_job.make_frozen_model(seed=0).named_parameters() if not p.requires_grad}
+    mine = {n: p.detach() for n, p in dist_job.make_frozen_model(seed=1).named_parameters() if not p.requires_grad}
+    assert set(expected) == {"0.weight", "0.bias"} and not torch.equal(expected["0.weight"], mine["0.weight"])
+    for kind, copies in (("replicated", 4), ("sharded", 4), ("async", 1)):
+        for r, rank in enumerate(ranks):
+            assert len(rank[kind]["frozen"]) == copies, (kind, r)
+            for held in rank[kind]["frozen"]:
+                assert held.keys() == expected.keys() and all(torch.equal(held[n], expected[n]) for n in held), \
+                    (kind, r)
+        assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
+
+
+@pytest.mark.timeout(120)
+def test_low_precision_replicas_pull_the_shadow_of_every_write(tmp_path, seed):
+    """Note [The shadow follows the master weights]: a bfloat16 model built from another seed on each rank. The
+    store's shadow is its master weights rounded, and every replica (pipeline: stage) holds the shadow's bits, after
+    the broadcast of rank 0's weights, after every hybrid step (replicated; sharded: the all-gather of the updated
+    parts) and after a pipeline's gathers; every rank ends with the same master weights. Multi-node async (2 servers,
+    1 client): the client computes every push on the weights it received, and after the fit (whose ends share the
+    store) every rank's shadow is its weights rounded."""
+    world = 2
+    codes, logs, _ = launch("low-precision", world, tmp_path, seed, timeout=90.0)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    for kind, checks in (("replicated", 4), ("sharded", 4), ("pipeline", 3)):
+        for r, rank in enumerate(ranks):
+            got = rank[kind]["checks"]
+            assert len(got) == checks and all(c == dict(shadow=True, replicas=True) for c in got), (kind, r, got)
+        assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
+    world = 3
+    codes, logs, _ = launch("low-precision-async", world, tmp_path, seed, timeout=90.0)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    for r, rank in enumerate(ranks):
+        assert rank["checks"] == [dict(shadow=True, replicas=True), dict(shadow=True)], r
+        assert_identical(ranks[0]["master"], rank["master"], f"rank {r}")
+    assert len(ranks[2]["forwards"]) >= 4 and all(ranks[2]["forwards"]), ranks[2]["forwards"]
+
+
+@pytest.mark.timeout(120)
 def test_async_fp16_servers_follow_the_coordinators_loss_scale(tmp_path, seed):
     """Multi-server async under float16 with dynamic loss scaling: rank 0's history replays LossScaler's rule push
     by push (the scale each push was computed with came from rank 0's snapshot; overflows back it off once per

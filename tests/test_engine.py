@@ -104,8 +104,8 @@ def test_cuda_step_called_on_a_side_stream_waits_for_the_batch_written_there(rng
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_low_precision_model_trains_on_float32_master_weights(rng, workers, dtype, worker_device):
     """A model whose weights are bfloat16/float16: the replicas hold the float32 master weights rounded as torch
-    rounds them, bit for bit, after every step, and each update is AdamW (float64 torch reference) on the mean of
-    the replicas' own gradients. The reference's gradients come from a copy of the model holding the replicas'
+    rounds them, bit for bit, after every step (the update writes them into the store's shadow, which they pull),
+    and each update is AdamW (float64 torch reference) on the mean of the replicas' own gradients. The reference's gradients come from a copy of the model holding the replicas'
     weights (the engine's master rounded), on the workers' device and shards (the same kernels: low-precision
     gradients of another device or summation order differ by whole ulps, which Adam does not damp below the
     tolerance); its own float64 master rounds the same way but for ties."""
@@ -117,6 +117,8 @@ def test_a_low_precision_model_trains_on_float32_master_weights(rng, workers, dt
     reference = TorchReference(model, **OPT)
     twin = copy.deepcopy(model).to(worker_device)  # the reference's gradients, from the replicas' weights
     with Engine(model, low_loss, devices=[worker_device] * workers, optimizer=AdamW(**OPT)) as engine:
+        # the replicas pull the store's shadow, which the update writes (Note [The shadow follows the master weights])
+        assert engine.store.shadow is not None and engine.store.shadow.dtype == dtype
         for b in make_batches(rng, 5, 32):
             master = engine.master_state_dict()
             for worker in engine.workers:
@@ -135,6 +137,56 @@ def test_a_low_precision_model_trains_on_float32_master_weights(rng, workers, dt
             engine.step(b)
         assert_matches(engine, reference)
         assert engine.stats()["applied_updates"] == 5
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
+def test_a_loaded_state_reaches_low_precision_replicas(rng, mode, worker_device):
+    """Note [The shadow follows the master weights]: a bfloat16 model's replicas (pipeline: stages) pull the store's
+    shadow, so a loaded state must rewrite it: after load_state_dict every replica holds the loaded master weights
+    rounded, and the next step is the saved engine's next step, bit for bit."""
+    def low_loss(model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
+
+    def replicas(engine):
+        if mode == "pipeline":
+            for stage in (s for row in engine.pipeline.stages for s in row):
+                with stage.context():
+                    yield from stage.params
+            return
+        for worker in engine.workers:
+            worker.streamer.wait_weights()
+            yield from worker.replica.named_parameters()
+
+    def step(engine, batch):  # async: one worker, one push per fit (a fixed order)
+        return engine.fit([batch], steps=1) if mode == "async" else engine.step(batch)
+
+    workers = 1 if mode == "async" else 2
+    options = dict(devices=[worker_device] * workers, optimizer=AdamW(**OPT), mode=mode, **TINY_BUCKETS)
+    if mode == "pipeline":
+        options = dict(options, stages=2, microbatches=2, bucket_mb=25, first_bucket_mb=1)
+    batches = [(x.to(torch.bfloat16), y) for x, y in make_batches(rng, 4, 32)]  # a pipeline's first stage reads x
+    with Engine(make_model(seed=1).to(torch.bfloat16), low_loss, **options) as saved:
+        for b in batches[:3]:
+            step(saved, b)
+        state = saved.state_dict()
+        with Engine(make_model(seed=2).to(torch.bfloat16), low_loss, **options) as loaded:
+            loaded.load_state_dict(state)
+            if mode == "pipeline":
+                for stage in (s for row in loaded.pipeline.stages for s in row):
+                    stage.pull()
+            if worker_device != "cpu":
+                torch.cuda.synchronize()
+            seen = 0
+            for name, p in replicas(loaded):
+                assert torch.equal(p.detach().cpu(), state["master"][name].to(torch.bfloat16)), name
+                seen += 1
+            assert seen == (4 if mode == "pipeline" else workers * 4)  # a pipeline: one replica in 2 stages
+            step(saved, batches[3])
+            step(loaded, batches[3])
+            assert loaded.version == saved.version == 4
+            for name, value in saved.master_state_dict().items():
+                assert torch.equal(loaded.master_state_dict()[name], value), name
 
 
 @pytest.mark.parametrize("buckets", [{}, TINY_BUCKETS], ids=["1-bucket", "4-buckets"])
@@ -1345,6 +1397,42 @@ def test_load_state_dict_rejects_foreign_state():
         other.close()
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "pipeline"])
+def test_a_state_refuses_a_model_with_other_frozen_parameters(rng, mode):
+    """Note [A state names the frozen parameters it was trained with]: a model whose first layer is frozen trains,
+    its state loads into an engine of the same model (the next step equal, bit for bit), and an engine whose frozen
+    layer differs (built from another seed) refuses it, naming the layer, and keeps its own state."""
+    def model(seed):
+        m = make_model(seed=seed)
+        m[0].requires_grad_(False)
+        return m
+
+    options = dict(devices=["cpu"] * 2, optimizer=AdamW(**OPT), mode=mode)
+    if mode == "pipeline":
+        options.update(stages=2, microbatches=2)
+    batches = make_batches(rng, 3, 16)
+    with Engine(model(0), loss_fn, **options) as saved, Engine(model(0), loss_fn, **options) as same, \
+            Engine(model(1), loss_fn, **options) as other:
+        for b in batches[:2]:
+            saved.step(b)
+        state = saved.state_dict()
+        assert set(state["frozen"]) == {"0.weight", "0.bias"}
+        same.load_state_dict(state)
+        saved.step(batches[2])
+        same.step(batches[2])
+        for name, value in saved.master_state_dict().items():
+            assert torch.equal(same.master_state_dict()[name], value), name
+        before = other.master_state_dict()
+        with pytest.raises(ValueError, match=r"other frozen parameters .*\['0.bias', '0.weight'\]"):
+            other.load_state_dict(state)
+        assert other.version == 0
+        for name, value in before.items():
+            assert torch.equal(other.master_state_dict()[name], value), name
+        del state["frozen"]  # a state written before the digests were saved: not checked
+        other.load_state_dict(state)
+        assert other.version == 2
+
+
 def _corruptions():
     """(what, how to spoil a valid state, the error it must raise): every part load_state_dict reads."""
     def spoil(path, value):
@@ -1386,8 +1474,12 @@ def _corruptions():
         ("a master key not a string", spoil(("master", 7), torch.zeros(1)), "master weights"),
         ("no counters", spoil(("counters",), KeyError), "lacks"),
         ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
+        ("staleness key infinite", spoil(("staleness",), {float("inf"): 1}), "staleness"),
+        ("Adam step infinite", spoil(("optimizer", "state", 2, "step"), torch.tensor(float("inf"))), "step"),
         ("ranks not a list of counters", spoil(("ranks",), [{"counters": {}}]), "the state's ranks"),
         ("pipeline_sizes not a list of ints", spoil(("pipeline_sizes",), [3.5]), "pipeline_sizes"),
+        ("frozen parameters of another model", spoil(("frozen",), {"0.weight": "0" * 64}), "other frozen parameters"),
+        ("frozen not a dict of digests", spoil(("frozen",), ["0.weight"]), "the state's frozen must be"),
     ]
 
 

@@ -75,11 +75,14 @@ def pipeline(model, devices, **options):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stages_of_a_low_precision_model_get_the_master_weights_rounded(worker_device, dtype):
-    """bfloat16/float16 stages pull the float32 master weights rounded as torch rounds them on the host."""
+    """bfloat16/float16 stages pull the float32 master weights rounded as torch rounds them: the store's shadow of
+    their dtype, refreshed after a write of the master weights (Note [The shadow follows the master weights])."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(dtype)
     with pipeline(model, [worker_device] * 2, stages=2, microbatches=2) as engine:
+        assert engine.store.shadow is not None and engine.store.shadow.dtype == dtype
         engine.store.param.copy_(torch.randn(engine.store.numel))  # new weights: every stage must change
+        engine.store.refresh_shadow()
         stages = [stage for row in engine.pipeline.stages for stage in row]
         for stage in stages:
             stage.pull()

@@ -118,6 +118,50 @@ def test_load_from_copy_to_round_trip_bit_exact():
         store.copy_to(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("dtypes,frozen,expected", [
+    ([torch.bfloat16, torch.bfloat16], None, torch.bfloat16),
+    ([torch.float16], None, torch.float16),
+    ([torch.float32, torch.float32], None, None),
+    ([torch.bfloat16, torch.float32], None, None),  # mixed: a 2-byte copy would round the float32 ones
+    ([torch.bfloat16, torch.float16], None, None),
+    ([torch.bfloat16], torch.float32, torch.bfloat16),  # frozen parameters are not in the store
+    ([torch.float64], None, None),
+])
+def test_shadow_auto_takes_the_trainable_parameters_dtype(dtypes, frozen, expected):
+    """shadow_dtype="auto" (the Engine's choice): a shadow of the replicas' own dtype when every trainable parameter
+    has it, bfloat16 or float16, and none otherwise; the shadow holds the master weights rounded."""
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(5 + i, dtype=d)) for i, d in enumerate(dtypes))
+    if frozen is not None:
+        model.append(torch.nn.Parameter(torch.randn(3, dtype=frozen), requires_grad=False))
+    assert store_module.replica_shadow_dtype(model) == expected
+    store = make(model, shadow_dtype="auto")
+    assert (store.shadow is None) == (expected is None)
+    if expected is not None:
+        assert store.shadow.dtype == expected and torch.equal(store.shadow, store.param.to(expected))
+        assert store.layout == store_module.layout_of(model, shadow_dtype=expected)[0]
+
+
+def test_refresh_shadow_rewrites_the_range_it_is_given():
+    """Note [The shadow follows the master weights]: after a write of ``param`` outside the update, refresh_shadow
+    rewrites the shadow's range from it, and only that range."""
+    store = make(OddNet(sizes=[37, 100]), shadow_dtype=torch.bfloat16)
+    before = store.shadow.clone()
+    store.param.copy_(torch.randn(store.numel))
+    store.refresh_shadow(10, 50)
+    assert torch.equal(store.shadow[10:50], store.param[10:50].to(torch.bfloat16))
+    assert torch.equal(store.shadow[:10], before[:10]) and torch.equal(store.shadow[50:], before[50:])
+    store.refresh_shadow()
+    assert torch.equal(store.shadow, store.param.to(torch.bfloat16))
+    for lo, hi in [(-1, 5), (5, 4), (0, store.numel + 1), (0.5, 3)]:
+        with pytest.raises(IndexError, match="refresh_shadow"):
+            store.refresh_shadow(lo, hi)
+    plain = make(OddNet(sizes=[5]))
+    plain.refresh_shadow()  # no shadow: nothing to do
+    assert plain.shadow is None
+    with pytest.raises(ValueError, match="shadow_dtype must be None, 'auto' or one of"):
+        make(OddNet(sizes=[5]), shadow_dtype="bfloat16")
+
+
 def test_frozen_left_out_shared_once():
     class Tied(torch.nn.Module):
         def __init__(self):
