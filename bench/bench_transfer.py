@@ -265,6 +265,49 @@ def weights_back(device, params_m, rounds, dtype=torch.bfloat16) -> dict:
             "update_cost": paired(times["update_shadow"], times["update"]), "replica_is_shadow": bits}
 
 
+def engine_shadow_ab(device, rounds, workers=2, width=2048, batch=8) -> dict:
+    """Measurement 4, end to end: hybrid steps of a bfloat16 model (3 x Linear(width, width)) with the store's shadow
+    (the engine's default for such a model) and without (``replica_shadow_dtype`` patched to None for that engine's
+    construction), two engines stepping in turn, the first 3 rounds dropped; medians and the median paired ratio."""
+    from pyengine import engine as engine_mod
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)]).to(torch.bfloat16)
+
+    def loss_fn(model, b):
+        return model(b[0]).float().square().mean()
+
+    data = (torch.randn(batch, width).to(torch.bfloat16),)
+    real, engines = engine_mod.replica_shadow_dtype, {}
+    try:
+        for name, choose in (("shadow", real), ("fp32", lambda model: None)):
+            engine_mod.replica_shadow_dtype = choose
+            engines[name] = pyengine.Engine(make(), loss_fn, devices=[str(device)] * workers,
+                                            optimizer=pyengine.AdamW(lr=1e-4))
+            assert (engines[name].store.shadow is not None) == (name == "shadow")
+    finally:
+        engine_mod.replica_shadow_dtype = real
+    times = {name: [] for name in engines}
+    phases = {name: [] for name in engines}
+    try:
+        for _ in range(rounds + 3):
+            for name, eng in engines.items():
+                start = time.perf_counter()
+                metrics = eng.step(data)
+                sync(device)
+                times[name].append(time.perf_counter() - start)
+                phases[name].append(metrics["update_s"])
+    finally:
+        for eng in engines.values():
+            eng.close()
+    med = {k: 1e3 * statistics.median(v[3:]) for k, v in times.items()}
+    return {"workers": workers, "step_ms_fp32_source": med["fp32"], "step_ms_shadow": med["shadow"],
+            "step_speedup": paired(times["fp32"][3:], times["shadow"][3:]),
+            "update_phase_ms_fp32_source": 1e3 * statistics.median(phases["fp32"][3:]),
+            "update_phase_ms_shadow": 1e3 * statistics.median(phases["shadow"][3:])}
+
+
 def paired(before, after) -> float:
     """Median of the rounds' before/after time ratios (> 1: after is faster)."""
     return statistics.median(b / a for b, a in zip(before, after))
@@ -387,6 +430,8 @@ def main(argv=None) -> int:
         text += table("a bfloat16 model's weights back to its replica: from the fp32 master vs from the store's "
                       "shadow (speedup), and what the shadow adds to the update (update_cost)",
                       weights_back(device, args.params_m, args.rounds)) + "\n"
+        text += table("hybrid steps of a bfloat16 model with and without the shadow (step_speedup: paired)",
+                      engine_shadow_ab(device, args.rounds)) + "\n"
     if "engine" in args.parts:
         text += table("hybrid, 4 workers on one device, vs single-replica torch.optim.AdamW",
                       *engine_rows(device, args.rounds, args.trace_dir, args.host_threads))

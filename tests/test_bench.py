@@ -52,6 +52,7 @@ def test_bench_transfer_runs_on_cpu(tmp_path):
     assert "step_over_floor" in text and "bwd_step_over_max" in text, text
     assert "bucketed_over_max" in text and "eager_speedup" in text, text
     assert "shadow_source_ms" in text and "update_cost" in text and "| True |" in text, text  # replica_is_shadow
+    assert "step_ms_shadow" in text and "step_speedup" in text, text
     assert bench_transfer.paired([2.0, 4.0, 9.0], [1.0, 1.0, 3.0]) == 3.0  # median of the per-round ratios
     for name in ("streamed_trace_float32.json", "streamed_trace_bfloat16.json", "hybrid_trace.json",
                  "hybrid_phases.json"):  # a trace of each gradient dtype's first batch
