@@ -174,8 +174,15 @@ run_tests() {  # the CUDA twins first, then everything else (the CLI's last: its
 nvtx_check() {
   local train=(-m pyengine train --devices cuda:0 --workers 2 --steps 3)
   if command -v nsys >/dev/null; then
-    nsys profile -t nvtx,cuda -o "$SCRATCH/pyengine" --force-overwrite true "$PYTHON" "${train[@]}" \
-      --out "$SCRATCH/nsys-run" && nsys stats -r nvtx_sum "$SCRATCH/pyengine.nsys-rep" && return 0
+    # the C++ transfer's ranges (copies into the slots, copies back, host waits) and the engine's phases
+    if nsys profile -t nvtx,cuda -o "$SCRATCH/pyengine" --force-overwrite true "$PYTHON" "${train[@]}" \
+        --out "$SCRATCH/nsys-run" && nsys stats -r nvtx_sum "$SCRATCH/pyengine.nsys-rep" | tee "$SCRATCH/nvtx.txt"; then
+      local name missing=0
+      for name in "pyengine/d2h grads" "pyengine/h2d weights" "pyengine/wait" "pyengine/worker0/"; do
+        grep -q "$name" "$SCRATCH/nvtx.txt" && echo "range seen: $name" || { echo "no range: $name"; missing=1; }
+      done
+      return $missing
+    fi
     echo "nsys gave no report; checking the ranges with ncu's NVTX filter instead"
   fi
   command -v ncu >/dev/null || { echo "neither nsys nor ncu on PATH"; return 127; }

@@ -333,6 +333,53 @@ def test_views_outlive_the_store():
     del junk
 
 
+def vm_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_the_arena_is_mapped_at_its_exact_size():
+    """One arena of exactly ``nbytes`` (rounded up to a page): the address space the store adds is measured, so an
+    allocator that rounds a block up (to a power of two, as torch's caching pinned allocator does) would show.
+    nbytes here is just above 2^27."""
+    n = (2**27 + 2**20) // 16  # param, exp_avg, exp_avg_sq and one fp32 slot: 16 bytes an element
+    named = [("w", torch.nn.Parameter(torch.zeros(n)))]
+    make(OddNet(sizes=[5]))  # the first store starts the threads that touch pages (their stacks, arenas)
+    gc.collect()
+    before = vm_bytes()
+    store = make(named)
+    grown = vm_bytes() - before
+    assert 2**27 < store.nbytes <= 2**27 + 2**20 + PAGE
+    assert store.nbytes <= grown <= store.nbytes + 4 * 2**20, (store.nbytes, grown)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_failed_pinned_allocation_names_the_bytes_and_the_fallback():
+    """cudaHostAlloc's own failure (not a stand-in): the error says how many bytes were asked and that pin=False is
+    the fallback; nothing is left allocated."""
+    from pyengine import _C
+    with pytest.raises(RuntimeError, match=r"cudaHostAlloc of 1125899906842624 bytes .*pass pin=False"):
+        _C._allocate_arena(2**50, True, huge_pages=False)
+    store = pyengine.HostStore(OddNet(sizes=[5]), pin=True)  # the next allocation still works
+    assert store.pinned
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_views_of_a_pinned_store_outlive_it():
+    store = pyengine.HostStore(OddNet(), workers=2, pin=True)
+    param, slot, expect = store.param, store.grad_slot(1), store.param.clone()
+    del store
+    gc.collect()
+    junk = [torch.empty(1_000_000, pin_memory=True).fill_(9.0) for _ in range(8)]
+    assert torch.equal(param, expect) and param.is_pinned()
+    gpu = param.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(gpu.cpu(), expect)
+    slot.fill_(2.0)
+    assert torch.all(slot == 2.0)
+    del junk
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_pinned_store_on_cuda():
     store = pyengine.HostStore(OddNet(), workers=2, pin=True)

@@ -200,6 +200,111 @@ def test_first_buckets_are_copied_while_backward_still_runs():
     assert_slots_equal_grads(store, model, 0)
 
 
+@pytest.mark.timeout(120)
+def test_the_copy_thread_copies_while_backward_runs_on():
+    """On CPU workers a bucket's copy runs on the copy thread: the hook that launches it returns at once and backward
+    goes on while the copy is in progress (a launch that copied, or waited for its copy, before returning would
+    leave backward waiting: no overlap). Bucket 0 holds a 64 MiB gradient; the slot starts as NaN, and right after
+    its launch (the next node of backward) the bucket's slot range is not yet all written. A copy can finish before
+    the look when the backward thread is descheduled for the whole copy: up to 5 tries, one is enough."""
+    model = torch.nn.Sequential(torch.nn.Linear(7, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 8192))
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        big = next(b for b in streamer.buckets if b.names == ("2.weight",))
+        lo, hi = big.begin, big.end
+        slot = store.grad_slot(0)
+        tries = []
+        for _ in range(5):
+            slot.fill_(float("nan"))
+            model.zero_grad(set_to_none=True)
+            seen = {}
+
+            def after_layer2(grad):  # layer 2's gradients are accumulated and their buckets launched
+                seen["launched"] = model[2].weight.grad is not None
+                seen["unwritten"] = bool(torch.isnan(slot[hi - 4096:hi]).any() or torch.isnan(slot[lo:lo + 4096]).any())
+
+            h = model[0](torch.randn(3, 7))
+            h.register_hook(after_layer2)
+            model[2](model[1](h)).sum().backward()
+            streamer.wait_all()
+            assert seen["launched"]
+            assert torch.equal(slot[lo:hi].view(8192, 2048), model[2].weight.grad)  # then the copy completes
+            streamer.reset()
+            tries.append(seen["unwritten"])
+            if seen["unwritten"]:
+                break
+    assert any(tries), f"every look found bucket 0 copied already: {tries}"
+
+
+def test_pipelined_update_names_each_bucket_in_an_nvtx_range(monkeypatch):
+    """The update's NVTX ranges (what an Nsight Systems timeline shows): one ``pyengine/update b{k}`` per bucket, in
+    order, each closed. The copies' and waits' ranges are C++ (nvtx3) and compiled only with CUDA: the GPU suite's
+    nvtx stage looks for them."""
+    from pyengine import _C
+
+    events = []
+    monkeypatch.setattr(_C, "_nvtx_push", lambda name: events.append(("push", name)))
+    monkeypatch.setattr(_C, "_nvtx_pop", lambda: events.append(("pop",)))
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        model(batch()).backward()
+        pyengine.pipelined_update([streamer], store, 1, lr=1e-3)
+        streamer.wait_weights()
+        count = len(streamer.buckets)
+    assert count >= 3
+    assert events == [e for k in range(count) for e in (("push", f"pyengine/update b{k}"), ("pop",))], events
+
+
+@pytest.mark.timeout(120)
+def test_pipelined_update_updates_a_bucket_while_later_ones_are_in_flight():
+    """pipelined_update updates bucket k once every worker delivered it, not after the whole backward: backward is
+    held (a node between the layers waits on an event) after the last layer's buckets were launched; the update,
+    started on another thread, must change those buckets' weights while the first layer's gradients do not exist
+    yet. Then backward is released and the step completes."""
+    model = torch.nn.Sequential(torch.nn.Linear(7, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    store = pyengine.HostStore(model, pin=False)
+    release, errors = threading.Event(), []
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        last, first = store.views(store.param)["2.weight"], store.views(store.param)["0.weight"]
+        before, first_before = last.clone(), first.clone()
+
+        def hold(grad):  # between layer 2's gradients (launched) and layer 0's (not computed yet)
+            if not release.wait(30):
+                errors.append("backward was not released")
+            return grad
+
+        def backward():
+            try:
+                h = model[0](torch.randn(3, 7))
+                h.register_hook(hold)
+                model[2](model[1](h)).sum().backward()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        def update():
+            try:
+                pyengine.pipelined_update([streamer], store, 1, lr=0.1)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=backward), threading.Thread(target=update)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and torch.equal(last, before):
+            time.sleep(0.005)
+        changed_while_held = not torch.equal(last, before)
+        layer0_missing = model[0].weight.grad is None
+        release.set()
+        for t in threads:
+            t.join(60)
+        streamer.wait_weights()
+    assert not errors, errors
+    assert changed_while_held and layer0_missing
+    assert not torch.equal(first, first_before)  # the step completed: the first layer updated too
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("eager", [0.1, None])
 def test_a_large_gradient_is_copied_before_its_bucket_is_complete(eager):
@@ -466,22 +571,23 @@ def hook_count(model):
     return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
 
 
-def test_hooks_fire_once_per_parameter_and_close_removes_them():
-    model = Net()
+@pytest.mark.parametrize("device", DEVICES)
+def test_hooks_fire_once_per_parameter_and_close_removes_them(device):
+    model = Net().to(device)
     store = pyengine.HostStore(model, pin=False)
     assert hook_count(model) == 0
     streamer = pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001)
     assert hook_count(model) == len(store.names) and len(model._forward_pre_hooks) == 1
     for step in range(1, 4):
         model.zero_grad()
-        model(batch()).backward()
+        model(batch(device)).backward()
         streamer.wait_all()
         streamer.copy_back()
         assert streamer.hook_calls == step * len(store.names)
     streamer.close()
     streamer.close()
     assert hook_count(model) == 0 and len(model._forward_pre_hooks) == 0
-    model(batch()).backward()  # no hook left to fire
+    model(batch(device)).backward()  # no hook left to fire
     assert streamer.hook_calls == 3 * len(store.names)
 
 
@@ -496,28 +602,31 @@ def test_dropping_the_streamer_removes_its_hooks():
     assert hook_count(model) == 0 and len(model._forward_pre_hooks) == 0
 
 
-def test_unused_parameter_gives_zero():
-    model = Net()
+@pytest.mark.parametrize("device", DEVICES)
+def test_unused_parameter_gives_zero(device):
+    """CUDA: the unused parameter's slot range is zero-filled on the host (no device gradient to copy)."""
+    model = Net().to(device)
     store = pyengine.HostStore(model, pin=False)
     with pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001) as streamer:
         store.grad_slot(0).fill_(7.0)  # stale contents must be overwritten
-        model(batch(), use_extra=False).backward()
+        model(batch(device), use_extra=False).backward()
         streamer.wait_all()
         assert model.extra.weight.grad is None
         assert_slots_equal_grads(store, model, 0)
         assert torch.count_nonzero(slot_views(store, 0)["extra.weight"]) == 0
 
 
-def test_unused_parameter_error_names_it_and_does_not_hang():
-    model = Net()
+@pytest.mark.parametrize("device", DEVICES)
+def test_unused_parameter_error_names_it_and_does_not_hang(device):
+    model = Net().to(device)
     store = pyengine.HostStore(model, pin=False)
     with pyengine.GradientStreamer(model, store, unused="error") as streamer:
         with pytest.raises(RuntimeError, match=r"no gradient.*extra\.weight.*unused='zero'"):
-            model(batch(), use_extra=False).backward()
+            model(batch(device), use_extra=False).backward()
         streamer.wait_all()  # every bucket was still delivered
         streamer.copy_back()
         model.zero_grad()
-        model(batch()).backward()  # a step where all are used is fine
+        model(batch(device)).backward()  # a step where all are used is fine
         streamer.wait_all()
         assert_slots_equal_grads(store, model, 0)
 
@@ -663,9 +772,10 @@ def test_engine_loss_reaching_no_parameter(rng, unused, error):
                 engine.step(batch(n=8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("style", ["accumulate", "no_sync"])
-def test_gradient_accumulation(style):
-    model = Net()
+def test_gradient_accumulation(style, device):
+    model = Net().to(device)
     store = pyengine.HostStore(model, pin=False)
     streamer = pyengine.GradientStreamer(model, store, bucket_mb=0.01, first_bucket_mb=0.001)
     if style == "accumulate":
@@ -678,9 +788,9 @@ def test_gradient_accumulation(style):
         for i, use_extra in enumerate(uses):
             if style == "no_sync" and i < len(uses) - 1:
                 with streamer.no_sync():
-                    model(batch(), use_extra=use_extra).backward()
+                    model(batch(device), use_extra=use_extra).backward()
             else:
-                model(batch(), use_extra=use_extra).backward()
+                model(batch(device), use_extra=use_extra).backward()
             if i < len(uses) - 1:
                 assert torch.all(store.grad_slot(0) == 5.0)  # nothing copied before the window ends
         streamer.wait_all()
@@ -887,11 +997,15 @@ def rss_bytes():
         return int(f.read().split()[1]) * 4096
 
 
-def test_thousand_steps_without_memory_growth():
+@pytest.mark.parametrize("device", DEVICES)
+def test_thousand_steps_without_memory_growth(device):
+    """Host memory (RSS) and, on CUDA, the device's allocated memory do not grow over 800 steps."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.Tanh(), torch.nn.Linear(65, 3))
-    store = pyengine.HostStore(model, workers=1, pin=False, shadow_dtype=torch.bfloat16)
-    x, y = torch.randn(8, 33), torch.randn(8, 3)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.Tanh(), torch.nn.Linear(65, 3)).to(device)
+    store = pyengine.HostStore(model, workers=1, pin="auto" if device != "cpu" else False,
+                               shadow_dtype=torch.bfloat16)
+    x, y = torch.randn(8, 33, device=device), torch.randn(8, 3, device=device)
+    cuda = device != "cpu"
     with pyengine.GradientStreamer(model, store, bucket_mb=0.005, first_bucket_mb=0.001) as streamer:
         assert len(streamer.buckets) >= 2
         first_loss = None
@@ -905,9 +1019,13 @@ def test_thousand_steps_without_memory_growth():
             if step == 200:
                 gc.collect()
                 before = rss_bytes()
+                device_before = torch.cuda.memory_allocated(device) if cuda else 0
         streamer.wait_weights()
         gc.collect()
         assert rss_bytes() - before < 4 * 2**20
+        if cuda:
+            torch.cuda.synchronize(device)
+            assert torch.cuda.memory_allocated(device) - device_before < 2**20
         assert torch.nn.functional.mse_loss(model(x), y).item() < first_loss / 10  # the replica got the updates
         for name, view in store.views(store.shadow).items():
-            assert torch.equal(dict(model.named_parameters())[name].detach(), view.float()), name
+            assert torch.equal(dict(model.named_parameters())[name].detach().cpu(), view.float()), name
