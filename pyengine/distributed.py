@@ -377,35 +377,40 @@ def receive_rank0_state(model, held: dict, group, works, buffers: bool = True) -
     Ranks may build the model from different seeds (as DDP, rank 0's state wins). The trainable weights come from
     rank 0 with the host store; this brings rank 0's frozen parameters and persistent buffers (BatchNorm statistics)
     into this rank's tensors ``held[name]`` (a list per name of ``model``: the replicas' copies, a pipeline stage's
-    and its CPU copies of other stages' buffers). One broadcast per dtype of a flat buffer, in ``model``'s order
-    (the same on every rank: check_same_config compares names, shapes and dtypes), emptied once copied: its work
-    (kept by ``works``, Note [Gloo's works are released by the thread that waits]) keeps the tensor object, not a
-    second copy of every frozen weight. A collective. Tested on 2 ranks built from different seeds with a frozen
-    Linear and a BatchNorm with non-default statistics: hybrid (replicated, sharded) and the pipeline across
-    processes train as rank 0's model would (before, hybrid ranks kept their own frozen layers and trained on
-    them); multi-node async takes rank 0's frozen parameters too (``buffers=False``: each client's statistics are
-    its own, as before). Returns the digests of rank 0's frozen parameters (:func:`pyengine.engine.frozen_digests`),
-    the same on every rank."""
+    and its CPU copies of other stages' buffers). One broadcast of their bytes in one flat buffer (gloo refuses
+    some dtypes, float8 and int16 among them: bytes it takes), in ``model``'s order (the same on every rank:
+    check_same_config compares names, shapes and dtypes), emptied once copied: its work (kept by ``works``, Note
+    [Gloo's works are released by the thread that waits]) keeps the tensor object, not a second copy of every
+    frozen weight. None to send: no collective, on every rank alike. A collective. Tested on 2 ranks built from
+    different seeds with a frozen Linear, a frozen float8 parameter, an int16 buffer and a BatchNorm with
+    non-default statistics: hybrid (replicated, sharded) and the pipeline across processes train as rank 0's model
+    would (before, hybrid ranks kept their own frozen layers and trained on them); multi-node async takes rank 0's
+    frozen parameters too (``buffers=False``: each client's statistics are its own, as before). Returns the digests
+    of rank 0's frozen parameters (:func:`pyengine.engine.frozen_digests`), the same on every rank."""
     from .engine import frozen_digests
 
-    by_dtype, digests = collections.defaultdict(list), {}
     frozen_names = {n for n, p in model.named_parameters() if not p.requires_grad}  # shared ones by first name
     frozen = ((n, p) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
-    for name, t in itertools.chain(frozen, model.named_buffers(remove_duplicate=False) if buffers else ()):
-        by_dtype[t.dtype].append((name, t))
+    items = list(itertools.chain(frozen, model.named_buffers(remove_duplicate=False) if buffers else ()))
+    if not items:
+        return {}
+    spans, at = [], 0  # each tensor's bytes start on a 16-byte boundary: viewed back as its dtype in place
+    for _, t in items:
+        nbytes = t.numel() * t.element_size()
+        spans.append((at, nbytes))
+        at += -(-nbytes // 16) * 16
+    digests, flat = {}, torch.zeros(at, dtype=torch.uint8)
     with torch.no_grad():
-        for items in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in items])
-            works.run(dist.broadcast, flat, src=dist.get_global_rank(group, 0), group=group)
-            offset = 0
-            for name, t in items:
-                received = flat[offset:offset + t.numel()].view(t.shape)
-                for mine in held.get(name, ()):
-                    mine.copy_(received)
-                if name in frozen_names:
-                    digests.update(frozen_digests([(name, received)]))
-                offset += t.numel()
-            flat.set_()  # its storage goes now; the kept work holds the tensor object, not the storage
+        for (_, t), (start, nbytes) in zip(items, spans):
+            flat[start:start + nbytes] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        works.run(dist.broadcast, flat, src=dist.get_global_rank(group, 0), group=group)
+        for (name, t), (start, nbytes) in zip(items, spans):
+            received = flat[start:start + nbytes].view(t.dtype).view(t.shape)
+            for mine in held.get(name, ()):
+                mine.copy_(received)
+            if name in frozen_names:
+                digests.update(frozen_digests([(name, received)]))
+    flat.set_()  # its storage goes now; the kept work holds the tensor object, not the storage
     return digests
 
 

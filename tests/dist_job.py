@@ -275,9 +275,14 @@ def asynchronous(seed, rank, world, out_dir):
 
 
 def make_frozen_model(seed=0):
-    """make_model with its first Linear frozen (a pretrained layer, say)."""
+    """make_model with its first Linear frozen (a pretrained layer, say), a frozen float8 parameter and an int16
+    non-persistent buffer (dtypes gloo does not broadcast: their bytes travel)."""
     model = make_model(seed)
     model[0].requires_grad_(False)
+    torch.manual_seed(seed + 100)
+    model[2].register_parameter("scale8", torch.nn.Parameter(torch.randn(5).to(torch.float8_e4m3fn),
+                                                             requires_grad=False))
+    model[2].register_buffer("codes", torch.randint(-300, 300, (3,), dtype=torch.int16), persistent=False)
     return model
 
 
@@ -288,8 +293,8 @@ def frozen_rank0(seed, rank, world):
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 2, 16)]
 
     def frozen(engine):
-        return [{n: p.detach().clone() for n, p in w.replica.named_parameters() if not p.requires_grad}
-                for w in engine.workers]
+        return [{**{n: p.detach().clone() for n, p in w.replica.named_parameters() if not p.requires_grad},
+                 "codes": w.replica[2].codes.clone()} for w in engine.workers]
 
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):

@@ -234,22 +234,31 @@ def test_hybrid_fp16_loss_scaling_equals_grad_scaler(tmp_path, seed):
 
 @pytest.mark.timeout(120)
 def test_hybrid_and_async_ranks_take_rank_0s_frozen_parameters(tmp_path, seed):
-    """Note [Every rank starts from rank 0's model]: ranks build a model with a frozen layer from different seeds;
-    every replica of every rank holds rank 0's frozen layer from the construction on (multi-node async: from its
-    fit), and keeps it through the steps (before, each hybrid and async rank trained on its own frozen layer)."""
+    """Note [Every rank starts from rank 0's model]: ranks build a model with a frozen layer, a frozen float8
+    parameter and an int16 buffer from different seeds; every replica of every rank holds rank 0's from the
+    construction on, and keeps them through the steps (before, each hybrid and async rank trained on its own frozen
+    layer); an async client keeps its own buffer."""
     world = 2
     codes, logs, _ = launch("frozen-rank0", world, tmp_path, seed, timeout=90.0)
     assert codes == [0] * world, "\n".join(logs)
     ranks = results(tmp_path, world)
-    expected = {n: p.detach() for n, p in dist_job.make_frozen_model(seed=0).named_parameters() if not p.requires_grad}
-    mine = {n: p.detach() for n, p in dist_job.make_frozen_model(seed=1).named_parameters() if not p.requires_grad}
-    assert set(expected) == {"0.weight", "0.bias"} and not torch.equal(expected["0.weight"], mine["0.weight"])
+    def frozen(seed):
+        model = dist_job.make_frozen_model(seed=seed)
+        return {**{n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}, "codes": model[2].codes}
+
+    def same(a, b):  # float8 has no equality kernel: its bytes
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    expected, mine = frozen(0), frozen(1)
+    assert set(expected) == {"0.weight", "0.bias", "2.scale8", "codes"}
+    assert not any(same(expected[n], mine[n]) for n in expected)
     for kind, copies in (("replicated", 4), ("sharded", 4), ("async", 1)):
         for r, rank in enumerate(ranks):
             assert len(rank[kind]["frozen"]) == copies, (kind, r)
             for held in rank[kind]["frozen"]:
-                assert held.keys() == expected.keys() and all(torch.equal(held[n], expected[n]) for n in held), \
-                    (kind, r)
+                buffer_kept = kind == "async" and r == 1  # an async client's buffers are its own
+                want = dict(expected, codes=mine["codes"]) if buffer_kept else expected
+                assert held.keys() == want.keys() and all(same(held[n], want[n]) for n in held), (kind, r)
         assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
 
 
