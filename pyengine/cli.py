@@ -1193,8 +1193,6 @@ def _saved_setting_error(config: dict) -> str | None:
     edited, or written by something else): None, or one line naming the setting, what it must be and its value.
     Each setting is read back through its own flag's parser (its type's checks and its choices): a value that
     does not come back as itself is refused. Settings that every run has may not be None."""
-    import argparse
-
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     always = {k for k, v in _resolve({}).items() if v is not None} - {"epochs"}  # epochs: None when --steps given
     for action in commands.choices["train"]._actions:

@@ -105,10 +105,11 @@ def test_cuda_step_called_on_a_side_stream_waits_for_the_batch_written_there(rng
 def test_a_low_precision_model_trains_on_float32_master_weights(rng, workers, dtype, worker_device):
     """A model whose weights are bfloat16/float16: the replicas hold the float32 master weights rounded as torch
     rounds them, bit for bit, after every step (the update writes them into the store's shadow, which they pull),
-    and each update is AdamW (float64 torch reference) on the mean of the replicas' own gradients. The reference's gradients come from a copy of the model holding the replicas'
-    weights (the engine's master rounded), on the workers' device and shards (the same kernels: low-precision
-    gradients of another device or summation order differ by whole ulps, which Adam does not damp below the
-    tolerance); its own float64 master rounds the same way but for ties."""
+    and each update is AdamW (float64 torch reference) on the mean of the replicas' own gradients. The reference's
+    gradients come from a copy of the model holding the replicas' weights (the engine's master rounded), on the
+    workers' device and shards (the same kernels: low-precision gradients of another device or summation order
+    differ by whole ulps, which Adam does not damp below the tolerance); its own float64 master rounds the same way
+    but for ties."""
     def low_loss(model, batch):
         x, y = batch
         return torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
