@@ -3,6 +3,8 @@
 Paths, all on preallocated buffers, each checked against the stock result before it is timed:
 
 - ``ours``:  ``pyengine.ops.mean_grad_adamw_(param, m, v, grads, ...)``, one pass over memory.
+- ``plain`` (CPU, where the update prefetches by default: Intel CPUs): ``ours`` with its plain loops
+  (``pyengine._C._set_cpu_prefetch(False)`` around the call; Note [Prefetching the streams] in csrc/cpu/kernel_isa.cpp).
 - ``stock``: the best stock path: ``torch.add(g0, g1, out=buf)`` (bf16: ``buf.copy_(g0)``, torch would add two bf16
   tensors in bf16), ``torch._foreach_add_`` of the remaining gradients into that one fp32 buffer, ``mul_(1/G)``, then ``torch.optim.AdamW(fused=True).step()`` (G=1: the fp32 gradient is the
   ``.grad`` itself; a bf16 one is copied into the fp32 buffer, fused AdamW needs the param's dtype).
@@ -81,6 +83,13 @@ class Workspace:
         ops.mean_grad_adamw_(self.param, self.exp_avg, self.exp_avg_sq, self.grads, lr=LR,
                              weight_decay=WEIGHT_DECAY, step=self.step)
 
+    def plain(self):
+        previous = ops._C._set_cpu_prefetch(False)
+        try:
+            self.ours()
+        finally:
+            ops._C._set_cpu_prefetch(previous)
+
     def mean_into_buf(self):
         grads = self.grads
         if len(grads) == 1:
@@ -154,6 +163,15 @@ class Workspace:
         self._restart_stock()
         self.stock()  # first step: creates (and zero-fills) the optimizer's state
         agree("ours", self.param, self.exp_avg, self.stock_opt.state[self.stock_param]["exp_avg"])
+        if "plain" in paths:  # the prefetching and the plain loops: the same bits
+            ours = [t.clone() for t in (self.param, self.exp_avg, self.exp_avg_sq)]
+            self.param.copy_(self.init)
+            self.exp_avg.zero_()
+            self.exp_avg_sq.zero_()
+            self.step = 0
+            self.plain()
+            assert all(torch.equal(a, b) for a, b in zip(ours, (self.param, self.exp_avg, self.exp_avg_sq))), \
+                f"plain loops differ from ours, N={self.n} G={self.g} {self.dtype}"
         if "deepspeed" in paths:
             agree("deepspeed", self.deepspeed(self.init.clone()).detach())
         if "stack" in paths:
@@ -324,6 +342,8 @@ def main(argv=None):
     if args.cuda and not torch.cuda.is_available():
         sys.exit("--cuda: torch.cuda.is_available() is False")
     paths = ["ours", "stock", "stack", "adamw"]
+    if device == "cpu" and ops._C.cpu_prefetch():
+        paths.insert(1, "plain")
     if device == "cpu" and (args.full or args.deepspeed):
         if deepspeed_adam() is not None:
             paths.append("deepspeed")
@@ -336,8 +356,8 @@ def main(argv=None):
     if device == "cuda":
         sizes, threads = ([64 << 20] if args.quick else [256 << 20, 32 << 20]), [1]
     machine = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads max"
-    title = (f"{datetime.date.today()} torch {torch.__version__}, {machine}, cpu isa {ops._C.cpu_isa()}, "
-             f"median of {args.rounds} interleaved rounds")
+    title = (f"{datetime.date.today()} torch {torch.__version__}, {machine}, cpu isa {ops._C.cpu_isa()}"
+             f"{', prefetching' if ops._C.cpu_prefetch() else ''}, median of {args.rounds} interleaved rounds")
     print(title)
     print(header(paths), flush=True)
     rows = run_table(sizes, gs, args.dtypes, threads, args.rounds, device, paths)

@@ -2,7 +2,8 @@
 //
 // Built and run by bench/cpu_kernel_ab.py, which compiles each version of kernel_isa.cpp under its own label
 // (-DPYENGINE_ISA=<label>, so each defines kernel_table_<label>()) and this file with
-// -DPYENGINE_AB_VARIANTS="X(label_a) X(label_b) ...". Why a separate harness: the VM's memory bandwidth moves by 2x
+// -DPYENGINE_AB_VARIANTS="X(label_a, update) X(label_b, update_prefetch) ..." (the table's entry each version times).
+// Why a separate harness: the VM's memory bandwidth moves by 2x
 // from minute to minute, so versions are only comparable when they run round by round in the same process on the same
 // buffers (A, B, copy, A, B, copy, ...; the order rotates every round) and are compared by their medians.
 //
@@ -26,11 +27,11 @@
 #include "cpu/kernel.h"
 
 #ifndef PYENGINE_AB_VARIANTS
-#error "PYENGINE_AB_VARIANTS must list the versions, e.g. -DPYENGINE_AB_VARIANTS='X(base) X(tile8k)'"
+#error "PYENGINE_AB_VARIANTS must list the versions, e.g. -DPYENGINE_AB_VARIANTS='X(base, update) X(pf, update_prefetch)'"
 #endif
 
 namespace pyengine::cpu {
-#define X(label) const KernelTable& kernel_table_##label();
+#define X(label, entry) const KernelTable& kernel_table_##label();
 PYENGINE_AB_VARIANTS
 #undef X
 }  // namespace pyengine::cpu
@@ -39,14 +40,16 @@ namespace {
 
 using namespace pyengine::cpu;
 
+using UpdateFn = void (*)(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end);
+
 struct Variant {
   const char* label;
-  const KernelTable* table;
+  UpdateFn update;
 };
 
 std::vector<Variant> variants() {
   std::vector<Variant> v;
-#define X(label) v.push_back({#label, &kernel_table_##label()});
+#define X(label, entry) v.push_back({#label, kernel_table_##label().entry});
   PYENGINE_AB_VARIANTS
 #undef X
   return v;
@@ -145,9 +148,9 @@ struct Case {
   }
 
   // One update of all n elements in chunks of `chunk`, as update_cpu does on one thread.
-  void update(const KernelTable& table, int64_t chunk) {
+  void update(UpdateFn fn, int64_t chunk) {
     const TensorBuffers t = buffers();
-    for (int64_t b = 0; b < n; b += chunk) table.update(t, s, b, std::min(n, b + chunk));
+    for (int64_t b = 0; b < n; b += chunk) fn(t, s, b, std::min(n, b + chunk));
   }
 
   int64_t bytes() const {
@@ -169,12 +172,12 @@ double median(std::vector<double> x) {
 // Every version must reproduce the first version's bits from the same initial state (unless PYENGINE_AB_NO_CHECK is
 // set, for diagnostic variants that leave out part of the work on purpose).
 bool check_identical(Case& c, const std::vector<Variant>& vs, int64_t chunk) {
-  c.update(*vs[0].table, chunk);
+  c.update(vs[0].update, chunk);
   const Buffer<float> p = c.param, m = c.m, v = c.v;
   bool ok = true;
   for (size_t i = 1; i < vs.size(); ++i) {
     c.reset();
-    c.update(*vs[i].table, chunk);
+    c.update(vs[i].update, chunk);
     const bool same = std::memcmp(p.data(), c.param.data(), c.n * 4) == 0 &&
                       std::memcmp(m.data(), c.m.data(), c.n * 4) == 0 &&
                       std::memcmp(v.data(), c.v.data(), c.n * 4) == 0;
@@ -224,7 +227,7 @@ int main(int argc, char** argv) {
       const size_t j = (i + static_cast<size_t>(r + 1)) % (k + 1);
       const auto t0 = std::chrono::steady_clock::now();
       if (j < k) {
-        cases[j / vs.size()].update(*vs[j % vs.size()].table, chunk);
+        cases[j / vs.size()].update(vs[j % vs.size()].update, chunk);
       } else {
         std::memcpy(copy_dst.data(), copy_src.data(), n * sizeof(float));
       }

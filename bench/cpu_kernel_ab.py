@@ -8,6 +8,11 @@ own label, linked into bench/cpu_kernel_ab.cpp, checked to give the first versio
     python bench/cpu_kernel_ab.py                                   # HEAD vs the working tree, N=32M, G=4 and 8
     python bench/cpu_kernel_ab.py base=rev:HEAD~1 new=csrc --g 1 4 8 --rounds 21
     python bench/cpu_kernel_ab.py a=/tmp/variant_a b=/tmp/variant_b --dtype bf16
+    python bench/cpu_kernel_ab.py plain=csrc prefetch=csrc@prefetch --g 1 4 8   # the table's two update loops
+
+A version spec ending in ``@prefetch`` times its table's software-prefetching update (``update_prefetch``, Note
+[Prefetching the streams] in csrc/cpu/kernel_isa.cpp) instead of ``update``. The harness reads the tables through
+the kernel.h of the first such version (else the first version's): the tables' layouts only grew at the end.
 
 PYENGINE_AB_NO_CHECK=1 skips the bit check, for diagnostic variants that compute something else on purpose (a loop
 with one phase left out, to time the other).
@@ -56,7 +61,7 @@ def materialise(spec: str, workdir: str, sources=SOURCES) -> str:
     return folder
 
 
-def build(versions: dict, isa: str, workdir: str) -> str:
+def build(versions: dict, entries: dict, isa: str, workdir: str) -> str:
     cxx_flags, isa_flags = setup_flags()
     if isa not in isa_flags:
         raise SystemExit(f"--isa must be one of {sorted(isa_flags)}, got {isa!r}")
@@ -68,8 +73,9 @@ def build(versions: dict, isa: str, workdir: str) -> str:
                         "-o", obj], check=True)
         objects.append(obj)
     exe = os.path.join(workdir, "cpu_kernel_ab")
-    listing = " ".join(f"X({label})" for label in versions)
-    first = next(iter(versions.values()))
+    listing = " ".join(f"X({label}, {entries[label]})" for label in versions)
+    first = next((versions[label] for label in versions if entries[label] == "update_prefetch"),
+                 next(iter(versions.values())))
     subprocess.run(["g++", "-O2", "-std=c++20", f"-DPYENGINE_AB_VARIANTS={listing}", f"-I{first}",
                     os.path.join(ROOT, "bench", "cpu_kernel_ab.cpp"), *objects, "-o", exe], check=True)
     return exe
@@ -78,7 +84,8 @@ def build(versions: dict, isa: str, workdir: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("versions", nargs="*", default=["base=rev:HEAD", "new=csrc"],
-                    help="label=rev:<git revision> or label=<csrc-like folder>; the first is the reference")
+                    help="label=rev:<git revision> or label=<csrc-like folder>, either with @prefetch to time "
+                         "update_prefetch; the first is the reference")
     ap.add_argument("--n", type=int, default=32 << 20)
     ap.add_argument("--g", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -91,8 +98,9 @@ def main(argv=None) -> int:
     if any(len(p) != 2 or not p[0].isidentifier() for p in pairs) or len({p[0] for p in pairs}) != len(pairs):
         raise SystemExit(f"versions must be distinct label=spec pairs with identifier labels, got {args.versions}")
     with tempfile.TemporaryDirectory(prefix="cpu_kernel_ab_") as workdir:
-        versions = {label: materialise(spec, workdir) for label, spec in pairs}
-        exe = build(versions, args.isa, workdir)
+        entries = {label: "update_prefetch" if spec.endswith("@prefetch") else "update" for label, spec in pairs}
+        versions = {label: materialise(spec.removesuffix("@prefetch"), workdir) for label, spec in pairs}
+        exe = build(versions, entries, args.isa, workdir)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for g in args.g:
             rc = subprocess.run([exe, str(args.n), str(g), args.dtype, str(args.rounds), str(args.chunk)]

@@ -88,6 +88,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_isa", &pyengine::cpu::selected_isa,
         "Name of the CPU kernel variant in use (avx512, avx2 or default), chosen from at::get_cpu_capability(), "
         "which honours ATEN_CPU_CAPABILITY.");
+  m.def("cpu_prefetch", &pyengine::cpu::prefetch_streams,
+        "Whether the CPU update runs its software-prefetching loops (same results): PYENGINE_CPU_PREFETCH=0|1 when "
+        "set, else True on Intel CPUs.");
+  m.def("_set_cpu_prefetch", &pyengine::cpu::set_prefetch_streams, pybind11::arg("on"),
+        "Run the CPU update's software-prefetching loops (True) or its plain ones (False) in this process, for A/B "
+        "benchmarks and tests (the results are the same); returns the previous setting.");
   m.def("_set_serial_on_this_thread", &pyengine::cpu::set_serial_on_this_thread, pybind11::arg("serial"),
         "Run pyengine's CPU ops on the calling thread only (True) or with at::parallel_for (False), for this thread; "
         "returns the previous setting.");

@@ -128,6 +128,25 @@ def test_cpu_read_rate_runs(tmp_path):
         assert done.returncode == 2 and "usage:" in done.stderr, bad
 
 
+@pytest.mark.timeout(300)
+def test_cpu_kernel_ab_times_both_update_loops():
+    """bench/cpu_kernel_ab.py builds the working tree's loops twice, plain and @prefetch (update_prefetch), checks
+    their bits against each other and times both, on a small case."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "cpu_kernel_ab.py"), "plain=csrc",
+                          "pf=csrc@prefetch", "--n", "100003", "--g", "1", "5", "--rounds", "1", "--isa", "default"],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for g in (1, 5):
+        block = run.stdout.split(f"G={g} fp32")[1].split("N=")[0]
+        assert "plain " in block and "pf " in block and "speed vs plain" in block, run.stdout
+
+
 def test_cuda_kernel_ab_versions_and_bad_specs():
     assert cuda_kernel_ab.parse_version("base=csrc") == ("base", "csrc", {})
     assert cuda_kernel_ab.parse_version("c4k=rev:HEAD~1+chunk=4096+threads=512") == (

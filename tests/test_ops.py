@@ -657,29 +657,101 @@ ISA_SCRIPT = textwrap.dedent("""
     import pyengine
     from test_ops import one_update
     inputs = torch.load(sys.argv[3])
-    torch.save({"isa": pyengine._C.cpu_isa(), "out": one_update(torch.device("cpu"), inputs)}, sys.argv[1])
+    out = one_update(torch.device("cpu"), inputs)
+    torch.save({"isa": pyengine._C.cpu_isa(), "prefetch": pyengine._C.cpu_prefetch(), "out": out}, sys.argv[1])
 """)
 
 
 def test_cpu_isa_variants_are_bit_identical(tmp_path):
+    """Every ISA's loops, plain and prefetching (PYENGINE_CPU_PREFETCH), give the baseline plain loops' bits."""
     results = {}
     inputs = tmp_path / "inputs.pt"
     torch.save(update_inputs(), inputs)
     for isa in ["default", "avx2", "avx512"]:
-        path = tmp_path / f"{isa}.pt"
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
-        subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path), os.path.dirname(__file__), str(inputs)], env=env,
-                       check=True, timeout=300)
-        results[isa] = torch.load(path)
-    assert results["default"]["isa"] == "default", "ATEN_CPU_CAPABILITY=default must select the baseline loops"
+        for prefetch in ["0", "1"]:
+            path = tmp_path / f"{isa}{prefetch}.pt"
+            env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, PYENGINE_CPU_PREFETCH=prefetch)
+            subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path), os.path.dirname(__file__), str(inputs)],
+                           env=env, check=True, timeout=300)
+            results[isa, prefetch] = torch.load(path)
+            assert results[isa, prefetch]["prefetch"] is (prefetch == "1")
+    assert results["default", "0"]["isa"] == "default", "ATEN_CPU_CAPABILITY=default must select the baseline loops"
     host = torch.backends.cpu.get_cpu_capability()
     if host in ("AVX2", "AVX512"):  # every variant the host can run must be the one that ran
-        assert results["avx2"]["isa"] == "avx2", results["avx2"]["isa"]
+        assert results["avx2", "0"]["isa"] == "avx2", results["avx2", "0"]["isa"]
     if host == "AVX512":
-        assert results["avx512"]["isa"] == "avx512", results["avx512"]["isa"]
-    for isa, r in results.items():
-        for a, b in zip(r["out"], results["default"]["out"]):
-            assert torch.equal(a, b), f"{isa} differs from the baseline loops"
+        assert results["avx512", "0"]["isa"] == "avx512", results["avx512", "0"]["isa"]
+    for key, r in results.items():
+        for a, b in zip(r["out"], results["default", "0"]["out"]):
+            assert torch.equal(a, b), f"{key} differs from the baseline plain loops"
+
+
+@pytest.mark.parametrize("workers", [1, 3, 4, 8, 9])
+def test_cpu_prefetching_loops_give_the_plain_bits(rng, workers):
+    """The software-prefetching update (on for Intel CPUs) against the plain loops in one process, fp32 gradients
+    of every summation shape (G = 1 read in place; one group of 3 or 4; two or three groups on long tiles), an odd
+    length that ends tiles and blocks mid-way, AdamW and Adam with amsgrad, a bf16 param_out."""
+    n = 100_003
+    p0 = torch.randn(n, generator=rng)
+    steps = [random_grads(rng, n, workers) for _ in range(3)]
+    weights = torch.rand(workers, generator=rng, dtype=torch.float64) + 0.5
+    weights = (weights / weights.sum()).tolist() if workers > 1 else None
+    for adamw, amsgrad in [(True, False), (False, True)]:
+        results = []
+        for prefetch in (False, True):
+            previous = ops._C._set_cpu_prefetch(prefetch)
+            try:
+                assert ops._C.cpu_prefetch() is prefetch
+                state = Ours(p0, "cpu", amsgrad=amsgrad)
+                out = torch.empty(n, dtype=torch.bfloat16)
+                for grads in steps:
+                    state.step(grads, param_out=out, weights=weights, adamw=adamw, **HYPER)
+            finally:
+                ops._C._set_cpu_prefetch(previous)
+            results.append([state.p, state.m, state.v, out] + ([state.vmax] if amsgrad else []))
+        for name, a, b in zip(["param", "exp_avg", "exp_avg_sq", "param_out", "max_exp_avg_sq"], *results):
+            assert torch.equal(a, b), f"G={workers} adamw={adamw}: prefetching loops' {name} differs"
+
+
+PREFETCH_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from pyengine import _C, ops
+    try:
+        on = _C.cpu_prefetch()
+    except RuntimeError as e:
+        on = str(e)
+    p = torch.zeros(3)
+    try:
+        ops.mean_grad_adamw_(p, torch.zeros(3), torch.zeros(3), [torch.ones(3)], lr=0.1, step=1)
+        called = "updated" if p.ne(0).all() else "not updated"
+    except RuntimeError as e:
+        called = str(e)
+    print(repr((on, called)))
+""")
+
+
+@pytest.mark.parametrize("setting", [None, "0", "1", "yes"])
+def test_cpu_prefetch_setting(setting):
+    """PYENGINE_CPU_PREFETCH: unset = on for Intel CPUs only; 0/1 force it; anything else is an error naming the
+    variable, from every op call (no update runs with a setting that was not meant)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYENGINE_CPU_PREFETCH"}
+    if setting is not None:
+        env["PYENGINE_CPU_PREFETCH"] = setting
+    run = subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    on, called = eval(run.stdout.strip().splitlines()[-1])
+    if setting == "yes":
+        for message in (on, called):
+            assert "PYENGINE_CPU_PREFETCH must be 0" in message and "got 'yes'" in message, message
+        return
+    assert called == "updated"
+    if setting is None:
+        with open("/proc/cpuinfo") as f:
+            intel = any(line.split(":")[-1].strip() == "GenuineIntel" for line in f if line.startswith("vendor_id"))
+        assert on is intel
+    else:
+        assert on is (setting == "1")
 
 
 def opcheck_args(device):

@@ -54,6 +54,9 @@ struct KernelTable {
   // Sum of squares of the (weighted) gradient sum over [begin, end), times mult^2: float accumulation in 16 fixed
   // lanes, so every ISA gives the same bits for the same range.
   float (*sum_squares)(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end);
+  // update with software prefetching of the memory streams: the same bits (Note [Prefetching the streams] in
+  // kernel_isa.cpp); selected_kernels() says which of the two the ops use on this CPU.
+  void (*update_prefetch)(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end);
 };
 
 const KernelTable& kernel_table_avx512();

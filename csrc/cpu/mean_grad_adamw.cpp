@@ -9,7 +9,15 @@
 #include <ATen/Version.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #include "../mean_grad_adamw.h"
 #include "isa.h"
@@ -107,9 +115,10 @@ void update_cpu(const UpdateArgs& a) {
   }
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   const KernelTable& kernels = selected_kernels();
+  const auto update = prefetch_streams() ? kernels.update_prefetch : kernels.update;
   for_chunks(static_cast<int64_t>(chunks.size()), [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
-      kernels.update(buffers[chunks[c].tensor], s, chunks[c].begin, chunks[c].end);
+      update(buffers[chunks[c].tensor], s, chunks[c].begin, chunks[c].end);
     }
   });
 }
@@ -164,6 +173,53 @@ const KernelTable& selected_kernels() {
 }
 
 std::string selected_isa() { return selected_kernels().isa; }
+
+namespace {
+
+// The CPU's vendor string from CPUID leaf 0 ("GenuineIntel", "AuthenticAMD", ...), empty off x86.
+std::string cpu_vendor() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return "";
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  return vendor;
+#else
+  return "";
+#endif
+}
+
+}  // namespace
+
+// -1 until decided, then 0 or 1: decided at the first call, like the ISA; set_prefetch_streams overrides it.
+std::atomic<int> prefetch_setting{-1};
+
+bool prefetch_streams() {
+  int on = prefetch_setting.load(std::memory_order_relaxed);
+  if (on >= 0) return on == 1;
+  // A bad value throws here, and again at the next call (nothing is stored): no op runs with a setting the user
+  // did not mean.
+  const char* env = std::getenv("PYENGINE_CPU_PREFETCH");
+  if (env != nullptr && *env != '\0') {
+    const std::string value(env);
+    TORCH_CHECK(value == "0" || value == "1", "PYENGINE_CPU_PREFETCH must be 0 (plain loops) or 1 (software "
+                "prefetching), or unset (on for Intel CPUs); got '", value, "'");
+    on = value == "1";
+  } else {
+    on = cpu_vendor() == "GenuineIntel";
+  }
+  int undecided = -1;  // two threads deciding at once decide the same
+  prefetch_setting.compare_exchange_strong(undecided, on);
+  return prefetch_setting.load(std::memory_order_relaxed) == 1;
+}
+
+bool set_prefetch_streams(bool on) {
+  const bool previous = prefetch_streams();
+  prefetch_setting.store(on ? 1 : 0, std::memory_order_relaxed);
+  return previous;
+}
 
 }  // namespace pyengine::cpu
 

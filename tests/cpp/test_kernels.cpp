@@ -2,6 +2,7 @@
 //   - every table the CPU can run matches a scalar float64 reference written here, element by element;
 //   - the AVX-512, AVX2 and baseline tables give bit-identical results (the promise of -ffp-contract=off);
 //   - splitting a range at an odd point changes no bit (elements are independent);
+//   - every table's software-prefetching update (update_prefetch) gives the bits of its plain one;
 //   - sum_squares is bit-identical across tables and matches a float64 sum.
 // Lengths that are not multiples of the SIMD width, G in {1, 3, 8}, fp32/bf16/fp16/mixed gradients, AdamW and Adam
 // with L2, amsgrad, maximize, weighted means and bf16/fp16 param_out. Fresh random data every run (seed printed).
@@ -146,8 +147,9 @@ class KernelCase {
     scalars_ = make_scalars();
   }
 
-  // Runs table over [0, n) split at the given points; returns the final state.
-  State run(const KernelTable& table, const std::vector<int64_t>& splits = {}) const {
+  // Runs table over [0, n) split at the given points (its prefetching update when prefetch); returns the final state.
+  State run(const KernelTable& table, const std::vector<int64_t>& splits = {}, bool prefetch = false) const {
+    const auto update = prefetch ? table.update_prefetch : table.update;
     State s = init_;
     const TensorBuffers t{s.param.data(),
                           s.exp_avg.data(),
@@ -160,10 +162,10 @@ class KernelCase {
                           c_.n};
     int64_t begin = 0;
     for (int64_t end : splits) {
-      table.update(t, scalars_, begin, end);
+      update(t, scalars_, begin, end);
       begin = end;
     }
-    table.update(t, scalars_, begin, c_.n);
+    update(t, scalars_, begin, c_.n);
     return s;
   }
 
@@ -291,6 +293,10 @@ void run_case(const Case& c, const std::vector<NamedTable>& tables, std::mt19937
   // Ranges that split SIMD blocks and tiles at odd points give the same bits.
   const std::vector<int64_t> splits = c.n > 1030 ? std::vector<int64_t>{3, 1029} : std::vector<int64_t>{c.n / 2};
   CHECK(same_state(kc.run(*tables.back().table, splits), first), c << ": split range differs");
+  for (const NamedTable& t : tables) {
+    CHECK(same_state(kc.run(*t.table, {}, true), first), c << ": " << t.name << " update_prefetch differs");
+  }
+  CHECK(same_state(kc.run(*tables.back().table, splits, true), first), c << ": split prefetching range differs");
 }
 
 }  // namespace
