@@ -686,14 +686,16 @@ def test_cpu_isa_variants_are_bit_identical(tmp_path):
             assert torch.equal(a, b), f"{key} differs from the baseline plain loops"
 
 
-@pytest.mark.parametrize("workers", [1, 3, 4, 8, 9])
+@pytest.mark.parametrize("workers", [1, 3, 4, 5, 8, 9, 13])
 def test_cpu_prefetching_loops_give_the_plain_bits(rng, workers):
     """The software-prefetching update (on for Intel CPUs) against the plain loops in one process, fp32 gradients
-    of every summation shape (G = 1 read in place; one group of 3 or 4; two or three groups on long tiles), an odd
-    length that ends tiles and blocks mid-way, AdamW and Adam with amsgrad, a bf16 param_out."""
+    of every summation shape (G = 1 read in place; one group of up to 4 or 8 gradients; several groups on long
+    tiles: the two forms group differently), an odd length that ends tiles and blocks mid-way, AdamW and Adam with
+    amsgrad, a bf16 param_out. Full-precision gradients and uneven weights: another order of the additions would
+    change some bits."""
     n = 100_003
     p0 = torch.randn(n, generator=rng)
-    steps = [random_grads(rng, n, workers) for _ in range(3)]
+    steps = [[torch.randn(n, generator=rng) for _ in range(workers)] for _ in range(3)]
     weights = torch.rand(workers, generator=rng, dtype=torch.float64) + 0.5
     weights = (weights / weights.sum()).tolist() if workers > 1 else None
     for adamw, amsgrad in [(True, False), (False, True)]:

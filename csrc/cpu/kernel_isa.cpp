@@ -8,11 +8,12 @@
 //
 // Shape of one update, per tile of kTile elements:
 //   1. acc[j]  = w_0 * g_0[j];  acc[j] += w_k * g_k[j] for k = 1..G-1   (fixed order: bit-reproducible)
-//      Consecutive fp32 gradients are added in groups of up to 4 in one loop (acc[j] = (((acc[j] + x_k) + x_k+1)
-//      + ...), the same operations in the same order, so the same bits): acc is loaded and stored once per group,
-//      not once per gradient, and a few gradient streams are read side by side. Measured 1.05-1.09x at G=4 and
-//      1.10-1.25x at G=8 on one thread (bench/cpu_kernel_ab.py, bench/RESULTS.md). Fusing the gradients into the
-//      Adam loop as well (7-10 streams in one loop) measured 0.7x: the Adam loop is best left with its 3+3 streams.
+//      Consecutive fp32 gradients are added in groups of up to 4 (8 in the prefetching form: kMaxGroup) in one loop
+//      (acc[j] = (((acc[j] + x_k) + x_k+1) + ...), the same operations in the same order, so the same bits): acc is
+//      loaded and stored once per group, not once per gradient, and a few gradient streams are read side by side.
+//      Measured 1.05-1.09x at G=4 and 1.10-1.25x at G=8 on one thread (bench/cpu_kernel_ab.py, bench/RESULTS.md).
+//      Fusing the gradients into the Adam loop as well (7-10 streams in one loop) measured 0.7x: the Adam loop is
+//      best left with its 3+3 streams.
 //   2. Adam loop over the tile, reading acc from L1 and param/m/v from memory, writing param/m/v (+ param_out).
 // So the G gradients and the state are each read once from memory: 4N(G+6) bytes with fp32 gradients.
 // Tiles are kTile elements (acc in L1), or kLongTile (acc in L2) when more than 4 fp32 gradients make the sum take
@@ -151,48 +152,69 @@ void accumulate(const GradSource& g, int64_t begin, int64_t n, float* __restrict
   }
 }
 
-// acc[0..n) (=|+=) the R (1..4) fp32 gradients g[0..R) in one pass, in the order of R accumulate<> calls:
-// acc = (((acc + w0 g0) + w1 g1) + w2 g2) + w3 g3, so the bits are the same; acc is read and written once, not R times.
+// acc[j0..j1) (=|+=) the R (1..8) fp32 gradients g0..g(R-1) (weights w[0..R)) in one pass, in the order of R
+// accumulate<> calls: acc = (((acc + w0 g0) + w1 g1) + ...) + w(R-1) g(R-1), so the bits are the same; acc is read
+// and written once, not R times. Pointers past R are unused.
 template <bool kFirst, int R>
-inline void accumulate_fp32_range(const float* __restrict a, const float* __restrict b, const float* __restrict c,
-                                  const float* __restrict d, float wa, float wb, float wc, float wd,
+inline void accumulate_fp32_range(const float* __restrict g0, const float* __restrict g1, const float* __restrict g2,
+                                  const float* __restrict g3, const float* __restrict g4, const float* __restrict g5,
+                                  const float* __restrict g6, const float* __restrict g7, const float* w,
                                   float* __restrict acc, int64_t j0, int64_t j1) {
+  const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
   for (int64_t j = j0; j < j1; ++j) {
-    float x = kFirst ? a[j] * wa : acc[j] + a[j] * wa;
-    if constexpr (R > 1) x = x + b[j] * wb;
-    if constexpr (R > 2) x = x + c[j] * wc;
-    if constexpr (R > 3) x = x + d[j] * wd;
+    float x = kFirst ? g0[j] * w0 : acc[j] + g0[j] * w0;
+    if constexpr (R > 1) x = x + g1[j] * w1;
+    if constexpr (R > 2) x = x + g2[j] * w2;
+    if constexpr (R > 3) x = x + g3[j] * w3;
+    if constexpr (R > 4) x = x + g4[j] * w4;
+    if constexpr (R > 5) x = x + g5[j] * w5;
+    if constexpr (R > 6) x = x + g6[j] * w6;
+    if constexpr (R > 7) x = x + g7[j] * w7;
     acc[j] = x;
   }
 }
 
 template <bool kFirst, int R, bool kPrefetch>
 void accumulate_fp32(const GradSource* g, int64_t begin, int64_t n, float* __restrict acc) {
-  const float* __restrict a = static_cast<const float*>(g[0].data) + begin;
-  const float* __restrict b = static_cast<const float*>(g[R > 1 ? 1 : 0].data) + begin;
-  const float* __restrict c = static_cast<const float*>(g[R > 2 ? 2 : 0].data) + begin;
-  const float* __restrict d = static_cast<const float*>(g[R > 3 ? 3 : 0].data) + begin;
-  const float wa = g[0].weight, wb = g[R > 1 ? 1 : 0].weight, wc = g[R > 2 ? 2 : 0].weight;
-  const float wd = g[R > 3 ? 3 : 0].weight;
+  const float* src[8];
+  float w[8];
+  for (int k = 0; k < 8; ++k) {
+    const int i = k < R ? k : 0;
+    src[k] = static_cast<const float*>(g[i].data) + begin;
+    w[k] = g[i].weight;
+  }
   if constexpr (!kPrefetch) {
-    accumulate_fp32_range<kFirst, R>(a, b, c, d, wa, wb, wc, wd, acc, 0, n);
+    accumulate_fp32_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, 0, n);
   } else {
     for (int64_t j = 0; j < n; j += kPrefetchBlock) {
-      prefetch_ahead<0>(a + j);
-      if constexpr (R > 1) prefetch_ahead<0>(b + j);
-      if constexpr (R > 2) prefetch_ahead<0>(c + j);
-      if constexpr (R > 3) prefetch_ahead<0>(d + j);
-      accumulate_fp32_range<kFirst, R>(a, b, c, d, wa, wb, wc, wd, acc, j, min_i64(j + kPrefetchBlock, n));
+      for (int k = 0; k < R; ++k) prefetch_ahead<0>(src[k] + j);
+      accumulate_fp32_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, j,
+                                       min_i64(j + kPrefetchBlock, n));
     }
   }
 }
 
-// Adds the next group of gradients into acc: up to 4 consecutive fp32 ones in one pass, else one gradient of any
-// dtype. Returns how many gradients it consumed.
+// The most fp32 gradients summed in one pass: 4 in the plain loops (measured on AMD Zen 5: a loop of more streams
+// read slower per byte there), 8 in the prefetching ones (measured on Intel Xeon: 1.05-1.08x at G = 8 over two
+// passes of 4; Note [Prefetching the streams]).
+template <bool kPrefetch>
+constexpr int kMaxGroup = kPrefetch ? 8 : 4;
+
+// Adds the next group of gradients into acc: up to kMaxGroup consecutive fp32 ones in one pass, else one gradient of
+// any dtype. Returns how many gradients it consumed.
 template <bool kFirst, bool kPrefetch>
 int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc, float* scratch) {
   int r = 0;
-  while (r < 4 && r < left && g[r].dtype == Dtype::kFloat32) ++r;
+  while (r < kMaxGroup<kPrefetch> && r < left && g[r].dtype == Dtype::kFloat32) ++r;
+  if constexpr (kPrefetch) {
+    switch (r) {
+      case 8: accumulate_fp32<kFirst, 8, kPrefetch>(g, begin, n, acc); return 8;
+      case 7: accumulate_fp32<kFirst, 7, kPrefetch>(g, begin, n, acc); return 7;
+      case 6: accumulate_fp32<kFirst, 6, kPrefetch>(g, begin, n, acc); return 6;
+      case 5: accumulate_fp32<kFirst, 5, kPrefetch>(g, begin, n, acc); return 5;
+      default: break;
+    }
+  }
   switch (r) {
     case 4: accumulate_fp32<kFirst, 4, kPrefetch>(g, begin, n, acc); return 4;
     case 3: accumulate_fp32<kFirst, 3, kPrefetch>(g, begin, n, acc); return 3;
@@ -294,12 +316,13 @@ void update_tiles(const TensorBuffers& t, const UpdateScalars& s, int64_t begin,
   }
 }
 
-// Tiles of kLongTile when the fp32 gradients take more than one summation pass (more than 4 of them): see kLongTile.
+// Tiles of kLongTile when the fp32 gradients take more than one summation pass (more than kMaxGroup of them): see
+// kLongTile.
 template <bool kAdamW, bool kAmsgrad, bool kPrefetch>
 void update_impl(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end) {
   bool all_fp32 = true;
   for (int k = 0; k < t.num_grads; ++k) all_fp32 = all_fp32 && t.grads[k].dtype == Dtype::kFloat32;
-  if (all_fp32 && t.num_grads > 4) {
+  if (all_fp32 && t.num_grads > kMaxGroup<kPrefetch>) {
     update_tiles<kAdamW, kAmsgrad, kLongTile, kPrefetch>(t, s, begin, end);
   } else {
     update_tiles<kAdamW, kAmsgrad, kTile, kPrefetch>(t, s, begin, end);
