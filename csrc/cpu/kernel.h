@@ -40,7 +40,8 @@ struct TensorBuffers {
 // summation loop and the Adam loop, so the G gradients are read from memory exactly once.
 constexpr int64_t kTile = 1024;
 
-// Elements per tile when more than 4 fp32 gradients are summed (two or more passes over the tile's sum): 64 KiB of
+// Elements per tile when more fp32 gradients are summed than one pass takes (4 in the plain loops, 8 in the
+// prefetching ones: kMaxGroup in kernel_isa.cpp), so two or more passes go over the tile's sum: 64 KiB of
 // sum (L2-resident), so each pass reads 64 KiB runs of every stream rather than 4 KiB ones. Measured on one Zen 5
 // core, N = 32M (bench/cpu_kernel_ab.py, bench/RESULTS.md): G = 5 / 6 / 8 fp32 1.02 / 1.05 / 1.14x faster on 4 KiB
 // pages, 1.10 / 1.13 / 1.24x on 2 MiB pages; but G = 2 / 4 fp32 0.88 / 0.92x and bf16 (a pass per gradient)
@@ -55,7 +56,7 @@ struct KernelTable {
   // lanes, so every ISA gives the same bits for the same range.
   float (*sum_squares)(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end);
   // update with software prefetching of the memory streams: the same bits (Note [Prefetching the streams] in
-  // kernel_isa.cpp); selected_kernels() says which of the two the ops use on this CPU.
+  // kernel_isa.cpp); prefetch_streams() (isa.h) says which of the two the ops use.
   void (*update_prefetch)(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end);
 };
 
