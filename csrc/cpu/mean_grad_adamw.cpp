@@ -191,10 +191,10 @@ std::string cpu_vendor() {
 #endif
 }
 
-}  // namespace
-
 // -1 until decided, then 0 or 1: decided at the first call, like the ISA; set_prefetch_streams overrides it.
 std::atomic<int> prefetch_setting{-1};
+
+}  // namespace
 
 bool prefetch_streams() {
   int on = prefetch_setting.load(std::memory_order_relaxed);
