@@ -16,8 +16,8 @@
 //      best left with its 3+3 streams.
 //   2. Adam loop over the tile, reading acc from L1 and param/m/v from memory, writing param/m/v (+ param_out).
 // So the G gradients and the state are each read once from memory: 4N(G+6) bytes with fp32 gradients.
-// Tiles are kTile elements (acc in L1), or kLongTile (acc in L2) when more than 4 fp32 gradients make the sum take
-// two or more passes over acc: each pass then reads a longer run of every stream (kernel.h has the measurements).
+// Tiles are kTile elements (acc in L1), or kLongTile (acc in L2) when more than kMaxGroup fp32 gradients make the sum
+// take two or more passes over acc: each pass then reads a longer run of every stream (kernel.h has the measurements).
 // Each loop also comes in a software-prefetching form (kPrefetch, KernelTable::update_prefetch): see
 // Note [Prefetching the streams] below.
 #include "kernel.h"
@@ -49,13 +49,13 @@ inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 // form of the loops walks each tile in blocks of kPrefetchBlock elements and, before each block, hints the lines
 // kPrefetchAhead elements further on in every memory stream (the fp32 gradients, param/m/v for writing, and the
 // gradient itself when Adam reads it straight from memory), so each stream is requested ahead across page edges too.
-// Measured on one core (bench/cpu_kernel_ab.py, bench/RESULTS.md, 2026-11-27): Intel Xeon (Emerald Rapids) 1.15x at
-// G = 4, 1.04-1.07x at G = 8, 1.16x at G = 1 (1 KiB ahead; 0.5-2 KiB measured alike). On AMD Zen 5 a different
+// Measured on one core (bench/cpu_kernel_ab.py, bench/RESULTS.md, 2026-11-27): Intel Xeon (Emerald Rapids) 1.05-1.15x
+// at G = 4, 1.03-1.06x at G = 8, 1.03-1.16x at G = 1 (1 KiB ahead; 0.5-2 KiB measured alike). On AMD Zen 5 a different
 // hint (the first lines of every stream's next page, once per tile) measured 0.68-0.87x, so the form is chosen at
 // run time: on for Intel CPUs, off elsewhere, PYENGINE_CPU_PREFETCH=0|1 to override (prefetch_streams() in isa.h).
-// The same form sums up to 8 fp32 gradients in one pass (kMaxGroup), measured on the Xeon 1.05x at G = 8 and 1.10x
-// at G = 5 and 6 against two passes of up to 4. Neither changes a result: the bits are those of the plain loops
-// (tests/cpp/test_kernels.cpp, tests/test_ops.py).
+// The same form sums up to 8 fp32 gradients in one pass (kMaxGroup), measured on the Xeon 1.05-1.08x at G = 8 and
+// 1.09-1.10x at G = 5 and 6 against two passes of up to 4. Neither changes a result: the bits are those of the
+// plain loops (tests/cpp/test_kernels.cpp, tests/test_ops.py).
 constexpr int64_t kPrefetchBlock = 64;   // elements per block: 4 cache lines of each stream
 constexpr int64_t kPrefetchAhead = 256;  // elements (1 KiB) between a block and the lines hinted before it
 
