@@ -37,6 +37,30 @@ def test_bench_fused_adamw_checks_every_path_before_timing_it(dtype, g, monkeypa
         ws.check(paths)
 
 
+@pytest.mark.parametrize("g", [1, 3])
+def test_bench_fused_adamw_clip_checks_every_path(g, monkeypatch):
+    """--clip: ours (the norm pass, then the update) and stock (clip_grad_norm_, then fused AdamW) must agree, the
+    norm pass must give the float64 norm of the mean, and the plain loops ours' bits, before anything is timed; a
+    stock path that forgets to clip, or a wrong norm, is refused. G = 1: stock clips a gradient of its own in place,
+    ours' stays as drawn."""
+    paths = ["ours", "plain", "stock", "norm", "norm_plain"]
+    ws = bench_fused_adamw.Workspace(1001, g, "fp32", "cpu", clip=True)
+    drawn = [t.clone() for t in ws.grads]
+    assert bench_fused_adamw.ops.mean_grad_norm(ws.grads).norm > 10 * bench_fused_adamw.CLIP_NORM  # the clip is active
+    ws.check(paths)
+    ws.check(paths)  # twice: the second check starts from the state the first left
+    assert all(torch.equal(a, b) for a, b in zip(drawn, ws.grads))
+    assert bench_fused_adamw.update_bytes(1001, g, "fp32", clip=True) == 4 * 1001 * (2 * g + 6)
+    assert bench_fused_adamw.update_bytes(1001, g, "bf16", clip=True) == 4 * 1001 * g + 24 * 1001
+    monkeypatch.setattr(ws, "_stock_step", lambda: ws.stock_opt.step())  # a stock path that forgot to clip
+    with pytest.raises(AssertionError, match="ours vs stock"):
+        ws.check(paths)
+    monkeypatch.undo()
+    monkeypatch.setattr(ws, "norm", lambda: bench_fused_adamw.ops.mean_grad_norm(ws.grads).norm * 1.001)
+    with pytest.raises(AssertionError, match="norm vs float64"):
+        ws.check(paths)
+
+
 @pytest.mark.timeout(300)
 def test_bench_transfer_runs_on_cpu(tmp_path):
     out = tmp_path / "transfer.md"

@@ -686,19 +686,22 @@ def test_cpu_isa_variants_are_bit_identical(tmp_path):
             assert torch.equal(a, b), f"{key} differs from the baseline plain loops"
 
 
+@pytest.mark.parametrize("grads", ["fp32", "mixed"])
 @pytest.mark.parametrize("workers", [1, 3, 4, 5, 8, 9, 13])
-def test_cpu_prefetching_loops_give_the_plain_bits(rng, workers):
-    """The software-prefetching update (on for Intel CPUs) against the plain loops in one process, fp32 gradients
-    of every summation shape (G = 1 read in place; one group of up to 4 or 8 gradients; several groups on long
-    tiles: the two forms group differently), an odd length that ends tiles and blocks mid-way, AdamW and Adam with
-    amsgrad, a bf16 param_out. Full-precision gradients and uneven weights: another order of the additions would
-    change some bits."""
+def test_cpu_prefetching_loops_give_the_plain_bits(rng, workers, grads):
+    """The software-prefetching loops (on for Intel CPUs) against the plain ones in one process: the update, the
+    clipped update and the norm pass. Gradients of every summation shape (G = 1 read in place; one group of up to 4
+    or 8 fp32 gradients; several groups on long tiles: the two forms group differently; "mixed": every third one
+    bf16, so lone fp32 gradients sit between them), an odd length that ends tiles and blocks mid-way, AdamW and Adam
+    with amsgrad, a bf16 param_out. Full-precision gradients and uneven weights: another order of the additions
+    would change some bits."""
     n = 100_003
     p0 = torch.randn(n, generator=rng)
-    steps = [[torch.randn(n, generator=rng) for _ in range(workers)] for _ in range(3)]
+    dtypes = [torch.bfloat16 if grads == "mixed" and k % 3 == 1 else torch.float32 for k in range(workers)]
+    steps = [[torch.randn(n, generator=rng).to(dt) for dt in dtypes] for _ in range(3)]
     weights = torch.rand(workers, generator=rng, dtype=torch.float64) + 0.5
     weights = (weights / weights.sum()).tolist() if workers > 1 else None
-    for adamw, amsgrad in [(True, False), (False, True)]:
+    for adamw, amsgrad, clip in [(True, False, None), (False, True, None), (True, False, 1.0)]:
         results = []
         for prefetch in (False, True):
             previous = ops._C._set_cpu_prefetch(prefetch)
@@ -706,13 +709,16 @@ def test_cpu_prefetching_loops_give_the_plain_bits(rng, workers):
                 assert ops._C.cpu_prefetch() is prefetch
                 state = Ours(p0, "cpu", amsgrad=amsgrad)
                 out = torch.empty(n, dtype=torch.bfloat16)
-                for grads in steps:
-                    state.step(grads, param_out=out, weights=weights, adamw=adamw, **HYPER)
+                norms = []
+                for grads_ in steps:
+                    norm = state.step(grads_, param_out=out, weights=weights, adamw=adamw, max_grad_norm=clip,
+                                      **HYPER)
+                    norms.append(norm if clip is not None else ops.mean_grad_norm(grads_, weights).norm)
             finally:
                 ops._C._set_cpu_prefetch(previous)
-            results.append([state.p, state.m, state.v, out] + ([state.vmax] if amsgrad else []))
-        for name, a, b in zip(["param", "exp_avg", "exp_avg_sq", "param_out", "max_exp_avg_sq"], *results):
-            assert torch.equal(a, b), f"G={workers} adamw={adamw}: prefetching loops' {name} differs"
+            results.append([state.p, state.m, state.v, out, torch.stack(norms)] + ([state.vmax] if amsgrad else []))
+        for name, a, b in zip(["param", "exp_avg", "exp_avg_sq", "param_out", "norm", "max_exp_avg_sq"], *results):
+            assert torch.equal(a, b), f"G={workers} {grads} adamw={adamw} clip={clip}: prefetching loops' {name} differs"
 
 
 PREFETCH_SCRIPT = textwrap.dedent("""

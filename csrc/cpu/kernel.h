@@ -58,6 +58,8 @@ struct KernelTable {
   // update with software prefetching of the memory streams: the same bits (Note [Prefetching the streams] in
   // kernel_isa.cpp); prefetch_streams() (isa.h) says which of the two the ops use.
   void (*update_prefetch)(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end);
+  // sum_squares with the same prefetching (and summation groups) as update_prefetch: the same bits.
+  float (*sum_squares_prefetch)(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end);
 };
 
 const KernelTable& kernel_table_avx512();

@@ -203,7 +203,7 @@ template <bool kPrefetch>
 constexpr int kMaxGroup = kPrefetch ? 8 : 4;
 
 // Adds the next group of gradients into acc: up to kMaxGroup consecutive fp32 ones in one pass, else one gradient of
-// any dtype. Returns how many gradients it consumed.
+// any dtype (a lone fp32 one through the hinted loop in the prefetching form). Returns how many it consumed.
 template <bool kFirst, bool kPrefetch>
 int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc, float* scratch) {
   int r = 0;
@@ -214,6 +214,7 @@ int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, fl
       case 7: accumulate_fp32<kFirst, 7, kPrefetch>(g, begin, n, acc); return 7;
       case 6: accumulate_fp32<kFirst, 6, kPrefetch>(g, begin, n, acc); return 6;
       case 5: accumulate_fp32<kFirst, 5, kPrefetch>(g, begin, n, acc); return 5;
+      case 1: accumulate_fp32<kFirst, 1, kPrefetch>(g, begin, n, acc); return 1;  // hinted too; accumulate's bits
       default: break;
     }
   }
@@ -342,6 +343,9 @@ void update(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64
   }
 }
 
+// The clip norm's pass: the gradients summed as the update sums them (kPrefetch: with the prefetching form's hints and
+// groups, the same bits), then squared into 16 fixed lanes.
+template <bool kPrefetch>
 float sum_squares(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end) {
   constexpr int kLanes = 16;
   alignas(64) float acc[kTile];
@@ -349,7 +353,7 @@ float sum_squares(const GradSource* grads, int num_grads, float mult, int64_t be
   alignas(64) float lanes[kLanes] = {};
   for (int64_t tile = begin; tile < end; tile += kTile) {
     const int64_t n = min_i64(kTile, end - tile);
-    sum_grads<false>(grads, num_grads, tile, n, acc, scratch);
+    sum_grads<kPrefetch>(grads, num_grads, tile, n, acc, scratch);
     const int64_t full = n - n % kLanes;
     for (int64_t j = 0; j < full; j += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
@@ -370,7 +374,8 @@ float sum_squares(const GradSource* grads, int num_grads, float mult, int64_t be
 }  // namespace
 
 const KernelTable& PYENGINE_CONCAT(kernel_table_, PYENGINE_ISA)() {
-  static const KernelTable table{PYENGINE_STR(PYENGINE_ISA), &update<false>, &sum_squares, &update<true>};
+  static const KernelTable table{PYENGINE_STR(PYENGINE_ISA), &update<false>, &sum_squares<false>, &update<true>,
+                                 &sum_squares<true>};
   return table;
 }
 

@@ -133,10 +133,11 @@ std::tuple<at::Tensor, at::Tensor> norm_cpu(at::TensorList grads, int64_t num_te
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   std::vector<float> partial(chunks.size());
   const KernelTable& kernels = selected_kernels();
+  const auto sum_squares = prefetch_streams() ? kernels.sum_squares_prefetch : kernels.sum_squares;
   for_chunks(static_cast<int64_t>(chunks.size()), [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       const Chunk& ch = chunks[c];
-      partial[c] = kernels.sum_squares(sources.data() + ch.tensor * G, static_cast<int>(G), mult, ch.begin, ch.end);
+      partial[c] = sum_squares(sources.data() + ch.tensor * G, static_cast<int>(G), mult, ch.begin, ch.end);
     }
   });
   double total = 0.0;

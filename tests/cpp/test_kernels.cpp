@@ -3,7 +3,7 @@
 //   - the AVX-512, AVX2 and baseline tables give bit-identical results (the promise of -ffp-contract=off);
 //   - splitting a range at an odd point changes no bit (elements are independent);
 //   - every table's software-prefetching update (update_prefetch) gives the bits of its plain one;
-//   - sum_squares is bit-identical across tables and matches a float64 sum.
+//   - sum_squares is bit-identical across tables (and to its prefetching form) and matches a float64 sum.
 // Lengths that are not multiples of the SIMD width, G in {1, 3, 8}, fp32/bf16/fp16/mixed gradients, AdamW and Adam
 // with L2, amsgrad, maximize, weighted means and bf16/fp16 param_out. Fresh random data every run (seed printed).
 #include <cmath>
@@ -169,8 +169,16 @@ class KernelCase {
     return s;
   }
 
-  float sum_squares(const KernelTable& table) const {
-    return table.sum_squares(sources_.data(), c_.G, scalars_.grad_mult, 0, c_.n);
+  // table's sum_squares over [0, n) (its prefetching one when prefetch), in one range or split at the given points.
+  float sum_squares(const KernelTable& table, bool prefetch = false, const std::vector<int64_t>& splits = {}) const {
+    const auto sum_squares = prefetch ? table.sum_squares_prefetch : table.sum_squares;
+    float total = 0.0f;
+    int64_t begin = 0;
+    for (int64_t end : splits) {
+      total += sum_squares(sources_.data(), c_.G, scalars_.grad_mult, begin, end);
+      begin = end;
+    }
+    return total + sum_squares(sources_.data(), c_.G, scalars_.grad_mult, begin, c_.n);
   }
 
   // The mean gradient in float64 (before grad_mult's sign and 1/G).
@@ -295,8 +303,12 @@ void run_case(const Case& c, const std::vector<NamedTable>& tables, std::mt19937
   CHECK(same_state(kc.run(*tables.back().table, splits), first), c << ": split range differs");
   for (const NamedTable& t : tables) {
     CHECK(same_state(kc.run(*t.table, {}, true), first), c << ": " << t.name << " update_prefetch differs");
+    CHECK(same_bits(kc.sum_squares(*t.table, true), squares), c << ": " << t.name << " sum_squares_prefetch differs");
   }
   CHECK(same_state(kc.run(*tables.back().table, splits, true), first), c << ": split prefetching range differs");
+  CHECK(same_bits(kc.sum_squares(*tables.back().table, true, splits), kc.sum_squares(*tables.back().table, false,
+                                                                                       splits)),
+        c << ": split prefetching sum_squares differs");
 }
 
 }  // namespace
