@@ -622,8 +622,11 @@ F32, B16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
 @pytest.mark.parametrize("dtypes", [(F32,) * 4, (F32,) * 5, (F32,) * 8, (F32,) * 9,
-                                    (F32, F32, B16, F32, F32, F32, F32, F16, F32, F32)],
-                         ids=["fp32x4", "fp32x5", "fp32x8", "fp32x9", "mixed10"])
+                                    (F32, F32, B16, F32, F32, F32, F32, F16, F32, F32),
+                                    (B16,) * 5, (B16,) * 8, (B16,) * 9,
+                                    (B16, B16, F32, F32, F32, B16, B16, B16, B16, B16, F16, B16, B16)],
+                         ids=["fp32x4", "fp32x5", "fp32x8", "fp32x9", "mixed10", "bf16x5", "bf16x8", "bf16x9",
+                              "mixed13"])
 def test_gradients_summed_in_list_order(rng, device, dtypes):
     """The documented summation order, bit for bit: acc = w_0 g_0, then acc = acc + w_k g_k for k = 1..G-1 in fp32.
 

@@ -62,10 +62,10 @@ constexpr int64_t kPrefetchAhead = 256;  // elements (1 KiB) between a block and
 // Hints the kPrefetchBlock elements that start kPrefetchAhead elements after x (kWrite: to be written). A prefetch
 // never faults, so hinting past the end of a buffer is harmless; the address is formed as an integer, not as an
 // out-of-bounds pointer.
-template <int kWrite>
-inline void prefetch_ahead(const float* x) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(x) + kPrefetchAhead * sizeof(float);
-  for (int64_t line = 0; line < kPrefetchBlock * static_cast<int64_t>(sizeof(float)); line += 64) {
+template <int kWrite, class T>
+inline void prefetch_ahead(const T* x) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(x) + kPrefetchAhead * sizeof(T);
+  for (int64_t line = 0; line < kPrefetchBlock * static_cast<int64_t>(sizeof(T)); line += 64) {
     __builtin_prefetch(reinterpret_cast<const void*>(first + line), kWrite);
   }
 }
@@ -154,76 +154,92 @@ void accumulate(const GradSource& g, int64_t begin, int64_t n, float* __restrict
   }
 }
 
-// acc[j0..j1) (=|+=) the R (1..8) fp32 gradients g0..g(R-1) (weights w[0..R)) in one pass, in the order of R
-// accumulate<> calls: acc = (((acc + w0 g0) + w1 g1) + ...) + w(R-1) g(R-1), so the bits are the same; acc is read
-// and written once, not R times. Pointers past R are unused.
-template <bool kFirst, int R>
-inline void accumulate_fp32_range(const float* __restrict g0, const float* __restrict g1, const float* __restrict g2,
-                                  const float* __restrict g3, const float* __restrict g4, const float* __restrict g5,
-                                  const float* __restrict g6, const float* __restrict g7, const float* w,
-                                  float* __restrict acc, int64_t j0, int64_t j1) {
+// A gradient element as a float: fp32 as stored, bf16 widened (exactly: its bits are a float's top half).
+inline float load_grad(const float* __restrict g, int64_t j) { return g[j]; }
+inline float load_grad(const uint16_t* __restrict g, int64_t j) { return bf16_to_float(g[j]); }
+
+// acc[j0..j1) (=|+=) the R (1..8) gradients g0..g(R-1) of one storage type T (fp32: float, bf16: uint16_t; weights
+// w[0..R)) in one pass, in the order of R accumulate<> calls: acc = (((acc + w0 g0) + w1 g1) + ...) + w(R-1) g(R-1),
+// so the bits are the same; acc is read and written once, not R times. Pointers past R are unused.
+template <bool kFirst, int R, class T>
+inline void accumulate_range(const T* __restrict g0, const T* __restrict g1, const T* __restrict g2,
+                             const T* __restrict g3, const T* __restrict g4, const T* __restrict g5,
+                             const T* __restrict g6, const T* __restrict g7, const float* w, float* __restrict acc,
+                             int64_t j0, int64_t j1) {
   const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
   for (int64_t j = j0; j < j1; ++j) {
-    float x = kFirst ? g0[j] * w0 : acc[j] + g0[j] * w0;
-    if constexpr (R > 1) x = x + g1[j] * w1;
-    if constexpr (R > 2) x = x + g2[j] * w2;
-    if constexpr (R > 3) x = x + g3[j] * w3;
-    if constexpr (R > 4) x = x + g4[j] * w4;
-    if constexpr (R > 5) x = x + g5[j] * w5;
-    if constexpr (R > 6) x = x + g6[j] * w6;
-    if constexpr (R > 7) x = x + g7[j] * w7;
+    float x = kFirst ? load_grad(g0, j) * w0 : acc[j] + load_grad(g0, j) * w0;
+    if constexpr (R > 1) x = x + load_grad(g1, j) * w1;
+    if constexpr (R > 2) x = x + load_grad(g2, j) * w2;
+    if constexpr (R > 3) x = x + load_grad(g3, j) * w3;
+    if constexpr (R > 4) x = x + load_grad(g4, j) * w4;
+    if constexpr (R > 5) x = x + load_grad(g5, j) * w5;
+    if constexpr (R > 6) x = x + load_grad(g6, j) * w6;
+    if constexpr (R > 7) x = x + load_grad(g7, j) * w7;
     acc[j] = x;
   }
 }
 
-template <bool kFirst, int R, bool kPrefetch>
-void accumulate_fp32(const GradSource* g, int64_t begin, int64_t n, float* __restrict acc) {
-  const float* src[8];
+template <bool kFirst, int R, bool kPrefetch, class T>
+void accumulate_run(const GradSource* g, int64_t begin, int64_t n, float* __restrict acc) {
+  const T* src[8];
   float w[8];
   for (int k = 0; k < 8; ++k) {
     const int i = k < R ? k : 0;
-    src[k] = static_cast<const float*>(g[i].data) + begin;
+    src[k] = static_cast<const T*>(g[i].data) + begin;
     w[k] = g[i].weight;
   }
   if constexpr (!kPrefetch) {
-    accumulate_fp32_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, 0, n);
+    accumulate_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, 0, n);
   } else {
     for (int64_t j = 0; j < n; j += kPrefetchBlock) {
       for (int k = 0; k < R; ++k) prefetch_ahead<0>(src[k] + j);
-      accumulate_fp32_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, j,
-                                       min_i64(j + kPrefetchBlock, n));
+      accumulate_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, j,
+                                  min_i64(j + kPrefetchBlock, n));
     }
   }
 }
 
-// The most fp32 gradients summed in one pass: 4 in the plain loops (measured on AMD Zen 5: a loop of more streams
-// read slower per byte there), 8 in the prefetching ones (measured on Intel Xeon: 1.05-1.08x at G = 8 over two
-// passes of 4; Note [Prefetching the streams]).
+// The most gradients summed in one pass: 4 in the plain loops (measured on AMD Zen 5: a loop of more streams read
+// slower per byte there), 8 in the prefetching ones (measured on Intel Xeon: 1.05-1.08x at G = 8 over two passes of
+// 4; Note [Prefetching the streams]).
 template <bool kPrefetch>
 constexpr int kMaxGroup = kPrefetch ? 8 : 4;
 
-// Adds the next group of gradients into acc: up to kMaxGroup consecutive fp32 ones in one pass, else one gradient of
-// any dtype (a lone fp32 one through the hinted loop in the prefetching form). Returns how many it consumed.
-template <bool kFirst, bool kPrefetch>
-int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc, float* scratch) {
-  int r = 0;
-  while (r < kMaxGroup<kPrefetch> && r < left && g[r].dtype == Dtype::kFloat32) ++r;
+// Adds the r (1..kMaxGroup) gradients of storage type T at g into acc in one pass.
+template <bool kFirst, bool kPrefetch, class T>
+int accumulate_run_of(const GradSource* g, int r, int64_t begin, int64_t n, float* acc) {
   if constexpr (kPrefetch) {
     switch (r) {
-      case 8: accumulate_fp32<kFirst, 8, kPrefetch>(g, begin, n, acc); return 8;
-      case 7: accumulate_fp32<kFirst, 7, kPrefetch>(g, begin, n, acc); return 7;
-      case 6: accumulate_fp32<kFirst, 6, kPrefetch>(g, begin, n, acc); return 6;
-      case 5: accumulate_fp32<kFirst, 5, kPrefetch>(g, begin, n, acc); return 5;
-      case 1: accumulate_fp32<kFirst, 1, kPrefetch>(g, begin, n, acc); return 1;  // hinted too; accumulate's bits
+      case 8: accumulate_run<kFirst, 8, kPrefetch, T>(g, begin, n, acc); return 8;
+      case 7: accumulate_run<kFirst, 7, kPrefetch, T>(g, begin, n, acc); return 7;
+      case 6: accumulate_run<kFirst, 6, kPrefetch, T>(g, begin, n, acc); return 6;
+      case 5: accumulate_run<kFirst, 5, kPrefetch, T>(g, begin, n, acc); return 5;
       default: break;
     }
   }
   switch (r) {
-    case 4: accumulate_fp32<kFirst, 4, kPrefetch>(g, begin, n, acc); return 4;
-    case 3: accumulate_fp32<kFirst, 3, kPrefetch>(g, begin, n, acc); return 3;
-    case 2: accumulate_fp32<kFirst, 2, kPrefetch>(g, begin, n, acc); return 2;
-    default: accumulate<kFirst>(g[0], begin, n, acc, scratch); return 1;
+    case 4: accumulate_run<kFirst, 4, kPrefetch, T>(g, begin, n, acc); return 4;
+    case 3: accumulate_run<kFirst, 3, kPrefetch, T>(g, begin, n, acc); return 3;
+    case 2: accumulate_run<kFirst, 2, kPrefetch, T>(g, begin, n, acc); return 2;
+    default: accumulate_run<kFirst, 1, kPrefetch, T>(g, begin, n, acc); return 1;
   }
+}
+
+// Adds the next group of gradients into acc: up to kMaxGroup consecutive ones of the same storage type, fp32 or
+// bf16, in one pass (hinted in the prefetching form); an fp16 one alone (its widening goes through scratch).
+// Returns how many it consumed.
+template <bool kFirst, bool kPrefetch>
+int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc, float* scratch) {
+  const Dtype dtype = g[0].dtype;
+  if (dtype == Dtype::kFloat16) {
+    accumulate<kFirst>(g[0], begin, n, acc, scratch);
+    return 1;
+  }
+  int r = 1;
+  while (r < kMaxGroup<kPrefetch> && r < left && g[r].dtype == dtype) ++r;
+  return dtype == Dtype::kFloat32 ? accumulate_run_of<kFirst, kPrefetch, float>(g, r, begin, n, acc)
+                                  : accumulate_run_of<kFirst, kPrefetch, uint16_t>(g, r, begin, n, acc);
 }
 
 template <bool kPrefetch>
