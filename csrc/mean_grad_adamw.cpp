@@ -241,22 +241,29 @@ float narrowed(double x, const char* what) {
 }
 }  // namespace
 
+NarrowedHyper narrow_hyper(double lr, double beta1, double eps, double weight_decay, int64_t step) {
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  return {narrowed(lr, "lr"), narrowed(eps, "eps"), narrowed(weight_decay, "weight_decay"),
+          narrowed(lr / bias_correction1, "lr / (1 - beta1^step)"),
+          narrowed(1.0 - lr * weight_decay, "1 - lr * weight_decay")};
+}
+
 UpdateScalars make_update_scalars(const UpdateArgs& a) {
   const AdamWHyper& h = a.hyper;
-  const double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
   const double mean_mult = a.weights.has_value() ? 1.0 : 1.0 / static_cast<double>(a.num_workers());
+  const NarrowedHyper n = narrow_hyper(h.lr, h.beta1, h.eps, h.weight_decay, h.step);
   UpdateScalars s{};
-  s.lr = narrowed(h.lr, "lr");
+  s.lr = n.lr;
   s.beta1 = static_cast<float>(h.beta1);
   s.beta2 = static_cast<float>(h.beta2);
   s.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
   s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  s.eps = narrowed(h.eps, "eps");
-  s.weight_decay = narrowed(h.weight_decay, "weight_decay");
-  s.step_size = narrowed(h.lr / bias_correction1, "lr / (1 - beta1^step)");
+  s.eps = n.eps;
+  s.weight_decay = n.weight_decay;
+  s.step_size = n.step_size;
   s.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
-  s.decay = narrowed(1.0 - h.lr * h.weight_decay, "1 - lr * weight_decay");
+  s.decay = n.decay;
   s.grad_mult = static_cast<float>(h.maximize ? -mean_mult : mean_mult);
   // A positive bound below float's range must still clip (to ~0), not turn clipping off by rounding to 0.
   // Beyond float's range (finite or not): a bound no float norm reaches, infinity.

@@ -57,6 +57,14 @@ int64_t check_norm_args(at::TensorList grads, int64_t num_tensors, const std::op
 // The per-step scalars (computed in double, stored as float). grad_mult holds 1/G (or 1 with weights) and the sign.
 UpdateScalars make_update_scalars(const UpdateArgs& args);
 
+// The update's float32 scalars that follow from the hyperparameters alone, each checked to lie in float32's range
+// (a clear ValueError naming it otherwise). make_update_scalars() takes them from here; the engine asks before it
+// counts an update (pyengine._C._check_update_hyper), so a refused value never advances the step.
+struct NarrowedHyper {
+  float lr, eps, weight_decay, step_size, decay;
+};
+NarrowedHyper narrow_hyper(double lr, double beta1, double eps, double weight_decay, int64_t step);
+
 Dtype dtype_code(at::ScalarType type);
 
 // Per-worker weight of the summation: weights[g] when given, else 1 (the 1/G goes into grad_mult).

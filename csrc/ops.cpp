@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "cpu/isa.h"
+#include "mean_grad_adamw.h"
 
 namespace pyengine::store {
 void init_store_bindings(pybind11::module_& m);  // store/bindings.cpp
@@ -97,5 +98,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_serial_on_this_thread", &pyengine::cpu::set_serial_on_this_thread, pybind11::arg("serial"),
         "Run pyengine's CPU ops on the calling thread only (True) or with at::parallel_for (False), for this thread; "
         "returns the previous setting.");
+  m.def(
+      "_check_update_hyper",
+      [](double lr, double beta1, double eps, double weight_decay, int64_t step) {
+        try {
+          pyengine::narrow_hyper(lr, beta1, eps, weight_decay, step);
+        } catch (const c10::ValueError& e) {
+          throw pybind11::value_error(e.what_without_backtrace());
+        }
+      },
+      pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
+      pybind11::arg("step"),
+      "Raises ValueError where the update at these hyperparameters would refuse them: lr, eps, weight_decay, "
+      "lr / (1 - beta1^step) or 1 - lr * weight_decay beyond float32's range (the check the ops make).");
   pyengine::store::init_store_bindings(m);
 }

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -35,7 +36,7 @@ import weakref
 
 import torch
 
-from . import distributed, ops
+from . import _C, distributed, ops, rng as rng_module
 from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .optim import AdamW, check_lr_factor
@@ -70,6 +71,11 @@ def _under_mutex(method):
 _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
+class _InFlight(collections.namedtuple("_InFlight", "generators buffers")):
+    """What a running step keeps for readers until its update begins (Note [Reading the state during a step]):
+    torch's generators before its work (``Engine._generator_states()``) and the copies of the source replica's buffers (None when its replica does not compute in this step)."""
+
+
 def _before_fork() -> None:
     """A fork happens between two updates of every engine (Note [An engine in a forked process])."""
     for engine in list(_LIVE_ENGINES):
@@ -86,8 +92,8 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     """The locks as the child's own, free (the threads that held them are not there)."""
     for engine in list(_LIVE_ENGINES):
-        engine.mutex, engine._step_lock, engine._update_held, engine._fork_held = (
-            threading.RLock(), threading.RLock(), 0, False)
+        engine.mutex, engine._step_lock, engine._update_held, engine._fork_held, engine._step_depth = (
+            threading.RLock(), threading.RLock(), 0, False, 0)
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
@@ -236,6 +242,8 @@ class Engine:
             self._lr = (None, None)
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"seed must be an int; got {seed!r}")
+            if not -2 ** 63 <= seed < 2 ** 64:  # torch.manual_seed's range
+                raise ValueError(f"seed must be an int in [-2**63, 2**64); got {seed}")
             self.seed = seed
             self.random_modules = _module_classes(random_modules)
             self._worker_rngs: list[WorkerRNG] = []  # the workers' or pipeline stages' own generators (begin_rng_step)
@@ -282,6 +290,8 @@ class Engine:
         self.mutex = threading.RLock()
         self._step_lock = threading.RLock()  # one step at a time (Note [A step's update under the mutex])
         self._update_held = 0  # times the running step took the mutex in begin_update
+        self._in_flight: _InFlight | None = None  # a step's states from before its work, until its update begins
+        self._step_depth = 0  # step() calls running (on the thread holding _step_lock; load_state_dict asks)
         self._pid = os.getpid()  # Note [An engine in a forked process]
         _LIVE_ENGINES.add(self)
         self._async_run = None  # the async fit running now (asynchronous.AsyncRun), for close()
@@ -376,9 +386,11 @@ class Engine:
         Steps run one at a time: one called from another thread meanwhile, and :meth:`close`, wait for it. Its
         update holds the engine's mutex (Note [A step's update under the mutex])."""
         with self._step_lock:  # in a forked child a lock of its own (_after_fork_in_child); _step checks the process
+            self._step_depth += 1
             try:
                 return self._step(batch)
             finally:
+                self._step_depth -= 1
                 while self._update_held:
                     self._update_held -= 1
                     self.mutex.release()
@@ -394,6 +406,7 @@ class Engine:
         chunks"): step() itself is serialised by a lock of its own, which readers do not take."""
         self.mutex.acquire()
         self._update_held += 1
+        self._in_flight = None  # from here the state is this step's (Note [Reading the state during a step])
         self.count("steps")
 
     def _step(self, batch) -> dict:
@@ -403,9 +416,12 @@ class Engine:
                              "fit(batches)")
         # A bad schedule value raises before any work or count. Every rank of a process group asks the same (its
         # version is the same on all), so all raise here and none leaves the others inside a collective.
-        self.lr_at(self.version + 1)
+        self.check_update(self.version + 1)
         self.begin_rng_step(self._counters["steps"])  # the step's number: restored on resume, skipped steps too
         steps, generators = self._counters["steps"], self._global_generators()
+        # Note [Reading the state during a step]: the generators as the step found them (taken here also when the
+        # workers have their own: a random module's forward swaps those into torch's for a while)
+        self._in_flight = _InFlight(self._generator_states() if generators is None else generators, None)
         with deferred_interrupt(f"step {self.version + 1}", self._abandon):  # Note [Ctrl-C inside a step]
             try:
                 if self.mode == "pipeline":
@@ -419,6 +435,8 @@ class Engine:
                 if self._counters["steps"] == steps and generators is not None:  # a failed step, not a counted one
                     self._set_global_generators(generators)
                 raise
+            finally:
+                self._in_flight = None
 
     def _global_generators(self):
         """Note [A failed step leaves the generators alone]
@@ -430,8 +448,10 @@ class Engine:
         stage's error); a step that counts (one skipped or raised for a non-finite gradient) keeps them, as it
         keeps its BatchNorm statistics (Note [A failed step leaves the buffers alone]). None when no worker draws
         from them."""
-        if self._worker_rngs:
-            return None
+        return None if self._worker_rngs else self._generator_states()
+
+    def _generator_states(self) -> tuple:
+        """torch's CPU generator state and ``[(index, state)]`` of the CUDA devices in use."""
         return torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in self._cuda_indices()]
 
     def _set_global_generators(self, generators) -> None:
@@ -561,8 +581,33 @@ class Engine:
         run = self._async_run
         if run is not None and run.buffers is not None:  # the source replica is computing: its last pushed state
             return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.buffer_names, run.buffers)}
+        flight = self._in_flight
+        if flight is not None and flight.buffers is not None:  # Note [Reading the state during a step]
+            return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.buffer_names, flight.buffers)}
         named = self._replica_buffers(self.buffer_source)
         return {name: named[name].detach().to("cpu", copy=True) for name in self.buffer_names}
+
+    def _rng_states(self) -> tuple:
+        """Note [Reading the state during a step]
+        :meth:`state_dict` and the other readers take the mutex, which a step holds from :meth:`begin_update` on, so
+        they see the weights and counters of a whole number of steps; but a reader on another thread (or a worker's
+        own loss_fn) may also come while the step's workers compute, before that. Then what the workers already
+        changed outside the store must not be read either: the source replica's buffers (its forward moved
+        BatchNorm's statistics) and torch's generators (a lone worker, sync mode, draw from them; a worker's random
+        module swaps its own generator into them for its forward). So a step keeps, until its update begins, the
+        states it took before its work anyway (the generators' and the source buffers' copies that a failed step puts
+        back: Notes [A failed step leaves the generators alone] and [A failed step leaves the buffers alone]), and
+        readers return those (the generators are taken also when the workers have their own generators, which their
+        random modules' forwards swap into torch's for a while); at other times (an async fit's workers) torch's
+        generators are read under the swap's lock. The CPU and CUDA generator states (``{device index: state}``) as
+        of the last complete step."""
+        flight = self._in_flight
+        if flight is not None:
+            cpu, cuda = flight.generators
+            return cpu.clone(), {i: state.clone() for i, state in cuda}
+        inside_swap = getattr(rng_module._ACTIVE, "rng", None) is not None  # a random module's forward, this thread
+        with contextlib.nullcontext() if inside_swap else rng_module._SWAP:
+            return torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in self._cuda_indices()}
 
     def share_buffers(self, targets) -> None:
         """Copies the buffers of the source replica (``buffer_source``) into the replicas ``targets``."""
@@ -609,7 +654,9 @@ class Engine:
     def state_dict(self) -> dict:
         """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics. With
         ``shard_update=True`` a collective that every rank must call (the full Adam state is gathered). Consistent
-        while async workers run (taken under the store's mutex, between two pushes)."""
+        while async workers run (taken under the store's mutex, between two pushes), and while a step's workers compute
+        (Note [Reading the state during a step])."""
+        rng_states = self._rng_states()
         return {
             "format": FORMAT,
             "mode": self.mode,
@@ -619,9 +666,10 @@ class Engine:
             "buffers": self.buffers_state_dict(),
             "optimizer": self.optimizer_state_dict(),
             "optimizer_config": self.optimizer.config(),
-            "rng": torch.get_rng_state(),
-            # the CUDA generators that a lone worker, sync mode or a one-device pipeline draws from, by device index
-            "cuda_rng": {i: torch.cuda.get_rng_state(i) for i in self._cuda_indices()},
+            # torch's generators, and the CUDA ones that a lone worker, sync mode or a one-device pipeline draws from
+            # (by device index): Note [Reading the state during a step]
+            "rng": rng_states[0],
+            "cuda_rng": rng_states[1],
             "seed": self.seed,  # the workers' generators are seeded per step from it (pyengine/rng.py)
             "counters": dict(self._counters),
             "staleness": dict(self._staleness),
@@ -633,7 +681,6 @@ class Engine:
             "frozen": dict(self.frozen),  # Note [A state names the frozen parameters it was trained with]
         }
 
-    @_under_mutex
     def load_state_dict(self, sd: dict) -> None:
         """Restores :meth:`state_dict`. Everything is validated first (format, keys, names, shapes and dtypes of the
         weights, buffers and Adam state, step against version, RNG state, counters); an invalid state raises
@@ -644,7 +691,27 @@ class Engine:
         same state: a hybrid step refuses ranks at different versions, on every rank, with a ``DistributedError``
         (Note [Every rank at the same version] in :mod:`pyengine.distributed`). Refused during an async
         :meth:`fit` (from its callbacks or any thread): its workers compute on the weights they pulled and would push
-        onto the loaded ones; stop the fit (:meth:`stop`) and load once it has returned."""
+        onto the loaded ones; stop the fit (:meth:`stop`) and load once it has returned. Refused as well while a
+        :meth:`step` runs (on another thread, or from inside it: its loss_fn, a hook): its workers compute on the
+        weights they pulled, and its update would count on top of the loaded state; load between steps (a
+        :meth:`fit` callback may)."""
+        # The step lock first, without waiting: a step holds it while its workers compute, and a load from inside
+        # the step (a worker thread) waiting for it would never return. Then the mutex, in the step's order.
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError(self._LOAD_IN_STEP)
+        try:
+            if self._step_depth:  # this very thread is inside step() (an inline worker's loss_fn, a hook)
+                raise RuntimeError(self._LOAD_IN_STEP)
+            with self.mutex:
+                self._load_state_dict(sd)
+        finally:
+            self._step_lock.release()
+
+    _LOAD_IN_STEP = ("load_state_dict while a step is running: its workers compute on the weights they pulled and "
+                     "its update would count on top of the loaded state; load between steps (after step() returns, "
+                     "or from a fit callback)")
+
+    def _load_state_dict(self, sd: dict) -> None:
         self._check_open()
         if self._fitting and self.mode == "async":
             raise RuntimeError("load_state_dict during an async fit: its workers compute on the weights they pulled "
@@ -708,8 +775,8 @@ class Engine:
             raise ValueError(f"the state's rng is not a generator state: {exc}") from None
         cuda_rng = self._checked_cuda_rng(sd.get("cuda_rng", {}))  # absent in states written before it was saved
         seed = sd.get("seed", self.seed)  # absent in states written before workers had their own generators
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"the state's seed must be an int; got {seed!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not -2 ** 63 <= seed < 2 ** 64:
+            raise ValueError(f"the state's seed must be an int in [-2**63, 2**64); got {seed!r}")
         counters, staleness = self._own_counters(sd)
         try:
             if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
@@ -949,6 +1016,8 @@ class Engine:
         the host's per-bucket work simply finds every bucket ready.
         """
         self._buffers_before = self._snapshot_source_buffers(tasks)
+        if self._in_flight is not None and self._buffers_before is not None:  # Note [Reading the state during a step]
+            self._in_flight = self._in_flight._replace(buffers=self._buffers_before[1])
         if not self.inline_worker:
             return {i: self._pool.submit(_on_stream, self._caller_stream(i), fn) for i, fn in tasks.items()}
         futures = {}
@@ -1078,7 +1147,7 @@ class Engine:
                                          "keep the last complete update")
             self._counters["skipped_steps"] += 1
             return False
-        self.lr_at(self.version + 1 if step is None else step)  # a bad value raises before any count or write
+        self.check_update(self.version + 1 if step is None else step)  # a bad value raises before any count or write
         self.version += 1
         self._counters["applied_updates"] += 1
         if self.scaler is not None and not decided:
@@ -1152,7 +1221,7 @@ class Engine:
             self._counters["refreshes"] += 1
             return None
         divisor = 1.0 + staleness if self.staleness_lr == "inverse" else 1.0
-        self.lr_at(self.version + 1 if step is None else step)  # a bad schedule value raises before the count
+        self.check_update(self.version + 1 if step is None else step)  # a bad value raises before the count
         self._counters["pushes"] += 1
         self._staleness[staleness] += 1  # before the update, which may raise: the histogram counts every push
         if span is None:
@@ -1162,6 +1231,14 @@ class Engine:
             if applied:
                 self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step, loss_scale=loss_scale)
         return applied, staleness
+
+    def check_update(self, step: int) -> None:
+        """Raises ValueError when update ``step`` would be refused by the fused kernel: its learning rate
+        (:meth:`lr_at`), ``eps``, ``weight_decay`` or a float32 scalar derived from them (lr / (1 - beta1^step),
+        1 - lr * weight_decay) beyond float32's range. Asked before an update is counted, so a refused update never
+        advances the step (the optimizer's fields may be changed between steps)."""
+        opt = self.optimizer
+        _C._check_update_hyper(self.lr_at(step), opt.betas[0], opt.eps, opt.weight_decay, max(1, step))
 
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based: the optimizer's step count after it): ``optimizer.lr``

@@ -68,6 +68,15 @@ def _step(step) -> int:
     return step
 
 
+def _flags(adamw, maximize, amsgrad) -> dict:
+    """The update's switches, each True or False: a string such as "False" would otherwise count as True."""
+    flags = dict(adamw=adamw, maximize=maximize, amsgrad=amsgrad)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False; got {value!r}")
+    return flags
+
+
 def _hyper(lr, beta1, beta2, eps, weight_decay) -> dict:
     return dict(lr=_number(lr, "lr"), beta1=_number(beta1, "beta1"), beta2=_number(beta2, "beta2"),
                 eps=_number(eps, "eps"), weight_decay=_number(weight_decay, "weight_decay"))
@@ -159,8 +168,8 @@ def _update_flat(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm, lr, beta1=
     clip = _clip_norm(max_grad_norm)
     norm = mean_grad_norm(grads, weights).norm if clip > 0 and grads else None
     torch.ops.pyengine.mean_grad_adamw_.default(
-        param, exp_avg, exp_avg_sq, grads, **hyper, step=step, adamw=bool(adamw), maximize=bool(maximize),
-        amsgrad=bool(amsgrad), max_exp_avg_sq=max_exp_avg_sq, grad_scale=grad_scale, found_inf=found_inf,
+        param, exp_avg, exp_avg_sq, grads, **hyper, step=step, **_flags(adamw, maximize, amsgrad),
+        max_exp_avg_sq=max_exp_avg_sq, grad_scale=grad_scale, found_inf=found_inf,
         weights=_weights(weights), param_out=param_out, grad_norm=norm, max_grad_norm=clip)
     return norm
 
@@ -181,7 +190,7 @@ def mean_grad_adamw_multi_(params, exp_avgs, exp_avg_sqs, grads, *, lr, beta1=0.
     norm = mean_grad_norm_multi(grads, weights).norm if clip > 0 and flat else None
     torch.ops.pyengine.mean_grad_adamw_multi_.default(
         params, _tensor_list(exp_avgs, "exp_avgs"), _tensor_list(exp_avg_sqs, "exp_avg_sqs"), flat, **hyper,
-        step=step, adamw=bool(adamw), maximize=bool(maximize), amsgrad=bool(amsgrad),
+        step=step, **_flags(adamw, maximize, amsgrad),
         max_exp_avg_sqs=[] if max_exp_avg_sqs is None else list(max_exp_avg_sqs), grad_scale=grad_scale,
         found_inf=found_inf, weights=_weights(weights), param_outs=[] if param_outs is None else list(param_outs),
         grad_norm=norm, max_grad_norm=clip)

@@ -63,13 +63,14 @@ class AdamW:
         for name in ("amsgrad", "maximize", "adamw"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AdamW: {name} must be True or False; got {getattr(self, name)!r}")
+        f32 = float(torch.finfo(torch.float32).max)  # the update computes in float32
         checks = [
-            (math.isfinite(self.lr) and self.lr >= 0, f"lr must be a finite number >= 0; got {self.lr}"),
+            (0 <= self.lr <= f32, f"lr must be a number in [0, {f32:.4g}] (float32's range); got {self.lr}"),
             (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
              f"betas must be two numbers in [0, 1); got {self.betas}"),
-            (math.isfinite(self.eps) and self.eps >= 0, f"eps must be a finite number >= 0; got {self.eps}"),
-            (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-             f"weight_decay must be a finite number >= 0; got {self.weight_decay}"),
+            (0 <= self.eps <= f32, f"eps must be a number in [0, {f32:.4g}] (float32's range); got {self.eps}"),
+            (0 <= self.weight_decay <= f32,
+             f"weight_decay must be a number in [0, {f32:.4g}] (float32's range); got {self.weight_decay}"),
             (self.max_grad_norm is None or self.max_grad_norm > 0,
              f"max_grad_norm must be > 0 or None; got {self.max_grad_norm}"),
         ]

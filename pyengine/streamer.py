@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import _C
+from . import _C, ops
 from .store import HostStore, LayoutEntry
 
 __all__ = ["Bucket", "GradientStreamer", "pipelined_update"]
@@ -117,6 +117,7 @@ class GradientStreamer:
         self._sent = [False] * len(self._params)  # copied early in the current sync pass
         self._transfer = _C.BucketTransfer(len(self.buckets), str(self.device), f"w{worker}")
         self._lock = threading.Lock()
+        self._resets = 0  # reset() calls so far: pipelined_update's sign that a step it waits on failed
         self._accumulate = 1
         self._no_sync = False
         self._backward_count = 0
@@ -383,6 +384,8 @@ class GradientStreamer:
           fresh step, and no :meth:`wait` returns on the failed one's buckets.
         - given the ``loss`` that backward starts from, parameters it does not reach are known before backward, not
           at its end, once a step has had unused parameters (Note [Unused parameters and overlap]).
+        - later work may change ``.grad`` in place: the pass ends ordered after its copies, which read ``.grad``
+          (Note [The pass's copies read .grad]; CPU: the host waits for them here).
         """
         unreached = self._unreached_by(loss)
         with self._lock:
@@ -403,6 +406,14 @@ class GradientStreamer:
             except BaseException:  # unused="error" for a pass that reached no parameter: as a failed backward
                 self.reset()
                 raise
+        # Note [The pass's copies read .grad]
+        # The copies read each param.grad itself (no copy of it is taken), and backward returns while they run: a
+        # caller that then changed .grad in place (clip_grad_norm_, a GradScaler's unscale_, zero_grad with
+        # set_to_none=False, the next accumulation's +=) would have the slot take a torn mix of the two values. So
+        # the pass ends ordered after its copies: on CUDA the current (compute) stream waits on their events (no
+        # host block), on CPU the host waits for them. A backward run outside backward_pass has no such end: there,
+        # .grad must not change in place before wait_all().
+        self._transfer.order_current_stream(_GRADS)
 
     def accumulate(self, n: int) -> "GradientStreamer":
         """Copy gradients after every ``n``-th backward pass (gradient accumulation; ``param.grad`` accumulates as
@@ -460,8 +471,25 @@ class GradientStreamer:
         if bad:  # checked before any copy starts
             raise ValueError(f"GradientStreamer.copy_back: buckets must be indices in [0, {len(self.buckets)}); "
                              f"got {bad}")
+        destinations = self._destinations(buckets)  # every bucket checked before the first is released or copied
         for k in buckets:
-            self._copy_back_bucket(k, source)
+            self._copy_back_bucket(k, source, destinations[k])
+
+    def _destinations(self, buckets) -> dict:
+        """Flat views of the replica's parameters of each bucket, the copy back's destinations. A parameter whose
+        layout changed since the streamer was built (``model.to(memory_format=torch.channels_last)``) has no flat
+        view: a clear error before any bucket's copy starts, not a half-copied replica."""
+        out = {}
+        for k in buckets:
+            for i in self._bucket_params[k]:
+                p, entry = self._params[i], self.store.layout[i]
+                if not p.is_contiguous() or p.numel() != entry.numel:
+                    raise ValueError(f"GradientStreamer.copy_back: the replica's parameter {entry.name!r} is no longer "
+                                     f"a contiguous tensor of {entry.numel} elements (shape {tuple(p.shape)}, strides "
+                                     f"{p.stride()}): was the model moved to another memory format or resized after "
+                                     "the streamer was built? The weights are copied into flat views")
+            out[k] = [self._params[i].detach().view(-1) for i in self._bucket_params[k]]
+        return out
 
     def _source(self, source):
         if source is None:
@@ -476,11 +504,10 @@ class GradientStreamer:
                              f"{'' if source.is_contiguous() else ', not contiguous'}")
         return source
 
-    def _copy_back_bucket(self, k: int, source: torch.Tensor) -> None:
+    def _copy_back_bucket(self, k: int, source: torch.Tensor, dsts: list[torch.Tensor]) -> None:
         members = self._bucket_params[k]
         layout = self.store.layout
         srcs = [source[layout[i].offset:layout[i].offset + layout[i].numel] for i in members]
-        dsts = [self._params[i].detach().view(-1) for i in members]
         self._transfer.release(_GRADS, k)
         self._transfer.launch(_WEIGHTS, k, srcs, dsts)
         # as an in-place copy_ would (CUDA's copy does; the CPU copy thread writes bytes): a graph that saved one of
@@ -500,6 +527,7 @@ class GradientStreamer:
         """Forget a step that did not complete (its worker, or another one, failed): wait for the copies in flight,
         drop the gradient buckets launched but not consumed and the accumulation window, so the next backward starts
         a fresh step and no wait returns on the failed step's data. Errors of those copies are dropped with them."""
+        self._resets += 1  # first: a pipelined_update waiting on this step sees it before any next-step delivery
         with self._lock:
             self._in_backward = False
             self._end_deferred = False
@@ -565,51 +593,77 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     hook fires when the tracked uses are done, and the detached use's input-gradient kernel may read the weight
     later, half copied). For such a model pass ``copy_back=False`` and copy back after backward, as the engine does.
 
+    A worker whose backward fails (its streamer is :meth:`~GradientStreamer.reset`, as ``backward_pass`` does)
+    while this waits for its buckets makes this raise ``RuntimeError`` instead of waiting for good, or for the next
+    step's gradients: the error names the buckets already updated (and copied back), which stay so: an update
+    applied bucket by bucket cannot be taken back (the engine defers its updates until every worker succeeded).
+
     Returns the norm of the mean gradient when clipping, else None.
     """
     streamers = list(streamers)
     _check_streamers(streamers, store)
+    resets = [s._resets for s in streamers]  # a reset from now on: a failed step (_wait_delivered)
     if store.state_ranges is not None:  # its Adam state is packed: bucket offsets do not index it
         raise ValueError("pipelined_update: the store holds the Adam state of some ranges only (state_ranges, a "
                          "sharded update's store); pipelined_update updates whole stores")
-    if amsgrad and store.max_exp_avg_sq is None:
-        raise ValueError("pipelined_update: amsgrad=True needs a store built with amsgrad=True")
     slots = [store.grad_slot(s.worker) for s in streamers]
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"pipelined_update: betas must be two numbers (beta1, beta2); got {betas!r}")
-    beta1, beta2 = betas
-    weights = None if weights is None else [float(w) for w in weights]
-    norm, clip = None, 0.0
-    if max_grad_norm is not None:
-        clip = float(max_grad_norm)
-        if not clip > 0:
-            raise ValueError(f"pipelined_update: max_grad_norm must be > 0 or None; got {max_grad_norm}")
-        for s in streamers:
-            s.wait_all()
+    # The ops' own checks, every one before the first wait: a bad value is refused with no bucket updated.
+    try:
+        hyper, step = ops._hyper(lr, betas[0], betas[1], eps, weight_decay), ops._step(step)
+        flags, weights = ops._flags(adamw, maximize, amsgrad), ops._weights(weights)
+        clip = ops._clip_norm(max_grad_norm)
+        _C._check_update_hyper(hyper["lr"], hyper["beta1"], hyper["eps"], hyper["weight_decay"], step)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"pipelined_update: {error}") from None
+    if amsgrad and store.max_exp_avg_sq is None:
+        raise ValueError("pipelined_update: amsgrad=True needs a store built with amsgrad=True")
+    if copy_back:  # the replicas' flat views, every one checked before the first wait
+        destinations = {s.worker: s._destinations(range(len(s.buckets))) for s in streamers}
+    norm = None
+    if clip:
+        for k in range(len(streamers[0].buckets)):
+            _wait_delivered(streamers, resets, k, 0)
         norm = torch.ops.pyengine.mean_grad_norm.default(slots, weights)[0]
     for bucket in streamers[0].buckets:
         k, b, e = bucket.index, bucket.begin, bucket.end
-        for s in streamers:
-            s.wait(k)
+        _wait_delivered(streamers, resets, k, k)
         for s in streamers:
             s.wait_weights(k)  # the copy back of the previous step still reads bucket k (the Note in transfer.h)
         _C._nvtx_push(f"pyengine/update b{k}")
         try:
             torch.ops.pyengine.mean_grad_adamw_.default(
                 store.param[b:e], store.exp_avg[b:e], store.exp_avg_sq[b:e], [slot[b:e] for slot in slots],
-                lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                weight_decay=float(weight_decay), step=int(step), adamw=bool(adamw), maximize=bool(maximize),
-                amsgrad=bool(amsgrad), max_exp_avg_sq=store.max_exp_avg_sq[b:e] if amsgrad else None,
+                **hyper, step=step, **flags, max_exp_avg_sq=store.max_exp_avg_sq[b:e] if amsgrad else None,
                 grad_scale=grad_scale, found_inf=found_inf, weights=weights,
                 param_out=None if store.shadow is None else store.shadow[b:e], grad_norm=norm, max_grad_norm=clip)
         finally:
             _C._nvtx_pop()
         for s in streamers:
             if copy_back:
-                s._copy_back_bucket(k, s._source(None))
+                s._copy_back_bucket(k, s._source(None), destinations[s.worker][k])
             else:
                 s._transfer.release(_GRADS, k)
     return norm
+
+
+_POLL_S = 0.05  # how often pipelined_update's wait for a bucket looks whether a worker's step failed
+
+
+def _wait_delivered(streamers: list[GradientStreamer], resets: list[int], k: int, updated: int) -> None:
+    """Waits until every streamer delivered bucket ``k``; raises once one of them was reset since ``resets`` was
+    taken (its step failed: the bucket may never come, or come from the next step). ``updated``: buckets already
+    updated, for the error."""
+    for s, before in zip(streamers, resets):
+        delivered = False
+        while not delivered and s._resets == before:
+            delivered = s.wait(k, timeout=_POLL_S)
+        if s._resets != before:  # checked after a delivery too: the reset may have come first
+            raise RuntimeError(
+                f"pipelined_update: worker {s.worker}'s step failed (its streamer was reset) before bucket {k} was "
+                f"delivered; " + (f"buckets 0..{updated - 1} were updated and copied back already and stay so"
+                                  if updated else "no bucket was updated"))
 
 
 def _check_streamers(streamers: list[GradientStreamer], store: HostStore) -> None:

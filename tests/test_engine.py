@@ -57,6 +57,18 @@ def assert_matches(engine, reference, rtol=1e-5):
         torch.testing.assert_close(master[name].double(), p.detach(), rtol=rtol, atol=rtol * scale, msg=name)
 
 
+def assert_state_is(engine, before: dict, stats: dict, version: int) -> None:
+    """The engine's weights, Adam state (its step too), version and counters are those of ``before`` (a
+    state_dict) and ``stats``: nothing of a refused or failed step counted or was written."""
+    after = engine.state_dict()
+    assert engine.version == version and engine.stats() == stats
+    for name, value in before["master"].items():
+        assert torch.equal(after["master"][name], value), name
+    for index, entry in before["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+
+
 # 1e-6 MiB (one byte): every parameter of make_model() gets its own bucket, so the per-bucket norm and update paths
 # of the hybrid schedule run over four buckets (the default 25 MiB puts the whole model in one).
 TINY_BUCKETS = dict(bucket_mb=1e-6, first_bucket_mb=1e-6)
@@ -408,13 +420,7 @@ def test_lr_schedule_bad_value_raises_before_anything_changes(rng, bad, mode):
             step(batches[1])
         if mode == "async":
             assert isinstance(raised.value.__cause__, ValueError)
-        after = engine.state_dict()
-        assert engine.version == 1 and engine.stats() == stats
-        for name, value in before["master"].items():
-            assert torch.equal(after["master"][name], value), name
-        for index, entry in before["optimizer"]["state"].items():
-            for key, value in entry.items():
-                assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
+        assert_state_is(engine, before, stats, version=1)
         engine.lr_schedule = lambda step: 1.0
         assert step(batches[2])["applied"] and engine.version == 2
 
@@ -1139,9 +1145,52 @@ def test_bad_optimizer_and_seed_types():
                             (dict(amsgrad=1), "amsgrad must be True or False")):
         with pytest.raises((TypeError, ValueError), match=message):
             AdamW(**kwargs)
+    for name in ("lr", "eps", "weight_decay"):  # the update computes in float32: refused when made, not at a step
+        with pytest.raises(ValueError, match=rf"{name} must be a number in \[0, 3.403e\+38\] \(float32's range\)"):
+            AdamW(**{name: 1e39})
+        AdamW(**{name: 3e38})
     assert AdamW(lr=1, betas=[0.8, 0.9]).betas == (0.8, 0.9)
     with pytest.raises(TypeError, match="seed must be an int"):
         Engine(make_model(), loss_fn, devices=["cpu"], seed="a")
+    for seed in (2 ** 64, -2 ** 63 - 1):  # torch.manual_seed's range, said as the seed's
+        with pytest.raises(ValueError, match=r"seed must be an int in \[-2\*\*63, 2\*\*64\)"):
+            Engine(make_model(), loss_fn, devices=["cpu"], seed=seed)
+    Engine(make_model(), loss_fn, devices=["cpu"], seed=2 ** 64 - 1).close()
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
+@pytest.mark.parametrize("changes,what", [(dict(lr=1e38), r"lr / \(1 - beta1\^step\)"),
+                                          (dict(lr=10.0, weight_decay=3e38), r"1 - lr \* weight_decay"),
+                                          (dict(eps=1e39), "eps")], ids=["lr", "decay", "eps"])
+def test_an_update_the_kernel_refuses_is_not_counted(rng, mode, changes, what):
+    """Hyperparameters changed between steps so that a float32 scalar of the update leaves float32's range (lr
+    1e38: lr / (1 - beta1) is 1e39): the step is a ValueError naming it (async: the cause of the WorkerError), and
+    nothing counts: the version, the counters, the weights and the Adam state (its step too) are the last update's,
+    and with the value put back the next update is Adam's step 2, as in a run that never saw it."""
+    batches = make_batches(rng, 3, 12)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), **TINY_BUCKETS) \
+            as engine, Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT),
+                              **TINY_BUCKETS) as clean:
+        def step(e, b):
+            return e.fit([b])[0] if mode == "async" else e.step(b)
+
+        step(engine, batches[0])
+        step(clean, batches[0])
+        before, stats = engine.state_dict(), engine.stats()
+        good = {field: getattr(engine.optimizer, field) for field in changes}
+        for field, value in changes.items():
+            setattr(engine.optimizer, field, value)
+        expected = (WorkerError, f"ValueError: {what}") if mode == "async" else (ValueError, what)
+        with pytest.raises(expected[0], match=expected[1]):
+            step(engine, batches[1])
+        assert_state_is(engine, before, stats, version=1)
+        for field, value in good.items():
+            setattr(engine.optimizer, field, value)
+        step(engine, batches[1])
+        step(clean, batches[1])
+        assert engine.version == clean.version == 2
+        for (name, a), b in zip(engine.state_dict()["master"].items(), clean.state_dict()["master"].values()):
+            assert torch.equal(a, b), name
 
 
 def test_no_trainable_parameters_is_an_error():
@@ -2220,3 +2269,122 @@ def test_a_fork_while_another_thread_steps_gives_the_child_a_readable_state(mode
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert run.stdout.splitlines() == ["parent: child exit 0"] * 3, (run.returncode, run.stdout, run.stderr[-2000:])
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def step_with_a_call_inside(engine, batch, devices, inside, go, call) -> None:
+    """One step on ``batch``; with several workers on another thread, ``call()`` made from here once a worker has
+    set ``inside`` (and waits for ``go``). With one CPU worker the step's own code makes the call."""
+    if devices == 1:
+        engine.step(batch)
+        return
+    stepping = threading.Thread(target=engine.step, args=(batch,))
+    stepping.start()
+    assert inside.wait(30)
+    call()
+    go.set()
+    stepping.join(30)
+    assert not stepping.is_alive()
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+@pytest.mark.parametrize("devices", [2, 1], ids=["threads", "inline"])
+def test_load_state_dict_is_refused_while_a_step_runs(rng, mode, devices):
+    """A load while a step's workers compute (from another thread, or from the step's own loss_fn, which runs on
+    the calling thread with one CPU worker) would have the step apply a gradient of the old weights onto the loaded
+    ones: it is a RuntimeError that says to load between steps, and the step ends as if no load had been tried.
+    Between steps (a fit callback) the load works."""
+    batches = make_batches(rng, 3, 12)
+    inside, go, errors = threading.Event(), threading.Event(), []
+    hold = {"on": False}
+
+    def holding_loss(model, batch):
+        if hold["on"]:
+            if devices == 1:
+                try:
+                    engine.load_state_dict(saved)
+                except RuntimeError as e:
+                    errors.append(e)
+            else:
+                inside.set()
+                go.wait(30)
+        return loss_fn(model, batch)
+
+    with Engine(make_model(), holding_loss, devices=["cpu"] * devices, mode=mode, optimizer=AdamW(**OPT)) as engine, \
+            Engine(make_model(), loss_fn, devices=["cpu"] * devices, mode=mode, optimizer=AdamW(**OPT)) as clean:
+        for e in (engine, clean):
+            e.step(batches[0])
+        saved = engine.state_dict()
+        hold["on"] = True
+
+        def load():
+            try:
+                engine.load_state_dict(saved)
+            except RuntimeError as e:
+                errors.append(e)
+
+        step_with_a_call_inside(engine, batches[1], devices, inside, go, load)
+        assert errors and all("load_state_dict while a step is running" in str(e) for e in errors), errors
+        hold["on"] = False
+        clean.step(batches[1])
+        assert engine.version == clean.version == 2
+        for (name, a), b in zip(engine.master_state_dict().items(), clean.master_state_dict().values()):
+            assert torch.equal(a, b), name
+        engine.fit([batches[2]], callbacks=[lambda e, metrics: e.load_state_dict(saved)])  # between steps: loads
+        assert engine.version == 1
+        for name, value in saved["master"].items():
+            assert torch.equal(engine.master_state_dict()[name], value), name
+
+
+class _Noise(torch.nn.Module):
+    """Adds noise drawn from torch's generator (a random module: with G > 1 its forward swaps the worker's own
+    generator into torch's). ``pause``, when set, is called inside that forward."""
+
+    pause = None
+
+    def forward(self, x):
+        if _Noise.pause is not None:
+            _Noise.pause()
+        return x + 0.01 * torch.randn_like(x)
+
+
+@pytest.mark.parametrize("devices", [2, 1], ids=["threads", "inline"])
+def test_a_state_read_while_a_step_computes_is_the_last_steps(rng, devices):
+    """state_dict() while a step's workers compute (from another thread while a worker waits inside its random
+    module's forward, after BatchNorm; with one CPU worker, from that forward itself) is the state of the last
+    complete step: its weights and counters (the mutex), and also the source replica's BatchNorm statistics, which
+    the step's forward already moved, and torch's generator, which a lone worker's draws advance and a worker's
+    random module has swapped its own generator into. Both used to come from the running step. After the step,
+    the state is the step's."""
+    batches = make_batches(rng, 2, 12)
+    inside, go, mid = threading.Event(), threading.Event(), {}
+
+    def pause():
+        if devices == 1:
+            torch.randn(3)  # the lone worker's draws move torch's generator
+            mid["state"] = engine.state_dict()
+        elif not inside.is_set():
+            inside.set()
+            go.wait(30)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 24), torch.nn.BatchNorm1d(24), _Noise(), torch.nn.Linear(24, 3))
+    with Engine(model, loss_fn, devices=["cpu"] * devices, optimizer=AdamW(**OPT), random_modules=(_Noise,)) \
+            as engine:
+        engine.step(batches[0])
+        before = engine.state_dict()
+        _Noise.pause = pause
+        try:
+            step_with_a_call_inside(engine, batches[1], devices, inside, go,
+                                    lambda: mid.update(state=engine.state_dict()))
+        finally:
+            _Noise.pause = None
+        after = engine.state_dict()
+    state = mid["state"]
+    assert state["version"] == 1 and after["version"] == 2
+    for key in ("master", "buffers"):
+        for name, value in before[key].items():
+            assert torch.equal(state[key][name], value), (key, name)
+    assert torch.equal(state["rng"], before["rng"])
+    assert not torch.equal(after["buffers"]["1.running_mean"], before["buffers"]["1.running_mean"])
+    if devices == 1:  # the lone worker draws from torch's generator: the step moved it
+        assert not torch.equal(after["rng"], before["rng"])

@@ -408,6 +408,8 @@ BAD_CALLS = {
     "grad overlaps output": (_set("grads", lambda a: [a["grads"][0], a["exp_avg_sq"]]), r"overlaps exp_avg_sq"),
     "param_out overlaps": (_set("param_out", lambda a: a["exp_avg"]), r"overlap"),
     "amsgrad without buffer": (_set("amsgrad", True), r"amsgrad=True needs max_exp_avg_sq"),
+    "a string switch": (_set("maximize", "False"), r"maximize must be True or False; got 'False'"),
+    "an int switch": (_set("adamw", 0), r"adamw must be True or False; got 0"),
     "negative lr": (_set("lr", -1e-3), r"lr must be a finite number >= 0"),
     "nan lr": (_set("lr", float("nan")), r"lr must be"),
     "negative eps": (_set("eps", -1.0), r"eps must be"),
@@ -721,7 +723,7 @@ def test_cpu_prefetching_loops_give_the_plain_bits(rng, workers, grads):
                 ops._C._set_cpu_prefetch(previous)
             results.append([state.p, state.m, state.v, out, torch.stack(norms)] + ([state.vmax] if amsgrad else []))
         for name, a, b in zip(["param", "exp_avg", "exp_avg_sq", "param_out", "norm", "max_exp_avg_sq"], *results):
-            assert torch.equal(a, b), f"G={workers} {grads} adamw={adamw} clip={clip}: prefetching loops' {name} differs"
+            assert torch.equal(a, b), f"G={workers} {grads} adamw={adamw} clip={clip}: prefetching {name} differs"
 
 
 PREFETCH_SCRIPT = textwrap.dedent("""

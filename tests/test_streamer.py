@@ -5,6 +5,7 @@ store after all gradients arrived, replicas against the store after the copy bac
 import copy
 import gc
 import json
+import re
 import threading
 import time
 import weakref
@@ -877,6 +878,19 @@ def test_pipelined_update_argument_errors():
         pyengine.pipelined_update([a], store, 1, lr=1e-3, amsgrad=True)
     with pytest.raises(ValueError, match=r"betas must be two numbers"):
         pyengine.pipelined_update([a], store, 1, lr=1e-3, betas=(0.9, 0.99, 0.1))
+    # The ops' checks, before any wait (nothing was delivered here: a wait would block): a step that is not an int,
+    # a switch that is not a bool ("False" would have counted as True), a weight or bound that is no number, an lr
+    # whose float32 step size overflows.
+    for kwargs, error, message in ((dict(step=2.7), TypeError, "step must be an int"),
+                                   (dict(step=True), TypeError, "step must be an int"),
+                                   (dict(step=0), ValueError, "step must be >= 1"),
+                                   (dict(maximize="False"), TypeError, "maximize must be True or False"),
+                                   (dict(adamw=1), TypeError, "adamw must be True or False"),
+                                   (dict(weights=["a"]), TypeError, r"weights\[0\] must be a number"),
+                                   (dict(max_grad_norm=-1.0), ValueError, "max_grad_norm must be > 0"),
+                                   (dict(lr=1e38), ValueError, r"lr / \(1 - beta1\^step\) = .* float32's range")):
+        with pytest.raises(error, match=f"pipelined_update: {message}"):
+            pyengine.pipelined_update([a], store, **{"step": 1, "lr": 1e-3, **kwargs})
     for buckets in ([0, len(a.buckets)], [-1], [0.5]):  # checked before any copy starts: nothing launched
         with pytest.raises(ValueError, match=r"copy_back: buckets must be indices in \[0, 1\)"):
             a.copy_back(buckets=buckets)
@@ -1029,3 +1043,119 @@ def test_thousand_steps_without_memory_growth(device):
         assert torch.nn.functional.mse_loss(model(x), y).item() < first_loss / 10  # the replica got the updates
         for name, view in store.views(store.shadow).items():
             assert torch.equal(dict(model.named_parameters())[name].detach().cpu(), view.float()), name
+
+
+def test_copy_back_refuses_a_replica_whose_layout_changed_before_copying_anything():
+    """A replica moved to channels_last after its streamer was built has no flat view of its conv weight: copy_back
+    (and pipelined_update) say which parameter and why, before any bucket is released or copied (it used to copy
+    the buckets before that weight's and then fail on a view error), and work again once the layout is back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3 * 8 * 8), torch.nn.Unflatten(1, (3, 8, 8)),
+                                torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(144, 2))
+    store = pyengine.HostStore(model, workers=1, pin=False)
+    streamer = pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY)
+    assert len(streamer.buckets) > 2
+    with streamer.backward_pass():
+        model(torch.randn(2, 8)).sum().backward()
+    streamer.wait_all()
+    model.to(memory_format=torch.channels_last)
+    assert not model[2].weight.is_contiguous()
+    store.param.add_(1.0)  # new weights: a copied bucket would show in the replica
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for call in (streamer.copy_back, lambda: pyengine.pipelined_update([streamer], store, 1, lr=1e-3)):
+        with pytest.raises(ValueError, match=r"the replica's parameter '2\.weight' is no longer a contiguous"):
+            call()
+        for k in range(len(streamer.buckets)):
+            assert not streamer._transfer.wait(1, k, True, 0.0), f"bucket {k}'s weights were launched"
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), before[name]), name
+    model.to(memory_format=torch.contiguous_format)
+    streamer.copy_back()
+    streamer.wait_weights()
+    views = store.views(store.param)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), views[name]), name
+
+
+@pytest.mark.parametrize("eager_mb", [None, 0.0])
+def test_grad_changed_in_place_after_the_pass_does_not_reach_the_slot(eager_mb):
+    """The copies read param.grad itself: a caller that scales .grad in place right after backward_pass (as
+    clip_grad_norm_ or a GradScaler's unscale_ do) before waiting for the slot used to leave the slot a torn mix of
+    the two values (rows of both, seen on 8M elements). The pass now ends after its copies: the slot holds the
+    gradient backward produced, bit for bit, in every trial."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 4096, bias=False)  # 32 MB of gradient: a copy long enough to race with
+    store = pyengine.HostStore(model, workers=1, pin=False)
+    streamer = pyengine.GradientStreamer(model, store, eager_mb=eager_mb)
+    x = torch.randn(8, 2048)
+    twin = copy.deepcopy(model)
+    twin(x).sum().backward()
+    produced = twin.weight.grad  # what backward produces (the same kernels on the same input)
+    for trial in range(3):
+        model.zero_grad(set_to_none=True)
+        with streamer.backward_pass():
+            model(x).sum().backward()
+        model.weight.grad.mul_(0.5)
+        streamer.wait_all()
+        slot = store.views(store.grad_slot(0))["weight"]
+        assert torch.equal(slot, produced), \
+            f"trial {trial}: {(slot == produced * 0.5).all(1).float().mean():.3f} of the rows took the change"
+        streamer.copy_back()
+        streamer.wait_weights()
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.2)  # the buckets of the layer after it are delivered (and updated) first
+        raise ValueError("backward failed on purpose")
+
+
+def test_pipelined_update_raises_when_a_workers_step_fails():
+    """A worker whose backward fails half way resets its streamer: a pipelined_update waiting on that step's later
+    buckets used to wait for good, then woke on the retried step's gradients and updated those buckets with them
+    (one update from two steps' gradients), and the retry's own update waited for good. Now it raises, naming the
+    buckets already updated, and the retried step's update runs on the retry's gradients alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    store = pyengine.HostStore(model, workers=1, pin=False)
+    streamer = pyengine.GradientStreamer(model, store, bucket_mb=1e-4, first_bucket_mb=1e-5)
+    assert len(streamer.buckets) >= 3
+    outcome = {}
+
+    def host(step):
+        try:
+            pyengine.pipelined_update([streamer], store, step=step, lr=1e-2)
+            outcome[step] = "done"
+        except RuntimeError as e:
+            outcome[step] = e
+
+    def backward(fail):
+        model.zero_grad(set_to_none=True)
+        with streamer.backward_pass():
+            h = model[0](x)
+            model[1](_FailsInBackward.apply(h) if fail else h).sum().backward()
+
+    x = torch.randn(4, 8)
+    updater = threading.Thread(target=host, args=(1,), daemon=True)
+    updater.start()
+    with pytest.raises(ValueError, match="on purpose"):
+        backward(fail=True)
+    updater.join(10)
+    assert not updater.is_alive(), "pipelined_update still waits on the failed step"
+    assert isinstance(outcome[1], RuntimeError), outcome
+    assert re.search(r"worker 0's step failed .* buckets 0\.\.\d+ were updated", str(outcome[1])), outcome[1]
+    left = [t.clone() for t in (store.param, store.exp_avg, store.exp_avg_sq)]  # what the failed step left
+    updater = threading.Thread(target=host, args=(2,), daemon=True)
+    updater.start()
+    backward(fail=False)  # the retry
+    updater.join(10)
+    assert not updater.is_alive() and outcome[2] == "done", outcome
+    # the retry's update, every bucket: from the state the failure left, on the retry's gradients alone
+    pyengine.ops.mean_grad_adamw_(*left, [store.grad_slot(0).clone()], lr=1e-2, step=2)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), left, (store.param, store.exp_avg, store.exp_avg_sq)):
+        assert torch.equal(a, b), name
