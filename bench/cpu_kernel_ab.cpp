@@ -10,7 +10,7 @@
 // Before timing, every version updates the same initial state once and must give the same bits as the first version
 // (param, exp_avg, exp_avg_sq): a faster loop that changes the result is not a candidate.
 //
-//   cpu_kernel_ab N G DTYPE ROUNDS CHUNK [huge]   DTYPE: fp32 | bf16; CHUNK: elements per update() call (as kChunk);
+//   cpu_kernel_ab N G DTYPE ROUNDS CHUNK [huge]   DTYPE: fp32 | bf16 | fp16; CHUNK: elements per update() call (as kChunk);
 //                                                huge: every version also runs on a second set of buffers
 //                                                      madvise(MADV_HUGEPAGE)d (transparent huge pages), label /2M
 #include <algorithm>
@@ -78,6 +78,13 @@ struct PageAllocator {
 template <class T>
 using Buffer = std::vector<T, PageAllocator<T>>;
 
+uint16_t to_fp16(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  return bits;
+}
+
 uint16_t to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
@@ -113,7 +120,7 @@ struct Case {
         grads32.push_back(std::move(g));
       } else {
         Buffer<uint16_t> h(n);
-        for (int64_t j = 0; j < n; ++j) h[j] = to_bf16(g[j]);
+        for (int64_t j = 0; j < n; ++j) h[j] = dtype == Dtype::kBFloat16 ? to_bf16(g[j]) : to_fp16(g[j]);
         grads16.push_back(std::move(h));
       }
     }
@@ -192,7 +199,7 @@ bool check_identical(Case& c, const std::vector<Variant>& vs, int64_t chunk) {
 
 int main(int argc, char** argv) {
   if (argc != 6 && !(argc == 7 && std::string(argv[6]) == "huge")) {
-    std::fprintf(stderr, "usage: %s N G fp32|bf16 ROUNDS CHUNK [huge]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s N G fp32|bf16|fp16 ROUNDS CHUNK [huge]\n", argv[0]);
     return 2;
   }
   const int64_t n = std::atoll(argv[1]);
@@ -200,13 +207,13 @@ int main(int argc, char** argv) {
   const std::string dt = argv[3];
   const int rounds = std::atoi(argv[4]);
   const int64_t chunk = std::atoll(argv[5]);
-  if (n <= 0 || G <= 0 || rounds <= 0 || chunk <= 0 || (dt != "fp32" && dt != "bf16")) {
-    std::fprintf(stderr, "bad arguments: N, G, ROUNDS, CHUNK must be > 0 and DTYPE fp32 or bf16\n");
+  if (n <= 0 || G <= 0 || rounds <= 0 || chunk <= 0 || (dt != "fp32" && dt != "bf16" && dt != "fp16")) {
+    std::fprintf(stderr, "bad arguments: N, G, ROUNDS, CHUNK must be > 0 and DTYPE fp32, bf16 or fp16\n");
     return 2;
   }
   // One set of buffers on 4 KiB pages; with "huge", a second set on transparent huge pages, and every version runs
   // on both (labels ending in /2M), so the cost of 4 KiB pages is measured in the same rounds.
-  const Dtype dtype = dt == "fp32" ? Dtype::kFloat32 : Dtype::kBFloat16;
+  const Dtype dtype = dt == "fp32" ? Dtype::kFloat32 : dt == "bf16" ? Dtype::kBFloat16 : Dtype::kFloat16;
   std::vector<Case> cases;
   cases.reserve(2);
   cases.emplace_back(n, G, dtype);

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                          "update_prefetch; the first is the reference")
     ap.add_argument("--n", type=int, default=32 << 20)
     ap.add_argument("--g", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--chunk", type=int, default=16 * 1024, help="elements per update() call (kChunk)")
     ap.add_argument("--isa", default="avx512")

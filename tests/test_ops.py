@@ -626,9 +626,10 @@ F32, B16, F16 = torch.float32, torch.bfloat16, torch.float16
 @pytest.mark.parametrize("dtypes", [(F32,) * 4, (F32,) * 5, (F32,) * 8, (F32,) * 9,
                                     (F32, F32, B16, F32, F32, F32, F32, F16, F32, F32),
                                     (B16,) * 5, (B16,) * 8, (B16,) * 9,
-                                    (B16, B16, F32, F32, F32, B16, B16, B16, B16, B16, F16, B16, B16)],
+                                    (B16, B16, F32, F32, F32, B16, B16, B16, B16, B16, F16, B16, B16),
+                                    (F16,) * 5, (F16,) * 9, (F16, F16, F16, B16, F16, F16, F32, F16, F16, F16, F16)],
                          ids=["fp32x4", "fp32x5", "fp32x8", "fp32x9", "mixed10", "bf16x5", "bf16x8", "bf16x9",
-                              "mixed13"])
+                              "mixed13", "fp16x5", "fp16x9", "mixed11"])
 def test_gradients_summed_in_list_order(rng, device, dtypes):
     """The documented summation order, bit for bit: acc = w_0 g_0, then acc = acc + w_k g_k for k = 1..G-1 in fp32.
 
@@ -691,18 +692,20 @@ def test_cpu_isa_variants_are_bit_identical(tmp_path):
             assert torch.equal(a, b), f"{key} differs from the baseline plain loops"
 
 
-@pytest.mark.parametrize("grads", ["fp32", "mixed"])
+@pytest.mark.parametrize("grads", ["fp32", "mixed", "fp16"])
 @pytest.mark.parametrize("workers", [1, 3, 4, 5, 8, 9, 13])
 def test_cpu_prefetching_loops_give_the_plain_bits(rng, workers, grads):
     """The software-prefetching loops (on for Intel CPUs) against the plain ones in one process: the update, the
     clipped update and the norm pass. Gradients of every summation shape (G = 1 read in place; one group of up to 4
     or 8 fp32 gradients; several groups on long tiles: the two forms group differently; "mixed": every third one
-    bf16, so lone fp32 gradients sit between them), an odd length that ends tiles and blocks mid-way, AdamW and Adam
+    bf16, so lone fp32 gradients sit between them; "fp16": runs of fp16 gradients, widened a block at a time, with
+    bf16 ones between them), an odd length that ends tiles and blocks mid-way, AdamW and Adam
     with amsgrad, a bf16 param_out. Full-precision gradients and uneven weights: another order of the additions
     would change some bits."""
     n = 100_003
     p0 = torch.randn(n, generator=rng)
-    dtypes = [torch.bfloat16 if grads == "mixed" and k % 3 == 1 else torch.float32 for k in range(workers)]
+    cycle = {"fp32": [F32], "mixed": [F32, B16, F32], "fp16": [F16, F16, B16, F16]}[grads]
+    dtypes = [cycle[k % len(cycle)] for k in range(workers)]
     steps = [[torch.randn(n, generator=rng).to(dt) for dt in dtypes] for _ in range(3)]
     weights = torch.rand(workers, generator=rng, dtype=torch.float64) + 0.5
     weights = (weights / weights.sum()).tolist() if workers > 1 else None

@@ -126,41 +126,20 @@ void narrow_fp16(const float* __restrict in, uint16_t* __restrict out, int64_t n
   }
 }
 
-// acc[0..n) (=|+=) w * g[begin..begin+n), g in its storage type; fp16 goes through the L1 scratch buffer.
-template <bool kFirst>
-void accumulate(const GradSource& g, int64_t begin, int64_t n, float* __restrict acc, float* __restrict scratch) {
-  const float w = g.weight;
-  const float* __restrict src32 = nullptr;
-  switch (g.dtype) {
-    case Dtype::kFloat32:
-      src32 = static_cast<const float*>(g.data) + begin;
-      break;
-    case Dtype::kFloat16:
-      widen_fp16(static_cast<const uint16_t*>(g.data) + begin, scratch, n);
-      src32 = scratch;
-      break;
-    case Dtype::kBFloat16: {
-      const uint16_t* __restrict src16 = static_cast<const uint16_t*>(g.data) + begin;
-      for (int64_t j = 0; j < n; ++j) {
-        const float x = bf16_to_float(src16[j]) * w;
-        acc[j] = kFirst ? x : acc[j] + x;
-      }
-      return;
-    }
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = src32[j] * w;
-    acc[j] = kFirst ? x : acc[j] + x;
-  }
-}
-
-// A gradient element as a float: fp32 as stored, bf16 widened (exactly: its bits are a float's top half).
+// A gradient element as a float: fp32 as stored, bf16 widened (exactly: its bits are a float's top half). fp16 is
+// widened a block at a time by widen_fp16 instead (kStaged): GCC does not vectorize a _Float16 -> float cast.
 inline float load_grad(const float* __restrict g, int64_t j) { return g[j]; }
 inline float load_grad(const uint16_t* __restrict g, int64_t j) { return bf16_to_float(g[j]); }
 
+template <class T>
+constexpr bool kStaged = false;  // widened into an L1 block before the sum (fp16)
+template <>
+constexpr bool kStaged<_Float16> = true;
+
 // acc[j0..j1) (=|+=) the R (1..8) gradients g0..g(R-1) of one storage type T (fp32: float, bf16: uint16_t; weights
-// w[0..R)) in one pass, in the order of R accumulate<> calls: acc = (((acc + w0 g0) + w1 g1) + ...) + w(R-1) g(R-1),
-// so the bits are the same; acc is read and written once, not R times. Pointers past R are unused.
+// w[0..R)) in one pass, in list order: acc = (((acc + w0 g0) + w1 g1) + ...) + w(R-1) g(R-1), each
+// product rounded, then each sum: the bits of adding one gradient at a time, however the list is cut into runs.
+// acc is read and written once per run, not R times. Pointers past R are unused.
 template <bool kFirst, int R, class T>
 inline void accumulate_range(const T* __restrict g0, const T* __restrict g1, const T* __restrict g2,
                              const T* __restrict g3, const T* __restrict g4, const T* __restrict g5,
@@ -189,7 +168,20 @@ void accumulate_run(const GradSource* g, int64_t begin, int64_t n, float* __rest
     src[k] = static_cast<const T*>(g[i].data) + begin;
     w[k] = g[i].weight;
   }
-  if constexpr (!kPrefetch) {
+  if constexpr (kStaged<T>) {  // each stream's block widened into L1 (exactly), then summed as fp32
+    alignas(64) float stage[R][kPrefetchBlock];
+    const float* staged[8];
+    for (int k = 0; k < 8; ++k) staged[k] = stage[k < R ? k : 0];
+    for (int64_t j = 0; j < n; j += kPrefetchBlock) {
+      const int64_t m = min_i64(kPrefetchBlock, n - j);
+      for (int k = 0; k < R; ++k) {
+        if constexpr (kPrefetch) prefetch_ahead<0>(src[k] + j);
+        widen_fp16(reinterpret_cast<const uint16_t*>(src[k] + j), stage[k], m);
+      }
+      accumulate_range<kFirst, R>(staged[0], staged[1], staged[2], staged[3], staged[4], staged[5], staged[6],
+                                  staged[7], w, acc + j, 0, m);
+    }
+  } else if constexpr (!kPrefetch) {
     accumulate_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, 0, n);
   } else {
     for (int64_t j = 0; j < n; j += kPrefetchBlock) {
@@ -226,26 +218,25 @@ int accumulate_run_of(const GradSource* g, int r, int64_t begin, int64_t n, floa
   }
 }
 
-// Adds the next group of gradients into acc: up to kMaxGroup consecutive ones of the same storage type, fp32 or
-// bf16, in one pass (hinted in the prefetching form); an fp16 one alone (its widening goes through scratch).
-// Returns how many it consumed.
+// Adds the next group of gradients into acc: up to kMaxGroup consecutive ones of the same storage type in one pass
+// (hinted in the prefetching form). Returns how many it consumed.
 template <bool kFirst, bool kPrefetch>
-int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc, float* scratch) {
+int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc) {
   const Dtype dtype = g[0].dtype;
-  if (dtype == Dtype::kFloat16) {
-    accumulate<kFirst>(g[0], begin, n, acc, scratch);
-    return 1;
-  }
   int r = 1;
   while (r < kMaxGroup<kPrefetch> && r < left && g[r].dtype == dtype) ++r;
-  return dtype == Dtype::kFloat32 ? accumulate_run_of<kFirst, kPrefetch, float>(g, r, begin, n, acc)
-                                  : accumulate_run_of<kFirst, kPrefetch, uint16_t>(g, r, begin, n, acc);
+  switch (dtype) {
+    case Dtype::kFloat32: return accumulate_run_of<kFirst, kPrefetch, float>(g, r, begin, n, acc);
+    case Dtype::kBFloat16: return accumulate_run_of<kFirst, kPrefetch, uint16_t>(g, r, begin, n, acc);
+    case Dtype::kFloat16: return accumulate_run_of<kFirst, kPrefetch, _Float16>(g, r, begin, n, acc);
+  }
+  __builtin_unreachable();
 }
 
 template <bool kPrefetch>
-void sum_grads(const GradSource* grads, int num_grads, int64_t begin, int64_t n, float* acc, float* scratch) {
-  int k = accumulate_group<true, kPrefetch>(grads, num_grads, begin, n, acc, scratch);
-  while (k < num_grads) k += accumulate_group<false, kPrefetch>(grads + k, num_grads - k, begin, n, acc, scratch);
+void sum_grads(const GradSource* grads, int num_grads, int64_t begin, int64_t n, float* acc) {
+  int k = accumulate_group<true, kPrefetch>(grads, num_grads, begin, n, acc);
+  while (k < num_grads) k += accumulate_group<false, kPrefetch>(grads + k, num_grads - k, begin, n, acc);
 }
 
 template <bool kAdamW, bool kAmsgrad>
@@ -319,7 +310,6 @@ void write_param_out(const TensorBuffers& t, int64_t begin, int64_t n) {
 template <bool kAdamW, bool kAmsgrad, int64_t kT, bool kPrefetch>
 void update_tiles(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end) {
   alignas(64) float acc[kT];
-  alignas(64) float scratch[kT];
   // One fp32 gradient of weight 1 (G = 1, a plain mean): acc would be 1 * g = g bit for bit, so read g directly.
   const bool direct = t.num_grads == 1 && t.grads[0].dtype == Dtype::kFloat32 && t.grads[0].weight == 1.0f;
   for (int64_t tile = begin; tile < end; tile += kT) {
@@ -328,7 +318,7 @@ void update_tiles(const TensorBuffers& t, const UpdateScalars& s, int64_t begin,
     if (direct) {
       g = static_cast<const float*>(t.grads[0].data) + tile;
     } else {
-      sum_grads<kPrefetch>(t.grads, t.num_grads, tile, n, acc, scratch);
+      sum_grads<kPrefetch>(t.grads, t.num_grads, tile, n, acc);
     }
     adam_tile<kAdamW, kAmsgrad, kPrefetch>(t, s, tile, n, g, direct);
     if (t.param_out != nullptr) write_param_out(t, tile, n);
@@ -365,11 +355,10 @@ template <bool kPrefetch>
 float sum_squares(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end) {
   constexpr int kLanes = 16;
   alignas(64) float acc[kTile];
-  alignas(64) float scratch[kTile];
   alignas(64) float lanes[kLanes] = {};
   for (int64_t tile = begin; tile < end; tile += kTile) {
     const int64_t n = min_i64(kTile, end - tile);
-    sum_grads<kPrefetch>(grads, num_grads, tile, n, acc, scratch);
+    sum_grads<kPrefetch>(grads, num_grads, tile, n, acc);
     const int64_t full = n - n % kLanes;
     for (int64_t j = 0; j < full; j += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
