@@ -23,7 +23,7 @@ def test_copy_timeline_arithmetic():
     assert bench_transfer.copy_timeline([], [(0, 1)]) == {"kernels": 0, "copies": 1}
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("g", [1, 3])
 def test_bench_fused_adamw_checks_every_path_before_timing_it(dtype, g, monkeypatch):
     """Every path of the kernel benchmark is compared with the stock path's first step (DeepSpeed's CPU Adam where
