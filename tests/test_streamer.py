@@ -1077,20 +1077,22 @@ def test_copy_back_refuses_a_replica_whose_layout_changed_before_copying_anythin
         assert torch.equal(p.detach(), views[name]), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("eager_mb", [None, 0.0])
-def test_grad_changed_in_place_after_the_pass_does_not_reach_the_slot(eager_mb):
+def test_grad_changed_in_place_after_the_pass_does_not_reach_the_slot(eager_mb, device):
     """The copies read param.grad itself: a caller that scales .grad in place right after backward_pass (as
     clip_grad_norm_ or a GradScaler's unscale_ do) before waiting for the slot used to leave the slot a torn mix of
-    the two values (rows of both, seen on 8M elements). The pass now ends after its copies: the slot holds the
-    gradient backward produced, bit for bit, in every trial."""
+    the two values (rows of both, seen on 8M elements). The pass now ends after its copies (CUDA: the compute
+    stream, where the in-place change runs, waits on their events): the slot holds the gradient backward produced,
+    bit for bit, in every trial."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(2048, 4096, bias=False)  # 32 MB of gradient: a copy long enough to race with
-    store = pyengine.HostStore(model, workers=1, pin=False)
+    model = torch.nn.Linear(2048, 4096, bias=False).to(device)  # 32 MB of gradient: a copy long enough to race
+    store = pyengine.HostStore(model, workers=1, pin="auto" if device != "cpu" else False)
     streamer = pyengine.GradientStreamer(model, store, eager_mb=eager_mb)
-    x = torch.randn(8, 2048)
+    x = torch.randn(8, 2048, device=device)
     twin = copy.deepcopy(model)
     twin(x).sum().backward()
-    produced = twin.weight.grad  # what backward produces (the same kernels on the same input)
+    produced = twin.weight.grad.cpu()  # what backward produces (the same kernels on the same input)
     for trial in range(3):
         model.zero_grad(set_to_none=True)
         with streamer.backward_pass():
