@@ -138,6 +138,11 @@ def as_sequential(model) -> torch.nn.Sequential:
             raise ValueError(f"mode='pipeline': the {type(model).__name__} holds {own} itself, outside its layers, "
                              "and the stages are its layers; move them into a layer (a module of their own)")
     if isinstance(model, torch.nn.Sequential):
+        hooks = model._forward_hooks or model._forward_pre_hooks
+        if type(model).forward is not torch.nn.Sequential.forward or hooks:
+            raise ValueError(f"mode='pipeline': the stages chain the layers of the {type(model).__name__}, so its "
+                             f"{'forward hooks' if hooks else 'own forward()'} would not run; pass its layers (a "
+                             "list or an nn.Sequential of them), with what that forward adds made a layer of its own")
         return model
     if (isinstance(model, (list, tuple, torch.nn.ModuleList)) and len(model)
             and all(isinstance(m, torch.nn.Module) for m in model)):
@@ -588,6 +593,7 @@ class Pipeline:
             self._build(partition(times, self.num_stages))
         built = time.perf_counter()  # the copy back's window starts here: not the first step's layer timing
         buffers = self._save_buffers()  # Note [Stopping a failed pipeline]: restored if the step fails
+        self._keep_for_readers(buffers)
         stop, failures, futures = threading.Event(), [], {}
         try:
             for stage in (st for row in self.stages for st in row):
@@ -627,6 +633,18 @@ class Pipeline:
             applied = engine.apply_update(list(range(self.replicas)), weights, loss_scale=scale)
         end = time.perf_counter()
         return self._metrics(results, shard_sizes, start, built, pulled, schedule_end, updated, end, applied, scale)
+
+    def _keep_for_readers(self, saved) -> None:
+        """The copies of the buffers' source replica, in the engine's order, for readers of the state while the
+        stages compute (Note [Reading the state during a step] in engine.py)."""
+        engine = self.engine
+        if engine._in_flight is None or not engine.buffer_names:
+            return
+        copies = {id(buffer): copy_ for buffer, copy_ in saved}
+        live = engine._replica_buffers(engine.buffer_source)
+        kept = [copies.get(id(live.get(name))) for name in engine.buffer_names]
+        if all(k is not None for k in kept):
+            engine._in_flight = engine._in_flight._replace(buffers=kept)
 
     def _save_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(buffer, a copy of it) for every buffer of every stage (Note [Stopping a failed pipeline]). On CUDA the

@@ -626,7 +626,8 @@ class DistributedPipeline(_FailureNaming):
                              "batches; every rank must call step() with the same (inputs, targets) (the first rank "
                              "runs the inputs, the last scores against the targets): do not shard the data per rank "
                              "(DistributedSampler) in mode='pipeline'")
-        samples = batch_size(inputs)
+        # inputs and targets of one size (the same batch on every rank: every rank raises, or none)
+        samples = batch_size(inputs if targets is None else (inputs, targets))
         # replica r's: shards[.][r]; targets None (a loss that needs none): None for every replica
         shards = [[None] * self.replicas if t is None else torch.tensor_split(t, self.replicas)
                   for t in (inputs, targets)]

@@ -243,6 +243,57 @@ def test_a_container_holding_a_tensor_outside_its_layers_is_refused(kind, contai
         pipeline(model, ["cpu"] * 2, microbatches=2)
 
 
+class _Residual(torch.nn.Sequential):
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+@pytest.mark.parametrize("kind", ["forward", "hook", "pre-hook"])
+def test_a_sequential_whose_forward_is_not_the_chain_is_refused(kind):
+    """The stages chain a Sequential's layers: a subclass's own forward (a residual) or a hook on the container
+    would not run, and the pipeline trained another model than the one given (its losses differed from a single
+    device's). Refused, saying what would be lost."""
+    layers = [torch.nn.Linear(10, 10), torch.nn.Tanh(), torch.nn.Linear(10, 10)]
+    model = _Residual(*layers) if kind == "forward" else torch.nn.Sequential(*layers)
+    if kind == "hook":
+        model.register_forward_hook(lambda module, args, out: out * 2)
+    elif kind == "pre-hook":
+        model.register_forward_pre_hook(lambda module, args: None)
+    what = "own forward()" if kind == "forward" else "forward hooks"
+    with pytest.raises(ValueError, match=rf"chain the layers of the {type(model).__name__}, so its {what}"):
+        pipeline(model, ["cpu"] * 2, microbatches=2)
+    pipeline(torch.nn.Sequential(*layers), ["cpu"] * 2, microbatches=2).close()  # the layers themselves: taken
+
+
+def test_a_state_read_while_the_stages_compute_is_the_last_steps(rng):
+    """buffers_state_dict() / state_dict() from a loss_fn (on the last stage, while the stages compute) used to
+    return BatchNorm statistics that this step's forwards had already moved, beside the last step's weights: now
+    the statistics of the last complete step, as in hybrid mode (Note [Reading the state during a step])."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 3))
+    reads = []
+
+    def reading_loss(module, batch):
+        out = loss_fn(module, batch)
+        if engine.version == 1:
+            reads.append(engine.state_dict())
+        return out
+
+    with Engine(model, reading_loss, devices=["cpu"] * 2, mode="pipeline", stages=2, microbatches=2,
+                optimizer=AdamW(**OPT)) as engine:
+        batches = make_batches(rng, 2, 8)
+        engine.step(batches[0])
+        before = engine.state_dict()
+        engine.step(batches[1])
+        after = engine.state_dict()
+    assert reads and all(r["version"] == 1 for r in reads)
+    for read in reads:
+        for name, value in before["buffers"].items():
+            assert torch.equal(read["buffers"][name], value), name
+    assert not torch.equal(after["buffers"]["1.running_mean"], before["buffers"]["1.running_mean"])
+
+
 def test_trace_has_one_row_per_stage(rng, tmp_path):
     with pipeline(make_model(), ["cpu"] * 3, stages=3, microbatches=2) as engine:
         engine.step(make_batches(rng, 1, 8)[0])
@@ -780,11 +831,16 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
             with Engine(make_model(blocks=2), loss_fn, devices=["cpu"], mode="pipeline", microbatches=microbatches,
                         schedule=schedule, optimizer=AdamW(**OPT, max_grad_norm=clip), pin=False) as engine:
                 metrics = engine.fit(batches)
-                uneven = mismatch = few = None
+                uneven = mismatch = few = rows = None
                 try:
                     engine.step(make_batches(torch.Generator().manual_seed(seed), 1, 13)[0])
                 except ValueError as error:
                     uneven = str(error)
+                try:  # targets of another size than the inputs: refused on every rank, not paired row by row
+                    x, y = make_batches(torch.Generator().manual_seed(seed), 1, 12)[0]
+                    engine.step((x, y[:4]))
+                except ValueError as error:
+                    rows = str(error)
                 try:  # Note [The same batch on every rank]: another batch on each rank
                     engine.step(make_batches(torch.Generator().manual_seed(seed + 1 + rank), 1, 12)[0])
                 except ValueError as error:
@@ -797,7 +853,8 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                 own = sorted(name for name, _ in engine.pipeline.params)
                 torch.save({"own": own, "master": engine.master_state_dict(), "state": engine.state_dict(),
                             "losses": [m["loss"] for m in metrics], "stats": engine.stats(),
-                            "sizes": engine.pipeline.sizes, "uneven": uneven, "mismatch": mismatch, "few": few},
+                            "sizes": engine.pipeline.sizes, "uneven": uneven, "mismatch": mismatch, "few": few,
+                            "rows": rows},
                            f"{out_dir}/engine-{schedule}-{rank}.pt")
         # resume: two steps, state_dict (a collective), a fresh engine of another init loads it and takes the rest
         options = dict(devices=["cpu"], mode="pipeline", microbatches=3, optimizer=AdamW(**OPT, amsgrad=True),
@@ -938,6 +995,7 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
                                                msg=f"{name} {key}")
             assert "a batch of 13 samples" in got["uneven"] and "microbatches=" in got["uneven"]
             assert got["mismatch"] is not None and "were given different batches" in got["mismatch"]
+            assert got["rows"] is not None and "batch[0] has 12, batch[1] has 4" in got["rows"], got["rows"]
             assert "schedule='1f1b' across processes needs microbatches >= stages" in got["few"]
     extras = [torch.load(tmp_path / f"engine-extra-{rank}.pt", weights_only=False) for rank in range(2)]
     # Note [Bubble across processes]: one wall for every rank, from a common start to the last rank's end
