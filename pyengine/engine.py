@@ -1084,7 +1084,7 @@ class Engine:
             self._buffer_copies = (ids, [t.detach().clone() for t in sources])
         else:
             torch._foreach_copy_(self._buffer_copies[1], sources)
-        return [sources, self._buffer_copies[1]]
+        return [sources, self._buffer_copies[1], slots]
 
     @torch.no_grad()
     def _restore_source_buffers(self, saved: list | None) -> None:
@@ -1093,7 +1093,9 @@ class Engine:
         stream = self.workers[self.buffer_source].stream
         if stream is not None:
             stream.synchronize()  # what the failed task left on the worker's stream has run
-        sources, copies = saved
+        sources, copies, slots = saved
+        for (module, key), source in zip(slots, sources):  # a forward that assigned a new tensor: the old one back
+            module._buffers[key] = source
         torch._foreach_copy_(sources, copies)
 
     def wait_bucket(self, k: int, futures: dict) -> bool:

@@ -640,16 +640,18 @@ class Pipeline:
         engine = self.engine
         if engine._in_flight is None or not engine.buffer_names:
             return
-        copies = {id(buffer): copy_ for buffer, copy_ in saved}
+        copies = {id(buffer): copy_ for _, _, buffer, copy_ in saved}
         live = engine._replica_buffers(engine.buffer_source)
         kept = [copies.get(id(live.get(name))) for name in engine.buffer_names]
         if all(k is not None for k in kept):
             engine._in_flight = engine._in_flight._replace(buffers=kept)
 
-    def _save_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(buffer, a copy of it) for every buffer of every stage (Note [Stopping a failed pipeline]). On CUDA the
-        copies are made on the device's current stream, which every stage's stream waits for before the step."""
-        return [(b, b.detach().clone()) for row in self.stages for stage in row for b in stage.module.buffers()]
+    def _save_buffers(self) -> list[tuple]:
+        """(module, key, buffer, a copy of it) for every buffer of every stage (Note [Stopping a failed pipeline]).
+        On CUDA the copies are made on the device's current stream, which every stage's stream waits for before the
+        step."""
+        return [(module, key, b, b.detach().clone()) for row in self.stages for stage in row
+                for module in stage.module.modules() for key, b in module._buffers.items() if b is not None]
 
     @torch.no_grad()
     def _restore_buffers(self, saved) -> None:
@@ -658,7 +660,8 @@ class Pipeline:
         for stage in (st for row in self.stages for st in row):
             if stage.stream is not None:
                 stage.stream.synchronize()
-        for buffer, copy_ in saved:
+        for module, key, buffer, copy_ in saved:
+            module._buffers[key] = buffer  # a forward that assigned a new tensor: the old one back
             buffer.copy_(copy_)
 
     def _sum_tied_grads(self, results) -> None:

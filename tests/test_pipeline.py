@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 
-from pyengine import AdamW, Engine, LossScaler, StageError
+from pyengine import AdamW, Engine, LossScaler, StageError, WorkerError
 from pyengine import pipeline as pipeline_module, pipeline_distributed
 from pyengine.pipeline import partition, schedule_actions, split_layers
 
@@ -1950,3 +1950,50 @@ def test_a_step_that_fails_between_two_stage_submits_leaves_no_stage_waiting(mon
     closer.start()
     closer.join(10)
     assert not closer.is_alive(), "close() hung on a stage waiting for its neighbour"
+
+
+class _Ema(torch.nn.Module):
+    """A layer that updates its buffer by assignment (a new tensor each forward), not in place."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(d))
+
+    def forward(self, x):
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        return x
+
+
+class _Fails(torch.nn.Module):
+    armed = False
+
+    def forward(self, x):
+        if _Fails.armed:
+            raise RuntimeError("failed on purpose")
+        return x
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "pipeline"])
+def test_a_failed_step_puts_back_a_buffer_updated_by_assignment(rng, mode):
+    """Note [A failed step leaves the buffers alone] for a layer that assigns its buffer a new tensor (an EMA): the
+    copies were put back into the old tensor objects, which the module no longer held, so the failed step's value
+    stayed. Now the module gets its old tensor back, with its old value, and the next step goes on from it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), _Ema(10), _Fails(), torch.nn.Linear(10, 3))
+    options = dict(stages=2, microbatches=2, balance=[2, 2]) if mode == "pipeline" else {}
+    batches = make_batches(rng, 2, 8)
+    _Fails.armed = False
+    with Engine(model, loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), **options) as engine:
+        engine.step(batches[0])
+        before = engine.state_dict()
+        _Fails.armed = True
+        try:
+            with pytest.raises((StageError, WorkerError), match="failed on purpose"):
+                engine.step(batches[1])
+        finally:
+            _Fails.armed = False
+        after = engine.state_dict()
+        assert torch.equal(after["buffers"]["1.ema"], before["buffers"]["1.ema"])
+        engine.step(batches[1])
+        assert not torch.equal(engine.state_dict()["buffers"]["1.ema"], before["buffers"]["1.ema"])
