@@ -401,6 +401,13 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
     if cfg["model"] == "transformer" and cfg["hidden"] % heads:
         raise UsageError(f"--hidden {cfg['hidden']}: the transformer's d_model must be a multiple of its {heads} "
                          f"attention heads (e.g. --hidden {max(heads, cfg['hidden'] // heads * heads)})")
+    from . import _C
+    from .optim import AdamW
+    opt = AdamW(lr=cfg["lr"], weight_decay=cfg["weight_decay"])  # the schedules scale lr by at most 1
+    try:  # the update's own float32 check, at step 1 (where lr / (1 - beta1^step) is largest)
+        _C._check_update_hyper(opt.lr, opt.betas[0], opt.eps, opt.weight_decay, 1)
+    except ValueError as error:
+        raise UsageError(f"--lr {cfg['lr']} with --weight-decay {cfg['weight_decay']}: {error}") from None
     workers = len(cfg["devices"])
     if train_size is not None:
         if workers > train_size:
@@ -474,6 +481,9 @@ def _check_pipeline_config(cfg: dict, workers: int) -> None:
                          f"--microbatches {cfg['microbatches']} (use --batch-size >= "
                          f"{cfg['microbatches'] * replicas})")
     across = _launched()[1] > 1  # stages in separate processes (Note [Training under torchrun])
+    if across and cfg["balance"] == "time":
+        raise UsageError("--balance time: stages in separate processes are split before the first step, when no "
+                         "layer has been timed; use --balance params or a list of layers per stage")
     if across and any(n % cfg["microbatches"] for n in _split_sizes(cfg["batch_size"], replicas)):
         # across processes, torch.distributed.pipelining needs equal micro-batches
         unit = replicas * cfg["microbatches"]
@@ -1059,6 +1069,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             engine.record_failure(exc)
             raise TrainingFailed(state["step"], *failed_run_checkpoint()) from exc
         trace = _trace_path(cfg["trace"], mode, cfg["mode"] == "all") if primary else None
+        if cfg["trace"] is not None and not primary:
+            print(f"note: --trace is written by rank 0 only; rank {_launched()[0]} writes none", file=sys.stderr)
         if trace is not None:
             engine.trace(trace)
 
@@ -1216,6 +1228,8 @@ def _saved_setting_error(config: dict) -> str | None:
             return f"its {key} is not a value of --{key.replace('_', '-')} ({exc}); got {value!r}"
         if type(back) is not type(value) or back != value:
             return f"its {key} is not a value of --{key.replace('_', '-')}; got {value!r}"
+    if config.get("steps") is None and config.get("epochs") is None:
+        return "its steps or its epochs must be set; got None for both"
     devices = config.get("devices")
     if not (isinstance(devices, list) and devices and all(isinstance(d, str) for d in devices)):
         return f"its devices must be a non-empty list of device names; got {devices!r}"

@@ -475,15 +475,21 @@ class DistributedPipeline(_FailureNaming):
         # holds every persistent buffer of the model: this rank's stage's own tensors, and a CPU copy of every other
         # stage's, which gather() refreshes from the owning rank (as it does the weights). Engine reads and writes
         # buffers through it (buffers_state_dict, load_state_dict). Non-persistent buffers (a causal mask) are
-        # constants each stage's copy of its layers already holds.
-        own = dict(self.module.named_buffers())
+        # constants each stage's copy of its layers already holds. The stage's own buffers are looked up in their
+        # modules at every use: a layer may assign its buffer a new tensor in its forward (an EMA).
         owner = {name: s for s, m in enumerate(modules) for name, _ in m.named_buffers()}
         originals = dict(model.named_buffers())
-        self.buffers = {name: own[name] if owner[name] == self.stage else originals[name].detach().to("cpu", copy=True)
-                        for name in engine.buffer_names}
-        self._buffer_exchange = [(name, self.buffers[name] if self.buffers[name].device.type == "cpu"
-                                  else self.buffers[name].to("cpu", copy=True), self._ranks_of(owner[name], group))
-                                 for name in engine.buffer_names]
+        slots = {f"{prefix}.{key}" if prefix else key: (module, key)
+                 for prefix, module in self.module.named_modules() for key in module._buffers}
+        self._buffer_names = list(engine.buffer_names)
+        self._own_slots = {name: slots[name] for name in self._buffer_names if owner[name] == self.stage}
+        self._other_buffers = {name: originals[name].detach().to("cpu", copy=True) for name in self._buffer_names
+                               if owner[name] != self.stage}
+        # the CPU tensors broadcast: another stage's buffer is received into its copy; an own one is sent from a
+        # CPU tensor of its own (copied in before each send)
+        self._buffer_exchange = [(name, self._other_buffers[name] if name in self._other_buffers
+                                  else self.buffers[name].detach().to("cpu", copy=True),
+                                  self._ranks_of(owner[name], group)) for name in self._buffer_names]
         self._own_buffers = [(name, exchanged) for name, exchanged, src in self._buffer_exchange
                              if owner[name] == self.stage]
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
@@ -520,6 +526,14 @@ class DistributedPipeline(_FailureNaming):
                             if e.name in held]
         self._tied_ranges = [(e.offset, e.offset + e.numel) for e in entries
                              if e.name in held and self.tied[e.name][0] != self.stage]
+
+    @property
+    def buffers(self) -> dict:
+        """name -> every persistent buffer of the model, in the engine's order: this rank's stage's own tensors (as
+        its modules hold them now) and the CPU copies of the other stages' (Note [Buffers of stages across
+        processes])."""
+        return {name: slot[0]._buffers[slot[1]] if (slot := self._own_slots.get(name)) is not None
+                else self._other_buffers[name] for name in self._buffer_names}
 
     @torch.no_grad()
     def _rank0_state(self, model: torch.nn.Module, group) -> None:
@@ -734,8 +748,9 @@ class DistributedPipeline(_FailureNaming):
         if self._dp_group is None or not self._own_buffers:
             return
         source = self._ranks_of(self.stage, self.group)
+        buffers = self.buffers
         for name, exchanged in self._own_buffers:
-            mine = self.buffers[name]
+            mine = buffers[name]
             if self.replica == 0 and exchanged is not mine:
                 exchanged.copy_(mine)
             self.works.run(dist.broadcast, exchanged, src=source, group=self._dp_group)
@@ -806,11 +821,15 @@ class DistributedPipeline(_FailureNaming):
                 for view, src in self._gather_views:
                     self.works.run(dist.broadcast, view, src=src, group=self.group)
                 with torch.no_grad():  # Note [Buffers of stages across processes]
+                    buffers = self.buffers
                     for name, exchanged, src in self._buffer_exchange:
-                        mine = self.buffers[name]
-                        if src == dist.get_rank() and exchanged is not mine:
-                            exchanged.copy_(mine)  # a stage on a GPU: its buffer goes through a CPU copy
+                        mine = buffers[name]
+                        sending = src == dist.get_rank()
+                        if sending and exchanged is not mine:
+                            exchanged.copy_(mine)  # an own buffer goes through a CPU tensor of its own
                         self.works.run(dist.broadcast, exchanged, src=src, group=self.group)
+                        if not sending and exchanged is not mine:
+                            mine.copy_(exchanged)  # a replica of the owning stage: replica 0's values
         except BaseException:
             self.broken = True
             raise

@@ -715,8 +715,10 @@ def test_the_printed_resume_command_pastes_into_a_shell(tmp_path, capsys):
     (lambda p: p["config"].update(autocast="fp8"), "its autocast must be one of none, bf16, fp16; got 'fp8'"),
     (lambda p: p["config"].update(devices=5), "its devices must be a non-empty list of device names; got 5"),
     (lambda p: p["config"].update(seed=None), "its seed must be set; got None"),
+    (lambda p: p["config"].update(steps=None, epochs=None), "its steps or its epochs must be set; got None for both"),
 ], ids=["config-list", "no-devices", "step-str", "step-name", "batches-neg", "beyond", "elapsed-nan", "mode",
-        "batch-str", "hidden-0", "lr-neg", "accumulate-str", "data", "autocast", "devices-int", "seed-none"])
+        "batch-str", "hidden-0", "lr-neg", "accumulate-str", "data", "autocast", "devices-int", "seed-none",
+        "no-length"])
 def test_a_checkpoint_with_an_unusable_payload_is_a_clear_error(finished_run, tmp_path, capsys, edit, message):
     """A checkpoint whose hash is right but whose contents are not those of a train run (another writer, a hand
     edit) is one line "cannot resume", not a traceback or a resume that says one step and trains from another."""
@@ -838,11 +840,13 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
     (["--data", "tokens", "--hidden", "30"], "--hidden 30: the transformer's d_model must be a multiple of its 4 "
      "attention heads (e.g. --hidden 28)"),
     (["--mode", "pipeline", "--data", "tokens", "--hidden", "6"], "--hidden 6: the transformer's d_model"),
+    (["--lr", "1e38"], "--lr 1e+38 with --weight-decay 0.01: lr / (1 - beta1^step) = 1e+39 is beyond float32's"),
+    (["--lr", "10", "--weight-decay", "3e38"], "1 - lr * weight_decay = "),
 ], ids=["sync+accumulate", "no-such-gpu", "bad-device", "workers>samples", "batch<workers", "model/data",
         "unwritable-out", "resume-missing", "stages-in-hybrid", "pipeline-flags-default-mode",
         "microbatches-in-async", "hybrid-batch<microbatches", "sync-batch<microbatches", "stages!|workers",
         "batch<microbatches", "stages>layers", "balance-sum", "balance-zero", "balance-count", "balance-in-hybrid",
-        "unwritable-trace", "transformer-hidden", "pipeline-transformer-hidden"])
+        "unwritable-trace", "transformer-hidden", "pipeline-transformer-hidden", "lr-step-size", "lr-decay"])
 def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("x")
     argv = [a.format(file=tmp_path / "file", missing=tmp_path / "nope") for a in argv]
@@ -1179,7 +1183,10 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
      "does not split into --microbatches 3 equal micro-batches per replica"),
     (["--mode", "pipeline", "--workers", "1", "--microbatches", "1"], "--schedule 1f1b with stages in separate "
      "processes needs --microbatches >= the 2 stages"),
-], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches", "1f1b-microbatches<stages"])
+    (["--mode", "pipeline", "--workers", "1", "--balance", "time"], "--balance time: stages in separate processes "
+     "are split before the first step"),
+], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches", "1f1b-microbatches<stages",
+        "balance-time"])
 @pytest.mark.timeout(90)
 def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, argv, message):
     """Both ranks of a 2-process launch, one command line: each refuses it in one line before any work."""
@@ -1428,8 +1435,8 @@ def test_mode_all_sub_runs_resume(tmp_path):
 
 
 def test_non_finite_losses_are_reported_not_fatal(tmp_path, capsys):
-    """A diverging run (lr 1e30; 1e38 is refused at the first update, whose step size lr / (1 - beta1) is past
-    float32's range, as torch's AdamW refuses it): losses become non-finite (null in metrics.jsonl, "nan" on the
+    """A diverging run (lr 1e30; 1e38 is refused before any work, its step size lr / (1 - beta1) being past
+    float32's range): losses become non-finite (null in metrics.jsonl, "nan" on the
     progress line) and the run still ends with its checkpoint, loss.png and, for --mode all, compare.png."""
     out = tmp_path / "diverged"
     assert train("--mode", "all", "--steps", "3", "--lr", "1e30", "--log-every", "1", "--out", str(out),

@@ -1997,3 +1997,41 @@ def test_a_failed_step_puts_back_a_buffer_updated_by_assignment(rng, mode):
         assert torch.equal(after["buffers"]["1.ema"], before["buffers"]["1.ema"])
         engine.step(batches[1])
         assert not torch.equal(engine.state_dict()["buffers"]["1.ema"], before["buffers"]["1.ema"])
+
+
+def _reassigned_buffer_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 10), _Ema(10), torch.nn.Linear(10, 3))
+        batches = make_batches(torch.Generator().manual_seed(0), 3, 8)
+        with Engine(model, loss_fn, devices=["cpu"], mode="pipeline", microbatches=2, schedule="gpipe",
+                    balance=[2, 1], optimizer=AdamW(**OPT), pin=False) as engine:
+            for batch in batches[:2]:
+                engine.step(batch)
+            saved = engine.state_dict()  # a collective
+            live = engine.pipeline.module[1].ema.clone() if rank == 0 else None
+            engine.step(batches[2])
+            engine.load_state_dict(saved)
+            loaded = engine.pipeline.module[1].ema.clone() if rank == 0 else None
+            torch.save({"saved": saved["buffers"]["1.ema"], "live": live, "loaded": loaded},
+                       f"{out_dir}/reassigned-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_buffer_updated_by_assignment_is_saved_and_loaded_across_processes(tmp_path):
+    """Note [Buffers of stages across processes]: the stage's own buffers are looked up in their modules at every
+    use. A layer that assigns its buffer a new tensor each forward (an EMA) had state_dict() save its value at
+    construction (zeros) on every rank, and load_state_dict write into a tensor the layer no longer held. On 2 gloo
+    ranks (the EMA in rank 0's stage): every rank saves the live value, and a load puts it into the live buffer."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_reassigned_buffer_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    got = [torch.load(tmp_path / f"reassigned-{rank}.pt", weights_only=False) for rank in range(2)]
+    live = got[0]["live"]
+    assert live.abs().sum() > 0, "the EMA moved"
+    for rank in range(2):
+        assert torch.equal(got[rank]["saved"], live), f"rank {rank} saved another value than the layer's"
+    assert torch.equal(got[0]["loaded"], live), "the load did not reach the layer's buffer"
