@@ -10,7 +10,8 @@
 // Before timing, every version updates the same initial state once and must give the same bits as the first version
 // (param, exp_avg, exp_avg_sq): a faster loop that changes the result is not a candidate.
 //
-//   cpu_kernel_ab N G DTYPE ROUNDS CHUNK [huge]   DTYPE: fp32 | bf16 | fp16; CHUNK: elements per update() call (as kChunk);
+//   cpu_kernel_ab N G DTYPE ROUNDS CHUNK [huge]   DTYPE: fp32 | bf16 | fp16;
+//                                                CHUNK: elements per update() call (as kChunk);
 //                                                huge: every version also runs on a second set of buffers
 //                                                      madvise(MADV_HUGEPAGE)d (transparent huge pages), label /2M
 #include <algorithm>

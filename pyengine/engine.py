@@ -73,7 +73,8 @@ _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 class _InFlight(collections.namedtuple("_InFlight", "generators buffers")):
     """What a running step keeps for readers until its update begins (Note [Reading the state during a step]):
-    torch's generators before its work (``Engine._generator_states()``) and the copies of the source replica's buffers (None when its replica does not compute in this step)."""
+    torch's generators before its work (``Engine._generator_states()``) and the copies of the source replica's
+    buffers (None when that replica does not compute in this step)."""
 
 
 def _before_fork() -> None:
