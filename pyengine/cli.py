@@ -401,11 +401,9 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
     if cfg["model"] == "transformer" and cfg["hidden"] % heads:
         raise UsageError(f"--hidden {cfg['hidden']}: the transformer's d_model must be a multiple of its {heads} "
                          f"attention heads (e.g. --hidden {max(heads, cfg['hidden'] // heads * heads)})")
-    from . import _C
     from .optim import AdamW
-    opt = AdamW(lr=cfg["lr"], weight_decay=cfg["weight_decay"])  # the schedules scale lr by at most 1
-    try:  # the update's own float32 check, at step 1 (where lr / (1 - beta1^step) is largest)
-        _C._check_update_hyper(opt.lr, opt.betas[0], opt.eps, opt.weight_decay, 1)
+    try:  # the update's own float32 check, at step 1 (lr / (1 - beta1^step) is largest; schedules scale lr by <= 1)
+        AdamW(lr=cfg["lr"], weight_decay=cfg["weight_decay"]).check_update(1)
     except ValueError as error:
         raise UsageError(f"--lr {cfg['lr']} with --weight-decay {cfg['weight_decay']}: {error}") from None
     workers = len(cfg["devices"])

@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from . import _C, distributed, ops, rng as rng_module
+from . import distributed, ops, rng as rng_module
 from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .optim import AdamW, check_lr_factor
@@ -1240,8 +1240,7 @@ class Engine:
         (:meth:`lr_at`), ``eps``, ``weight_decay`` or a float32 scalar derived from them (lr / (1 - beta1^step),
         1 - lr * weight_decay) beyond float32's range. Asked before an update is counted, so a refused update never
         advances the step (the optimizer's fields may be changed between steps)."""
-        opt = self.optimizer
-        _C._check_update_hyper(self.lr_at(step), opt.betas[0], opt.eps, opt.weight_decay, max(1, step))
+        self.optimizer.check_update(max(1, step), self.lr_at(step))
 
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based: the optimizer's step count after it): ``optimizer.lr``

@@ -78,6 +78,14 @@ class AdamW:
             if not ok:
                 raise ValueError(message)
 
+    def check_update(self, step: int, lr: float | None = None) -> None:
+        """Raises ValueError where the fused update ``step`` (at ``lr``, default ``self.lr``) would refuse these
+        settings: lr, eps, weight_decay or the float32 scalars derived from them (lr / (1 - beta1^step), 1 - lr *
+        weight_decay) beyond float32's range. The kernel's own check (``pyengine._C._check_update_hyper``)."""
+        from . import _C
+        _C._check_update_hyper(float(self.lr if lr is None else lr), self.betas[0], float(self.eps),
+                               float(self.weight_decay), step)
+
     def kernel_kwargs(self, lr: float | None = None) -> dict:
         """Keyword arguments of ``torch.ops.pyengine.mean_grad_adamw_`` (all but tensors, step and clipping)."""
         return dict(lr=float(self.lr if lr is None else lr), beta1=self.betas[0], beta2=self.betas[1],
