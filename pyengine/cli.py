@@ -817,7 +817,7 @@ def _rank_shard(batch, rank: int, world: int):
 
 def _unfit(cfg: dict, mode: str, resume: dict, exc: Exception) -> str:
     """Why Engine.load_state_dict refused the checkpoint, naming the devices when the resume moved the run."""
-    saved = list(resume.get("config", {}).get("devices") or cfg["devices"])
+    saved = _saved_devices(resume.get("config", {}), _launched()[0]) or list(cfg["devices"])
     if saved == list(cfg["devices"]):
         return f"checkpoint does not fit this run: {exc}"
     return (f"--devices/--workers: the {mode} run's checkpoint (trained on {','.join(saved)}) cannot continue on "
@@ -1089,7 +1089,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         return sum(values) / len(values) if values else None
 
     summary = dict(
-        mode=mode, devices=list(devices), workers=len(devices), processes=world, steps=state["step"],
+        mode=mode, devices=list(devices), workers=len(devices), processes=world,
+        **({"rank_devices": cfg["rank_devices"]} if world > 1 else {}), steps=state["step"],
         target_steps=target,
         samples=samples, samples_per_s=samples / train_total if train_total > 0 else 0.0,
         final_loss=sum(tail) / len(tail) if tail else None, final_loss_window=len(tail),
@@ -1228,9 +1229,18 @@ def _saved_setting_error(config: dict) -> str | None:
             return f"its {key} is not a value of --{key.replace('_', '-')}; got {value!r}"
     if config.get("steps") is None and config.get("epochs") is None:
         return "its steps or its epochs must be set; got None for both"
+
+    def names(devices) -> bool:
+        return isinstance(devices, list) and bool(devices) and all(isinstance(d, str) for d in devices)
+
     devices = config.get("devices")
-    if not (isinstance(devices, list) and devices and all(isinstance(d, str) for d in devices)):
+    if not names(devices):
         return f"its devices must be a non-empty list of device names; got {devices!r}"
+    by_rank = config.get("rank_devices")  # Note [Each rank's devices in the checkpoint]
+    if by_rank is not None and not (isinstance(by_rank, list) and len(by_rank) > 1 and all(map(names, by_rank))
+                                    and by_rank[0] == devices):
+        return (f"its rank_devices must be a list of every rank's devices (a non-empty list of device names each, "
+                f"rank 0's its devices); got {by_rank!r}")
     return None
 
 
@@ -1343,7 +1353,8 @@ def _resume_devices(cfg: dict, given: dict) -> list[str]:
     (--workers alone: the checkpoint's devices, cycled). Checked to exist here, before any work."""
     from .workers import parse_devices
 
-    saved, mode = list(cfg["devices"]), cfg["mode"]
+    saved, mode = _saved_devices(cfg, _launched()[0]), cfg["mode"]
+    cfg.pop("rank_devices", None)  # this run's own: gathered again under torchrun (_train), none in one process
     devices = saved
     if "devices" in given:
         devices = resolve_devices(given["devices"], given.get("workers"))
@@ -1362,6 +1373,17 @@ def _resume_devices(cfg: dict, given: dict) -> list[str]:
                f"a {mode} run resumes on the devices it trained on")
         raise UsageError(f"the resumed run's {exc} (it trained on {','.join(saved)}; {how})") from None
     return devices
+
+
+def _saved_devices(config: dict, rank: int) -> list[str] | None:
+    """The devices rank ``rank`` trained on in the run ``config`` saved: its own entry of the checkpoint's
+    ``rank_devices`` (Note [Each rank's devices in the checkpoint]), else the saved ``devices`` (rank 0's; a
+    checkpoint written before every rank's were saved, or a resume with more processes than the saved run had)."""
+    by_rank = config.get("rank_devices")
+    if isinstance(by_rank, list) and rank < len(by_rank):
+        return list(by_rank[rank])
+    devices = config.get("devices")
+    return list(devices) if devices else None
 
 
 def _check_resume_steps(cfg: dict, resumes: dict, per_epoch: int) -> None:
@@ -1493,6 +1515,8 @@ def _train(given: dict) -> int:
                                  f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within "
                                  f"{DIST_TIMEOUT_ENV}'s {_dist_timeout():g} s: {type(exc).__name__}: {first}") from None
     cfg, out, resumes, dataset = _on_every_rank(world, lambda: _checked(given, world), _compared)
+    if world > 1:
+        cfg["rank_devices"] = _every_rank_devices(cfg["devices"], world)
     if world > 1 and out is None:  # a new run's folder is rank 0's (a default one is named after the time)
         out = _agreed_out(Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"]), rank)
     out = _on_every_rank(world, lambda: _prepare_out(cfg, out, rank, resumed="resume" in given))
@@ -1531,7 +1555,22 @@ def _on_every_rank(world: int, check, compared=None):
 
 # Settings that may differ between the processes of one run under torchrun: each process's own devices and output
 # (and a hybrid run's micro-batches: _compared).
-_PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out")
+_PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out", "rank_devices")
+
+
+def _every_rank_devices(devices: list[str], world: int) -> list[list[str]]:
+    """Note [Each rank's devices in the checkpoint]
+    Under torchrun each rank trains on its own ``--devices``/``--workers``, and rank 0 alone writes the checkpoints.
+    So that a resume gives every rank back its own devices (not rank 0's: a pipeline stage would be refused or land
+    on rank 0's GPU, a hybrid rank would lose its other workers), every rank's devices are gathered once, after the
+    command lines were checked, and saved in the run's config as ``rank_devices`` (rank r's at index r; ``devices``
+    stays rank 0's). A resume takes its own entry (:func:`_saved_devices`), which ``--devices``/``--workers`` given
+    again still override as in one process; a resume in one process takes rank 0's and saves none."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, list(devices))
+    return gathered
 
 
 def _compared(checked) -> dict:

@@ -714,10 +714,17 @@ def test_the_printed_resume_command_pastes_into_a_shell(tmp_path, capsys):
     (lambda p: p["config"].update(data="imagenet"), "its data must be one of digits, tokens; got 'imagenet'"),
     (lambda p: p["config"].update(autocast="fp8"), "its autocast must be one of none, bf16, fp16; got 'fp8'"),
     (lambda p: p["config"].update(devices=5), "its devices must be a non-empty list of device names; got 5"),
+    (lambda p: p["config"].update(devices=["cpu"], rank_devices=[["cpu"]]), "its rank_devices must be a list of "
+     "every rank's devices (a non-empty list of device names each, rank 0's its devices); got [['cpu']]"),
+    (lambda p: p["config"].update(devices=["cpu"], rank_devices=[["cpu", "cpu"], ["cpu"]]),
+     "its rank_devices must be a list of every rank's devices"),
+    (lambda p: p["config"].update(devices=["cpu"], rank_devices=[["cpu"], []]),
+     "its rank_devices must be a list of every rank's devices"),
     (lambda p: p["config"].update(seed=None), "its seed must be set; got None"),
     (lambda p: p["config"].update(steps=None, epochs=None), "its steps or its epochs must be set; got None for both"),
 ], ids=["config-list", "no-devices", "step-str", "step-name", "batches-neg", "beyond", "elapsed-nan", "mode",
-        "batch-str", "hidden-0", "lr-neg", "accumulate-str", "data", "autocast", "devices-int", "seed-none",
+        "batch-str", "hidden-0", "lr-neg", "accumulate-str", "data", "autocast", "devices-int", "ranks-one",
+        "ranks-not-rank-0", "ranks-empty", "seed-none",
         "no-length"])
 def test_a_checkpoint_with_an_unusable_payload_is_a_clear_error(finished_run, tmp_path, capsys, edit, message):
     """A checkpoint whose hash is right but whose contents are not those of a train run (another writer, a hand
@@ -1289,6 +1296,37 @@ def test_under_torchrun_ranks_resuming_from_different_checkpoints_are_refused(tm
                                      for rank in (0, 1)])
     _refused_by_both(ended, "resumed at (step, batches, seconds): rank 0 has hybrid=(4, ")
     assert ckpt.latest(out / "checkpoints").name == "step-00000004.pyeckpt"  # nothing trained
+
+
+@pytest.mark.timeout(200)
+def test_under_torchrun_a_resume_gives_every_rank_its_own_devices(tmp_path):
+    """Note [Each rank's devices in the checkpoint]: rank 1 trained on 2 workers, rank 0 on 1. A resume without
+    --devices/--workers used to give rank 1 rank 0's one worker (the checkpoint held rank 0's devices alone); each
+    rank now resumes on its own, as every later checkpoint says. A resume in one process takes rank 0's and saves
+    no ranks'."""
+    out = tmp_path / "run"
+    ended, _ = _two_ranks(tmp_path, [[*SHORT[:4], "--devices", "cpu", "--workers", str(1 + rank), "--steps", "2",
+                                      "--quiet", *(["--out", str(out)] if rank == 0 else [])] for rank in (0, 1)])
+    assert [code for code, _ in ended] == [0, 0], ended
+    config = ckpt.load(ckpt.latest(out / "checkpoints"))["config"]
+    assert config["rank_devices"] == [["cpu"], ["cpu", "cpu"]] and config["devices"] == ["cpu"], config
+    ended, _ = _two_ranks(tmp_path, [["--resume", str(out), "--steps", "4", "--quiet"]] * 2)
+    assert [code for code, _ in ended] == [0, 0], ended
+    config = ckpt.load(ckpt.latest(out / "checkpoints"))["config"]
+    assert ckpt.step_of(ckpt.latest(out / "checkpoints")) == 4
+    assert config["rank_devices"] == [["cpu"], ["cpu", "cpu"]], config
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rank_devices"] == [["cpu"], ["cpu", "cpu"]] and summary["processes"] == 2, summary
+    # --workers given again on rank 1 alone still moves it (hybrid), and is what the next checkpoint holds
+    ended, _ = _two_ranks(tmp_path, [["--resume", str(out), "--steps", "5", "--quiet", *extra]
+                                     for extra in ([], ["--workers", "3"])])
+    assert [code for code, _ in ended] == [0, 0], ended
+    config = ckpt.load(ckpt.latest(out / "checkpoints"))["config"]
+    assert config["rank_devices"] == [["cpu"], ["cpu"] * 3], config
+    assert train("--resume", str(out), "--steps", "6", "--quiet") == 0
+    config = ckpt.load(ckpt.latest(out / "checkpoints"))["config"]
+    assert config["devices"] == ["cpu"] and "rank_devices" not in config, config
+    assert json.loads((out / "summary.json").read_text())["workers"] == 1
 
 
 _FAILING_RANK = """
