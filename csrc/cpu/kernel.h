@@ -45,7 +45,8 @@ constexpr int64_t kTile = 1024;
 // sum (L2-resident), so each pass reads 64 KiB runs of every stream rather than 4 KiB ones. Measured on one Zen 5
 // core, N = 32M (bench/cpu_kernel_ab.py, bench/RESULTS.md): G = 5 / 6 / 8 fp32 1.02 / 1.05 / 1.14x faster on 4 KiB
 // pages, 1.10 / 1.13 / 1.24x on 2 MiB pages; but G = 2 / 4 fp32 0.88 / 0.92x and bf16 (then a pass per gradient)
-// 0.61-0.74x, which keep kTile. Must divide kChunk (mean_grad_adamw.cpp).
+// 0.61-0.74x, which keep kTile. 16-bit runs summed in two passes (bf16 G = 12 / 16, Intel Xeon, prefetching form)
+// measured 0.97-0.98x with long tiles (2026-11-27): they keep kTile too. Must divide kChunk (mean_grad_adamw.cpp).
 constexpr int64_t kLongTile = 16 * kTile;
 
 struct KernelTable {
