@@ -64,7 +64,11 @@ class _BatchSource:
                     if self._fresh or (self._epochs is not None and self._epoch >= self._epochs):
                         self._done = True
                     else:
-                        self._it, self._fresh = iter(self._batches), True
+                        try:
+                            self._it, self._fresh = iter(self._batches), True
+                        except Exception as exc:  # a new epoch's iter() failed: the iterable's own error too
+                            self._done = True
+                            raise _AsItself(exc) from exc
                 except Exception as exc:  # the iterable's own error: fit raises it as itself
                     self._done = True
                     raise _AsItself(exc) from exc
@@ -106,6 +110,9 @@ class AsyncRun:
         self.finished = threading.Event()
         self.threads = {threading.get_ident()}  # the caller's: a lone CPU worker runs on it
         self.buffers: list | None = None
+        # a lone worker's torch generators as of its pull, while it computes (Note [A failed step leaves the
+        # generators alone], engine.py): put back when its push is not applied, read by state readers meanwhile
+        self.generators: tuple | None = None
         self.running: list[threading.Event] = []  # workers' done events, when fit raised with workers left running
 
 
@@ -186,6 +193,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         a step of sync and hybrid that raises for one keeps its statistics): its buffers stay."""
         if worker.index == engine.buffer_source:
             run.buffers = None  # its buffers are those of the push just made
+        run.generators = None  # and the draws of its forwards count
 
     def called_back(metrics) -> None:
         """Under the mutex, after a push: the callbacks, then whether the run is done. A callback's error ends the
@@ -209,6 +217,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 worker.rng.begin_step(engine._counters["pushes"])
             worker.pull(wait=True)
             k = minibatches_per_push(engine, engine.version)
+            run.generators = engine._global_generators()  # None unless the worker draws from torch's own
             saved = None
             if worker.index == engine.buffer_source:
                 saved = engine._snapshot_source_buffers({worker.index: None})
@@ -216,9 +225,13 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             return engine.version, engine.loss_scale_now(), time.perf_counter() - start, k, saved
 
     def unpushed(saved) -> None:
-        """The source replica's computation was not applied: its buffers go back to the copy (under the mutex)."""
+        """The source replica's computation was not applied: its buffers go back to the copy, and a lone worker's
+        draws are undone (under the mutex): the pushes after it draw what they would have had it never been tried."""
         if saved is not None:
             engine._restore_source_buffers(saved)
+        if run.generators is not None:
+            engine._set_global_generators(run.generators)
+            run.generators = None
 
     def loop(worker, own_thread=True):
         saved = None

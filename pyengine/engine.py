@@ -600,9 +600,13 @@ class Engine:
         back: Notes [A failed step leaves the generators alone] and [A failed step leaves the buffers alone]), and
         readers return those (the generators are taken also when the workers have their own generators, which their
         random modules' forwards swap into torch's for a while); at other times (an async fit's workers) torch's
-        generators are read under the swap's lock. The CPU and CUDA generator states (``{device index: state}``) as
-        of the last complete step."""
+        generators are read under the swap's lock, but a lone async worker's as its pull found them (under the mutex,
+        kept on the run). The CPU and CUDA generator states (``{device index: state}``) as of the last complete
+        step."""
         flight = self._in_flight
+        run = self._async_run
+        if flight is None and run is not None and run.generators is not None:
+            flight = run
         if flight is not None:
             cpu, cuda = flight.generators
             return cpu.clone(), {i: state.clone() for i, state in cuda}

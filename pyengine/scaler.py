@@ -15,7 +15,8 @@ of our own:
 - async: a push divides by the scale it was computed with (taken with its snapshot). A push computed at a scale
   above the current one that overflows was already answered by a backoff: it is skipped without another, so G
   workers overflowing together halve the scale once, not G times; a push at another scale than the current one does
-  not count towards growth.
+  not count towards growth. A push computed at a scale below the current one (it grew since the pull) that overflows
+  backs off from the scale it overflowed at, so the scale never lands back on one known to overflow.
 - async across processes: the coordinating server (rank 0) holds the scale that decides: a client computes with the
   scale that came with rank 0's snapshot and sends it with its push; the other servers divide their shards by it
   and skip exactly the pushes rank 0 skipped. Every rank gets rank 0's scaler state at the end of the run.
@@ -125,9 +126,13 @@ class LossScaler:
         if used > self.scale:  # answered by an earlier backoff (async: Note [Loss scaling])
             return True
         self.growth_tracker = 0
-        if self.scale <= self.min_scale:
+        # async: the scale may have grown since this push's pull; the backoff is from the scale that overflowed,
+        # so the new one is below it (Note [Loss scaling]). One scale in sync and hybrid: used == self.scale.
+        overflowed = min(self.scale, used)
+        if overflowed <= self.min_scale:
+            self.scale = self.min_scale
             return False
-        self.scale = max(_f32(self.scale * self.backoff_factor), self.min_scale)
+        self.scale = max(_f32(overflowed * self.backoff_factor), self.min_scale)
         return True
 
     def applied(self, used: float) -> None:

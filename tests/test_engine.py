@@ -1255,6 +1255,57 @@ def test_the_steps_after_a_failed_one_draw_as_if_it_had_never_been_tried(rng, mo
     assert all(torch.equal(weights[k], clean[k]) for k in clean)
 
 
+@pytest.mark.parametrize("interruption", ["failed", "stopped", "state-read"])
+def test_a_lone_async_workers_unapplied_push_leaves_the_generators_alone(rng, interruption):
+    """Note [A failed step leaves the generators alone] for async: a lone worker draws from torch's generators, and
+    its push that failed (a worker error), was discarded (engine.stop() while it computed) or during which the state
+    was read, left them advanced (or the read state held them advanced): the pushes after it drew other dropout
+    masks than a run that never tried it. As sync does, the run now draws as if it never had, and a state read
+    during a push resumes bit for bit."""
+    batches = make_batches(rng, 5, 12)
+    armed, mid = {"on": False}, {}
+
+    def interrupted_once(model, batch):
+        loss = loss_fn(model, batch)  # the forward, and its dropout draws, ran
+        if armed["on"]:
+            armed["on"] = False
+            if interruption == "failed":
+                raise RuntimeError("injected")
+            if interruption == "stopped":
+                mid["engine"].stop()
+            else:
+                mid["state"] = mid["engine"].state_dict()
+        return loss
+
+    def engine():
+        return Engine(make_model(dropout=0.3), interrupted_once, devices=["cpu"], mode="async", seed=3,
+                      optimizer=AdamW(**OPT))
+
+    with engine() as clean:
+        clean.fit(batches)
+        want = clean.master_state_dict()
+    with engine() as interrupted:
+        mid["engine"] = interrupted
+        interrupted.fit(batches[:2])
+        armed["on"] = True
+        if interruption == "failed":
+            with pytest.raises(WorkerError, match="injected"):
+                interrupted.fit(batches[2:])
+        else:
+            interrupted.fit(batches[2:])
+        if interruption == "state-read":
+            assert mid["state"]["version"] == 2
+            with engine() as resumed:
+                resumed.load_state_dict(mid["state"])
+                resumed.fit(batches[2:])
+                got = resumed.master_state_dict()
+        else:
+            assert interrupted.version == 2
+            interrupted.fit(batches[2:])
+            got = interrupted.master_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_no_push_is_applied_after_the_one_whose_callback_raised(rng):
     """Note [The push that ends a run]: the run stopped only after the failing push released the mutex, and the
     other worker, waiting on it, applied one more push (and the callbacks ran again): 1 run in 3 here. Several runs,
@@ -1291,6 +1342,30 @@ def test_an_error_of_the_batches_iterable_is_raised_as_itself(rng, mode, workers
         with pytest.raises(OSError, match="corrupt shard file"):
             engine.fit(loader())
         # async with 2 workers: the other's computation in flight when the loader failed may be discarded
+        assert engine.version == 3 if (mode, workers) != ("async", 2) else engine.version in (2, 3)
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 1), ("async", 1), ("async", 2)])
+def test_an_iterable_whose_next_epoch_cannot_start_is_raised_as_itself(rng, mode, workers):
+    """The error of a second ``iter(batches)`` (a dataset gone between epochs) ends fit as itself in every mode:
+    async raised it inside its end-of-epoch handler, where it escaped the wrapping that carries the iterable's
+    errors out of the worker, as a WorkerError naming a worker. The first epoch trained."""
+    batches = make_batches(rng, 3, 8)
+
+    class Vanishing:
+        def __init__(self):
+            self.epochs = 0
+
+        def __iter__(self):
+            self.epochs += 1
+            if self.epochs > 1:
+                raise OSError("the dataset went away")
+            return iter(batches)
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        with pytest.raises(OSError, match="the dataset went away"):
+            engine.fit(Vanishing(), epochs=2)
+        # async with 2 workers: the other's computation in flight when the iterable failed may be discarded
         assert engine.version == 3 if (mode, workers) != ("async", 2) else engine.version in (2, 3)
 
 

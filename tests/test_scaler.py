@@ -127,6 +127,15 @@ def test_min_scale_static_scale_and_stale_overflows():
     assert s.scale == 1.0 and s.growth_tracker == 0, "a step at another scale does not count towards growth"
     s.applied(1.0)
     assert s.scale == 2.0
+    # async: a push pulled at 4 overflows after another push's growth to 8: the backoff is from 4, not from 8 (it
+    # landed on 4 again, and the next push pulled at 4 that overflowed backed off a second time)
+    grown = LossScaler(init_scale=4.0, min_scale=1.0, growth_interval=1)
+    grown.applied(4.0)
+    assert grown.scale == 8.0
+    assert grown.overflow(4.0) and grown.scale == 2.0
+    assert grown.overflow(4.0) and grown.scale == 2.0, "the same overflowing scale: one backoff"
+    grown.applied(2.0)
+    assert grown.scale == 4.0 and not grown.overflow(1.0) and grown.scale == 1.0, "overflowed at min_scale"
     static = LossScaler(init_scale=8.0, dynamic=False)
     assert not static.overflow(8.0) and static.scale == 8.0
     static.applied(8.0)
