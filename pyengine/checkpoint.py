@@ -208,8 +208,9 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
     # Note [Every rank resumes its own counters]: an async run's ranks count different things (a client its own
     # pushes and refreshes, a server the pushes it applied), and a client's count seeds its next push's draws; rank
     # 0 writes the file, so every rank's counters travel in it, and load_state_dict takes its own rank's
-    payload["engine"]["ranks"] = distributed.all_gather_object(
-        {k: payload["engine"][k] for k in ("counters", "staleness")}, group, engine.collective_works)
+    with distributed.engine_exchange(engine, f"the exchange of the counters for checkpoint step {step}"):
+        payload["engine"]["ranks"] = distributed.all_gather_object(
+            {k: payload["engine"][k] for k in ("counters", "staleness")}, group, engine.collective_works)
 
     path, failure, error = path_for(directory, step), None, None
     if dist.get_rank(group) == 0:
@@ -217,7 +218,8 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
             path = save(directory, step, payload, keep=keep)
         except Exception as exc:  # noqa: BLE001 - shared with every rank below, then raised here too
             failure, error = f"{type(exc).__name__}: {exc}", exc
-    failure, written = distributed.broadcast_object((failure, str(path)), group, works=engine.collective_works)
+    with distributed.engine_exchange(engine, f"rank 0's word on its write of checkpoint step {step}"):
+        failure, written = distributed.broadcast_object((failure, str(path)), group, works=engine.collective_works)
     try:
         if failure is not None:
             raise CheckpointError(f"rank 0 could not write checkpoint {written}: {failure}") from error

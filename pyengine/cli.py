@@ -1494,7 +1494,7 @@ def _dist_timeout() -> float:
     return value
 
 
-_DIST_TIMEOUT_MAX_S = 7 * 24 * 3600  # far above any checkpoint write; a larger one overflowed timedelta or gloo
+_DIST_TIMEOUT_MAX_S = 7 * 24 * 3600  # distributed.MAX_TIMEOUT_S (read before torch is imported)
 
 
 def _train(given: dict) -> int:
@@ -1516,7 +1516,7 @@ def _train(given: dict) -> int:
                                  f"{DIST_TIMEOUT_ENV}'s {_dist_timeout():g} s: {type(exc).__name__}: {first}") from None
     cfg, out, resumes, dataset = _on_every_rank(world, lambda: _checked(given, world), _compared)
     if world > 1:
-        cfg["rank_devices"] = _every_rank_devices(cfg["devices"], world)
+        cfg["rank_devices"] = _every_rank_devices(cfg["devices"])
     if world > 1 and out is None:  # a new run's folder is rank 0's (a default one is named after the time)
         out = _agreed_out(Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"]), rank)
     out = _on_every_rank(world, lambda: _prepare_out(cfg, out, rank, resumed="resume" in given))
@@ -1558,7 +1558,7 @@ def _on_every_rank(world: int, check, compared=None):
 _PER_RANK = ("devices", "workers", "quiet", "log_every", "trace", "out", "rank_devices")
 
 
-def _every_rank_devices(devices: list[str], world: int) -> list[list[str]]:
+def _every_rank_devices(devices: list[str]) -> list[list[str]]:
     """Note [Each rank's devices in the checkpoint]
     Under torchrun each rank trains on its own ``--devices``/``--workers``, and rank 0 alone writes the checkpoints.
     So that a resume gives every rank back its own devices (not rank 0's: a pipeline stage would be refused or land
@@ -1568,9 +1568,9 @@ def _every_rank_devices(devices: list[str], world: int) -> list[list[str]]:
     again still override as in one process; a resume in one process takes rank 0's and saves none."""
     import torch.distributed as dist
 
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, list(devices))
-    return gathered
+    from . import distributed
+
+    return distributed.all_gather_object(list(devices), dist.group.WORLD)
 
 
 def _compared(checked) -> dict:

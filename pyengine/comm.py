@@ -342,9 +342,10 @@ def model_errors(samples, network: Network) -> list[float]:
 
 
 def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> float:
-    """Median seconds of one gloo ``all_reduce`` or ``broadcast`` (from rank 0) of ``nbytes`` of float32 in the
-    initialized torch.distributed group, after a warm-up; a barrier before each timed call. Every rank must call it
-    with the same arguments. ``nbytes``: an integer >= 4 (one float32); ``repeats``: an integer >= 1."""
+    """Median seconds of one gloo ``all_reduce`` or ``broadcast`` (from the group's first rank) of ``nbytes`` of
+    float32 in ``group`` (None: the initialized torch.distributed default group), after a warm-up; a barrier before
+    each timed call. Every rank of the group must call it with the same arguments. ``nbytes``: an integer >= 4 (one
+    float32); ``repeats``: an integer >= 1."""
     for name, value, least in (("nbytes", nbytes, 4), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"time_collective: {name} must be an integer >= {least}; got {type(value).__name__} "
@@ -362,7 +363,8 @@ def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> floa
 
     tensor = torch.ones(max(1, nbytes // 4))
     run = (lambda: run_kept(dist.all_reduce, tensor, group=group)) if op == "all_reduce" else \
-        (lambda: run_kept(dist.broadcast, tensor, src=0, group=group))
+        (lambda: run_kept(dist.broadcast, tensor, src=0 if group is None else dist.get_global_rank(group, 0),
+                          group=group))  # src is a global rank: the group's first
     run()
     times = []
     for _ in range(repeats):

@@ -85,7 +85,7 @@ from . import ops
 from .metrics import step_metrics
 from .scaler import grad_scale_tensor
 from .store import layout_of
-from .streamer import make_buckets
+from .streamer import _POLL_S, make_buckets
 from .workers import WorkerError, batch_size, split_batch, split_microbatches
 
 __all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "check_same_config",
@@ -97,14 +97,19 @@ class DistributedError(RuntimeError):
     """A collective or point-to-point exchange failed: a peer rank died, raised, or timed out."""
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a group's longest timeout: far above any checkpoint write (larger ones overflowed
+#                                timedelta or gloo)
+
+
 def init_process_group(backend: str = "gloo", timeout_s: float = 60.0, **kwargs) -> None:
     """``torch.distributed.init_process_group`` from the ``torchrun`` environment (MASTER_ADDR, MASTER_PORT, RANK,
     WORLD_SIZE), with a timeout that bounds every collective: a silent peer becomes an error after ``timeout_s``."""
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
     if missing and "init_method" not in kwargs:
         raise ValueError(f"init_process_group: the environment lacks {missing}; launch with torchrun or set them")
-    if not timeout_s > 0:
-        raise ValueError(f"init_process_group: timeout_s must be > 0; got {timeout_s}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"init_process_group: timeout_s must be a number of seconds > 0 and at most {MAX_TIMEOUT_S} "
+                         f"(a week); got {timeout_s!r}")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
 
@@ -394,24 +399,56 @@ def receive_rank0_state(model, held: dict, group, works, buffers: bool = True) -
     items = list(itertools.chain(frozen, model.named_buffers(remove_duplicate=False) if buffers else ()))
     if not items:
         return {}
-    spans, at = [], 0  # each tensor's bytes start on a 16-byte boundary: viewed back as its dtype in place
-    for _, t in items:
-        nbytes = t.numel() * t.element_size()
-        spans.append((at, nbytes))
-        at += -(-nbytes // 16) * 16
-    digests, flat = {}, torch.zeros(at, dtype=torch.uint8)
+    digests, flat = {}, packed_bytes([t for _, t in items])
     with torch.no_grad():
-        for (_, t), (start, nbytes) in zip(items, spans):
-            flat[start:start + nbytes] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         works.run(dist.broadcast, flat, src=dist.get_global_rank(group, 0), group=group)
-        for (name, t), (start, nbytes) in zip(items, spans):
-            received = flat[start:start + nbytes].view(t.dtype).view(t.shape)
+        for (name, _), received in zip(items, unpacked_bytes(flat, [t for _, t in items])):
             for mine in held.get(name, ()):
                 mine.copy_(received)
             if name in frozen_names:
                 digests.update(frozen_digests([(name, received)]))
     flat.set_()  # its storage goes now; the kept work holds the tensor object, not the storage
     return digests
+
+
+# Note [Tensors travel as bytes]
+# gloo refuses some dtypes (int16 and the float8 types among them: "Invalid scalar type"), which a model's frozen
+# parameters and buffers may have. What is only copied between ranks (not reduced) therefore travels as bytes: many
+# tensors packed into one flat uint8 buffer (one collective instead of one per tensor), or one contiguous CPU tensor
+# viewed as uint8 (as_bytes).
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes: a flat uint8 view of its storage (Note [Tensors travel as bytes])."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _byte_spans(tensors) -> tuple[list[tuple[int, int]], int]:
+    """Each tensor's (start, bytes) in one flat buffer, every start on a 16-byte boundary (so that its bytes are
+    viewed back as its dtype in place), and the buffer's length."""
+    spans, at = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        spans.append((at, nbytes))
+        at += -(-nbytes // 16) * 16
+    return spans, at
+
+
+def packed_bytes(tensors, fill: bool = True) -> torch.Tensor:
+    """One flat CPU uint8 buffer laid out for ``tensors`` (:func:`unpacked_bytes` views it back), holding their
+    bytes (``fill``), or to receive them (zeros). Note [Tensors travel as bytes]."""
+    spans, total = _byte_spans(tensors)
+    flat = torch.zeros(total, dtype=torch.uint8)
+    if fill:
+        with torch.no_grad():
+            for t, (start, nbytes) in zip(tensors, spans):
+                flat[start:start + nbytes] = as_bytes(t.detach().to("cpu").contiguous())
+    return flat
+
+
+def unpacked_bytes(flat: torch.Tensor, like) -> list[torch.Tensor]:
+    """Views of ``flat`` (:func:`packed_bytes` of tensors shaped as ``like``) as those tensors' dtypes and shapes."""
+    spans, _ = _byte_spans(like)
+    return [flat[start:start + nbytes].view(t.dtype).view(t.shape) for t, (start, nbytes) in zip(like, spans)]
 
 
 def replicas_held(engine) -> dict:
@@ -541,6 +578,23 @@ def _collective(what: str, rank: int, explain=None):
 # Every rank's tensor into one flat output: torch 2.14 deprecates all_gather_into_tensor (a FutureWarning) for
 # all_gather_single, which torch 2.11 lacks.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@contextlib.contextmanager
+def engine_exchange(engine, what: str):
+    """An exchange of ``engine``'s ranks outside its steps (a checkpoint's, :func:`pyengine.checkpoint.save_engine`)
+    as its steps' collectives are: refused once an earlier step broke the group, checked in as a phase (Note [Naming
+    the rank that failed]), a failed exchange raised as :class:`DistributedError` naming this rank, what failed and
+    what the rendezvous store tells (a peer that died: it was gloo's raw "Connection reset by peer")."""
+    naming = engine.dist if engine.dist is not None else engine.async_naming if engine.async_naming is not None \
+        else engine.pipeline if isinstance(engine.pipeline, _FailureNaming) else None
+    rank = dist.get_rank(engine.process_group)
+    if naming is not None:
+        if naming.broken:
+            raise DistributedError(f"rank {rank}: an earlier step failed; the group is no longer usable")
+        naming._enter(what)
+    with _collective(what, rank, naming._explain if naming is not None else None):
+        yield
 
 
 def _wait(work, what: str, rank: int, explain=None) -> None:
@@ -775,10 +829,15 @@ class DistributedHybrid(_FailureNaming):
         total = counts[:, 0].sum().item()
         weights = [n / total for n in sizes]
         scale = engine.loss_scale_now()  # the same on every rank: each applies the same admit_update decisions
-        self._share_buffers(engine)
-        works, errors = [], []
+        try:
+            self._share_buffers(engine)
+        except BaseException as exc:
+            self.broken = True
+            self._record_failure(exc)
+            raise
+        works, errors, abandoned = [], [], threading.Event()
         self.launched_at = []  # perf_counter of each bucket's allreduce launch (the reducer appends)
-        reducer = threading.Thread(target=self._reduce_buckets, args=(engine, weights, works, errors),
+        reducer = threading.Thread(target=self._reduce_buckets, args=(engine, weights, works, errors, abandoned),
                                    name="pyengine-reducer", daemon=True)
         reducer.start()
 
@@ -794,6 +853,7 @@ class DistributedHybrid(_FailureNaming):
         except BaseException as exc:
             self.broken = True  # Note [Collective order across threads]
             self._record_failure(exc)
+            abandoned.set()  # the reducer ends at its next look: a failed worker's buckets never come
             raise
         reducer.join()
         engine.begin_update()  # Note [A step's update under the mutex]
@@ -847,25 +907,34 @@ class DistributedHybrid(_FailureNaming):
                             overlapped_buckets=sum(t < workers_done for t in self.launched_at))
 
     def _share_buffers(self, engine) -> None:
-        """DDP's broadcast_buffers across ranks: rank 0's worker 0 buffers go to every replica of every rank."""
+        """DDP's broadcast_buffers across ranks: rank 0's worker 0 buffers go to every replica of every rank, as one
+        broadcast of their bytes (Note [Tensors travel as bytes]: an int16 or float8 buffer failed every step)."""
         if not engine.buffer_names:
             return
         named = dict(engine.workers[0].replica.named_buffers())
+        tensors = [named[name] for name in engine.buffer_names]
+        flat = packed_bytes(tensors, fill=self.rank == 0)
         with _collective("broadcast of the buffers from rank 0", self.rank, self._explain):
-            for name in engine.buffer_names:
-                self.works.run(dist.broadcast, named[name], src=dist.get_global_rank(self.group, 0), group=self.group)
+            self.works.run(dist.broadcast, flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if self.rank != 0:
+            with torch.no_grad():
+                for mine, received in zip(tensors, unpacked_bytes(flat, tensors)):
+                    mine.copy_(received)
         engine.share_buffers(range(engine.num_workers))
 
-    def _reduce_buckets(self, engine, weights, works, errors) -> None:
+    def _reduce_buckets(self, engine, weights, works, errors, abandoned: threading.Event) -> None:
         """Reducer thread: for each bucket in order, wait for it in every local slot, weighted local sum into the
-        reduce buffer (sharded: a ring buffer), launch its allreduce asynchronously."""
+        reduce buffer (sharded: a ring buffer), launch its allreduce asynchronously. Ends once ``abandoned`` is set
+        (a local worker failed: its buckets never come; it waited for good, holding the engine)."""
         store = engine.store
         slots = [store.grad_slot(w.index) for w in engine.workers]
         try:
             for bucket in self.buckets:
                 k, b, e = bucket.index, bucket.begin, bucket.end
                 for worker in engine.workers:
-                    worker.streamer.wait(k)
+                    while not worker.streamer.wait(k, timeout=_POLL_S):
+                        if abandoned.is_set():
+                            return
                 if self.shard_update:
                     if k >= 2:  # Note [Two reused bucket buffers]
                         self._finish_reduce(works, k - 2)

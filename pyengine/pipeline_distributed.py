@@ -37,7 +37,7 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import DistributedError, _collective, _FailureNaming, receive_rank0_state
+from .distributed import DistributedError, _collective, _FailureNaming, as_bytes, receive_rank0_state
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, owned_names,
                        partition, split_layers, stage_range, stage_store_names)
 from .workers import autocast as autocast_region
@@ -753,7 +753,7 @@ class DistributedPipeline(_FailureNaming):
             mine = buffers[name]
             if self.replica == 0 and exchanged is not mine:
                 exchanged.copy_(mine)
-            self.works.run(dist.broadcast, exchanged, src=source, group=self._dp_group)
+            self.works.run(dist.broadcast, as_bytes(exchanged), src=source, group=self._dp_group)
             if exchanged is not mine:
                 mine.copy_(exchanged)
 
@@ -827,7 +827,8 @@ class DistributedPipeline(_FailureNaming):
                         sending = src == dist.get_rank()
                         if sending and exchanged is not mine:
                             exchanged.copy_(mine)  # an own buffer goes through a CPU tensor of its own
-                        self.works.run(dist.broadcast, exchanged, src=src, group=self.group)
+                        # as bytes: Note [Tensors travel as bytes] (a CPU tensor of its own, contiguous)
+                        self.works.run(dist.broadcast, as_bytes(exchanged), src=src, group=self.group)
                         if not sending and exchanged is not mine:
                             mine.copy_(exchanged)  # a replica of the owning stage: replica 0's values
         except BaseException:

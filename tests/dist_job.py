@@ -8,6 +8,7 @@ every rank and in the test, so the test can rebuild the concatenated batches and
 import gc
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -275,14 +276,17 @@ def asynchronous(seed, rank, world, out_dir):
 
 
 def make_frozen_model(seed=0):
-    """make_model with its first Linear frozen (a pretrained layer, say), a frozen float8 parameter and an int16
-    non-persistent buffer (dtypes gloo does not broadcast: their bytes travel)."""
+    """make_model with its first Linear frozen (a pretrained layer, say), a frozen float8 parameter, an int16
+    non-persistent buffer and persistent int16 and float8 buffers (dtypes gloo does not broadcast: their bytes
+    travel, at the construction and at every step)."""
     model = make_model(seed)
     model[0].requires_grad_(False)
     torch.manual_seed(seed + 100)
     model[2].register_parameter("scale8", torch.nn.Parameter(torch.randn(5).to(torch.float8_e4m3fn),
                                                              requires_grad=False))
     model[2].register_buffer("codes", torch.randint(-300, 300, (3,), dtype=torch.int16), persistent=False)
+    model[2].register_buffer("levels", torch.randint(-300, 300, (4,), dtype=torch.int16))
+    model[2].register_buffer("levels8", torch.randn(2).to(torch.float8_e5m2))
     return model
 
 
@@ -294,7 +298,8 @@ def frozen_rank0(seed, rank, world):
 
     def frozen(engine):
         return [{**{n: p.detach().clone() for n, p in w.replica.named_parameters() if not p.requires_grad},
-                 "codes": w.replica[2].codes.clone()} for w in engine.workers]
+                 **{k: getattr(w.replica[2], k).clone() for k in ("codes", "levels", "levels8")}}
+                for w in engine.workers]
 
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):
@@ -487,10 +492,11 @@ def failure(seed, rank, world, how):
     return {}
 
 
-def death_between_steps(seed, rank, world, shard, dying):
+def death_between_steps(seed, rank, world, shard, dying, out_dir=None):
     """Rank ``dying`` exits (os._exit: no exception, nothing recorded) after its third hybrid step completed, before
     its fourth; the others (several buckets) must raise DistributedError naming it. With ``shard`` (the sharded
-    update) they first gather the optimizer state (a collective: a checkpoint between steps) and fail in it."""
+    update) they first gather the optimizer state (a collective: a checkpoint between steps) and fail in it; with
+    ``out_dir`` (replicated) they first save a checkpoint there (checkpoint.save_engine) and fail in it."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 50, 16)]
     with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
                          bucket_mb=0.0003, first_bucket_mb=0.0002, shard_update=shard) as engine:
@@ -499,6 +505,8 @@ def death_between_steps(seed, rank, world, shard, dying):
                 _exit_now()
             if i == 3 and shard:
                 engine.optimizer_state_dict()
+            if i == 3 and out_dir is not None:
+                checkpoint.save_engine(os.path.join(out_dir, "checkpoints"), 3, engine)
             engine.step(b)
     return {}
 
@@ -537,6 +545,36 @@ def failure_in_loss(seed, rank, world, how="raise"):
         for b in batches:
             engine.step(b)
     return {}
+
+
+def reducer_after_failure(seed, rank, world):
+    """Rank 1's loss raises in one of its two local workers at its second step. Its reducer thread waited for that
+    worker's buckets for good, holding the engine (store, workers, group) until close(); it now ends by itself.
+    Each rank reports its step's error and the reducer threads still alive up to 5 s after it, before close()."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
+    calls = []
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            raise RuntimeError("injected")
+        return loss_fn(model, batch)
+
+    def reducers():
+        return [t.name for t in threading.enumerate() if t.name == "pyengine-reducer"]
+
+    with pyengine.Engine(make_model(), failing_loss, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        error = None
+        try:
+            for b in batches:
+                engine.step(b)
+        except Exception as exc:  # noqa: BLE001 - reported
+            error = type(exc).__name__
+        deadline = time.monotonic() + 5.0
+        while reducers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"error": error, "reducers": reducers()}
 
 
 def bad_local_batch(seed, rank, world):
@@ -845,9 +883,10 @@ def main():
                     for k in (1, 2)},
                  **{f"death-{name}-{d}": lambda s, r, w, shard=shard, d=d: death_between_steps(s, r, w, shard, d)
                     for name, shard in (("replicated", False), ("sharded", True)) for d in (0, 1)},
+                 "death-checkpoint-1": lambda s, r, w: death_between_steps(s, r, w, False, 1, out_dir),
                  "kept-works": lambda s, r, w: kept_works(s, r, w, out_dir),
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
-                 "overlap": overlap, "bad-local-batch": bad_local_batch, "mismatch": mismatch, "dropout-resume": dropout_resume,
+                 "overlap": overlap, "bad-local-batch": bad_local_batch, "reducer-after-failure": reducer_after_failure, "mismatch": mismatch, "dropout-resume": dropout_resume,
                  "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,
                  "shard-one-rank": shard_one_rank,
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),

@@ -330,6 +330,34 @@ def test_plot_and_curve_take_node_counts_from_a_generator(tmp_path):
     assert (tmp_path / "e.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_time_collective_broadcasts_from_a_subgroups_first_rank(tmp_path):
+    """A broadcast timed in a group without global rank 0 was sent from global rank 0 ("Global rank 0 is not part
+    of group"): it now comes from the group's first rank. 3 gloo ranks in child processes, a group of ranks 1, 2."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, torch, torch.distributed as dist
+from pyengine import comm
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://{tmp_path}/init", rank=rank, world_size=3)
+pair = dist.new_group([1, 2])
+if rank > 0:
+    print(comm.time_collective("broadcast", 64, repeats=2, group=pair) > 0)
+dist.destroy_process_group()
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in range(3)]
+    try:
+        ended = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in ended]
+    assert [out.split() for out, _ in ended] == [[], ["True"], ["True"]], ended
+
+
 def test_time_collective_gives_its_buffer_back(tmp_path):
     """Its works are kept (Note [Gloo's works are released by the thread that waits]), and each holds the timed
     tensor: that kept nbytes alive per call, for 256 later collectives (or for good at exit). The buffer's memory

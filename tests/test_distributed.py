@@ -16,7 +16,7 @@ import torch
 import dist_job
 import pyengine
 from conftest import fresh_seed
-from pyengine import checkpoint, distributed
+from pyengine import checkpoint, cli, distributed
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "dist_job.py"
@@ -235,29 +235,32 @@ def test_hybrid_fp16_loss_scaling_equals_grad_scaler(tmp_path, seed):
 @pytest.mark.timeout(120)
 def test_hybrid_and_async_ranks_take_rank_0s_frozen_parameters(tmp_path, seed):
     """Note [Every rank starts from rank 0's model]: ranks build a model with a frozen layer, a frozen float8
-    parameter and an int16 buffer from different seeds; every replica of every rank holds rank 0's from the
+    parameter and int16 / float8 buffers from different seeds; every replica of every rank holds rank 0's from the
     construction on, and keeps them through the steps (before, each hybrid and async rank trained on its own frozen
-    layer); an async client keeps its own buffer."""
+    layer; a persistent int16 or float8 buffer failed every hybrid step: gloo refuses their dtypes); an async client
+    keeps its own buffers."""
     world = 2
     codes, logs, _ = launch("frozen-rank0", world, tmp_path, seed, timeout=90.0)
     assert codes == [0] * world, "\n".join(logs)
     ranks = results(tmp_path, world)
     def frozen(seed):
         model = dist_job.make_frozen_model(seed=seed)
-        return {**{n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}, "codes": model[2].codes}
+        return {**{n: p.detach() for n, p in model.named_parameters() if not p.requires_grad},
+                **{k: getattr(model[2], k) for k in ("codes", "levels", "levels8")}}
 
     def same(a, b):  # float8 has no equality kernel: its bytes
         return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
     expected, mine = frozen(0), frozen(1)
-    assert set(expected) == {"0.weight", "0.bias", "2.scale8", "codes"}
+    assert set(expected) == {"0.weight", "0.bias", "2.scale8", "codes", "levels", "levels8"}
     assert not any(same(expected[n], mine[n]) for n in expected)
     for kind, copies in (("replicated", 4), ("sharded", 4), ("async", 1)):
         for r, rank in enumerate(ranks):
             assert len(rank[kind]["frozen"]) == copies, (kind, r)
             for held in rank[kind]["frozen"]:
                 buffer_kept = kind == "async" and r == 1  # an async client's buffers are its own
-                want = dict(expected, codes=mine["codes"]) if buffer_kept else expected
+                want = dict(expected, **{k: mine[k] for k in ("codes", "levels", "levels8")}) if buffer_kept \
+                    else expected
                 assert held.keys() == want.keys() and all(same(held[n], want[n]) for n in held), (kind, r)
         assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
 
@@ -575,6 +578,12 @@ def test_option_errors():
             distributed.init_process_group()
         finally:
             os.environ.update(env)
+    # a timeout the group cannot take: one clear error, before any rendezvous (it was an OverflowError, gloo's
+    # "Invalid timeout" or a TypeError)
+    for bad in (float("inf"), float("nan"), 1e13, "60", True, 0, -1.0):
+        with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0 and at most 604800"):
+            distributed.init_process_group(timeout_s=bad, init_method="file:///nonexistent/never-used")
+    assert distributed.MAX_TIMEOUT_S == cli._DIST_TIMEOUT_MAX_S
 
 
 @pytest.mark.timeout(60)
@@ -819,6 +828,17 @@ def test_a_hybrid_rank_whose_loss_raises_mid_step_ends_the_others_with_an_error_
 
 
 @pytest.mark.timeout(120)
+def test_a_failed_hybrid_step_leaves_no_reducer_waiting(tmp_path, seed):
+    """A local worker's failure mid-step: the reducer thread, waiting for that worker's buckets, waited for good and
+    held the engine until close(); it now ends by itself, on the failed rank and on the one its failure ended."""
+    codes, logs, _ = launch("reducer-after-failure", 2, tmp_path, seed, timeout=60.0, grace=15.0)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    assert [r["error"] for r in ranks] == ["DistributedError", "WorkerError"], ranks
+    assert [r["reducers"] for r in ranks] == [[], []], ranks
+
+
+@pytest.mark.timeout(120)
 def test_a_bad_local_batch_breaks_the_group_and_is_named(tmp_path, seed):
     """A rank whose own batch is refused (fewer samples than its workers) fails its step like any other error: the
     others name its error, and its next step refuses instead of pairing with the others' earlier collectives."""
@@ -846,16 +866,17 @@ def test_hybrid_allreduce_of_early_buckets_overlaps_backward(tmp_path, seed):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
-def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, seed, shard):
+@pytest.mark.parametrize("kind", ["replicated", "sharded", "checkpoint"])
+def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, seed, kind):
     """Rank 1 of 3 exits (os._exit: no exception, nothing recorded) after its third step; ranks 0 and 2 are in the
-    fourth step's first collective (sharded: in a gather of the optimizer state first, as a checkpoint would). They
-    must raise DistributedError naming rank 1 from the ranks' check-ins, and saying which ranks did reach that phase
-    (Note [Naming a rank that died between steps]), on the closed connection, long before the group's timeout."""
-    codes, logs, _ = launch(f"death-{'sharded' if shard else 'replicated'}-1", 3, tmp_path, seed, timeout=50.0,
-                            pg_timeout=60.0, grace=15.0)
+    fourth step's first collective (sharded: in a gather of the optimizer state first, as a checkpoint would;
+    checkpoint: in checkpoint.save_engine's exchanges, which raised gloo's bare RuntimeError). They must raise
+    DistributedError naming rank 1 from the ranks' check-ins, and saying which ranks did reach that phase (Note
+    [Naming a rank that died between steps]), on the closed connection, long before the group's timeout."""
+    codes, logs, _ = launch(f"death-{kind}-1", 3, tmp_path, seed, timeout=50.0, pg_timeout=60.0, grace=15.0)
     assert codes[1] == 17, logs[1]
-    phase = "the gather of the optimizer state after step 3" if shard else "step 4"
+    phase = {"replicated": "step 4", "sharded": "the gather of the optimizer state after step 3",
+             "checkpoint": "the exchange of the counters for checkpoint step 3"}[kind]
     for r, error in survivor_errors(codes, logs, (0, 2)):
         assert re.search(rf"; rank 1 never reached {phase} \(ranks 0, 2 did; this rank waited [0-9.]+ s after "
                          r"reaching it\): it died, exited, raised or hangs before it; see its log$", error), error

@@ -1427,8 +1427,9 @@ def test_a_stage_without_parameters_is_the_same_error_on_every_rank(tmp_path):
 
 
 def frozen_bn_model(seed):
-    """Stage 1 (of balance [2, 4]) holds a frozen Linear and a BatchNorm with statistics away from their init: state
-    that is not in the host store."""
+    """Stage 1 (of balance [2, 4]) holds a frozen Linear, a BatchNorm with statistics away from their init and an
+    int16 buffer (a dtype gloo does not broadcast: Note [Tensors travel as bytes]): state that is not in the host
+    store."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
                                 torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -1436,6 +1437,7 @@ def frozen_bn_model(seed):
     with torch.no_grad():
         model[3].running_mean.normal_()
         model[3].running_var.uniform_(0.5, 2.0)
+    model[2].register_buffer("levels", torch.randint(-300, 300, (5,), dtype=torch.int16))
     return model
 
 
