@@ -1214,8 +1214,9 @@ class AsyncServer:
     So every rank but the hung one raises within about 2 T naming it; the hung rank goes on hanging.
     """
 
-    def __init__(self, engine, group, servers: int, steps, callbacks, rendezvous: _Rendezvous):
+    def __init__(self, engine, group, servers: int, steps, callbacks, rendezvous: _Rendezvous, run=None):
         self.engine, self.group, self.servers, self.callbacks = engine, group, servers, callbacks
+        self.run_threads = run.threads if run is not None else set()  # Note [Closing a multi-node async run]
         self.rendezvous, self.timeout_s = rendezvous, _group_timeout(group)
         self.rank = dist.get_rank(group)
         self.span = shard_spans(engine.store.numel, servers)[self.rank]
@@ -1278,6 +1279,7 @@ class AsyncServer:
             self._fail(client, str(exc), cause=cause, consequence=_timed_out(cause))
 
     def _guarded(self, serve, client: int) -> None:
+        self.run_threads.add(threading.get_ident())  # a callback's close() here must not wait for this thread
         try:
             serve(client)
         except _ExchangeFailed as exc:
@@ -1364,7 +1366,7 @@ class AsyncServer:
             engine._record(metrics)
             for callback in self.callbacks:
                 callback(engine, metrics)
-            if self.rank == 0 and (engine.stop_requested or
+            if self.rank == 0 and (engine.stop_requested or engine._closed or
                                    self.last_push is not None and engine.stats()["pushes"] >= self.last_push):
                 self.stop.set()
         return _GO, staleness, step
@@ -1523,7 +1525,7 @@ class _AsyncClient:
                 _, minibatches = source.take(minibatches_per_push(engine, pulled))
             else:
                 engine.count("refreshes")
-            if not minibatches:
+            if not minibatches or engine.stop_requested or engine._closed:  # Note [Closing a multi-node async run]
                 self._tell_waiting(_DONE)
                 return
             for worker in engine.workers:
@@ -1683,13 +1685,33 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
     Collectives at both ends: rank 0's store (weights, Adam state, version) goes to every rank first, and at the end
     every server's shard goes to every rank, so after a complete run every rank's store holds the result. After a
     failure every rank raises :class:`DistributedError` and the servers' shards may differ by the pushes in flight."""
-    numel = engine.store.numel
-    naming = engine.async_naming
-    naming.start_run()
-    _share_store(engine, group, [(0, 0, numel)], naming._explain)
-    rendezvous = _Rendezvous(group, "async")  # Note [A timeout names the rank that hangs]
-    if dist.get_rank(group) < servers:
-        AsyncServer(engine, group, servers, steps, callbacks, rendezvous).run()
-    else:
-        _AsyncClient(engine, group, servers, rendezvous).run(batches, epochs)
-    _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
+    from .asynchronous import AsyncRun, _closed_during_fit, _end
+
+    # Note [Closing a multi-node async run]
+    # close() from another thread (or a callback) while this runs must neither return at once while the pushes go on
+    # being applied nor close the workers' transfers under a computing client (which failed the whole run as this
+    # rank's error). So the run is registered as a one-process run is (engine._async_run): close() marks the engine
+    # closed, then waits for this function to return before it closes the workers (not from a thread of the run: a
+    # server's threads run the callbacks). Marked closed, rank 0 stops the run after the push being applied (as
+    # stop() does there); a client ends its part after its current push (as when its batches run out; stop() on a
+    # client does the same); another server serves on until rank 0 ends the run. The run then ends as usual (every
+    # rank's store holds the result) and fit raises RuntimeError on the closed rank.
+    run = AsyncRun()
+    with engine.mutex:
+        engine._check_open()
+        engine._async_run = run
+    try:
+        numel = engine.store.numel
+        naming = engine.async_naming
+        naming.start_run()
+        _share_store(engine, group, [(0, 0, numel)], naming._explain)
+        rendezvous = _Rendezvous(group, "async")  # Note [A timeout names the rank that hangs]
+        if dist.get_rank(group) < servers:
+            AsyncServer(engine, group, servers, steps, callbacks, rendezvous, run).run()
+        else:
+            _AsyncClient(engine, group, servers, rendezvous).run(batches, epochs)
+        _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
+    finally:
+        _end(engine, run)
+    if engine._closed:
+        raise _closed_during_fit()

@@ -275,6 +275,55 @@ def asynchronous(seed, rank, world, out_dir):
         return out
 
 
+def async_close(seed, rank, world, who):
+    """Note [Closing a multi-node async run]: rank 0 serves, rank 1 pushes (200 mini-batches, steps=200); ``who``
+    closes the engine during fit: "server" (rank 0, from another thread after push 5), "callback" (rank 0's
+    callback at push 5) or "client" (rank 1, from another thread after its push 5). Records what fit raised, the
+    pushes counted, and whether close() returned only after fit had ended."""
+    batches = [client_batch(seed, rank, i % 4) for i in range(200)] if rank else []
+    closing_rank = 1 if who == "client" else 0
+    fifth, times = threading.Event(), {}
+
+    def slow_loss(model, batch):
+        time.sleep(0.005)
+        return loss_fn(model, batch)
+
+    def counted(engine, metrics):
+        if engine.stats()["pushes"] == 5:
+            if who == "callback":
+                engine.close()
+            fifth.set()
+
+    engine = pyengine.Engine(make_model(), slow_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                             pin=False)
+
+    def closer():
+        if who == "client":  # no callbacks on a client: its own count of pushes sent
+            while engine.stats()["pushes"] < 5:
+                time.sleep(0.01)
+        else:
+            fifth.wait(60)
+        engine.close()
+        times["closed"] = time.monotonic()
+
+    thread = None
+    if who != "callback" and rank == closing_rank:
+        thread = threading.Thread(target=closer)
+        thread.start()
+    error = None
+    try:
+        engine.fit(batches, steps=200, callbacks=[counted] if rank == 0 else [])
+    except Exception as exc:  # noqa: BLE001 - reported
+        error = f"{type(exc).__name__}: {exc}"
+    times["fit"] = time.monotonic()
+    if thread is not None:
+        thread.join(60)
+    pushes = engine.stats()["pushes"]
+    engine.close()
+    return {"error": error, "pushes": pushes,
+            "close_after_fit": times["closed"] >= times["fit"] if "closed" in times else None}
+
+
 def make_frozen_model(seed=0):
     """make_model with its first Linear frozen (a pretrained layer, say), a frozen float8 parameter, an int16
     non-persistent buffer and persistent int16 and float8 buffers (dtypes gloo does not broadcast: their bytes
@@ -894,6 +943,8 @@ def main():
                     for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
                  "low-precision": low_precision, "low-precision-async": low_precision_async,
                  "frozen-rank0": frozen_rank0,
+                 **{f"async-close-{who}": lambda s, r, w, who=who: async_close(s, r, w, who)
+                    for who in ("server", "callback", "client")},
                  "async-fp16": async_fp16, "async-accumulate": async_accumulate,
                  **{f"failure-{how}": lambda s, r, w, how=how: failure(s, r, w, how)
                     for how in ("exit", "raise", "hang")}}

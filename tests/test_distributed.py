@@ -839,6 +839,27 @@ def test_a_failed_hybrid_step_leaves_no_reducer_waiting(tmp_path, seed):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("who", ["server", "callback", "client"])
+def test_closing_a_multi_node_async_run_ends_it_cleanly(tmp_path, seed, who):
+    """Note [Closing a multi-node async run]: close() on rank 0 during fit (another thread, or a callback) returned at
+    once while the pushes went on to the last, and fit returned normally; on a client it closed the transfers under
+    its worker and failed the run on every rank as that rank's error. Now rank 0's close stops the run after the push
+    being applied (a callback's: exactly 5 pushes), a client's ends its part, close() returns after that rank's fit
+    ended, and the closed rank's fit raises RuntimeError while the other ends normally."""
+    codes, logs, _ = launch(f"async-close-{who}", 2, tmp_path, seed, timeout=90.0, grace=15.0)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    closed = 1 if who == "client" else 0
+    assert ranks[closed]["error"].startswith("RuntimeError: this Engine was closed while fit() was running"), ranks
+    assert ranks[1 - closed]["error"] is None, ranks
+    if who == "callback":
+        assert ranks[0]["pushes"] == 5, ranks
+    else:
+        assert ranks[closed]["close_after_fit"] is True, ranks
+        assert 5 <= ranks[0]["pushes"] < 200, ranks
+
+
+@pytest.mark.timeout(120)
 def test_a_bad_local_batch_breaks_the_group_and_is_named(tmp_path, seed):
     """A rank whose own batch is refused (fewer samples than its workers) fails its step like any other error: the
     others name its error, and its next step refuses instead of pairing with the others' earlier collectives."""
