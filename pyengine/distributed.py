@@ -1290,8 +1290,8 @@ class AsyncServer:
     def _coordinate(self, client: int) -> None:
         """Rank 0's thread for ``client``: steps 2-4 of Note [Multi-node async exchange]."""
         header = torch.zeros(_CLIENT_HEADER, dtype=torch.float64)
-        grad = torch.zeros(self.engine.store.numel)
         lo, hi = self.span
+        grad = torch.zeros(hi - lo)  # this server's shard of a push (a whole store's per client before)
         status, last_applied, staleness = _GO, 0, 0
         while True:
             if self.servers > 1 and not self._receive(header, client, expect=(_PULL,)):
@@ -1300,7 +1300,7 @@ class AsyncServer:
                 return
             if not self._receive(header, client, expect=(_PUSH,)):
                 return
-            self._exchange(dist.recv, grad[lo:hi], client, "receive of a gradient from")
+            self._exchange(dist.recv, grad, client, "receive of a gradient from")
             status, staleness, step = self._apply(client, grad, header)
             if status == _GO:
                 last_applied = int(header[1].item())
@@ -1317,15 +1317,15 @@ class AsyncServer:
     def _serve_shard(self, client: int) -> None:
         """The thread of a server s >= 1 for ``client``: step 1, then apply what the client COMMITs."""
         header = torch.zeros(_CLIENT_HEADER, dtype=torch.float64)
-        grad = torch.zeros(self.engine.store.numel)
         lo, hi = self.span
+        grad = torch.zeros(hi - lo)  # this server's shard of a push
         while True:
             if self._send_header(client, _GO, 0, 0, weights=True) == _ABORT:
                 return
             if not self._receive(header, client, expect=(_COMMIT, _DROP)):
                 return
             if header[0].item() == _COMMIT:
-                self._exchange(dist.recv, grad[lo:hi], client, "receive of a gradient from")
+                self._exchange(dist.recv, grad, client, "receive of a gradient from")
                 self._apply(client, grad, header, staleness=int(header[7].item()), step=int(header[8].item()))
 
     def _apply(self, client: int, grad: torch.Tensor, header: torch.Tensor, staleness: int | None = None,
@@ -1471,8 +1471,8 @@ class _AsyncClient:
     hybrid), push each server its shard of the gradient; until STOP or no data (Note [Multi-node async exchange]).
     """
 
-    def __init__(self, engine, group, servers: int, rendezvous: _Rendezvous):
-        self.engine, self.group, self.servers = engine, group, servers
+    def __init__(self, engine, group, servers: int, rendezvous: _Rendezvous, callbacks=()):
+        self.engine, self.group, self.servers, self.callbacks = engine, group, servers, callbacks
         self.rendezvous, self.timeout_s = rendezvous, _group_timeout(group)
         self.rank = dist.get_rank(group)
         self.spans = shard_spans(engine.store.numel, servers)
@@ -1597,8 +1597,10 @@ class _AsyncClient:
         # which keep_history may have emptied
         if server == 0 and applied and self.acknowledged != applied:
             self.acknowledged = applied
-            self.engine._record(dict(push_id=int(applied), rank=self.rank, applied=True,
-                                     version_at_pull=self.sent_at))
+            metrics = dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at)
+            self.engine._record(metrics)
+            for callback in self.callbacks:  # its error is this rank's: the servers are told, fit raises it
+                callback(self.engine, metrics)
         return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text), scale or None
 
     def _receive_state(self, server: int) -> tuple[float, int, float | None]:
@@ -1709,7 +1711,7 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
         if dist.get_rank(group) < servers:
             AsyncServer(engine, group, servers, steps, callbacks, rendezvous, run).run()
         else:
-            _AsyncClient(engine, group, servers, rendezvous).run(batches, epochs)
+            _AsyncClient(engine, group, servers, rendezvous, callbacks).run(batches, epochs)
         _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
     finally:
         _end(engine, run)

@@ -1163,7 +1163,7 @@ class Engine:
 
     def update_range(self, begin: int, end: int, slots: list[torch.Tensor], weights: list[float] | None,
                      norm: torch.Tensor, lr_divisor: float = 1.0, step: int | None = None,
-                     loss_scale: float | None = None) -> None:
+                     loss_scale: float | None = None, first: int = 0) -> None:
         """The fused mean-gradient AdamW over elements ``[begin, end)`` of the store at step ``version`` (or
         ``step``: a multi-node async server applies a push with the coordinating server's step).
 
@@ -1171,7 +1171,8 @@ class Engine:
         used when the optimizer clips; the lr is :meth:`lr_at` the step, divided by ``lr_divisor`` (async's
         ``staleness_lr="inverse"``: 1 + staleness); ``loss_scale``: the scale the gradients were computed with, which
         the kernel divides out (and out of the norm). Elementwise, so updating the store range by range gives the
-        same bits as one call over all of it.
+        same bits as one call over all of it. ``first``: the store element at which ``slots`` begin (0: full slots;
+        a multi-node async server's gradient holds its shard only).
         """
         store, opt = self.store, self.optimizer
         clip = opt.max_grad_norm or 0.0
@@ -1193,18 +1194,18 @@ class Engine:
                 if not spans:
                     continue
 
-                def parts(t):
-                    return [] if t is None else [t[lo:hi] for lo, hi in spans]
+                def parts(t, at=0):
+                    return [] if t is None else [t[lo - at:hi - at] for lo, hi in spans]
 
                 torch.ops.pyengine.mean_grad_adamw_multi_.default(
                     parts(store.param), parts(store.exp_avg), parts(store.exp_avg_sq),
-                    [p for slot in slots for p in parts(slot)], **kwargs, step=step,
+                    [p for slot in slots for p in parts(slot, first)], **kwargs, step=step,
                     max_exp_avg_sqs=parts(store.max_exp_avg_sq), grad_scale=grad_scale, found_inf=None, weights=weights,
                     param_outs=parts(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
             return
         torch.ops.pyengine.mean_grad_adamw_.default(
             store.param[begin:end], store.exp_avg[begin:end], store.exp_avg_sq[begin:end],
-            [slot[begin:end] for slot in slots], **opt.kernel_kwargs(lr), step=step,
+            [slot[begin - first:end - first] for slot in slots], **opt.kernel_kwargs(lr), step=step,
             max_exp_avg_sq=part(store.max_exp_avg_sq), grad_scale=grad_scale, found_inf=None, weights=weights,
             param_out=part(store.shadow), grad_norm=norm if clip else None, max_grad_norm=float(clip))
 
@@ -1217,7 +1218,7 @@ class Engine:
         (or ``grads``) with the staleness policy's lr, and ``(applied, staleness)`` is returned.
 
         Multi-node async servers (:mod:`pyengine.distributed`) pass ``span=(begin, end)``, their shard of the store,
-        with ``norm=(norm, nonfinite)`` of the whole pushed gradient, so that every shard clips and skips alike;
+        and ``grads`` of that shard only, with ``norm=(norm, nonfinite)`` of the whole pushed gradient, so that every shard clips and skips alike;
         ``staleness``, when given, is the coordinating server's admission decision (no refresh check here), and
         ``step`` its Adam step for this push (bias correction; default: this engine's ``version`` after the push).
         ``loss_scale``: the scale the push was computed with (taken with its snapshot).
@@ -1236,7 +1237,8 @@ class Engine:
         else:
             applied = self.admit_update(norm[1], workers, step, loss_scale=loss_scale, decided=decided)
             if applied:
-                self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step, loss_scale=loss_scale)
+                self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step, loss_scale=loss_scale,
+                                  first=span[0])
         return applied, staleness
 
     def check_update(self, step: int) -> None:

@@ -324,6 +324,25 @@ def async_close(seed, rank, world, who):
             "close_after_fit": times["closed"] >= times["fit"] if "closed" in times else None}
 
 
+def async_client_callback(seed, rank, world):
+    """Rank 0 serves, rank 1 pushes with a callback that stops it after rank 0 applied its third push (a client's
+    callbacks were never called). Records the pushes each rank's callbacks saw and the pushes rank 0 applied."""
+    batches = [client_batch(seed, rank, i % 4) for i in range(50)] if rank else []
+    seen = []
+
+    def callback(engine, metrics):
+        seen.append(metrics["push_id"] if rank else engine.stats()["pushes"])
+        if rank and metrics["push_id"] == 3:
+            engine.stop()
+
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rank 0: the batches ran out (the client stopped) before 50 pushes
+            engine.fit(batches, steps=50, callbacks=[callback])
+        return {"seen": seen, "pushes": engine.stats()["pushes"]}
+
+
 def make_frozen_model(seed=0):
     """make_model with its first Linear frozen (a pretrained layer, say), a frozen float8 parameter, an int16
     non-persistent buffer and persistent int16 and float8 buffers (dtypes gloo does not broadcast: their bytes
@@ -942,7 +961,7 @@ def main():
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
                  "low-precision": low_precision, "low-precision-async": low_precision_async,
-                 "frozen-rank0": frozen_rank0,
+                 "frozen-rank0": frozen_rank0, "async-client-callback": async_client_callback,
                  **{f"async-close-{who}": lambda s, r, w, who=who: async_close(s, r, w, who)
                     for who in ("server", "callback", "client")},
                  "async-fp16": async_fp16, "async-accumulate": async_accumulate,

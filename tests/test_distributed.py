@@ -860,6 +860,17 @@ def test_closing_a_multi_node_async_run_ends_it_cleanly(tmp_path, seed, who):
 
 
 @pytest.mark.timeout(120)
+def test_a_multi_node_async_clients_callbacks_see_its_applied_pushes_and_may_stop_it(tmp_path, seed):
+    """fit(callbacks=...) on a client was silently ignored: its callbacks now get each of its pushes that rank 0
+    applied, and a stop() there ends the client's pushes (rank 0 applied exactly 3, then the run ended)."""
+    codes, logs, _ = launch("async-client-callback", 2, tmp_path, seed, timeout=60.0, grace=15.0)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    assert ranks[1]["seen"] == [1, 2, 3], ranks
+    assert ranks[0]["seen"] == [1, 2, 3] and ranks[0]["pushes"] == 3, ranks
+
+
+@pytest.mark.timeout(120)
 def test_a_bad_local_batch_breaks_the_group_and_is_named(tmp_path, seed):
     """A rank whose own batch is refused (fewer samples than its workers) fails its step like any other error: the
     others name its error, and its next step refuses instead of pairing with the others' earlier collectives."""

@@ -1306,6 +1306,28 @@ def test_a_lone_async_workers_unapplied_push_leaves_the_generators_alone(rng, in
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("no_decay", [(), ("bias",)], ids=["one-call", "decay-runs"])
+def test_update_range_from_a_shard_sized_gradient_equals_the_full_slot(rng, no_decay):
+    """A multi-node async server receives only its shard of a push (it held a whole store's gradient per client):
+    update_range(first=begin) over a shard-sized gradient gives the bits of the update from the full slot, on both
+    of its paths (one call; one call per weight decay)."""
+    def updated(shard: bool):
+        with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT, no_decay=no_decay),
+                    pin=False) as engine:
+            numel = engine.store.numel
+            begin, end = numel // 3, numel - 5
+            grad = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+            engine.admit_update(False, [])
+            engine.update_range(begin, end, [grad[begin:end].clone() if shard else grad], None,
+                                torch.tensor(1.0), first=begin if shard else 0)
+            return engine.store.param.clone(), engine.store.exp_avg_sq.clone(), begin, end
+
+    (full, full_v, begin, end), (part, part_v, _, _) = updated(False), updated(True)
+    assert torch.equal(full, part) and torch.equal(full_v, part_v)
+    assert full_v[begin:end].all(), "the range is updated"
+    assert not full_v[:begin].any() and not full_v[end:].any(), "only the range is updated"
+
+
 def test_no_push_is_applied_after_the_one_whose_callback_raised(rng):
     """Note [The push that ends a run]: the run stopped only after the failing push released the mutex, and the
     other worker, waiting on it, applied one more push (and the callbacks ran again): 1 run in 3 here. Several runs,
