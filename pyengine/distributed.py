@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import collections.abc
 import contextlib
 import ctypes
 import datetime
@@ -76,6 +77,7 @@ import os
 import pickle
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -1698,6 +1700,10 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
     # stop() does there); a client ends its part after its current push (as when its batches run out; stop() on a
     # client does the same); another server serves on until rank 0 ends the run. The run then ends as usual (every
     # rank's store holds the result) and fit raises RuntimeError on the closed rank.
+    if dist.get_rank(group) < servers and isinstance(batches, collections.abc.Sized) and len(batches) > 0:
+        warnings.warn(f"fit: rank {dist.get_rank(group)} is a parameter server (servers={servers}) and trains on no "
+                      f"batches: its {len(batches)} are not used (pass [] on the servers; the clients' batches are "
+                      "the run's data)", RuntimeWarning, stacklevel=3)
     run = AsyncRun()
     with engine.mutex:
         engine._check_open()

@@ -326,8 +326,9 @@ def async_close(seed, rank, world, who):
 
 def async_client_callback(seed, rank, world):
     """Rank 0 serves, rank 1 pushes with a callback that stops it after rank 0 applied its third push (a client's
-    callbacks were never called). Records the pushes each rank's callbacks saw and the pushes rank 0 applied."""
-    batches = [client_batch(seed, rank, i % 4) for i in range(50)] if rank else []
+    callbacks were never called). Records the pushes each rank's callbacks saw, the pushes rank 0 applied and the
+    warnings (rank 0 is given batches too, which a server does not train on)."""
+    batches = [client_batch(seed, rank, i % 4) for i in range(50 if rank else 2)]  # the server's are not used
     seen = []
 
     def callback(engine, metrics):
@@ -337,10 +338,10 @@ def async_client_callback(seed, rank, world):
 
     with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
                          pin=False) as engine:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # rank 0: the batches ran out (the client stopped) before 50 pushes
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # rank 0: its unused batches, and the client stopped before 50 pushes
             engine.fit(batches, steps=50, callbacks=[callback])
-        return {"seen": seen, "pushes": engine.stats()["pushes"]}
+        return {"seen": seen, "pushes": engine.stats()["pushes"], "warnings": [str(w.message) for w in caught]}
 
 
 def make_frozen_model(seed=0):

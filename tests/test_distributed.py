@@ -862,12 +862,17 @@ def test_closing_a_multi_node_async_run_ends_it_cleanly(tmp_path, seed, who):
 @pytest.mark.timeout(120)
 def test_a_multi_node_async_clients_callbacks_see_its_applied_pushes_and_may_stop_it(tmp_path, seed):
     """fit(callbacks=...) on a client was silently ignored: its callbacks now get each of its pushes that rank 0
-    applied, and a stop() there ends the client's pushes (rank 0 applied exactly 3, then the run ended)."""
+    applied, and a stop() there ends the client's pushes (rank 0 applied exactly 3, then the run ended). A server
+    given batches warns that it does not train on them."""
     codes, logs, _ = launch("async-client-callback", 2, tmp_path, seed, timeout=60.0, grace=15.0)
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
     assert ranks[1]["seen"] == [1, 2, 3], ranks
     assert ranks[0]["seen"] == [1, 2, 3] and ranks[0]["pushes"] == 3, ranks
+    # the server's own batches are not trained on, and it says so (they were dropped silently)
+    assert any(w.startswith("fit: rank 0 is a parameter server (servers=1) and trains on no batches: its 2 are not "
+                            "used") for w in ranks[0]["warnings"]), ranks[0]["warnings"]
+    assert not any("parameter server" in w for w in ranks[1]["warnings"]), ranks[1]["warnings"]
 
 
 @pytest.mark.timeout(120)
