@@ -124,6 +124,12 @@ def test_bench_arena_runs_on_cpu(tmp_path):
     assert "| torch | " in text and "| arena | " in text and out.read_text() == text.rstrip("\n") + "\n"
 
 
+@pytest.mark.timeout(120)
+def test_bench_buffer_share_runs_on_cpu():
+    text = _run_bench("bench_buffer_share.py", "--layers", "3", "--width", "8", "--rounds", "1", "--repeats", "1")
+    assert "9 buffers (" in text and "per buffer median" in text and "packed is" in text, text
+
+
 def test_bench_call_overhead_runs_on_cpu():
     text = _run_bench("bench_call_overhead.py", "--calls", "5", "--rounds", "1")
     rows = [line for line in text.splitlines() if line.startswith("| mean_grad_adamw")]
