@@ -420,7 +420,10 @@ def receive_rank0_state(model, held: dict, group, works, buffers: bool = True) -
 # viewed as uint8 (as_bytes).
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes: a flat uint8 view of its storage (Note [Tensors travel as bytes])."""
+    """A contiguous tensor's bytes: a flat uint8 view of its storage (Note [Tensors travel as bytes]); a view, so
+    that what is received into it lands in ``t`` (a non-contiguous tensor's reshape would be a copy: refused)."""
+    if not t.is_contiguous():
+        raise ValueError(f"as_bytes: the tensor (shape {tuple(t.shape)}, strides {t.stride()}) is not contiguous")
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -438,13 +441,17 @@ def _byte_spans(tensors) -> tuple[list[tuple[int, int]], int]:
 def packed_bytes(tensors, fill: bool = True) -> torch.Tensor:
     """One flat CPU uint8 buffer laid out for ``tensors`` (:func:`unpacked_bytes` views it back), holding their
     bytes (``fill``), or to receive them (zeros). Note [Tensors travel as bytes]."""
-    spans, total = _byte_spans(tensors)
-    flat = torch.zeros(total, dtype=torch.uint8)
+    flat = torch.zeros(_byte_spans(tensors)[1], dtype=torch.uint8)
     if fill:
-        with torch.no_grad():
-            for t, (start, nbytes) in zip(tensors, spans):
-                flat[start:start + nbytes] = as_bytes(t.detach().to("cpu").contiguous())
+        pack_bytes(flat, tensors)
     return flat
+
+
+def pack_bytes(flat: torch.Tensor, tensors) -> None:
+    """Copies ``tensors``' bytes into ``flat`` (:func:`packed_bytes` of tensors of their sizes and dtypes)."""
+    with torch.no_grad():
+        for t, (start, nbytes) in zip(tensors, _byte_spans(tensors)[0]):
+            flat[start:start + nbytes] = as_bytes(t.detach().to("cpu").contiguous())
 
 
 def unpacked_bytes(flat: torch.Tensor, like) -> list[torch.Tensor]:
@@ -595,8 +602,14 @@ def engine_exchange(engine, what: str):
         if naming.broken:
             raise DistributedError(f"rank {rank}: an earlier step failed; the group is no longer usable")
         naming._enter(what)
-    with _collective(what, rank, naming._explain if naming is not None else None):
-        yield
+    try:
+        with _collective(what, rank, naming._explain if naming is not None else None):
+            yield
+    except BaseException as exc:
+        if naming is not None:  # the ranks are out of step: the next step is refused at once, as after a step's
+            naming.broken = True
+            naming._record_failure(exc)
+        raise
 
 
 def _wait(work, what: str, rank: int, explain=None) -> None:
@@ -767,6 +780,7 @@ class DistributedHybrid(_FailureNaming):
         # kept too: Note [Gloo's works are released by the thread that waits]
         self._sizes = torch.zeros(3, dtype=torch.float64)  # this rank's sample count, refusal flag, version
         self._all_sizes = torch.zeros(self.world, 3, dtype=torch.float64)
+        self._buffer_bytes: tuple | None = None  # (layout, flat uint8 buffer) of _share_buffers
         self._all_sizes_flat = self._all_sizes.view(-1)
         self._loss = torch.zeros(1, dtype=torch.float64)
         self._norms = torch.zeros(2, dtype=torch.float64)  # the sharded update's squared norm and non-finite flag
@@ -915,7 +929,14 @@ class DistributedHybrid(_FailureNaming):
             return
         named = dict(engine.workers[0].replica.named_buffers())
         tensors = [named[name] for name in engine.buffer_names]
-        flat = packed_bytes(tensors, fill=self.rank == 0)
+        # one buffer for every step (the kept works hold the tensors they sent: a new one per step kept a copy of
+        # every buffer for each of the last 4096 steps), made again only when a buffer's size or dtype changed
+        layout = [(t.dtype, t.numel()) for t in tensors]
+        if self._buffer_bytes is None or self._buffer_bytes[0] != layout:
+            self._buffer_bytes = (layout, packed_bytes(tensors, fill=False))
+        flat = self._buffer_bytes[1]
+        if self.rank == 0:
+            pack_bytes(flat, tensors)
         with _collective("broadcast of the buffers from rank 0", self.rank, self._explain):
             self.works.run(dist.broadcast, flat, src=dist.get_global_rank(self.group, 0), group=self.group)
         if self.rank != 0:
@@ -937,6 +958,8 @@ class DistributedHybrid(_FailureNaming):
                     while not worker.streamer.wait(k, timeout=_POLL_S):
                         if abandoned.is_set():
                             return
+                if abandoned.is_set():  # the step raised: no collective more on the broken group
+                    return
                 if self.shard_update:
                     if k >= 2:  # Note [Two reused bucket buffers]
                         self._finish_reduce(works, k - 2)
@@ -1281,13 +1304,16 @@ class AsyncServer:
             self._fail(client, str(exc), cause=cause, consequence=_timed_out(cause))
 
     def _guarded(self, serve, client: int) -> None:
-        self.run_threads.add(threading.get_ident())  # a callback's close() here must not wait for this thread
+        ident = threading.get_ident()
+        self.run_threads.add(ident)  # a callback's close() here must not wait for this thread
         try:
             serve(client)
         except _ExchangeFailed as exc:
             self._exchange_failed(client, exc)
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
             self._fail(self.rank, f"serving rank {client} raised {_short_error(exc)}", cause=exc)
+        finally:  # a thread started after this one ended may get its id (close() compares ids)
+            self.run_threads.discard(ident)
 
     def _coordinate(self, client: int) -> None:
         """Rank 0's thread for ``client``: steps 2-4 of Note [Multi-node async exchange]."""
@@ -1348,6 +1374,8 @@ class AsyncServer:
         push_id, pulled, samples, loss, norm, nonfinite = header[1:7].tolist()
         scale = header[9].item() or None  # the scale the client computed with (Note [Loss scaling])
         with engine.mutex, engine.phase("push", client):
+            if self.rank == 0 and (engine.stop_requested or engine._closed):  # between two pushes: none more
+                self.stop.set()
             if self.stop.is_set():
                 return _STOP, 0, 0
             start = time.perf_counter()
@@ -1482,9 +1510,14 @@ class _AsyncClient:
         self.waiting: set[int] = set()  # the servers waiting for a header from this rank
         self.announced_wait = _ANNOUNCE_WAIT_S  # spent on the first failed exchange (Note [A timeout names the ...])
         self.sent_at = 0  # version at pull of the last push sent
+        self.sent: dict = {}  # its loss and samples
         self.acknowledged = 0  # the last of this fit's pushes that server 0 said it applied (push ids start at 1)
+        self.acknowledgements: list[dict] = []  # their metrics, not yet given to the callbacks
 
     def run(self, batches, epochs) -> None:
+        from .asynchronous import _AsItself
+
+        own = None
         try:
             self._loop(batches, epochs)
             self._receive_outcome()
@@ -1492,9 +1525,26 @@ class _AsyncClient:
             self._tell_waiting(_FAILED, failed=abort.failed, text=abort.what)
             raise DistributedError(f"rank {self.rank}: the async run stopped because rank {abort.failed} failed: "
                                    f"{abort}") from abort.__cause__
+        except _AsItself as wrapped:  # the batches iterable's error: this rank's, raised as itself (below)
+            own, wrapped.error = wrapped.error, None  # raised in here, it would hold the wrapper that holds it
+            self._tell_waiting(_FAILED, failed=self.rank, text=_short_error(own))
         except BaseException as exc:  # this rank fails: the servers learn it at once, and what it raised
             self._tell_waiting(_FAILED, failed=self.rank, text=_short_error(exc))
             raise
+        if own is not None:
+            try:
+                raise own
+            finally:  # this frame is in its traceback: no cycle through the engine (Note [A task's exception and
+                own = None  # its callers' frames] in engine.py)
+
+    def call_back(self) -> None:
+        """The callbacks, with the metrics of each push rank 0 acknowledged since the last call. Called between
+        exchanges, never inside one (a callback that raised there left server 0 sending the weights, and both
+        waited for the group's timeout): in the loop after a pull or a decision, and after the run's end."""
+        while self.acknowledgements:
+            metrics = self.acknowledgements.pop(0)
+            for callback in self.callbacks:  # its error is this rank's: the servers are told, fit raises it
+                callback(self.engine, metrics)
 
     def _receive_outcome(self) -> None:
         """After this rank ended normally: every server's STOP, or ABORT naming a rank that failed later (raised as
@@ -1519,6 +1569,7 @@ class _AsyncClient:
         minibatches, push_id, decision = None, 0, _GO
         while True:
             status, pulled, scale = self._pull()
+            self.call_back()
             decision = status if self.servers == 1 else decision
             if status == _STOP:
                 self._tell_waiting(_DONE)
@@ -1536,12 +1587,13 @@ class _AsyncClient:
             loss, samples = _client_gradient(engine, minibatches, slots, self.reduced, scale)
             norm, nonfinite = ops.mean_grad_norm([self.reduced])
             push_id += 1 if decision == _GO else 0
-            self.sent_at = pulled
+            self.sent_at, self.sent = pulled, dict(loss=loss, samples=samples)
             engine.count("pushes")
             header = [_PUSH, push_id, pulled, samples, loss, norm.item(), nonfinite.item(), 0.0, 0.0, scale or 0.0]
             self._send(0, header, gradient=True)
             if self.servers > 1:
                 decision = self._decide(header)
+                self.call_back()
                 if decision == _STOP:
                     return
 
@@ -1599,10 +1651,10 @@ class _AsyncClient:
         # which keep_history may have emptied
         if server == 0 and applied and self.acknowledged != applied:
             self.acknowledged = applied
-            metrics = dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at)
+            metrics = dict(push_id=int(applied), rank=self.rank, applied=True, version_at_pull=self.sent_at,
+                           **self.sent)
             self.engine._record(metrics)
-            for callback in self.callbacks:  # its error is this rank's: the servers are told, fit raises it
-                callback(self.engine, metrics)
+            self.acknowledgements.append(metrics)  # to the callbacks once this exchange is over (call_back)
         return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text), scale or None
 
     def _receive_state(self, server: int) -> tuple[float, int, float | None]:
@@ -1697,13 +1749,15 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
     # rank's error). So the run is registered as a one-process run is (engine._async_run): close() marks the engine
     # closed, then waits for this function to return before it closes the workers (not from a thread of the run: a
     # server's threads run the callbacks). Marked closed, rank 0 stops the run after the push being applied (as
-    # stop() does there); a client ends its part after its current push (as when its batches run out; stop() on a
-    # client does the same); another server serves on until rank 0 ends the run. The run then ends as usual (every
-    # rank's store holds the result) and fit raises RuntimeError on the closed rank.
+    # stop() does there; checked before each push is applied, so none is after it); a client ends its part after
+    # its current push (as when its batches run out; stop() on a client does the same); another server serves on
+    # until rank 0 ends the run. The run then ends as usual (every rank's store holds the result) and fit raises
+    # RuntimeError on the closed rank. A client's fit, and so its close(), ends only with the whole run (the
+    # servers' word on its outcome, the final exchange of the store): it may wait for the other clients' pushes.
     if dist.get_rank(group) < servers and isinstance(batches, collections.abc.Sized) and len(batches) > 0:
         warnings.warn(f"fit: rank {dist.get_rank(group)} is a parameter server (servers={servers}) and trains on no "
                       f"batches: its {len(batches)} are not used (pass [] on the servers; the clients' batches are "
-                      "the run's data)", RuntimeWarning, stacklevel=3)
+                      "the run's data)", RuntimeWarning, stacklevel=4)  # the caller of Engine.fit
     run = AsyncRun()
     with engine.mutex:
         engine._check_open()
@@ -1714,11 +1768,15 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
         naming.start_run()
         _share_store(engine, group, [(0, 0, numel)], naming._explain)
         rendezvous = _Rendezvous(group, "async")  # Note [A timeout names the rank that hangs]
+        client = None
         if dist.get_rank(group) < servers:
             AsyncServer(engine, group, servers, steps, callbacks, rendezvous, run).run()
         else:
-            _AsyncClient(engine, group, servers, rendezvous, callbacks).run(batches, epochs)
+            client = _AsyncClient(engine, group, servers, rendezvous, callbacks)
+            client.run(batches, epochs)
         _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
+        if client is not None:  # the pushes acknowledged at the run's end (the others' run is over: no exchange)
+            client.call_back()
     finally:
         _end(engine, run)
     if engine._closed:

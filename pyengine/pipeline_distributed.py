@@ -483,12 +483,15 @@ class DistributedPipeline(_FailureNaming):
                  for prefix, module in self.module.named_modules() for key in module._buffers}
         self._buffer_names = list(engine.buffer_names)
         self._own_slots = {name: slots[name] for name in self._buffer_names if owner[name] == self.stage}
-        self._other_buffers = {name: originals[name].detach().to("cpu", copy=True) for name in self._buffer_names
-                               if owner[name] != self.stage}
+        # contiguous CPU copies: broadcast as bytes (Note [Tensors travel as bytes]), received in place
+        self._other_buffers = {name: originals[name].detach().to("cpu", copy=True,
+                                                                  memory_format=torch.contiguous_format)
+                               for name in self._buffer_names if owner[name] != self.stage}
         # the CPU tensors broadcast: another stage's buffer is received into its copy; an own one is sent from a
         # CPU tensor of its own (copied in before each send)
         self._buffer_exchange = [(name, self._other_buffers[name] if name in self._other_buffers
-                                  else self.buffers[name].detach().to("cpu", copy=True),
+                                  else self.buffers[name].detach().to("cpu", copy=True,
+                                                                      memory_format=torch.contiguous_format),
                                   self._ranks_of(owner[name], group)) for name in self._buffer_names]
         self._own_buffers = [(name, exchanged) for name, exchanged, src in self._buffer_exchange
                              if owner[name] == self.stage]

@@ -133,6 +133,15 @@ def kept_works(seed, rank, world, out_dir):
                 engine.step(b)
             engine.master_state_dict()
             out["pipeline"] = count(engine)
+        # the storages the kept works hold, after each hybrid step of a model with buffers (shared every step): a
+        # new buffer for their bytes each step was held by its work, one copy more per step
+        with pyengine.Engine(make_bn_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT),
+                             pin=False) as engine:
+            out["held"] = []
+            for b in batches * 2:
+                engine.step(b)
+                out["held"].append(len({t.untyped_storage().data_ptr() for w in engine.collective_works.works
+                                        for t in w.result()}))
     finally:
         for (module, name), fn in patched.items():
             setattr(module, name, fn)
@@ -284,8 +293,8 @@ def async_close(seed, rank, world, who):
     closing_rank = 1 if who == "client" else 0
     fifth, times = threading.Event(), {}
 
-    def slow_loss(model, batch):
-        time.sleep(0.005)
+    def slow_loss(model, batch):  # a push takes 0.2 s: a close() just after push 5 comes before push 6 arrives
+        time.sleep(0.2)
         return loss_fn(model, batch)
 
     def counted(engine, metrics):
@@ -341,7 +350,43 @@ def async_client_callback(seed, rank, world):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # rank 0: its unused batches, and the client stopped before 50 pushes
             engine.fit(batches, steps=50, callbacks=[callback])
-        return {"seen": seen, "pushes": engine.stats()["pushes"], "warnings": [str(w.message) for w in caught]}
+        return {"seen": seen, "pushes": engine.stats()["pushes"], "warnings": [str(w.message) for w in caught],
+                "where": [os.path.basename(w.filename) for w in caught]}
+
+
+def async_client_raises(seed, rank, world, how):
+    """Rank 0 serves, rank 1 pushes; rank 1 fails outside its computation: ``"callback"``, its fit callback raises at
+    its second applied push (after checking the metrics it is given); ``"iter"``, its batches iterable cannot start
+    a second epoch. Each rank records what its fit raised and after how many seconds."""
+    data = [client_batch(seed, rank, i) for i in range(3)] if rank else []
+
+    class Vanishing:
+        def __init__(self):
+            self.epochs = 0
+
+        def __iter__(self):
+            self.epochs += 1
+            if self.epochs > 1:
+                raise OSError("epoch 2 cannot open")
+            return iter(data)
+
+    def callback(engine, metrics):
+        assert {"push_id", "rank", "applied", "version_at_pull", "loss", "samples"} <= set(metrics), metrics
+        if rank and metrics["push_id"] == 2:
+            raise RuntimeError("the callback refuses push 2")
+
+    began = time.monotonic()
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        try:
+            if how == "iter":
+                engine.fit(Vanishing() if rank else [], epochs=2)
+            else:
+                engine.fit(data if rank else [], steps=50, callbacks=[callback])
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported
+            error = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - began}
 
 
 def make_frozen_model(seed=0):
@@ -575,7 +620,15 @@ def death_between_steps(seed, rank, world, shard, dying, out_dir=None):
             if i == 3 and shard:
                 engine.optimizer_state_dict()
             if i == 3 and out_dir is not None:
-                checkpoint.save_engine(os.path.join(out_dir, "checkpoints"), 3, engine)
+                try:
+                    checkpoint.save_engine(os.path.join(out_dir, "checkpoints"), 3, engine)
+                except distributed.DistributedError:  # a rank that catches it and steps on is refused at once
+                    began = time.monotonic()
+                    try:
+                        engine.step(b)
+                    except distributed.DistributedError as refused:
+                        print(f"the next step refused after {time.monotonic() - began:.1f} s: {refused}", flush=True)
+                    raise
             engine.step(b)
     return {}
 
@@ -963,6 +1016,8 @@ def main():
                     for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
                  "low-precision": low_precision, "low-precision-async": low_precision_async,
                  "frozen-rank0": frozen_rank0, "async-client-callback": async_client_callback,
+                 **{f"async-client-raises-{how}": lambda s, r, w, how=how: async_client_raises(s, r, w, how)
+                    for how in ("callback", "iter")},
                  **{f"async-close-{who}": lambda s, r, w, who=who: async_close(s, r, w, who)
                     for who in ("server", "callback", "client")},
                  "async-fp16": async_fp16, "async-accumulate": async_accumulate,

@@ -113,6 +113,8 @@ def test_every_collective_an_engine_issues_keeps_its_work(tmp_path, seed):
         for kind in ("replicated", "sharded", "pipeline"):
             assert rank[kind]["issued"] >= 3 * 3 and rank[kind]["blocking"] == 0 == rank[kind]["not_kept"], \
                 (kind, rank[kind])
+        # the same storages after every step (a step's buffer sharing reuses its byte buffer)
+        assert len(set(rank["held"][1:])) == 1, rank["held"]
 
 
 @pytest.mark.timeout(90)
@@ -845,18 +847,20 @@ def test_closing_a_multi_node_async_run_ends_it_cleanly(tmp_path, seed, who):
     once while the pushes went on to the last, and fit returned normally; on a client it closed the transfers under
     its worker and failed the run on every rank as that rank's error. Now rank 0's close stops the run after the push
     being applied (a callback's: exactly 5 pushes), a client's ends its part, close() returns after that rank's fit
-    ended, and the closed rank's fit raises RuntimeError while the other ends normally."""
+    ended, and the closed rank's fit raises RuntimeError while the other ends normally. Closed between two pushes
+    (from another thread while the client computes push 6), rank 0 applies none more (it applied the next)."""
     codes, logs, _ = launch(f"async-close-{who}", 2, tmp_path, seed, timeout=90.0, grace=15.0)
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
     closed = 1 if who == "client" else 0
     assert ranks[closed]["error"].startswith("RuntimeError: this Engine was closed while fit() was running"), ranks
     assert ranks[1 - closed]["error"] is None, ranks
-    if who == "callback":
+    if who != "client":  # rank 0 closed after push 5 (its callback, or another thread while push 6 computes)
         assert ranks[0]["pushes"] == 5, ranks
     else:
-        assert ranks[closed]["close_after_fit"] is True, ranks
         assert 5 <= ranks[0]["pushes"] < 200, ranks
+    if who != "callback":
+        assert ranks[closed]["close_after_fit"] is True, ranks
 
 
 @pytest.mark.timeout(120)
@@ -870,9 +874,28 @@ def test_a_multi_node_async_clients_callbacks_see_its_applied_pushes_and_may_sto
     assert ranks[1]["seen"] == [1, 2, 3], ranks
     assert ranks[0]["seen"] == [1, 2, 3] and ranks[0]["pushes"] == 3, ranks
     # the server's own batches are not trained on, and it says so (they were dropped silently)
-    assert any(w.startswith("fit: rank 0 is a parameter server (servers=1) and trains on no batches: its 2 are not "
-                            "used") for w in ranks[0]["warnings"]), ranks[0]["warnings"]
+    assert [where for w, where in zip(ranks[0]["warnings"], ranks[0]["where"]) if w.startswith(
+        "fit: rank 0 is a parameter server (servers=1) and trains on no batches: its 2 are not used")] == \
+        ["dist_job.py"], ranks[0]  # the line that called fit
     assert not any("parameter server" in w for w in ranks[1]["warnings"]), ranks[1]["warnings"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["callback", "iter"])
+def test_a_multi_node_async_clients_own_error_is_raised_as_itself_and_named_at_once(tmp_path, seed, how):
+    """A client's callback that raised did so inside an exchange (server 0 was sending it the weights): both waited
+    for the group's timeout and rank 0 was blamed. Its batches iterable's error at a new epoch came out as the
+    private _AsItself wrapper. Each is now the client's own error, raised as itself there and named by rank 0 at
+    once (the group's timeout is 20 s)."""
+    codes, logs, _ = launch(f"async-client-raises-{how}", 2, tmp_path, seed, timeout=60.0, grace=15.0)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    own = {"callback": "builtins.RuntimeError: the callback refuses push 2",
+           "iter": "builtins.OSError: epoch 2 cannot open"}[how]
+    assert ranks[1]["error"] == own, ranks
+    assert ranks[0]["error"] == ("pyengine.distributed.DistributedError: rank 0: the async run stopped because "
+                                 f"rank 1 failed: {own.split('.', 1)[1]} (reported by rank 1)"), ranks
+    assert max(r["seconds"] for r in ranks) < 15, ranks
 
 
 @pytest.mark.timeout(120)
@@ -914,6 +937,9 @@ def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, 
     assert codes[1] == 17, logs[1]
     phase = {"replicated": "step 4", "sharded": "the gather of the optimizer state after step 3",
              "checkpoint": "the exchange of the counters for checkpoint step 3"}[kind]
+    for r in (0, 2) if kind == "checkpoint" else ():  # the group is broken: stepping on is refused at once
+        assert f"the next step refused after 0.0 s: rank {r}: an earlier step failed; the group is no longer " \
+               "usable" in logs[r], logs[r]
     for r, error in survivor_errors(codes, logs, (0, 2)):
         assert re.search(rf"; rank 1 never reached {phase} \(ranks 0, 2 did; this rank waited [0-9.]+ s after "
                          r"reaching it\): it died, exited, raised or hangs before it; see its log$", error), error

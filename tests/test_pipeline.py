@@ -1426,13 +1426,28 @@ def test_a_stage_without_parameters_is_the_same_error_on_every_rank(tmp_path):
     assert time.time() - began < 20, "rank 0 waited for rank 1"
 
 
+class _TanhSeen(torch.nn.Module):
+    """Tanh that adds each batch's mean input into column 0 of a non-contiguous buffer (a transposed one): a stage's
+    buffer whose bytes the gather must bring in place."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(2, width).t())
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.seen[:, 0].add_(x.detach().mean(0))
+        return torch.tanh(x)
+
+
 def frozen_bn_model(seed):
-    """Stage 1 (of balance [2, 4]) holds a frozen Linear, a BatchNorm with statistics away from their init and an
-    int16 buffer (a dtype gloo does not broadcast: Note [Tensors travel as bytes]): state that is not in the host
-    store."""
+    """Stage 1 (of balance [2, 4]) holds a frozen Linear, a BatchNorm with statistics away from their init, an
+    int16 buffer (a dtype gloo does not broadcast: Note [Tensors travel as bytes]) and a non-contiguous buffer that
+    every forward changes: state that is not in the host store."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                                torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+                                torch.nn.BatchNorm1d(16), _TanhSeen(16), torch.nn.Linear(16, 3))
+    assert not model[4].seen.is_contiguous()
     model[2].requires_grad_(False)
     with torch.no_grad():
         model[3].running_mean.normal_()
