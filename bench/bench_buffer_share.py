@@ -1,6 +1,6 @@
 """What sharing rank 0's buffers costs per hybrid step across processes: one broadcast per buffer (as the step did
-before 2026-11-27) against one broadcast of all their bytes (pyengine.distributed.packed_bytes, what the step does
-now: Note [Tensors travel as bytes]), on local gloo processes, interleaved round by round, medians.
+before 2026-11-27) against one broadcast of all their bytes (pyengine.distributed.BytePacket, what the step does now:
+Note [Tensors travel as bytes]), on local gloo processes, interleaved round by round, medians.
 
     python bench/bench_buffer_share.py [--layers 50] [--width 64] [--world 2] [--rounds 15] [--repeats 20]
 
@@ -37,13 +37,14 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
         for b in buffers:
             distributed.run(dist.broadcast, b, src=0)
 
+    packet = distributed.BytePacket(buffers)  # as DistributedHybrid._share_buffers keeps one
+
     def packed():
-        flat = distributed.packed_bytes(buffers, fill=rank == 0)
-        distributed.run(dist.broadcast, flat, src=0)
+        if rank == 0:
+            packet.pack(buffers)
+        distributed.run(dist.broadcast, packet.flat, src=0)
         if rank != 0:
-            with torch.no_grad():
-                for mine, received in zip(buffers, distributed.unpacked_bytes(flat, buffers)):
-                    mine.copy_(received)
+            packet.unpack(buffers)
 
     ways = {"per buffer": per_buffer, "packed": packed}
     for fn in ways.values():  # warm-up

@@ -441,23 +441,54 @@ def _byte_spans(tensors) -> tuple[list[tuple[int, int]], int]:
 def packed_bytes(tensors, fill: bool = True) -> torch.Tensor:
     """One flat CPU uint8 buffer laid out for ``tensors`` (:func:`unpacked_bytes` views it back), holding their
     bytes (``fill``), or to receive them (zeros). Note [Tensors travel as bytes]."""
-    flat = torch.zeros(_byte_spans(tensors)[1], dtype=torch.uint8)
+    spans, total = _byte_spans(tensors)
+    flat = torch.zeros(total, dtype=torch.uint8)
     if fill:
-        pack_bytes(flat, tensors)
+        with torch.no_grad():
+            for t, (start, nbytes) in zip(tensors, spans):
+                flat[start:start + nbytes] = as_bytes(t.detach().to("cpu").contiguous())
     return flat
-
-
-def pack_bytes(flat: torch.Tensor, tensors) -> None:
-    """Copies ``tensors``' bytes into ``flat`` (:func:`packed_bytes` of tensors of their sizes and dtypes)."""
-    with torch.no_grad():
-        for t, (start, nbytes) in zip(tensors, _byte_spans(tensors)[0]):
-            flat[start:start + nbytes] = as_bytes(t.detach().to("cpu").contiguous())
 
 
 def unpacked_bytes(flat: torch.Tensor, like) -> list[torch.Tensor]:
     """Views of ``flat`` (:func:`packed_bytes` of tensors shaped as ``like``) as those tensors' dtypes and shapes."""
     spans, _ = _byte_spans(like)
     return [flat[start:start + nbytes].view(t.dtype).view(t.shape) for t, (start, nbytes) in zip(like, spans)]
+
+
+class BytePacket:
+    """A flat CPU byte buffer for tensors of given dtypes and shapes, and its views as them, made once and used for
+    every exchange of their values (Note [Tensors travel as bytes]): ``pack`` copies tensors in, ``unpack`` out, one
+    multi-tensor copy each (a copy per tensor, or a new buffer per exchange, cost 12x more for 150 small buffers)."""
+
+    def __init__(self, tensors):
+        self.layout = self.layout_of(tensors)
+        self.flat = packed_bytes(tensors, fill=False)
+        self.views = unpacked_bytes(self.flat, tensors)
+
+    @staticmethod
+    def layout_of(tensors) -> list:
+        return [(t.dtype, tuple(t.shape)) for t in tensors]
+
+    def fits(self, tensors) -> bool:
+        return self.layout == self.layout_of(tensors)
+
+    @torch.no_grad()
+    def pack(self, tensors) -> None:
+        sources = [t.detach() for t in tensors]
+        if all(t.device.type == "cpu" for t in sources):
+            torch._foreach_copy_(self.views, sources)
+        else:  # a GPU replica's buffers: copies across devices
+            for view, t in zip(self.views, sources):
+                view.copy_(t)
+
+    @torch.no_grad()
+    def unpack(self, tensors) -> None:
+        if all(t.device.type == "cpu" for t in tensors):
+            torch._foreach_copy_(list(tensors), self.views)
+        else:
+            for t, view in zip(tensors, self.views):
+                t.copy_(view)
 
 
 def replicas_held(engine) -> dict:
@@ -780,7 +811,7 @@ class DistributedHybrid(_FailureNaming):
         # kept too: Note [Gloo's works are released by the thread that waits]
         self._sizes = torch.zeros(3, dtype=torch.float64)  # this rank's sample count, refusal flag, version
         self._all_sizes = torch.zeros(self.world, 3, dtype=torch.float64)
-        self._buffer_bytes: tuple | None = None  # (layout, flat uint8 buffer) of _share_buffers
+        self._buffer_packet: BytePacket | None = None  # _share_buffers' bytes
         self._all_sizes_flat = self._all_sizes.view(-1)
         self._loss = torch.zeros(1, dtype=torch.float64)
         self._norms = torch.zeros(2, dtype=torch.float64)  # the sharded update's squared norm and non-finite flag
@@ -929,20 +960,17 @@ class DistributedHybrid(_FailureNaming):
             return
         named = dict(engine.workers[0].replica.named_buffers())
         tensors = [named[name] for name in engine.buffer_names]
-        # one buffer for every step (the kept works hold the tensors they sent: a new one per step kept a copy of
-        # every buffer for each of the last 4096 steps), made again only when a buffer's size or dtype changed
-        layout = [(t.dtype, t.numel()) for t in tensors]
-        if self._buffer_bytes is None or self._buffer_bytes[0] != layout:
-            self._buffer_bytes = (layout, packed_bytes(tensors, fill=False))
-        flat = self._buffer_bytes[1]
+        # one packet for every step (the kept works hold the tensors they sent: a new one per step kept a copy of
+        # every buffer for each of the last 4096 steps), made again only when a buffer's shape or dtype changed
+        if self._buffer_packet is None or not self._buffer_packet.fits(tensors):
+            self._buffer_packet = BytePacket(tensors)
+        packet = self._buffer_packet
         if self.rank == 0:
-            pack_bytes(flat, tensors)
+            packet.pack(tensors)
         with _collective("broadcast of the buffers from rank 0", self.rank, self._explain):
-            self.works.run(dist.broadcast, flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            self.works.run(dist.broadcast, packet.flat, src=dist.get_global_rank(self.group, 0), group=self.group)
         if self.rank != 0:
-            with torch.no_grad():
-                for mine, received in zip(tensors, unpacked_bytes(flat, tensors)):
-                    mine.copy_(received)
+            packet.unpack(tensors)
         engine.share_buffers(range(engine.num_workers))
 
     def _reduce_buckets(self, engine, weights, works, errors, abandoned: threading.Event) -> None:
