@@ -37,7 +37,7 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import DistributedError, _collective, _FailureNaming, as_bytes, receive_rank0_state
+from .distributed import BytePacket, DistributedError, _collective, _FailureNaming, as_bytes, receive_rank0_state
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, owned_names,
                        partition, split_layers, stage_range, stage_store_names)
 from .workers import autocast as autocast_region
@@ -495,6 +495,7 @@ class DistributedPipeline(_FailureNaming):
                                   self._ranks_of(owner[name], group)) for name in self._buffer_names]
         self._own_buffers = [(name, exchanged) for name, exchanged, src in self._buffer_exchange
                              if owner[name] == self.stage]
+        self._replica_packet = None  # _share_buffers' bytes across the replicas of this stage
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
         self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last, self.stage, self.replica, self.device)
         self.steps = 0  # steps begun
@@ -752,13 +753,15 @@ class DistributedPipeline(_FailureNaming):
             return
         source = self._ranks_of(self.stage, self.group)
         buffers = self.buffers
-        for name, exchanged in self._own_buffers:
-            mine = buffers[name]
-            if self.replica == 0 and exchanged is not mine:
-                exchanged.copy_(mine)
-            self.works.run(dist.broadcast, as_bytes(exchanged), src=source, group=self._dp_group)
-            if exchanged is not mine:
-                mine.copy_(exchanged)
+        tensors = [buffers[name] for name, _ in self._own_buffers]  # as the modules hold them now
+        # one broadcast of their bytes, through a packet kept for every step (Note [Tensors travel as bytes])
+        if self._replica_packet is None or not self._replica_packet.fits(tensors):
+            self._replica_packet = BytePacket(tensors)
+        if self.replica == 0:
+            self._replica_packet.pack(tensors)
+        self.works.run(dist.broadcast, self._replica_packet.flat, src=source, group=self._dp_group)
+        if self.replica != 0:
+            self._replica_packet.unpack(tensors)
 
     @torch.no_grad()
     def _start_clock(self) -> float:
