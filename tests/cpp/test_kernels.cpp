@@ -7,6 +7,7 @@
 // Lengths that are not multiples of the SIMD width, G in {1, 3, 8}, fp32/bf16/fp16/mixed gradients, AdamW and Adam
 // with L2, amsgrad, maximize, weighted means and bf16/fp16 param_out. Fresh random data every run (seed printed).
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -242,6 +243,15 @@ class KernelCase {
     return total;
   }
 
+  // The sum over elements of grad_scale^2 (>= the sum of squares): what the float sum's rounding error in the sum
+  // of squares is relative to. Where the weighted gradients cancel it is not relative to the sum of squares itself
+  // (a fresh-data run, one element, G = 3: 2.60722e-08 against 2.60669e-08, 2e-4 apart).
+  double reference_sum_squares_scale() const {
+    double total = 0.0;
+    for (int64_t j = 0; j < c_.n; ++j) total += grad_scale(j) * grad_scale(j);
+    return total;
+  }
+
  private:
   static constexpr float kLr = 1e-2f, kBeta1 = 0.9f, kBeta2 = 0.999f, kEps = 1e-8f, kWeightDecay = 0.1f;
   static constexpr int kStep = 3;
@@ -291,7 +301,7 @@ void run_case(const Case& c, const std::vector<NamedTable>& tables, std::mt19937
   kc.check_against_reference(first, tables[0].name);
   const float squares = kc.sum_squares(*tables[0].table);
   const double ref_squares = kc.reference_sum_squares();
-  CHECK(std::abs(squares - ref_squares) <= 1e-4 * ref_squares + 1e-30,
+  CHECK(std::abs(squares - ref_squares) <= 1e-4 * kc.reference_sum_squares_scale() + 1e-30,
         c << " sum_squares " << squares << " vs " << ref_squares);
   for (size_t i = 1; i < tables.size(); ++i) {
     CHECK(same_state(kc.run(*tables[i].table), first), c << ": " << tables[i].name << " differs from default");
@@ -314,9 +324,10 @@ void run_case(const Case& c, const std::vector<NamedTable>& tables, std::mt19937
 }  // namespace
 }  // namespace pyengine::cpu
 
-int main() {
+int main(int argc, char** argv) {
   using namespace pyengine::cpu;
-  const uint64_t seed = std::random_device{}();
+  // a failed run's seed, given back, replays its data: test_kernels <seed>
+  const uint64_t seed = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : std::random_device{}();
   std::printf("test_kernels: seed %llu\n", static_cast<unsigned long long>(seed));
   std::mt19937_64 rng(seed);
   const std::vector<NamedTable> tables = runnable_tables();
