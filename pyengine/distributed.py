@@ -77,6 +77,7 @@ import os
 import pickle
 import threading
 import time
+import typing
 import warnings
 import weakref
 
@@ -1114,7 +1115,7 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
 # norm and for the fp32 scale.
 _GO, _REFRESH, _STOP, _ABORT = 0.0, 1.0, 2.0, 3.0
 _PUSH, _DONE, _PULL, _COMMIT, _DROP, _FAILED = 0.0, 1.0, 2.0, 3.0, 4.0, 5.0
-_SERVER_HEADER, _CLIENT_HEADER = 6, 10
+_SERVER_HEADER, _CLIENT_HEADER = 7, 10
 
 
 def _encode_text(text: str) -> torch.Tensor:
@@ -1212,13 +1213,16 @@ class AsyncServer:
     2. c sends rank 0 PULL (K > 1 only); rank 0 sends [status, version_0, last applied id, ...] + shard 0;
     3. c computes on the gathered weights, then sends rank 0 [PUSH, id, version at pull, samples, loss, norm,
        non-finite] + gradient shard 0; rank 0 decides and applies under its mutex;
-    4. K = 1: the decision is the status of the next round's step 2. K > 1: rank 0 sends the decision header; c sends
+    4. K = 1: the decision comes in the next round's step 2 header, in a field of its own (its status may be STOP
+       after a REFRESH decision: the client counts that refresh as the server did). K > 1: rank 0 sends the
+       decision header; c sends
        every server s >= 1 COMMIT (the decision's staleness) + gradient shard s, or DROP (refresh or end); each
        applies a COMMIT under its mutex and starts the next round with step 1.
 
     Status GO: the previous push was applied or skipped as non-finite; go on with new mini-batches. REFRESH: it was
-    too stale; recompute the same ones on the new weights (same push id). STOP: the run is over (``steps`` pushes or
-    :meth:`Engine.stop`); the client tells the other servers DONE. ABORT: a rank failed; the header names it.
+    too stale; recompute the same ones on the new weights (same push id). STOP: the run is over (``steps`` pushes, or
+    :meth:`Engine.stop` or ``close()`` asked on rank 0: its next header says so, so no client computes a push after
+    it); the client tells the other servers DONE. ABORT: a rank failed; the header names it.
 
     Why a push is applied by all servers or none, exactly once each: only rank 0 decides, and a server s >= 1 applies
     exactly the pushes that c COMMITs to it, after rank 0 applied them; clipping and the non-finite skip use the norm
@@ -1402,9 +1406,7 @@ class AsyncServer:
         push_id, pulled, samples, loss, norm, nonfinite = header[1:7].tolist()
         scale = header[9].item() or None  # the scale the client computed with (Note [Loss scaling])
         with engine.mutex, engine.phase("push", client):
-            if self.rank == 0 and (engine.stop_requested or engine._closed):  # between two pushes: none more
-                self.stop.set()
-            if self.stop.is_set():
+            if self._stopped():  # between two pushes: none more
                 return _STOP, 0, 0
             start = time.perf_counter()
             pushed = engine.apply_push(int(pulled), [], grads=[grad], staleness=staleness, span=self.span,
@@ -1429,23 +1431,33 @@ class AsyncServer:
                 self.stop.set()
         return _GO, staleness, step
 
+    def _stopped(self) -> bool:
+        """Under the engine's mutex: whether this server stopped (rank 0: ``steps`` reached, or stop() or close()
+        asked on this rank, which stops it here; any server: a rank failed)."""
+        if self.rank == 0 and (self.engine.stop_requested or self.engine._closed):
+            self.stop.set()
+        return self.stop.is_set()
+
     def _send_header(self, client: int, status: float, last_applied: int, staleness: int,
                      weights: bool = False, version: int | None = None) -> float:
         """Sends ``client`` a header (ABORT naming the failed rank once this server failed) and with ``weights``
         a snapshot of this server's shard taken under the mutex, then STOP once rank 0 stopped (a decision is sent
-        as it was taken: the push that reached ``steps`` is still committed); returns the status sent."""
+        as it was taken: the push that reached ``steps`` is still committed); ``status`` also goes in a field of its
+        own, rank 0's decision on the client's last push (step 4 of Note [Multi-node async exchange]); returns the
+        status sent."""
         lo, hi = self.span
         with self.engine.mutex:
             version = self.engine.version if version is None else version
             snapshot = self.engine.store.param[lo:hi].clone() if weights else None
             scale = (self.engine.loss_scale_now() or 0.0) if self.rank == 0 else 0.0  # rank 0's scale decides
-        failed, failure = -1.0, self.failure
+            stopped = self._stopped()
+        failed, failure, decision = -1.0, self.failure, status
         if failure is not None:
             status, failed = _ABORT, float(failure[0])
-        elif weights and self.stop.is_set() and self.rank == 0:
+        elif weights and stopped and self.rank == 0:
             status = _STOP
-        header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness), scale],
-                              dtype=torch.float64)
+        header = torch.tensor([status, float(version), float(last_applied), failed, float(staleness), scale,
+                               decision], dtype=torch.float64)
         self._exchange(dist.send, header, client, "send to")
         if status == _ABORT:
             self._exchange(dist.send, _encode_text(failure[1]), client, "send to")
@@ -1524,6 +1536,19 @@ class _ClientAbort(Exception):
         self.failed, self.what, self.reporter = failed, what, reporter
 
 
+class _ServerHeader(typing.NamedTuple):
+    """A server's header as a client reads it (Note [Multi-node async exchange])."""
+
+    status: float  # GO, REFRESH, STOP or ABORT
+    version: int  # the server's version (rank 0's decision header: the push's Adam step)
+    applied: int  # rank 0: the id of this client's last applied push (0: none yet)
+    failed: int  # ABORT: the rank that failed
+    staleness: int  # rank 0's decision header: the push's staleness
+    text: str  # ABORT: what failed (the text that follows), else ""
+    scale: float | None  # rank 0's loss scale (None: no scaling)
+    decision: float  # rank 0: its decision on this client's last push (GO before the first)
+
+
 class _AsyncClient:
     """A client rank of a multi-node async run: pull every shard, compute with the local workers (node-local
     hybrid), push each server its shard of the gradient; until STOP or no data (Note [Multi-node async exchange]).
@@ -1580,9 +1605,9 @@ class _AsyncClient:
         failure = None
         for s in range(self.servers):
             try:
-                status, _, _, failed, _, text, _ = self._receive_header(s)
-                if status == _ABORT:
-                    failure = failure or _ClientAbort(failed, text, reporter=s)
+                header = self._receive_header(s)
+                if header.status == _ABORT:
+                    failure = failure or _ClientAbort(header.failed, header.text, reporter=s)
             except _ClientAbort as abort:
                 failure = failure or abort
         if failure is not None:
@@ -1596,16 +1621,15 @@ class _AsyncClient:
         slots = [engine.store.grad_slot(w.index) for w in engine.workers]
         minibatches, push_id, decision = None, 0, _GO
         while True:
-            status, pulled, scale = self._pull()
+            status, pulled, scale, decided = self._pull()
             self.call_back()
-            decision = status if self.servers == 1 else decision
+            if self.servers == 1:  # rank 0's decision on the last push comes with the pull, a STOP or not
+                decision = self._learn(decided)
             if status == _STOP:
                 self._tell_waiting(_DONE)
                 return
             if decision == _GO:  # the previous push (if any) was applied or skipped: next mini-batches
                 _, minibatches = source.take(minibatches_per_push(engine, pulled))
-            else:
-                engine.count("refreshes")
             if not minibatches or engine.stop_requested or engine._closed:  # Note [Closing a multi-node async run]
                 self._tell_waiting(_DONE)
                 return
@@ -1620,36 +1644,47 @@ class _AsyncClient:
             header = [_PUSH, push_id, pulled, samples, loss, norm.item(), nonfinite.item(), 0.0, 0.0, scale or 0.0]
             self._send(0, header, gradient=True)
             if self.servers > 1:
-                decision = self._decide(header)
+                decision = self._learn(self._decide(header))
                 self.call_back()
                 if decision == _STOP:
                     return
 
-    def _pull(self) -> tuple[float, int, float | None]:
+    def _learn(self, decision: float) -> float:
+        """Rank 0's ``decision`` on this rank's last push, returned; a REFRESH is counted here, as the server
+        counted it when it refused the push, whatever follows (a STOP may come with it: counted on the next pull,
+        that refresh was lost)."""
+        if decision == _REFRESH:
+            self.engine.count("refreshes")
+        return decision
+
+    def _pull(self) -> tuple[float, int, float | None, float]:
         """Steps 1 and 2: every shard of the weights into the store; returns rank 0's status, the version at pull
-        (the smallest of the servers' versions) and rank 0's loss scale (None: no scaling) to compute with."""
+        (the smallest of the servers' versions), rank 0's loss scale (None: no scaling) to compute with and its
+        decision on this rank's last push (GO before the first)."""
         versions, failure = [], None
         for s in range(1, self.servers):
             try:
-                versions.append(self._receive_state(s)[1])
+                versions.append(self._receive_state(s).version)
             except _ClientAbort as abort:  # go on receiving what the other servers are sending
                 failure = failure or abort
         if failure is not None:
             raise failure
         if self.servers > 1:
             self._send(0, [_PULL])
-        status, version, scale = self._receive_state(0)
-        return status, min([version] + versions), scale
+        header = self._receive_state(0)
+        return header.status, min([header.version] + versions), header.scale, header.decision
 
     def _decide(self, header: list) -> float:
         """Step 4 with K > 1: rank 0's decision, then COMMIT (with its staleness) or DROP to every other server."""
-        status, step, _, failed, staleness, text, _ = self._receive_header(0)
+        decided = self._receive_header(0)
+        status = decided.status
         if status == _ABORT:
-            raise _ClientAbort(failed, text, reporter=0)
+            raise _ClientAbort(decided.failed, decided.text, reporter=0)
         if status == _STOP:
             self._tell_waiting(_DONE)
             return status
-        message = [_COMMIT] + header[1:7] + [staleness, step, header[9]] if status == _GO else [_DROP]
+        commit = [_COMMIT] + header[1:7] + [decided.staleness, decided.version, header[9]]  # version: its Adam step
+        message = commit if status == _GO else [_DROP]
         sent, failure = [], None
         for s in range(1, self.servers):
             try:
@@ -1664,12 +1699,11 @@ class _AsyncClient:
             raise failure
         return status
 
-    def _receive_header(self, server: int) -> tuple[float, int, int, int, int, str, float | None]:
-        """A server's header: (status, version, last applied push id, failed rank, staleness, what failed: the text
-        that follows ABORT, else "", loss scale or None); records rank 0's acknowledgement."""
+    def _receive_header(self, server: int) -> "_ServerHeader":
+        """A server's header; records rank 0's acknowledgement."""
         header = torch.zeros(_SERVER_HEADER, dtype=torch.float64)
         self._exchange(dist.recv, header, server, "receive from")
-        status, version, applied, failed, staleness, scale = header.tolist()
+        status, version, applied, failed, staleness, scale, decision = header.tolist()
         text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
         if status == _ABORT:
             self._exchange(dist.recv, text, server, "receive from")
@@ -1683,18 +1717,19 @@ class _AsyncClient:
                            **self.sent)
             self.engine._record(metrics)
             self.acknowledgements.append(metrics)  # to the callbacks once this exchange is over (call_back)
-        return status, int(version), int(applied), int(failed), int(staleness), _decode_text(text), scale or None
+        return _ServerHeader(status, int(version), int(applied), int(failed), int(staleness), _decode_text(text),
+                             scale or None, decision)
 
-    def _receive_state(self, server: int) -> tuple[float, int, float | None]:
-        """A server's header and its shard of the weights (into the store): (status, version, loss scale); raises
-        :class:`_ClientAbort` on ABORT."""
-        status, version, _, failed, _, text, scale = self._receive_header(server)
+    def _receive_state(self, server: int) -> "_ServerHeader":
+        """A server's header and its shard of the weights (into the store); raises :class:`_ClientAbort` on
+        ABORT."""
+        header = self._receive_header(server)
         lo, hi = self.spans[server]
         self._exchange(dist.recv, self.engine.store.param[lo:hi], server, "receive of the weights from")
         self.engine.store.refresh_shadow(lo, hi)  # Note [The shadow follows the master weights]
-        if status == _ABORT:
-            raise _ClientAbort(failed, text, reporter=server)
-        return status, version, scale
+        if header.status == _ABORT:
+            raise _ClientAbort(header.failed, header.text, reporter=server)
+        return header
 
     def _send(self, server: int, header: list, gradient: bool = False) -> None:
         """Sends ``server`` a header (padded) and with ``gradient`` its shard of the pushed gradient."""

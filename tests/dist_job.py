@@ -333,6 +333,44 @@ def async_close(seed, rank, world, who):
             "close_after_fit": times["closed"] >= times["fit"] if "closed" in times else None}
 
 
+def async_refresh_at_stop(seed, rank, world, servers, out_dir):
+    """``servers`` server ranks, then two clients that both pull the first weights before either pushes (a barrier
+    of files in the loss), so that max_staleness=0 refuses the second push to arrive; rank 0 calls stop() as it
+    refuses it, so that client's next header is STOP, with the REFRESH decision (K = 1: in its own field; K > 1: in
+    the decision header, after which the pull brings STOP). Records every rank's stats."""
+    batches = [client_batch(seed, rank, i) for i in range(50)] if rank >= servers else []
+    first = threading.Event()
+
+    def barrier_loss(model, batch):
+        if not first.is_set():
+            first.set()
+            open(os.path.join(out_dir, f"pulled{rank}"), "w").close()
+            deadline = time.monotonic() + 30
+            while not all(os.path.exists(os.path.join(out_dir, f"pulled{r}")) for r in range(servers, world)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the other client never pulled")
+                time.sleep(0.01)
+        return loss_fn(model, batch)
+
+    with pyengine.Engine(make_model(), barrier_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, max_staleness=0, servers=servers) as engine:
+        if rank == 0:
+            apply_push = engine.apply_push
+
+            def stop_at_refresh(*args, **kwargs):
+                pushed = apply_push(*args, **kwargs)
+                if pushed is None:
+                    engine.stop()
+                return pushed
+
+            engine.apply_push = stop_at_refresh
+        try:
+            engine.fit(batches, steps=50)
+        finally:
+            vars(engine).pop("apply_push", None)  # the wrapper holds the engine: no cycle (gc is off)
+        return {"stats": engine.stats(), "history": [m["push_id"] for m in engine.history]}
+
+
 def async_client_callback(seed, rank, world):
     """Rank 0 serves, rank 1 pushes with a callback that stops it after rank 0 applied its third push (a client's
     callbacks were never called). Records the pushes each rank's callbacks saw, the pushes rank 0 applied and the
@@ -1016,6 +1054,8 @@ def main():
                     for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
                  "low-precision": low_precision, "low-precision-async": low_precision_async,
                  "frozen-rank0": frozen_rank0, "async-client-callback": async_client_callback,
+                 **{f"async-refresh-stop-{k}": lambda s, r, w, k=k: async_refresh_at_stop(s, r, w, k, out_dir)
+                    for k in (1, 2)},
                  **{f"async-client-raises-{how}": lambda s, r, w, how=how: async_client_raises(s, r, w, how)
                     for how in ("callback", "iter")},
                  **{f"async-close-{who}": lambda s, r, w, who=who: async_close(s, r, w, who)

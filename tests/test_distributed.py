@@ -683,6 +683,8 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
                 f"{name}: server {s}"
         assert sorted(m["adam_step"] for m in first if m["applied"]) == \
             list(range(1, runs[0]["stats"]["applied_updates"] + 1)), name
+        # every refresh rank 0 ordered, some client counted (K > 1: learnt from the decision header)
+        assert runs[0]["stats"]["refreshes"] == sum(runs[c]["stats"]["refreshes"] for c in range(servers, world))
         for c in range(servers, world):
             ids = applied_ids(first, c)
             assert ids == list(range(1, len(ids) + 1)), f"{name}, rank {c}: pushes lost or reordered: {ids}"
@@ -861,6 +863,25 @@ def test_closing_a_multi_node_async_run_ends_it_cleanly(tmp_path, seed, who):
         assert 5 <= ranks[0]["pushes"] < 200, ranks
     if who != "callback":
         assert ranks[closed]["close_after_fit"] is True, ranks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("servers", [1, 2])
+def test_async_refresh_is_counted_by_its_client_when_the_run_stops_after_it(tmp_path, seed, servers):
+    """A client counted a refresh only when its next pull said go on: a push refused as too stale just before the run
+    stopped was counted by rank 0 and by no client (18 refreshes against 17, in a fresh-clone run of the test above).
+    Here rank 0 stops the run as it refuses a push; the client learns the decision with the STOP and counts it."""
+    world = servers + 2
+    codes, logs, _ = launch(f"async-refresh-stop-{servers}", world, tmp_path, seed, timeout=60.0, grace=15.0)
+    assert codes == [0] * world, "\n".join(logs)
+    ranks = results(tmp_path, world)
+    server, clients = ranks[0], ranks[servers:]
+    assert server["stats"]["refreshes"] == 1, server["stats"]
+    assert sorted(c["stats"]["refreshes"] for c in clients) == [0, 1], [c["stats"] for c in clients]
+    refused = next(c for c in clients if c["stats"]["refreshes"])
+    assert refused["stats"]["pushes"] == 1 and refused["history"] == [], refused  # its first, never applied
+    applied = [c["history"] for c in clients if not c["stats"]["refreshes"]][0]
+    assert applied == list(range(1, server["stats"]["pushes"] + 1)), (applied, server["stats"])
 
 
 @pytest.mark.timeout(120)
