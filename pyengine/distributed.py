@@ -1446,9 +1446,11 @@ class AsyncServer:
         own, rank 0's decision on the client's last push (step 4 of Note [Multi-node async exchange]); returns the
         status sent."""
         lo, hi = self.span
+        store = self.engine.store
         with self.engine.mutex:
             version = self.engine.version if version is None else version
-            snapshot = self.engine.store.param[lo:hi].clone() if weights else None
+            # Note [An async pull sends the replicas' dtype]
+            snapshot = (store.param if store.shadow is None else store.shadow)[lo:hi].clone() if weights else None
             scale = (self.engine.loss_scale_now() or 0.0) if self.rank == 0 else 0.0  # rank 0's scale decides
             stopped = self._stopped()
         failed, failure, decision = -1.0, self.failure, status
@@ -1725,8 +1727,18 @@ class _AsyncClient:
         ABORT."""
         header = self._receive_header(server)
         lo, hi = self.spans[server]
-        self._exchange(dist.recv, self.engine.store.param[lo:hi], server, "receive of the weights from")
-        self.engine.store.refresh_shadow(lo, hi)  # Note [The shadow follows the master weights]
+        store = self.engine.store
+        if store.shadow is None:
+            self._exchange(dist.recv, store.param[lo:hi], server, "receive of the weights from")
+        else:
+            # Note [An async pull sends the replicas' dtype]
+            # A low-precision model's replicas compute on the master weights rounded to their dtype, which a server
+            # holds as its store's shadow (Note [The shadow follows the master weights]): it sends that, half the
+            # bytes of its float32 weights, and the client computes on the same bits as if it had received those
+            # and rounded them itself. The client's float32 weights are then the ones it computes on (what its
+            # callbacks read during the run); the end of the run gives every rank the exact master (_share_store).
+            self._exchange(dist.recv, store.shadow[lo:hi], server, "receive of the weights from")
+            store.param[lo:hi].copy_(store.shadow[lo:hi])
         if header.status == _ABORT:
             raise _ClientAbort(header.failed, header.text, reporter=server)
         return header

@@ -367,9 +367,10 @@ class HostStore:
         writes both in one pass (``param_out``); every other writer of ``param`` calls this after writing elements
         ``[lo, hi)`` (default: all): :meth:`load_from`, ``Engine.load_state_dict``, and in
         :mod:`pyengine.distributed` and :mod:`pyengine.pipeline_distributed` the broadcasts of rank 0's weights,
-        the sharded update's and the pipeline's gathers and an async client's receives. A writer that forgets
-        leaves the replicas on the old weights with nothing to show for it but the loss: the tests pull after each
-        such write and compare the replicas with the master weights rounded. No-op without a shadow."""
+        the sharded update's and the pipeline's gathers (an async client receives the shadow itself: Note [An async
+        pull sends the replicas' dtype]). A writer that forgets leaves the replicas on the old weights with nothing
+        to show for it but the loss: the tests pull after each such write and compare the replicas with the master
+        weights rounded. No-op without a shadow."""
         if self.shadow is None:
             return
         hi = self.numel if hi is None else hi

@@ -530,7 +530,8 @@ def low_precision_async(seed, rank, world):
     """A bfloat16 model, built from another seed on each rank, in multi-node async with 2 servers (ranks 0, 1) and
     the other ranks clients: at every forward of a client, whether its replica holds the weights it received
     (rounded); :func:`shadow_checks` after construction and after the fit (the shadow: the store's ends of a run
-    write every rank's weights, and a server's replica computes nothing), and the master weights."""
+    write every rank's weights, and a server's replica computes nothing), the master weights and the dtypes of the
+    tensors each rank sent during the fit."""
     forwards, held = [], {}  # held: the store, not the engine (Note [No reference cycle through the engine])
 
     def checking_loss(model, batch):
@@ -539,13 +540,29 @@ def low_precision_async(seed, rank, world):
         return low_loss(model, batch)
 
     pushes = [low_batch(client_batch(seed, rank, i)) for i in range(6)] if rank >= 2 else []
+    sent, send = [], torch.distributed.send  # the dtypes of the weights a server sends (Note [An async pull ...])
+
+    def recording_send(tensor, *args, **kwargs):
+        sent.append(str(tensor.dtype))
+        return send(tensor, *args, **kwargs)
+
     with pyengine.Engine(make_model(seed=rank).to(LOW), checking_loss, devices=["cpu"], mode="async", pin=False,
                          optimizer=pyengine.AdamW(**OPT), servers=2, max_staleness=0) as engine:
         held["store"] = engine.store
         checks = [shadow_checks(engine)]
-        engine.fit(pushes, steps=4)
+        torch.distributed.send = recording_send
+        try:
+            engine.fit(pushes, steps=4)
+        finally:
+            torch.distributed.send = send
         checks.append(shadow_checks(engine, replicas=False))
-        return dict(checks=checks, forwards=forwards, master=engine.master_state_dict())
+        out = dict(checks=checks, forwards=forwards, master=engine.master_state_dict(), sent=sent)
+    if rank == 2:  # max_staleness=0, one client: sequential training on its pushes from rank 0's weights
+        with pyengine.Engine(make_model(seed=0).to(LOW), low_loss, devices=["cpu"], mode="async", pin=False,
+                             optimizer=pyengine.AdamW(**OPT), max_staleness=0, process_group=None) as alone:
+            alone.fit(pushes, steps=4)
+            out["alone"] = alone.master_state_dict()
+    return out
 
 
 # 3 pushes; on 2 local workers 4/4 then 2/1; 1/- then 1/- (worker 1 sits this push out); 1/- then 3/3

@@ -130,6 +130,15 @@ def test_bench_buffer_share_runs_on_cpu():
     assert "9 buffers (" in text and "per buffer median" in text and "packed is" in text, text
 
 
+def test_bench_async_pull_runs_on_cpu():
+    """Both kinds of version: a revision (a temporary worktree, removed after) and a path."""
+    text = _run_bench("bench_async_pull.py", "old=rev:HEAD", f"new={os.path.dirname(BENCH)}", "--width", "16",
+                      "--layers", "2", "--pushes", "5", "--skip", "1", "--rounds", "1")
+    rows = [line.split() for line in text.splitlines() if "pull" in line and "push round" in line]
+    assert [row[0] for row in rows] == ["old", "new"] and all(float(row[2]) > 0 for row in rows), text
+    assert all(row[-3:] == ["torch.bfloat16,", "576", "parameters"] for row in rows), text  # 2 x (16 x 16 + 16)
+
+
 def test_bench_call_overhead_runs_on_cpu():
     text = _run_bench("bench_call_overhead.py", "--calls", "5", "--rounds", "1")
     rows = [line for line in text.splitlines() if line.startswith("| mean_grad_adamw")]

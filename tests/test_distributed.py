@@ -292,6 +292,12 @@ def test_low_precision_replicas_pull_the_shadow_of_every_write(tmp_path, seed):
         assert rank["checks"] == [dict(shadow=True, replicas=True), dict(shadow=True)], r
         assert_identical(ranks[0]["master"], rank["master"], f"rank {r}")
     assert len(ranks[2]["forwards"]) >= 4 and all(ranks[2]["forwards"]), ranks[2]["forwards"]
+    # the same pushes in one process: the client computed on the servers' weights
+    assert_identical(ranks[2]["alone"], ranks[0]["master"], "one process")
+    # a server sends its weights as the replicas' dtype, half the bytes (they went as float32: Note [An async pull
+    # sends the replicas' dtype]); besides, only headers (float64) and the failure text (uint8) cross
+    for r in (0, 1):
+        assert "torch.float32" not in ranks[r]["sent"] and "torch.bfloat16" in ranks[r]["sent"], ranks[r]["sent"]
 
 
 @pytest.mark.timeout(120)
