@@ -1215,9 +1215,8 @@ class AsyncServer:
        non-finite] + gradient shard 0; rank 0 decides and applies under its mutex;
     4. K = 1: the decision comes in the next round's step 2 header, in a field of its own (its status may be STOP
        after a REFRESH decision: the client counts that refresh as the server did). K > 1: rank 0 sends the
-       decision header; c sends
-       every server s >= 1 COMMIT (the decision's staleness) + gradient shard s, or DROP (refresh or end); each
-       applies a COMMIT under its mutex and starts the next round with step 1.
+       decision header; c sends every server s >= 1 COMMIT (the decision's staleness) + gradient shard s, or DROP
+       (refresh or end); each applies a COMMIT under its mutex and starts the next round with step 1.
 
     Status GO: the previous push was applied or skipped as non-finite; go on with new mini-batches. REFRESH: it was
     too stale; recompute the same ones on the new weights (same push id). STOP: the run is over (``steps`` pushes, or
@@ -1653,8 +1652,8 @@ class _AsyncClient:
 
     def _learn(self, decision: float) -> float:
         """Rank 0's ``decision`` on this rank's last push, returned; a REFRESH is counted here, as the server
-        counted it when it refused the push, whatever follows (a STOP may come with it: counted on the next pull,
-        that refresh was lost)."""
+        counted it when it refused the push, whatever follows (a STOP may come with it: counted only when the next
+        pull said go on, such a refresh was counted by no client)."""
         if decision == _REFRESH:
             self.engine.count("refreshes")
         return decision

@@ -293,8 +293,8 @@ def async_close(seed, rank, world, who):
     closing_rank = 1 if who == "client" else 0
     fifth, times = threading.Event(), {}
 
-    def slow_loss(model, batch):  # a push takes 0.2 s: a close() just after push 5 comes before push 6 arrives
-        time.sleep(0.2)
+    def slow_loss(model, batch):  # a push takes 0.5 s: a close() just after push 5 comes before push 6 arrives
+        time.sleep(0.5)
         return loss_fn(model, batch)
 
     def counted(engine, metrics):

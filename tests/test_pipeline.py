@@ -518,8 +518,9 @@ def test_bubble_fraction_near_ideal(schedule, stages, microbatches):
     ideal = (stages - 1) / (microbatches + stages - 1)
     measured = sorted(m["bubble_fraction"] for m in history)[1]
     assert history[0]["bubble_ideal"] == pytest.approx(ideal)
-    # Python overhead, thread wake-ups and sleep overshoot only add idle time, a little of it
-    assert ideal - 0.03 <= measured <= ideal + 0.12, (measured, ideal)
+    # Python overhead, thread wake-ups and sleep overshoot only add idle time, a little of it (more on a loaded VM);
+    # the bound stays well below (S - 1) / S, the bubble of stages that ran one at a time (0.75 for S = 4, M = 8)
+    assert ideal - 0.03 <= measured <= ideal + 0.25, (measured, ideal)
     for busy in history[-1]["stage_busy_s"]:
         assert 0.012 * microbatches <= busy <= 0.012 * microbatches * 2 + 0.02  # sleeps: late on a loaded VM
 
@@ -1012,7 +1013,7 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
         # step; 0.01 for rounding (seen over 5 runs: 0.511-0.539; each rank's own wall read 0.416-0.424)
         for fraction, ideal, _ in extra["bubble_m1"]:
             assert ideal == pytest.approx(1 / 2)
-            assert 1 / 2 - 0.01 <= fraction <= 1 / 2 + 0.15, (rank, extra["bubble_m1"])
+            assert 1 / 2 - 0.01 <= fraction <= 1 / 2 + 0.3, (rank, extra["bubble_m1"])  # above: overhead only
         reference = TorchReference(make_model(blocks=2))
         assert extra["varying_losses"] == pytest.approx([reference.step(b) for b in varying_batches(seed)], rel=1e-5)
         for name, p in reference.model.named_parameters():
@@ -1051,9 +1052,9 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             # as in process (test_bubble_fraction_near_ideal), with room above for the exchanges between processes
             # (seen over 5 runs: medians 0.225-0.272, single steps 0.218-0.288; each rank's own wall, the earlier
             # definition, read 0.18-0.20, below the ideal)
-            assert 1 / 5 - 0.03 <= measured <= 1 / 5 + 0.15, (schedule, measured)
+            assert 1 / 5 - 0.03 <= measured <= 1 / 5 + 0.2, (schedule, measured)  # one stage at a time: 1/2
             busy = sorted(s for _, _, s in steps)[1]
-            assert 0.024 * 4 <= busy <= 0.024 * 4 * 1.5 + 0.01, (schedule, busy)  # this rank's 4 forwards+backwards
+            assert 0.024 * 4 <= busy <= 0.024 * 4 * 2 + 0.02, (schedule, busy)  # 4 forwards+backwards, late sleeps
             # Note [Activations across processes]: GPipe holds all 4 micro-batches, 1F1B min(S - s, M) at stage s
             peak = 4 if schedule == "gpipe" else 2 - rank
             assert all(count == peak and nbytes > 0 for count, nbytes in extra["activations"][schedule]), \
@@ -1400,9 +1401,9 @@ def _empty_stage_worker(rank, world, init_file, out_dir):
         result = f"{type(error).__name__}: {error}"
     with open(f"{out_dir}/rank{rank}", "w") as f:
         f.write(result)
-    # the empty stage's rank stays (as a process that catches the error would) until rank 0 has its answer, 20 s
+    # the empty stage's rank stays (as a process that catches the error would) until rank 0 has its answer, 60 s
     # at most: rank 0 must not need it to exit
-    deadline = time.time() + 20
+    deadline = time.time() + 60
     while rank == 1 and not os.path.exists(f"{out_dir}/rank0") and time.time() < deadline:
         time.sleep(0.05)
     os._exit(0)
@@ -1423,7 +1424,7 @@ def test_a_stage_without_parameters_is_the_same_error_on_every_rank(tmp_path):
     for rank in range(2):
         assert (tmp_path / f"rank{rank}").read_text() == ("ValueError: stage 1 has no trainable parameters (stage "
                                                           "sizes [3, 1]); choose another balance"), rank
-    assert time.time() - began < 20, "rank 0 waited for rank 1"
+    assert time.time() - began < 45, "rank 0 waited for rank 1"  # rank 1 stays 60 s; two cold starts take ~10
 
 
 class _TanhSeen(torch.nn.Module):

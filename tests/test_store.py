@@ -289,15 +289,28 @@ def thp_mode() -> str:
         return "never"
 
 
+def thp_fault_fallbacks() -> int:
+    """How many huge-page faults the kernel has served with small pages so far (/proc/vmstat; 0 if unreadable)."""
+    try:
+        with open("/proc/vmstat") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("thp_fault_fallback ")), 0)
+    except OSError:
+        return 0
+
+
 def test_the_arena_is_2mib_aligned_on_huge_pages():
     """The update streams the arena: on 4 KiB pages it ran 7-18 % slower (bench/RESULTS.md), so the arena starts on
     a 2 MiB boundary, huge pages advised (THP covers only whole aligned 2 MiB ranges)."""
+    fallbacks = thp_fault_fallbacks()
     store = make(OddNet(sizes=[4 * 2**20]), workers=1)  # 16 MiB per buffer, 64 MiB in all
     base = store.param.untyped_storage().data_ptr()
     assert base % (2 << 20) == 0
     if thp_mode() == "never":
         pytest.skip("transparent huge pages are disabled on this machine")
-    assert store_module.huge_page_bytes(base) >= 2 << 20
+    huge = store_module.huge_page_bytes(base)
+    if huge < 2 << 20 and thp_fault_fallbacks() > fallbacks:  # asked for, but no free 2 MiB page (fragmentation)
+        pytest.skip("the kernel had no free huge page: its faults fell back to 4 KiB pages (thp_fault_fallback)")
+    assert huge >= 2 << 20
 
 
 @pytest.mark.parametrize("numel,workers,stagger,offsets", [(2**25, 4, 640, 7), (2**19, 1, 1344, 4),
