@@ -46,7 +46,7 @@ from .profiling import PhaseRecorder
 from .rng import WorkerRNG
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
 from .store import HostStore, check_pin, replica_shadow_dtype
-from .streamer import check_options as check_streamer_options
+from .streamer import _POLL_S, check_options as check_streamer_options
 from .sync import sync_step
 from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, set_worker_threads
 
@@ -54,8 +54,6 @@ __all__ = ["Engine", "StageError", "WorkerError"]
 
 MODES = ("hybrid", "sync", "async", "pipeline")
 FORMAT = "pyengine.engine/1"
-_POLL_S = 0.05  # how often a host wait for a gradient bucket looks whether a worker has failed
-
 
 
 def _under_mutex(method):

@@ -648,7 +648,8 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     return norm
 
 
-_POLL_S = 0.05  # how often pipelined_update's wait for a bucket looks whether a worker's step failed
+_POLL_S = 0.05  # how often a host's wait for a gradient bucket (here, the engine's, distributed's) looks whether a
+# worker's step failed
 
 
 def _wait_delivered(streamers: list[GradientStreamer], resets: list[int], k: int, updated: int) -> None:
