@@ -50,9 +50,11 @@ inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 // kPrefetchAhead elements further on in every memory stream (the fp32 gradients, param/m/v for writing, and the
 // gradient itself when Adam reads it straight from memory), so each stream is requested ahead across page edges too.
 // Measured on one core (bench/cpu_kernel_ab.py, bench/RESULTS.md, 2026-11-27): Intel Xeon (Emerald Rapids) 1.05-1.15x
-// at G = 4, 1.03-1.06x at G = 8, 1.03-1.16x at G = 1 (1 KiB ahead; 0.5-2 KiB measured alike). On AMD Zen 5 a different
-// hint (the first lines of every stream's next page, once per tile) measured 0.68-0.87x, so the form is chosen at
-// run time: on for Intel CPUs, off elsewhere, PYENGINE_CPU_PREFETCH=0|1 to override (prefetch_streams() in isa.h).
+// at G = 4, 1.03-1.06x at G = 8, 1.03-1.16x at G = 1 (1 KiB ahead; 0.5-2 KiB measured alike). On AMD Zen 5 this form
+// measured 0.78-0.80x at G = 4 and 8 and 1.00x at G = 1 (2026-11-28; without the hints, blocks only, 0.94x at G = 4:
+// the hints themselves cost there), and an earlier hint (the first lines of every stream's next page, once per tile)
+// 0.68-0.87x, so the form is chosen at run time: on for Intel CPUs, off elsewhere, PYENGINE_CPU_PREFETCH=0|1 to
+// override (prefetch_streams() in isa.h).
 // The same form sums up to 8 fp32 gradients in one pass (kMaxGroup), measured on the Xeon 1.05-1.08x at G = 8 and
 // 1.09-1.10x at G = 5 and 6 against two passes of up to 4. Neither changes a result: the bits are those of the
 // plain loops (tests/cpp/test_kernels.cpp, tests/test_ops.py).
