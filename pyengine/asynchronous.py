@@ -206,17 +206,25 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         if engine.stop_requested or (steps is not None and engine.stats()["pushes"] - pushes_before >= steps):
             stop.set()
 
-    def pull(worker) -> tuple[int, float | None, float, int, list | None]:
+    def stopped() -> bool:
+        """Under the mutex: the run is stopped (by itself, :meth:`Engine.stop` from any thread) or the engine
+        closed; a worker then takes no further batch and applies no further push."""
+        return stop.is_set() or engine.stop_requested or engine._closed
+
+    def pull(worker) -> tuple[int, float | None, float, int, list | None] | None:
         """Under the mutex: the snapshot of the weights, its version, the loss scale to compute with, the seconds the
         copy of the weights took (the push reports it as its copy back), the mini-batches a push from this version
         takes, and (the buffers' source replica) the copy of its buffers (Note [Reading the state while async
-        workers run])."""
+        workers run]). None when the run stopped meanwhile (a worker waits here for the mutex while another's push
+        ends the run): the worker ends without taking a batch, which a later fit gets."""
         with engine.mutex, engine.phase("pull", worker.index):
             start = time.perf_counter()
             if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
                 worker.rng.begin_step(engine._counters["pushes"])
             worker.pull(wait=True)
             k = minibatches_per_push(engine, engine.version)
+            if stopped():  # while this worker waited for the mutex, or by the batch schedule itself
+                return None
             run.generators = engine._global_generators()  # None unless the worker draws from torch's own
             saved = None
             if worker.index == engine.buffer_source:
@@ -242,7 +250,10 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 set_worker_threads(engine.devices)
             while not stop.is_set():
                 wall_start = time.perf_counter()
-                pulled, scale, copied, k, saved = pull(worker)
+                pulled = pull(worker)
+                if pulled is None:
+                    return
+                pulled, scale, copied, k, saved = pulled
                 taking = time.perf_counter()
                 ordinals, minibatches = source.take(k)
                 wall_start += time.perf_counter() - taking  # the data's loading is not the push's
@@ -262,7 +273,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                             with deferred_interrupt("an async push", engine._abandon):
                                 # stopped (by this run or engine.stop() from any thread) or closed: the computation
                                 # is discarded
-                                if stop.is_set() or engine.stop_requested or engine._closed:
+                                if stopped():
                                     unpushed(saved)
                                     return
                                 with engine.phase("push", worker.index):
@@ -288,7 +299,10 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                             # waiting worker took it in between and applied one more push (1 run in 3, 2 workers)
                             stop.set()
                             raise
-                    pulled, scale, copied, _, saved = pull(worker)
+                    pulled = pull(worker)
+                    if pulled is None:
+                        return
+                    pulled, scale, copied, _, saved = pulled
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
             stop.set()  # first: no other worker's push is applied once this one failed
             with engine.mutex:
@@ -344,5 +358,5 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         _raise_first(engine, errors)
     if engine._closed:
         raise _closed_during_fit()
-    if steps and not source.taken:  # as hybrid and sync: steps asked for, none possible
+    if steps and not source.taken and not engine.stop_requested:  # as hybrid and sync: steps asked, none possible
         raise ValueError("batches is empty")

@@ -1108,7 +1108,9 @@ def gather_optimizer_state(engine) -> dict[str, torch.Tensor] | None:
 
 # Server -> client header: [status, version (a decision: rank 0's version right after applying the push, i.e. its
 # Adam step), id of this client's last applied push, failed rank (-1: none), staleness of the push just decided,
-# loss scale (rank 0's, taken with its snapshot; 0: none)], then (a state message) the server's shard of the weights.
+# loss scale (rank 0's, taken with its snapshot; 0: none), decision (K = 1: rank 0's status for the client's last
+# push, as its own field: step 4 of Note [Multi-node async exchange])], then (a state message) the server's shard
+# of the weights.
 # Client -> server header: [kind, push id, version at pull, samples, loss, norm of the whole gradient, non-finite
 # flag, staleness (COMMIT) or failed rank (FAILED), Adam step (COMMIT), the loss scale the push was computed with (0:
 # none)], then (PUSH, COMMIT) the shard of the gradient. float64 tensors: exact for these integers, for the fp32

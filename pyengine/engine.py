@@ -45,10 +45,10 @@ from .pipeline_distributed import DistributedPipeline, check_engine_options as c
 from .profiling import PhaseRecorder
 from .rng import WorkerRNG
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
-from .store import HostStore, check_pin, replica_shadow_dtype
+from .store import HostStore, check_pin, layout_of, replica_shadow_dtype
 from .streamer import _POLL_S, check_options as check_streamer_options
 from .sync import sync_step
-from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, set_worker_threads
+from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, task_thread_initializer
 
 __all__ = ["Engine", "StageError", "WorkerError"]
 
@@ -251,6 +251,8 @@ class Engine:
                                  "one weight decay over each rank's ranges; leave out one of them")
             self.scaler: LossScaler | None = make_scaler(loss_scale, autocast)
             grad_dtype = autocast if autocast is not None else torch.float32
+            self.servers = distributed.check_servers(  # with the store's numel, before the store is allocated
+                servers, group, mode, layout_of(model, grad_dtype, replica_shadow_dtype(model))[1])
             torch.manual_seed(seed)  # once every option is checked: a refused engine leaves the generator alone
         except Exception as exc:
             distributed.report_failed_config(process_group, exc)
@@ -307,9 +309,10 @@ class Engine:
         self._intra_op_threads = torch.get_num_threads()
         self._restore_threads = weakref.finalize(self, torch.set_num_threads, self._intra_op_threads)
         self._restore_threads.atexit = False
+        self._task_threads = set()  # idents of the threads of this engine's worker and stage pools (close() asks)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
-            initializer=set_worker_threads, initargs=(self.devices,))
+            initializer=task_thread_initializer, initargs=(self._task_threads, self.devices))
         self.buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._buffers_before = None  # Note [A failed step leaves the buffers alone]
@@ -325,7 +328,6 @@ class Engine:
                 unused=unused, autocast=autocast)
         self._closed = False
         self._abandoned = False
-        self.servers = distributed.check_servers(servers, group, mode, self.store.numel)
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
         # multi-node async: the ranks' check-ins between runs, so a rank gone before a run is named
@@ -714,6 +716,21 @@ class Engine:
                      "its update would count on top of the loaded state; load between steps (after step() returns, "
                      "or from a fit callback)")
 
+    def _check_not_in_step(self, what: str) -> None:
+        """Raises RuntimeError when called from inside a running :meth:`step` of this engine: on one of its worker
+        or stage threads (waiting for the step's end would wait for itself: a deadlock), or on the thread running
+        the step (a lone CPU worker's loss_fn, a hook: the step would go on on stopped workers). From any other
+        thread a step running is simply waited for."""
+        if not self._step_depth:
+            return
+        inside = threading.get_ident() in self._task_threads
+        if not inside and self._step_lock.acquire(blocking=False):  # free, or held by this very thread
+            inside = bool(self._step_depth)
+            self._step_lock.release()
+        if inside:
+            raise RuntimeError(f"{what} from inside a step (its loss_fn, a hook, a stage's code): the step would "
+                               "wait for itself or go on on stopped workers; call it after step() returns")
+
     def _load_state_dict(self, sd: dict) -> None:
         self._check_open()
         if self._fitting and self.mode == "async":
@@ -960,12 +977,14 @@ class Engine:
     def close(self) -> None:
         """Stops the worker threads and removes every hook. Idempotent. During an async :meth:`fit` on another
         thread: the push being applied completes, no other is applied, and close() returns once the workers have
-        stopped (their computations in flight are discarded); that fit then raises RuntimeError. In a process
+        stopped (their computations in flight are discarded); that fit then raises RuntimeError. A :meth:`step` running
+        on another thread ends first; from inside a step (its loss_fn, a hook) it is a RuntimeError. In a process
         forked from the one that built it: marks it closed and touches nothing else (Note [An engine in a forked
         process])."""
         if os.getpid() != self._pid:
             self._closed = True
             return
+        self._check_not_in_step("close()")
         with self.mutex:  # a push being applied completes first; none is applied after (asynchronous.py)
             if self._closed:
                 return
@@ -1054,12 +1073,26 @@ class Engine:
         failed = next(((i, f.exception()) for i, f in futures.items() if f.exception() is not None), None)
         if failed is None:
             return {i: f.result() for i, f in futures.items()}
-        for worker in self.workers:
-            worker.streamer.reset()
-        self._restore_source_buffers(saved)
+        self._drop_step(saved)
         futures.clear()  # Note [A task's exception and its callers' frames]
         i, exc = failed
         raise WorkerError(i, self.devices[i], exc) from exc
+
+    def discard_workers(self, futures: dict) -> None:
+        """For a schedule whose host failed between :meth:`submit_workers` and :meth:`gather_workers`: waits for
+        every task, then drops what the step left (as a failed worker's step does). No task may outlive its step:
+        the next one would run on the same streamers while it still writes their slots."""
+        concurrent.futures.wait(futures.values())
+        saved, self._buffers_before = self._buffers_before, None
+        self._drop_step(saved)
+        futures.clear()
+
+    def _drop_step(self, saved: list | None) -> None:
+        """A step that will not be applied: every worker's streamer reset (its buckets and waits dropped), the
+        buffers' source as before it (Note [A failed step leaves the buffers alone])."""
+        for worker in self.workers:
+            worker.streamer.reset()
+        self._restore_source_buffers(saved)
 
     def _snapshot_source_buffers(self, tasks: dict) -> list | None:
         """Note [A failed step leaves the buffers alone]

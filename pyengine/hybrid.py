@@ -41,15 +41,19 @@ def hybrid_step(engine, batch) -> dict:
     engine.share_buffers(workers)  # DDP's broadcast_buffers: worker 0's buffers go to every replica
     futures = engine.submit_workers({w.index: task(w, p) for w, p in zip(engine.workers, parts)})
     squares, nonfinite = 0.0, False
-    # Note [Host threads beside CPU workers] in workers.py
-    with host_threads(engine.devices, inline_worker=engine.inline_worker):
-        for b in buckets:
-            if not engine.wait_bucket(b.index, futures):
-                break  # a worker failed: gather_workers raises
-            with engine.phase("norm"):
-                norm, flag = ops.mean_grad_norm([slot[b.begin:b.end] for slot in slots], weights)
-            squares += float(norm) ** 2
-            nonfinite |= bool(flag)
+    try:
+        # Note [Host threads beside CPU workers] in workers.py
+        with host_threads(engine.devices, inline_worker=engine.inline_worker):
+            for b in buckets:
+                if not engine.wait_bucket(b.index, futures):
+                    break  # a worker failed: gather_workers raises
+                with engine.phase("norm"):
+                    norm, flag = ops.mean_grad_norm([slot[b.begin:b.end] for slot in slots], weights)
+                squares += float(norm) ** 2
+                nonfinite |= bool(flag)
+    except BaseException:
+        engine.discard_workers(futures)  # the workers' tasks end before the step does
+        raise
     results = engine.gather_workers(futures)
     engine.begin_update()  # Note [A step's update under the mutex]
     updated = time.perf_counter()

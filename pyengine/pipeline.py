@@ -100,7 +100,7 @@ import weakref
 import torch
 
 from .metrics import step_metrics
-from .workers import WorkerError, _map, _tensors, batch_size, set_worker_threads, split_batch, to_device
+from .workers import WorkerError, _map, _tensors, batch_size, split_batch, task_thread_initializer, to_device
 from .workers import autocast as autocast_region
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
@@ -564,8 +564,8 @@ class Pipeline:
         # one thread per (stage, replica), all running at once: a stage blocked on its channel must not hold the
         # only thread its neighbour could run on
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=len(devices), thread_name_prefix="pyengine-stage", initializer=set_worker_threads,
-            initargs=(devices,))
+            max_workers=len(devices), thread_name_prefix="pyengine-stage", initializer=task_thread_initializer,
+            initargs=(engine._task_threads, devices))
 
     def _build(self, sizes: list[int]) -> None:
         """Builds the stages, or raises and leaves the pipeline unbuilt (the next step tries again)."""

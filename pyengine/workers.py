@@ -168,6 +168,13 @@ def set_worker_threads(devices: list[torch.device]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
 
 
+def task_thread_initializer(threads: set, devices: list[torch.device]) -> None:
+    """Initializer of an engine's worker and stage pool threads: records the thread in ``threads`` (so
+    :meth:`Engine.close` knows a call from inside one of its steps) and sets its intra-op threads."""
+    threads.add(threading.get_ident())
+    set_worker_threads(devices)
+
+
 # Host work over fewer elements than this runs on one thread beside CPU workers (Note [Host threads beside CPU
 # workers]): below it the update's second thread saves less than its spin-wait costs the next forward.
 HOST_PARALLEL_MIN_NUMEL = 1 << 23

@@ -727,6 +727,58 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng, workers, work
         assert_matches(engine, reference)
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the last thing a worker's backward does (it runs after every parameter's)."""
+
+    @staticmethod
+    def forward(ctx, x, done):
+        ctx.done = done
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.5)
+        ctx.done.append(1)
+        return grad, None
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_host_error_while_workers_compute_waits_for_them_and_leaves_nothing_behind(rng, monkeypatch, workers):
+    """The host's per-bucket work raises while the workers' backward passes still run: the error reaches the caller
+    as itself only once every worker's task has ended (none outlives its step to write the next one's slots), and
+    the next step equals the reference, as if the failed one had never been tried."""
+    from pyengine import ops
+    batches = make_batches(rng, 3, 12)
+    done, calls, norm = [], [], ops.mean_grad_norm
+
+    def failing_norm(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # step 2, its first bucket: the workers are still in backward
+            raise RuntimeError("boom in the host's norm")
+        return norm(*args, **kwargs)
+
+    def slow(model, batch):
+        x, y = batch
+        return loss_fn(model, (_SlowBackward.apply(x.clone().requires_grad_(), done), y))
+
+    monkeypatch.setattr(ops, "mean_grad_norm", failing_norm)
+    model = make_model()
+    reference = TorchReference(model, **OPT)
+    with Engine(model, slow, devices=["cpu"] * workers, optimizer=AdamW(**OPT, max_grad_norm=0.05), pin=False,
+                **TINY_BUCKETS) as engine:
+        engine.step(batches[0])
+        before, done[:] = engine.master_state_dict(), []
+        with pytest.raises(RuntimeError, match="boom in the host's norm"):
+            engine.step(batches[1])
+        assert len(done) == workers  # every worker's backward had ended when step() raised
+        after = engine.master_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        engine.step(batches[2])
+        for b in (batches[0], batches[2]):
+            reference.step([b], clip=0.05)
+        assert_matches(engine, reference)
+
+
 def test_interrupt_of_a_lone_cpu_worker_leaves_nothing_behind(rng):
     """A KeyboardInterrupt during the backward of the lone CPU worker (run on the calling thread) reaches the caller
     as itself; the weights are those of the last update and the next step equals the reference."""
@@ -980,6 +1032,38 @@ def test_engine_stop_from_another_thread_applies_no_push_after_it(rng, workers):
         assert engine.version == at_stop["version"] == engine.stats()["pushes"]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_async_worker_that_pulls_after_a_stop_takes_no_batch(rng, workers):
+    """A worker that pulls once the run is stopped (it waited for the mutex while another's push ended the run; here
+    the stop comes from inside the pull, from the batch schedule) ends without taking a mini-batch: none is drawn
+    from the iterable after the stop, so a later fit on the same iterator gets it, and none is computed for
+    nothing."""
+    drawn = []
+
+    def batches():
+        for b in make_batches(rng, 12, 8):
+            drawn.append(engine.stop_requested)
+            yield b
+
+    stop_at = {"version": 2}
+
+    def schedule(version):
+        if version >= stop_at["version"]:
+            stop_at["version"] = float("inf")  # once
+            engine.stop()
+        return 1
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT),
+                batch_schedule=schedule, pin=False) as engine:
+        it = batches()
+        engine.fit(it, steps=10)
+        assert engine.version == 2 and drawn.count(True) == 0, drawn
+        taken = len(drawn)
+        assert taken <= 1 + workers  # two pushes, and one mini-batch in flight on each other worker
+        engine.fit(it, steps=1)  # the next fit starts where this one stopped
+        assert engine.version == 3 and taken + 1 <= len(drawn) <= taken + workers
+
+
 def test_close_from_a_new_thread_waits_for_workers_whose_thread_ids_came_free(rng):
     """close() tells a callback of the fit (which must not wait for the workers) by its thread's id: a worker thread
     that had ended left its id behind, a new thread often gets the same one, and close() from it returned while the
@@ -1105,6 +1189,10 @@ def test_failing_lone_async_worker_on_the_calling_thread(rng):
     (dict(eager_mb="1"), r"Engine: eager_mb must be a number >= 0 or None"),
     (dict(unused="ignore"), r"Engine: unused must be 'zero' or 'error'"),
     (dict(pin="yes"), r"Engine: pin must be True, False or 'auto'"),
+    (dict(servers=0), r"servers must be an integer >= 1"),
+    (dict(servers=True), r"servers must be an integer >= 1"),
+    (dict(servers=2, mode="async"), r"servers=2 shards the store across async server ranks: it needs mode='async' "
+                                    r"and a process group"),
 ])
 def test_bad_engine_options(kwargs, message):
     """Each raises a ValueError naming the option before the engine seeds torch's generator (or allocates its
@@ -2430,6 +2518,51 @@ def test_load_state_dict_is_refused_while_a_step_runs(rng, mode, devices):
         assert engine.version == 1
         for name, value in saved["master"].items():
             assert torch.equal(engine.master_state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("mode,devices", [("hybrid", 2), ("hybrid", 1), ("sync", 2), ("pipeline", 2)],
+                         ids=["hybrid-threads", "hybrid-inline", "sync", "pipeline"])
+def test_close_from_inside_a_step_is_refused_and_the_step_completes(rng, mode, devices):
+    """close() from a step's own loss_fn (on a worker or stage thread: waiting for the step to end would wait for
+    itself; on the calling thread with one CPU worker: the step would go on on stopped workers) is a RuntimeError
+    that says to close after step() returns; the step completes as if no close had been tried, and the engine goes
+    on until closed from outside."""
+    batches = make_batches(rng, 3, 12)
+    errors, hold = [], {"on": False}
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+
+    def closing_loss(model, batch):
+        if hold["on"]:
+            try:
+                engine.close()
+            except RuntimeError as e:
+                errors.append(e)
+        return loss_fn(model, batch)
+
+    engine = Engine(make_model(), closing_loss, devices=["cpu"] * devices, mode=mode, optimizer=AdamW(**OPT),
+                    pin=False, **options)
+    clean = Engine(make_model(), loss_fn, devices=["cpu"] * devices, mode=mode, optimizer=AdamW(**OPT), pin=False,
+                   **options)
+    try:
+        for e in (engine, clean):
+            e.step(batches[0])
+        hold["on"] = True
+        stepping = threading.Thread(target=engine.step, args=(batches[1],), daemon=True)
+        stepping.start()
+        stepping.join(60)
+        assert not stepping.is_alive(), "close() from inside the step deadlocked"
+        assert errors and all("close() from inside a step" in str(e) for e in errors), errors
+        hold["on"] = False
+        clean.step(batches[1])
+        engine.step(batches[2])
+        clean.step(batches[2])
+        assert engine.version == clean.version == 3
+        for (name, a), b in zip(engine.master_state_dict().items(), clean.master_state_dict().values()):
+            assert torch.equal(a, b), name
+    finally:
+        clean.close()
+        if not hold["on"]:
+            engine.close()
 
 
 class _Noise(torch.nn.Module):
