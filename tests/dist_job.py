@@ -5,6 +5,7 @@
 Each rank writes ``OUT_DIR/rank<r>.pt`` with what the test checks; the data is generated from SEED the same way in
 every rank and in the test, so the test can rebuild the concatenated batches and the reference.
 """
+import datetime
 import gc
 import os
 import sys
@@ -293,8 +294,11 @@ def async_close(seed, rank, world, who):
     closing_rank = 1 if who == "client" else 0
     fifth, times = threading.Event(), {}
 
-    def slow_loss(model, batch):  # a push takes 0.5 s: a close() just after push 5 comes before push 6 arrives
-        time.sleep(0.5)
+    calls = [0]
+
+    def slow_loss(model, batch):  # push 6 takes 2 s: a close() just after push 5 comes before push 6 arrives
+        calls[0] += 1
+        time.sleep(2.0 if calls[0] == 6 else 0.05)
         return loss_fn(model, batch)
 
     def counted(engine, metrics):
@@ -898,7 +902,7 @@ def async_finished_client(seed, rank, world, servers, how):
 
 def overlap(seed, rank, world):
     """Hybrid (replicated and sharded), 2 local workers, several buckets; the first layer's weight gradient (the last
-    bucket) is held back 0.3 s in backward, so the earlier buckets' allreduce can only be launched before the workers
+    bucket) is held back 1.0 s in backward, so the earlier buckets' allreduce can only be launched before the workers
     finish if it overlaps backward. Returns each step's overlapped_buckets and the bucket count."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 24)]
     hooked = set()
@@ -906,7 +910,7 @@ def overlap(seed, rank, world):
     def slow_first_layer_loss(model, batch):
         if id(model) not in hooked:  # once per replica
             hooked.add(id(model))
-            model[0].weight.register_hook(lambda grad: (time.sleep(0.3), grad)[1])
+            model[0].weight.register_hook(lambda grad: (time.sleep(1.0), grad)[1])
         return loss_fn(model, batch)
 
     out = {}
@@ -1042,7 +1046,14 @@ def main():
     scenario, out_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
     gc.disable()  # only reference counting may free the engines: checked at the end
+    # The group's timeout (2-3 s in the hang scenarios) also bounds its rendezvous: every rank first waits here, as
+    # long as it takes, for every other to have started (a loaded machine imports torch at different paces)
+    started = torch.distributed.FileStore(os.path.join(out_dir, "started"), int(os.environ["WORLD_SIZE"]))
+    started.set_timeout(datetime.timedelta(seconds=120))
+    started.set(f"rank{os.environ['RANK']}", "up")
+    started.wait([f"rank{r}" for r in range(int(os.environ["WORLD_SIZE"]))])
     distributed.init_process_group("gloo", timeout_s=float(os.environ.get("PYENGINE_TEST_PG_TIMEOUT", "20")))
+    del started
     group = weakref.ref(torch.distributed.group.WORLD)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     scenarios = {"hybrid": hybrid, "async": lambda s, r, w: asynchronous(s, r, w, out_dir), "async-failure": async_failure,
