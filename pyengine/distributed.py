@@ -1448,12 +1448,20 @@ class AsyncServer:
         status sent."""
         lo, hi = self.span
         store = self.engine.store
-        with self.engine.mutex:
-            version = self.engine.version if version is None else version
-            # Note [An async pull sends the replicas' dtype]
-            snapshot = (store.param if store.shadow is None else store.shadow)[lo:hi].clone() if weights else None
-            scale = (self.engine.loss_scale_now() or 0.0) if self.rank == 0 else 0.0  # rank 0's scale decides
-            stopped = self._stopped()
+        source = store.param if store.shadow is None else store.shadow  # Note [An async pull sends the replicas' dtype]
+        try:
+            with self.engine.mutex:
+                version = self.engine.version if version is None else version
+                snapshot = source[lo:hi].clone() if weights else None
+                scale = (self.engine.loss_scale_now() or 0.0) if self.rank == 0 else 0.0  # rank 0's scale decides
+                stopped = self._stopped()
+        except Exception as exc:  # noqa: BLE001 - told to the client now, raised by run()
+            # This server's own code failed (not an exchange: a failed allocation, a bug) while the client waits for
+            # this header and the weights after it: it is sent ABORT naming this rank and the error, and zeros in
+            # place of the weights it expects, so it raises with them (it learned only of a closed connection).
+            self._fail(self.rank, f"serving rank {client} raised {_short_error(exc)}", cause=exc)
+            version, scale, stopped = version or 0, 0.0, True
+            snapshot = torch.zeros(hi - lo, dtype=source.dtype) if weights else None
         failed, failure, decision = -1.0, self.failure, status
         if failure is not None:
             status, failed = _ABORT, float(failure[0])

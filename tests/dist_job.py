@@ -880,6 +880,30 @@ def async_server_failure(seed, rank, world, servers, how):
     return {}
 
 
+def async_server_code_raises(seed, rank, world, servers):
+    """``servers`` server ranks; server ``servers - 1``'s own code raises (outside any exchange: a stand-in for a
+    bug or a failed allocation) while it prepares the weights for its client's fourth pull: the client waits for
+    them, and must raise DistributedError naming that server at once, not at the group's timeout."""
+    failing = servers - 1
+    batches = [client_batch(seed, rank, i) for i in range(200)] if rank >= servers else []
+    if rank == failing:
+        stopped, calls = distributed.AsyncServer._stopped, []
+
+        def raising(self):
+            if sys._getframe(1).f_code.co_name == "_send_header":
+                calls.append(1)
+                if len(calls) == 4:
+                    _stamp(FAILING)
+                    raise MemoryError(f"rank {rank}'s own code fails on purpose")
+            return stopped(self)
+
+        distributed.AsyncServer._stopped = raising
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=servers) as engine:
+        engine.fit(batches, steps=1000)
+    return {}
+
+
 def async_finished_client(seed, rank, world, servers, how):
     """``servers`` server ranks; the first client runs out of data after two pushes and ends normally, then the last
     rank (a client) exits or raises: the finished client must raise DistributedError naming it too."""
@@ -1066,6 +1090,8 @@ def main():
                     for how in ("exit", "raise") for k in (1, 2)},
                  **{f"async-server-{how}-{k}": lambda s, r, w, k=k, how=how: async_server_failure(s, r, w, k, how)
                     for how in ("exit", "raise") for k in (1, 2)},
+                 **{f"async-server-code-raises-{k}": lambda s, r, w, k=k: async_server_code_raises(s, r, w, k)
+                    for k in (1, 2)},
                  **{f"async-{who}-hang-{k}": lambda s, r, w, k=k, run=run: run(s, r, w, k, "hang")
                     for who, run in (("server", async_server_failure), ("client", async_client_failure))
                     for k in (1, 2)},

@@ -780,6 +780,22 @@ def test_a_failing_async_server_ends_every_other_rank_with_an_error_naming_it(tm
     assert noticed_after(logs, failed) < 10
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("servers,world", [(1, 2), (2, 3)])
+def test_an_async_servers_own_error_outside_an_exchange_is_told_to_its_client_at_once(tmp_path, seed, servers, world):
+    """A server's own code raises (not an exchange, not a push's update: a stand-in for a bug or a failed allocation)
+    while its client waits for the weights of a pull: the client is sent ABORT naming the server and the error, and
+    raises at once with them; before, nothing was sent, and the client learned only that the server's connection
+    closed once its process ended (gloo's "Connection closed by peer"), not why."""
+    failed = servers - 1
+    codes, logs, _ = launch(f"async-server-code-raises-{servers}", world, tmp_path, seed, timeout=90.0,
+                            pg_timeout=60.0, grace=15.0, main=world - 1)
+    for r, error in survivor_errors(codes, logs, range(world)):
+        assert f"the async run stopped because rank {failed} failed: serving rank {world - 1} raised MemoryError: " \
+               f"rank {failed}'s own code fails on purpose" in error, error
+    assert noticed_after(logs, failed) < 15
+
+
 def noticed_after(logs, failed, survivors=None) -> float:
     """Seconds from rank ``failed``'s failure to the last of ``survivors`` (default: every other rank) ending with an
     error, from the wall-clock stamps dist_job prints (load on the machine slows the imports before, not this)."""
