@@ -718,13 +718,19 @@ def test_failing_worker_is_named_and_weights_keep_last_update(rng, workers, work
                 as info:
             engine.step(batches[1])
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.worker in range(workers)
-        after = engine.master_state_dict()
-        assert all(torch.equal(before[k], after[k]) for k in before)
-        # Nothing of the failed step leaks into the next: training goes on as if batches[1] had never been seen.
-        engine.step(batches[2])
-        for b in (batches[0], batches[2]):
-            reference.step([b], clip=0.05)
-        assert_matches(engine, reference)
+        check_the_failed_step_left_nothing(engine, before, reference, batches)
+
+
+def check_the_failed_step_left_nothing(engine, before, reference, batches):
+    """After batches[1]'s step failed: the weights are those of batches[0]'s, and nothing of the failed step leaks
+    into the next: training goes on as if batches[1] had never been seen (clipping at 0.05: the host's per-bucket
+    norm is taken while backward runs, so a stale bucket would change the step)."""
+    after = engine.master_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.step(batches[2])
+    for b in (batches[0], batches[2]):
+        reference.step([b], clip=0.05)
+    assert_matches(engine, reference)
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -771,12 +777,7 @@ def test_a_host_error_while_workers_compute_waits_for_them_and_leaves_nothing_be
         with pytest.raises(RuntimeError, match="boom in the host's norm"):
             engine.step(batches[1])
         assert len(done) == workers  # every worker's backward had ended when step() raised
-        after = engine.master_state_dict()
-        assert all(torch.equal(before[k], after[k]) for k in before)
-        engine.step(batches[2])
-        for b in (batches[0], batches[2]):
-            reference.step([b], clip=0.05)
-        assert_matches(engine, reference)
+        check_the_failed_step_left_nothing(engine, before, reference, batches)
 
 
 def test_interrupt_of_a_lone_cpu_worker_leaves_nothing_behind(rng):
