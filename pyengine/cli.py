@@ -945,8 +945,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             engine's host store still holds the last complete update (its buffers too: Note [A failed step leaves
             the buffers alone]), and ``state`` counts exactly the steps (async: the pushes) done. That state is
             saved as a checkpoint like any other, so the steps since the last periodic checkpoint are not lost and
-            ``--resume`` continues from it (bit-identical when the failure does not recur: tested). Under torchrun nothing is saved (``state_dict`` may be a
-            collective and another rank may be the one that died): the last periodic checkpoint is named instead.
+            ``--resume`` continues from it (bit-identical when the failure does not recur: tested). Under torchrun
+            nothing is saved (``state_dict`` may be a collective and another rank may be the one that died): the last
+            periodic checkpoint is named instead.
             Saved only when the engine's own count agrees with ``state`` (a failure after an update was applied but
             before ``on_step`` counted it would otherwise save that update under the step before)."""
             this_step = ckpt.path_for(ckpt_dir, state["step"])

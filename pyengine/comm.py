@@ -2,7 +2,8 @@
 
 A message of n bytes between two nodes costs ``alpha + n / B`` (alpha: latency, B: link bandwidth in bytes/s). Every
 node has one full-duplex link; messages to different peers in the same round run concurrently (their latencies
-overlap) but share the sender's and the receiver's link bandwidth. An algorithm is then two numbers, both linear in the model's parameters:
+overlap) but share the sender's and the receiver's link bandwidth. An algorithm is then two numbers, both linear in
+the model's parameters:
 
     time = steps * alpha + link_bytes / B
 

@@ -1249,9 +1249,10 @@ class Engine:
         (or ``grads``) with the staleness policy's lr, and ``(applied, staleness)`` is returned.
 
         Multi-node async servers (:mod:`pyengine.distributed`) pass ``span=(begin, end)``, their shard of the store,
-        and ``grads`` of that shard only, with ``norm=(norm, nonfinite)`` of the whole pushed gradient, so that every shard clips and skips alike;
-        ``staleness``, when given, is the coordinating server's admission decision (no refresh check here), and
-        ``step`` its Adam step for this push (bias correction; default: this engine's ``version`` after the push).
+        and ``grads`` of that shard only, with ``norm=(norm, nonfinite)`` of the whole pushed gradient, so that every
+        shard clips and skips alike; ``staleness``, when given, is the coordinating server's admission decision (no
+        refresh check here), and ``step`` its Adam step for this push (bias correction; default: this engine's
+        ``version`` after the push).
         ``loss_scale``: the scale the push was computed with (taken with its snapshot).
         """
         decided = staleness is not None

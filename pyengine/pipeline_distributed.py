@@ -734,11 +734,12 @@ class DistributedPipeline(_FailureNaming):
         The first rank runs the inputs, the last rank scores the outputs against its targets: with a different batch
         per rank (a DistributedSampler per rank, as for data parallelism) the pipeline would train on inputs paired
         with another batch's targets, silently. So before any work each rank takes a fingerprint of its batch (its
-        sizes and the CRC-32 of the dtypes, shapes and bytes of inputs and targets) and one small all-reduce (MAX of the fingerprint and
-        of its negation) tells every rank whether they all agree. A checksum of the bytes, not a floating-point sum:
-        a sum's last bits depend on how many intra-op threads split it, and ranks may run different counts. Targets
-        None, and a batch this pipeline cannot run (:func:`_batch_problem`, which step() raises after this exchange,
-        so that every rank takes part in it whatever it was given), have fingerprints of their own."""
+        sizes and the CRC-32 of the dtypes, shapes and bytes of inputs and targets) and one small all-reduce (MAX of
+        the fingerprint and of its negation) tells every rank whether they all agree. A checksum of the bytes, not a
+        floating-point sum: a sum's last bits depend on how many intra-op threads split it, and ranks may run
+        different counts. Targets None, and a batch this pipeline cannot run (:func:`_batch_problem`, which step()
+        raises after this exchange, so that every rank takes part in it whatever it was given), have fingerprints of
+        their own."""
         both = self._fingerprint  # Note [Gloo's works are released by the thread that waits]
         (both[0], both[2]), (both[1], both[3]) = _fingerprint(inputs), _fingerprint(targets)
         both[4:] = -both[:4]
@@ -766,7 +767,8 @@ class DistributedPipeline(_FailureNaming):
     @torch.no_grad()
     def _start_clock(self) -> float:
         """The start of the schedule's common clock (Note [Bubble across processes]): a barrier over the group (one
-        all-reduce of a kept tensor: Note [Gloo's works are released by the thread that waits]), then this rank's time."""
+        all-reduce of a kept tensor: Note [Gloo's works are released by the thread that waits]), then this rank's
+        time."""
         self._clock.zero_()
         self.works.run(dist.all_reduce, self._clock, group=self.group)
         return time.perf_counter()
