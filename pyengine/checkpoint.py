@@ -61,6 +61,12 @@ _CONTAINERS = (dict, list, tuple, collections.OrderedDict, collections.Counter)
 def _check_payload(value, where: str = "payload") -> None:
     """ValueError naming the first entry of ``value`` that a checkpoint cannot hold."""
     if isinstance(value, torch.Tensor):
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):  # weights_only=True refuses to rebuild a subclass
+            raise ValueError(f"checkpoint: {where} is a {type(value).__qualname__}, a tensor subclass that a "
+                             "checkpoint cannot read back (weights_only=True); store a plain tensor "
+                             "(tensor.as_subclass(torch.Tensor))")
+        if value.is_meta:
+            raise ValueError(f"checkpoint: {where} is a meta tensor: it has no values to save")
         return
     if type(value) in _LEAVES:
         return

@@ -537,10 +537,16 @@ def test_the_first_checkpoint_makes_its_folder_durable(tmp_path, monkeypatch):
     assert synced == [tmp_path / "run" / "checkpoints", tmp_path / "run", tmp_path / "run" / "checkpoints"]
 
 
+class _TensorSubclass(torch.Tensor):
+    """A tensor subclass: torch.save writes it, torch.load(weights_only=True) refuses to rebuild it."""
+
+
 @pytest.mark.parametrize("payload,where", [
     ({"schedule": pyengine.WarmupCosine(warmup_steps=2)}, r"payload\['schedule'\] is a WarmupCosine"),
     ({"x": {"deep": [1, object()]}}, r"payload\['x'\]\['deep'\]\[1\] is a object"),
     ([1, 2], r"payload must be a dict; got list"),
+    ({"w": [torch.ones(2).as_subclass(_TensorSubclass)]}, r"payload\['w'\]\[0\] is a _TensorSubclass, a tensor "),
+    ({"w": torch.empty(3, device="meta")}, r"payload\['w'\] is a meta tensor: it has no values"),
 ])
 def test_save_refuses_a_payload_that_would_not_load_and_keeps_the_last_good_one(tmp_path, payload, where):
     """torch.save pickles anything; load reads with weights_only: such a file never loaded, and keep=1 had pruned
@@ -550,6 +556,13 @@ def test_save_refuses_a_payload_that_would_not_load_and_keeps_the_last_good_one(
     with pytest.raises(ValueError, match=where):
         ckpt.save(folder, 2, payload, keep=1)
     assert [p.name for p in folder.iterdir()] == ["step-00000001.pyeckpt"]
+
+
+def test_save_keeps_parameters_and_plain_tensors_it_can_read_back(tmp_path):
+    weight = torch.nn.Parameter(torch.randn(5))
+    ckpt.save(tmp_path, 3, {"w": weight, "t": torch.arange(4)})
+    back = ckpt.load(ckpt.latest(tmp_path))
+    assert torch.equal(back["w"], weight.detach()) and torch.equal(back["t"], torch.arange(4))
 
 
 def test_save_refuses_a_step_it_would_prune_at_once_and_steps_that_name_no_checkpoint(tmp_path):
