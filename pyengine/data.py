@@ -11,6 +11,8 @@ resumed run sees exactly the batches an uninterrupted one would.
 """
 from __future__ import annotations
 
+import collections.abc
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -53,6 +55,7 @@ class Dataset:
         ``step >= 0``; ``1 <= batch_size <= train_size``."""
         _check_int(step, "step", 0)
         per_epoch = self._check_batch(batch_size)
+        _check_int(seed, "seed", 0, SEED_BELOW)
         epoch, index = divmod(step, per_epoch)
         generator = torch.Generator().manual_seed(_mix(seed, epoch))
         order = torch.randperm(self.train_size, generator=generator)
@@ -65,6 +68,12 @@ class Dataset:
         here, not at the first batch (``start >= 0``, ``batch_size`` as in :meth:`batch`)."""
         _check_int(start, "start", 0)
         self._check_batch(batch_size)
+        _check_int(seed, "seed", 0, SEED_BELOW)
+        if not isinstance(skip, collections.abc.Container) or isinstance(skip, (str, bytes)):
+            raise TypeError(f"stream: skip must be a set of steps; got {type(skip).__name__} {skip!r}")
+        if indices is not None and not isinstance(indices, list):
+            raise TypeError(f"stream: indices must be a list (the steps yielded are appended) or None; got "
+                            f"{type(indices).__name__} {indices!r}")
         return self._stream(start, batch_size, seed, skip, indices)
 
     def _stream(self, start: int, batch_size: int, seed: int, skip, indices: list | None):
@@ -77,12 +86,17 @@ class Dataset:
             step += 1
 
 
-def _check_int(value, what: str, least: int) -> int:
+def _check_int(value, what: str, least: int, below: int | None = None) -> int:
+    wanted = f"an integer >= {least}" if below is None else f"an integer in [{least}, {below})"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an integer >= {least}; got {type(value).__name__} {value!r}")
-    if value < least:
-        raise ValueError(f"{what} must be an integer >= {least}; got {value}")
+        raise TypeError(f"{what} must be {wanted}; got {type(value).__name__} {value!r}")
+    if value < least or (below is not None and value >= below):
+        raise ValueError(f"{what} must be {wanted}; got {value}")
     return value
+
+
+SEED_BELOW = 2**64  # what torch.manual_seed takes (the CLI's --seed range)
+SPLIT_SEED_BELOW = 2**32  # what scikit-learn's random_state takes
 
 
 def _mix(seed: int, epoch: int) -> int:
@@ -118,10 +132,24 @@ def load(name: str, *, split_seed: int = 0, test_fraction: float | None = None, 
 
 
 def load_digits(split_seed: int = 0, test_fraction: float = 0.2) -> Dataset:
+    """scikit-learn's digits, split by class (stratified): ``test_fraction`` of them held out (a number in (0, 1)
+    that leaves at least one sample of each class on each side), the split fixed by ``split_seed`` (an integer in
+    [0, 2**32))."""
+    _check_int(split_seed, "load_digits: split_seed", 0, SPLIT_SEED_BELOW)
+    if isinstance(test_fraction, bool) or not isinstance(test_fraction, numbers.Real):
+        raise TypeError(f"load_digits: test_fraction must be a fraction in (0, 1) (not a count); got "
+                        f"{type(test_fraction).__name__} {test_fraction!r}")
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"load_digits: test_fraction must be a fraction in (0, 1); got {test_fraction}")
     from sklearn.datasets import load_digits as sk_load_digits
     from sklearn.model_selection import train_test_split
 
     digits = sk_load_digits()
+    samples, classes = len(digits.target), len(set(digits.target.tolist()))
+    held_out = math.ceil(samples * test_fraction)  # scikit-learn's rounding of a fractional test_size
+    if not classes <= held_out <= samples - classes:
+        raise ValueError(f"load_digits: test_fraction {test_fraction} holds out {held_out} of {samples} samples; a "
+                         f"split by class needs at least {classes} (one per class) on each side")
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target, dtype=torch.int64)
     idx_train, idx_test = train_test_split(torch.arange(len(y)).numpy(), test_size=test_fraction,
@@ -136,7 +164,9 @@ def load_digits(split_seed: int = 0, test_fraction: float = 0.2) -> Dataset:
 def synthetic_tokens(seed: int = 0, *, train: int = 4096, test: int = 512, seq_len: int = 64, vocab: int = 256,
                      p_follow: float = 0.8) -> Dataset:
     """Sequences from a random bigram chain: next = succ[token] with probability ``p_follow``, else uniform.
-    ``train``, ``test``, ``seq_len`` and ``vocab`` are integers >= 1, ``0 <= p_follow <= 1``."""
+    ``train``, ``test``, ``seq_len`` and ``vocab`` are integers >= 1, ``0 <= p_follow <= 1``; ``seed`` is an
+    integer in [0, 2**32)."""
+    _check_int(seed, "synthetic_tokens: seed", 0, SPLIT_SEED_BELOW)
     for what, value in (("train", train), ("test", test), ("seq_len", seq_len), ("vocab", vocab)):
         _check_int(value, f"synthetic_tokens: {what}", 1)
     if isinstance(p_follow, bool) or not isinstance(p_follow, numbers.Real):

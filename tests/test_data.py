@@ -23,6 +23,11 @@ def tokens():
     ((0, 32.0, 0), TypeError, "batch_size must be an integer >= 1; got float 32.0"),
     ((-1, 64, 0), ValueError, "step must be an integer >= 0; got -1"),
     ((1.5, 64, 0), TypeError, "step must be an integer >= 0; got float 1.5"),
+    ((0, 64, None), TypeError, r"seed must be an integer in \[0, 18446744073709551616\); got NoneType None"),
+    ((0, 64, 1.5), TypeError, "seed must be an integer .*; got float 1.5"),
+    ((0, 64, True), TypeError, "seed must be an integer .*; got bool True"),
+    ((0, 64, -1), ValueError, "seed must be an integer .*; got -1"),
+    ((0, 64, 2**64), ValueError, "seed must be an integer .*; got 18446744073709551616"),
 ])
 def test_batch_refuses_a_batch_size_or_step_out_of_range(digits, args, error, message):
     """A batch larger than the split (or 0) once divided by zero; step -1 gave a batch of the last epoch's end."""
@@ -48,6 +53,11 @@ def test_batch_and_stream_at_the_edges(digits):
     (("0", 64, 0), TypeError, "start must be an integer >= 0; got str '0'"),
     ((0, 0, 0), ValueError, "batch_size must be an integer >= 1; got 0"),
     ((0, 10_000, 0), ValueError, "batch_size must be at most"),
+    ((0, 64, None), TypeError, "seed must be an integer .*; got NoneType None"),
+    ((0, 64, "3"), TypeError, "seed must be an integer .*; got str '3'"),
+    ((0, 64, 0, None), TypeError, "stream: skip must be a set of steps; got NoneType None"),
+    ((0, 64, 0, 5), TypeError, "stream: skip must be a set of steps; got int 5"),
+    ((0, 64, 0, set(), ()), TypeError, r"stream: indices must be a list .*; got tuple \(\)"),
 ])
 def test_stream_checks_its_arguments_when_called(digits, args, error, message):
     """A negative start once streamed the batches of "steps" -1, 0, ...; the checks run at the call, not at the
@@ -73,6 +83,33 @@ def test_synthetic_tokens_refuses_sizes_below_one_and_a_probability_outside_0_1(
     given; vocab=0 failed inside torch."""
     with pytest.raises(error, match=message):
         data.synthetic_tokens(**{"train": 8, "test": 8, "seq_len": 4, "vocab": 8, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(split_seed=None), TypeError, r"load_digits: split_seed must be an integer in \[0, 4294967296\); got "
+                                       "NoneType None"),
+    (dict(split_seed=-1), ValueError, "split_seed must be an integer .*; got -1"),
+    (dict(split_seed=2**32), ValueError, "split_seed must be an integer .*; got 4294967296"),
+    (dict(split_seed=1.0), TypeError, "split_seed must be an integer .*; got float 1.0"),
+    (dict(test_fraction=100), ValueError, r"test_fraction must be a fraction in \(0, 1\); got 100"),
+    (dict(test_fraction=0), ValueError, r"test_fraction must be a fraction in \(0, 1\); got 0"),
+    (dict(test_fraction=1.0), ValueError, r"test_fraction must be a fraction in \(0, 1\); got 1.0"),
+    (dict(test_fraction="0.2"), TypeError, r"test_fraction must be a fraction in \(0, 1\) \(not a count\); got str"),
+    (dict(test_fraction=0.001), ValueError, "test_fraction 0.001 holds out 2 of 1797 samples; a split by class needs "
+                                            "at least 10"),
+    (dict(test_fraction=0.999), ValueError, "holds out 1796 of 1797 samples"),
+])
+def test_load_digits_refuses_a_split_seed_or_test_fraction_it_cannot_use(kwargs, error, message):
+    """split_seed=None gave a different split at each load; test_fraction=100 was read as a count of samples;
+    a fraction leaving fewer samples than classes failed inside scikit-learn."""
+    with pytest.raises(error, match=message):
+        data.load("digits", **kwargs)
+
+
+@pytest.mark.parametrize("seed,error", [(None, TypeError), (1.5, TypeError), (-1, ValueError), (2**32, ValueError)])
+def test_synthetic_tokens_refuses_a_seed_out_of_range(seed, error):
+    with pytest.raises(error, match="synthetic_tokens: seed must be an integer in"):
+        data.load("tokens", split_seed=seed, train=4, test=2, seq_len=3, vocab=5)
 
 
 def test_synthetic_tokens_at_the_edges():
@@ -105,6 +142,7 @@ def test_load_passes_on_what_each_dataset_uses():
                                                     vocab=7).x_train)
     half = data.load("digits", test_fraction=0.5)
     assert half.x_test.shape[0] in (898, 899) and data.load("digits").x_test.shape[0] == 360
+    assert data.load("digits", test_fraction=0.006).x_test.shape[0] == 11  # near the smallest split by class
     with pytest.raises(ValueError, match="unknown dataset 'mnist'"):
         data.load("mnist")
 
