@@ -340,15 +340,35 @@ class HostStore:
         return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.layout}
 
     def _named(self, model_or_named_parameters, what: str) -> dict[str, torch.Tensor]:
-        named = (dict(model_or_named_parameters.named_parameters())
-                 if isinstance(model_or_named_parameters, torch.nn.Module) else dict(model_or_named_parameters))
+        """name -> parameter of the model, checked against the layout before anything is copied (a failure half
+        way left some weights written, and the shadow behind them)."""
+        pairs = (model_or_named_parameters.named_parameters()
+                 if isinstance(model_or_named_parameters, torch.nn.Module) else model_or_named_parameters)
+        named: dict[str, torch.Tensor] = {}
+        for item in pairs:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"HostStore.{what}: expected an nn.Module or an iterable of (name, tensor) pairs; "
+                                f"got an item of type {type(item).__name__}")
+            name, param = item
+            if name in named and named[name] is not param:
+                raise ValueError(f"HostStore.{what}: two different parameters are both named {name!r}")
+            named[name] = param
         missing = [name for name in self.names if name not in named]
         if missing:
             raise KeyError(f"HostStore.{what}: the model has no parameter named {missing[:5]} (of {len(missing)})")
+        held = {id(named[name]) for name in self.names}  # a tied parameter may come under its other names too
+        unheld = [name for name, param in named.items() if param.requires_grad and id(param) not in held]
+        if unheld:
+            raise ValueError(f"HostStore.{what}: the model has trainable parameters the store does not hold: "
+                             f"{unheld[:5]} (of {len(unheld)}); the store holds those of the model it was made from")
         for entry in self.layout:
-            if named[entry.name].shape != entry.shape:
+            param = named[entry.name]
+            if param.shape != entry.shape:
                 raise ValueError(f"HostStore.{what}: parameter {entry.name!r} has shape "
-                                 f"{tuple(named[entry.name].shape)}; the store holds {tuple(entry.shape)}")
+                                 f"{tuple(param.shape)}; the store holds {tuple(entry.shape)}")
+            if param.is_meta or not param.is_floating_point():
+                kind = "a meta tensor (no storage)" if param.is_meta else f"{param.dtype}, not floating point"
+                raise ValueError(f"HostStore.{what}: parameter {entry.name!r} is {kind}")
         return named
 
     @torch.no_grad()

@@ -118,6 +118,59 @@ def test_load_from_copy_to_round_trip_bit_exact():
         store.copy_to(torch.nn.Linear(2, 2))
 
 
+def _small_pair(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+
+
+def _with_meta_bias(model):
+    model[1].bias = torch.nn.Parameter(torch.empty(2, device="meta"))
+    return model
+
+
+def _with_extra_head(model):
+    model.append(torch.nn.Linear(2, 4))
+    return model
+
+
+@pytest.mark.parametrize("edit,error,message", [
+    (_with_meta_bias, ValueError, r"parameter '1.bias' is a meta tensor \(no storage\)"),
+    (_with_extra_head, ValueError, r"the model has trainable parameters the store does not hold: \['2.weight', "
+                                   r"'2.bias'\] \(of 2\)"),
+    (lambda m: [*m.named_parameters(), ("0.weight", torch.nn.Parameter(torch.zeros(5, 3)))], ValueError,
+     "two different parameters are both named '0.weight'"),
+    (lambda m: [("0.weight", m[0].weight), "0.bias"], TypeError, "an item of type str"),
+])
+@pytest.mark.parametrize("method", ["load_from", "copy_to"])
+def test_load_from_and_copy_to_refuse_a_model_unlike_the_stores_before_writing(edit, error, message, method):
+    """A meta parameter failed half way through load_from (some weights written, the shadow stale) and copy_to
+    into it did nothing without a word; a trainable parameter the store does not hold was left as it was; a name
+    given twice kept the last tensor."""
+    store = make(_small_pair(0), shadow_dtype=torch.bfloat16)
+    model = _small_pair(1)
+    target = edit(model)  # the model itself, edited, or a list of its (name, tensor) pairs and more
+    before_store = {name: flat.clone() for name, flat in buffers(store).items()}
+    before_model = {name: t.clone() for name, t in model.named_parameters() if not t.is_meta}
+    with pytest.raises(error, match=f"HostStore.{method}: .*{message}"):
+        getattr(store, method)(target)
+    assert all(torch.equal(flat, before_store[name]) for name, flat in buffers(store).items())
+    assert all(torch.equal(t, before_model[name]) for name, t in model.named_parameters() if not t.is_meta)
+
+
+def test_load_from_and_copy_to_take_a_tied_parameter_under_either_name_and_skip_frozen_ones():
+    source = _small_pair(0)
+    store = make(source)
+    target = _small_pair(1)
+    target[1].weight.requires_grad_(False)  # frozen in the target: still written (the store holds it)
+    extra_frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    store.copy_to([*target.named_parameters(), ("0.weight_alias", target[0].weight), ("frozen", extra_frozen)])
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+    assert torch.equal(extra_frozen, torch.ones(4))
+    other = _small_pair(2)
+    store.load_from([*other.named_parameters(), ("0.weight_alias", other[0].weight)])
+    assert torch.equal(store.views(store.param)["0.weight"], other[0].weight.detach())
+
+
 @pytest.mark.parametrize("dtypes,frozen,expected", [
     ([torch.bfloat16, torch.bfloat16], None, torch.bfloat16),
     ([torch.float16], None, torch.float16),
