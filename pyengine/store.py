@@ -22,7 +22,10 @@ slots stay full size.
 from __future__ import annotations
 
 import bisect
+import operator
+import threading
 import warnings
+import weakref
 from typing import Iterable, NamedTuple, Sequence
 
 import torch
@@ -256,6 +259,8 @@ class HostStore:
         self.max_exp_avg_sq = views.get("max_exp_avg_sq")
         self.shadow = views.get("shadow")
         self._grad_slots = [views[f"grad{g}"] for g in range(workers)]
+        self._slot_owners: dict[int, weakref.ref] = {}  # worker -> its GradientStreamer (Note [One writer a slot])
+        self._slot_lock = threading.Lock()
         self.load_from(named)
 
     def _set_state_ranges(self, state_ranges) -> None:
@@ -320,9 +325,40 @@ class HostStore:
 
     def grad_slot(self, worker: int) -> torch.Tensor:
         """Worker ``worker``'s gradient slot: a flat 1-D ``grad_dtype`` view of ``numel`` elements."""
-        if not isinstance(worker, int) or not 0 <= worker < self.workers:
-            raise IndexError(f"HostStore.grad_slot: worker must be an int in [0, {self.workers}); got {worker!r}")
-        return self._grad_slots[worker]
+        return self._grad_slots[self._check_worker(worker, "grad_slot")]
+
+    def _check_worker(self, worker, what: str) -> int:
+        try:
+            index = None if isinstance(worker, bool) else operator.index(worker)  # an int, or numpy's
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < self.workers:
+            raise IndexError(f"HostStore.{what}: worker must be an int in [0, {self.workers}); got "
+                             f"{type(worker).__name__} {worker!r}")
+        return index
+
+    def claim_slot(self, worker: int, owner) -> None:
+        """Note [One writer a slot]
+        A GradientStreamer writes its worker's slot from its hooks and copy thread: two of them on one slot (the
+        same ``worker=`` given twice) would write it at once, the update reading a mix of two replicas' gradients
+        with no error. Each streamer claims its slot when it is made and gives it back on ``close()`` (or when it
+        is collected: the store holds it weakly); a second claim while the first owner lives is a RuntimeError."""
+        worker = self._check_worker(worker, "claim_slot")
+        with self._slot_lock:
+            holder = self._slot_owners.get(worker)
+            holder = holder() if holder is not None else None
+            if holder is not None and holder is not owner:
+                raise RuntimeError(f"HostStore: worker {worker}'s gradient slot is already written by {holder!r}; "
+                                   "two streamers on one slot would mix their gradients: close() that one first, "
+                                   "or give this one another worker")
+            self._slot_owners[worker] = weakref.ref(owner)
+
+    def release_slot(self, worker: int, owner) -> None:
+        """Gives back ``worker``'s slot if ``owner`` holds it (Note [One writer a slot])."""
+        with self._slot_lock:
+            holder = self._slot_owners.get(worker)
+            if holder is not None and holder() in (owner, None):
+                del self._slot_owners[worker]
 
     def entry(self, name: str) -> LayoutEntry:
         """The layout entry of parameter ``name``."""

@@ -96,8 +96,10 @@ class GradientStreamer:
                  first_bucket_mb: float = 1, unused: str = "zero", eager_mb: float | None = 1):
         if not isinstance(replica, torch.nn.Module):
             raise TypeError(f"GradientStreamer: replica must be an nn.Module; got {type(replica).__name__}")
+        if not isinstance(store, HostStore):
+            raise TypeError(f"GradientStreamer: store must be a HostStore; got {type(store).__name__}")
         check_options(bucket_mb, first_bucket_mb, unused, eager_mb)
-        store.grad_slot(worker)  # validates worker
+        worker = store._check_worker(worker, "grad_slot")  # an int in [0, workers): the store says which
         self.store, self.worker, self.unused = store, worker, unused
         self._params = self._replica_params(replica, store)
         self.device = self._params[0].device
@@ -136,6 +138,8 @@ class GradientStreamer:
         self._next_launch = 0
         self.hook_calls = 0
         self._replica = weakref.ref(replica)
+        store.claim_slot(worker, self)  # last check: Note [One writer a slot]
+        self._claimed = True
         self._handles = self._register_hooks(replica)
 
     @staticmethod
@@ -557,6 +561,9 @@ class GradientStreamer:
         transfer = getattr(self, "_transfer", None)
         if transfer is not None:
             transfer.close()
+        if getattr(self, "_claimed", False):  # the slot is free once no copy into it is in flight
+            self._claimed = False
+            self.store.release_slot(self.worker, self)
 
     def __enter__(self) -> "GradientStreamer":
         return self

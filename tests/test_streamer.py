@@ -869,11 +869,10 @@ def test_pipelined_update_argument_errors():
     model = Net()
     store = pyengine.HostStore(model, workers=2, pin=False)
     a = pyengine.GradientStreamer(model, store, worker=0)
-    b = pyengine.GradientStreamer(copy.deepcopy(model), store, worker=0)
     with pytest.raises(ValueError, match="at least one"):
         pyengine.pipelined_update([], store, 1, lr=1e-3)
     with pytest.raises(ValueError, match="each worker must appear once"):
-        pyengine.pipelined_update([a, b], store, 1, lr=1e-3)
+        pyengine.pipelined_update([a, a], store, 1, lr=1e-3)
     with pytest.raises(ValueError, match="amsgrad"):
         pyengine.pipelined_update([a], store, 1, lr=1e-3, amsgrad=True)
     with pytest.raises(ValueError, match=r"betas must be two numbers"):
@@ -915,7 +914,7 @@ def test_pipelined_update_argument_errors():
         with pytest.raises(ValueError, match=f"source must be a contiguous float32.*{what}"):
             a.copy_back(source=source)
         assert a._transfer.wait(0, 0, True, 0.0), "a refused copy_back released the bucket's gradients"
-    for s in (a, b, c):
+    for s in (a, c):
         s.close()
     sharded = pyengine.HostStore(model, pin=False, state_ranges=[(0, 8)])
     with pyengine.GradientStreamer(model, sharded) as d:
@@ -1161,3 +1160,55 @@ def test_pipelined_update_raises_when_a_workers_step_fails():
     pyengine.ops.mean_grad_adamw_(*left, [store.grad_slot(0).clone()], lr=1e-2, step=2)
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), left, (store.param, store.exp_avg, store.exp_avg_sq)):
         assert torch.equal(a, b), name
+
+
+def test_two_streamers_cannot_write_one_slot_and_a_closed_or_dropped_one_gives_it_back():
+    """worker=0 given twice once made two streamers copy into one slot: the update read a mix of two replicas'
+    gradients, with no error."""
+    model, other = Net(), Net()
+    store = pyengine.HostStore(model, workers=2, pin=False)
+    first = pyengine.GradientStreamer(model, store, worker=0)
+    with pytest.raises(RuntimeError, match=r"worker 0's gradient slot is already written by GradientStreamer\("
+                                           r"worker=0.*close\(\) that one first"):
+        pyengine.GradientStreamer(other, store, worker=0)
+    assert not any(p._post_accumulate_grad_hooks for p in other.parameters()), "the refused one left hooks"
+    model(batch()).pow(2).mean().backward()
+    first.wait_all()
+    assert_slots_equal_grads(store, model, 0)  # the first one still streams
+    with pyengine.GradientStreamer(other, store, worker=1):  # another worker's slot is free
+        pass
+    first.close()
+    second = pyengine.GradientStreamer(other, store, worker=0)
+    other.zero_grad()
+    other(batch()).pow(2).mean().backward()
+    second.wait_all()
+    assert_slots_equal_grads(store, other, 0)
+    del second
+    gc.collect()
+    pyengine.GradientStreamer(model, store, worker=0).close()  # a collected streamer gave its slot back
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(store=None), TypeError, "GradientStreamer: store must be a HostStore; got NoneType"),
+    (dict(worker=True), IndexError, r"worker must be an int in \[0, 2\); got bool True"),
+    (dict(worker=1.0), IndexError, r"worker must be an int in \[0, 2\); got float 1.0"),
+    (dict(worker=2), IndexError, r"worker must be an int in \[0, 2\); got int 2"),
+])
+def test_streamer_refuses_a_store_or_worker_it_cannot_use(kwargs, error, message):
+    model = Net()
+    store = pyengine.HostStore(model, workers=2, pin=False)
+    with pytest.raises(error, match=message):
+        pyengine.GradientStreamer(model, **{"store": store, **kwargs})
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_a_numpy_integer_names_a_worker():
+    np = pytest.importorskip("numpy")
+    model = Net()
+    store = pyengine.HostStore(model, workers=2, pin=False)
+    assert store.grad_slot(np.int64(1)).data_ptr() == store.grad_slot(1).data_ptr()
+    with pyengine.GradientStreamer(model, store, worker=np.int64(1)) as streamer:
+        assert streamer.worker == 1 and type(streamer.worker) is int
+        model(batch()).pow(2).mean().backward()
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 1)
