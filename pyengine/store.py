@@ -221,6 +221,8 @@ class HostStore:
             raise ValueError(f"HostStore: shadow_dtype must be None, 'auto' or one of {_SHADOW_DTYPES}; got "
                              f"{shadow_dtype!r}")
         check_pin(pin)
+        if not isinstance(amsgrad, bool):  # "no" would have been truthy: a buffer more than asked
+            raise TypeError(f"HostStore: amsgrad must be True or False; got {type(amsgrad).__name__} {amsgrad!r}")
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"HostStore: max_bytes must be None or an int >= 0 (bytes); got {max_bytes!r}")
         named = _trainable(model_or_named_parameters)
@@ -370,6 +372,9 @@ class HostStore:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """name -> view of ``flat`` (one of the store's flat buffers, or any 1-D tensor of ``numel`` elements) shaped
         like the parameter. Views, not copies: writing them writes ``flat``."""
+        if not isinstance(flat, torch.Tensor):
+            raise TypeError(f"HostStore.views: expected a 1-D tensor of {self.numel} elements; got "
+                            f"{type(flat).__name__}")
         if flat.dim() != 1 or flat.numel() != self.numel:
             raise ValueError(f"HostStore.views: expected a 1-D tensor of {self.numel} elements; got shape "
                              f"{tuple(flat.shape)}")

@@ -13,6 +13,8 @@ csrc/store/transfer.h for the ordering rules.
 from __future__ import annotations
 
 import contextlib
+import numbers
+import operator
 import threading
 import weakref
 from typing import NamedTuple, Sequence
@@ -452,9 +454,24 @@ class GradientStreamer:
         produces it (which may have failed, or touch no parameter of the bucket until it ends): returns False when
         it ran out, True once the bucket is in the slot. Without a timeout it waits as long as it takes.
         """
+        k = self._check_bucket(k, "wait")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+            raise TypeError(f"GradientStreamer.wait: timeout must be a number of seconds >= 0 or None; got "
+                            f"{type(timeout).__name__} {timeout!r}")
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"GradientStreamer.wait: timeout must be >= 0 seconds or None; got {timeout}")
         return self._transfer.wait(_GRADS, k, True, -1.0 if timeout is None else float(timeout))
+
+    def _check_bucket(self, k, what: str) -> int:
+        """``k`` as a bucket index (an int, or numpy's, in [0, len(buckets))), or an IndexError naming ``what``."""
+        try:
+            index = None if isinstance(k, bool) else operator.index(k)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < len(self.buckets):
+            raise IndexError(f"GradientStreamer.{what}: bucket must be an int in [0, {len(self.buckets)}); got "
+                             f"{type(k).__name__} {k!r}")
+        return index
 
     def wait_all(self) -> None:
         """Block until every bucket's gradients of this step are in the worker's slot."""
@@ -525,7 +542,7 @@ class GradientStreamer:
         if k is None:
             self._transfer.order_current_stream(_WEIGHTS)
         else:
-            self._transfer.wait(_WEIGHTS, k, False)
+            self._transfer.wait(_WEIGHTS, self._check_bucket(k, "wait_weights"), False)
 
     def reset(self) -> None:
         """Forget a step that did not complete (its worker, or another one, failed): wait for the copies in flight,

@@ -595,3 +595,15 @@ def test_state_ranges_empty_and_budget():
 def test_state_ranges_errors(ranges, message):
     with pytest.raises(ValueError, match=message):
         make(OddNet(sizes=[7, 9]), state_ranges=ranges)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda m: make(m, amsgrad="no"), TypeError, "HostStore: amsgrad must be True or False; got str 'no'"),
+    (lambda m: make(m, amsgrad=1), TypeError, "HostStore: amsgrad must be True or False; got int 1"),
+    (lambda m: make(m).views([0.0] * make(m).numel), TypeError, r"HostStore.views: expected a 1-D tensor of \d+ "
+                                                                 "elements; got list"),
+])
+def test_store_refuses_a_switch_or_a_buffer_of_another_type(call, error, message):
+    """amsgrad="no" was truthy (a max_exp_avg_sq buffer nobody asked for); views(list) raised AttributeError."""
+    with pytest.raises(error, match=message):
+        call(OddNet(sizes=[3, 5]))

@@ -205,36 +205,40 @@ def test_first_buckets_are_copied_while_backward_still_runs():
 def test_the_copy_thread_copies_while_backward_runs_on():
     """On CPU workers a bucket's copy runs on the copy thread: the hook that launches it returns at once and backward
     goes on while the copy is in progress (a launch that copied, or waited for its copy, before returning would
-    leave backward waiting: no overlap). Bucket 0 holds a 64 MiB gradient; the slot starts as NaN, and right after
-    its launch (the next node of backward) the bucket's slot range is not yet all written. A copy can finish before
-    the look when the backward thread is descheduled for the whole copy: up to 5 tries, one is enough."""
+    leave backward waiting: no overlap). A 64 MiB gradient has a bucket of its own; the slot starts as NaN, and right
+    after its launch (a hook of the same parameter, registered after the streamer's, runs next on the backward
+    thread) the bucket's slot range is not yet all written. A copy can finish before the look when the backward
+    thread is descheduled for the whole copy (2 cores, and the copy's own threads): up to 8 tries, one is enough.
+    The look is a hook on that parameter: a look further on in backward (the gradient of layer 0's output) found
+    the copy done in every try of one run in two on a 2-core machine."""
     model = torch.nn.Sequential(torch.nn.Linear(7, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 8192))
     store = pyengine.HostStore(model, pin=False)
     with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
         big = next(b for b in streamer.buckets if b.names == ("2.weight",))
         lo, hi = big.begin, big.end
         slot = store.grad_slot(0)
-        tries = []
-        for _ in range(5):
+        tries, seen = [], {}
+
+        def look(param):  # runs right after the streamer's hook, which launched the bucket's copy
+            seen["launched"] = streamer.hook_calls
+            seen["unwritten"] = bool(torch.isnan(slot[hi - 4096:hi]).any() or torch.isnan(slot[lo:lo + 4096]).any())
+
+        handle = model[2].weight.register_post_accumulate_grad_hook(look)
+        for _ in range(8):
             slot.fill_(float("nan"))
             model.zero_grad(set_to_none=True)
-            seen = {}
-
-            def after_layer2(grad):  # layer 2's gradients are accumulated and their buckets launched
-                seen["launched"] = model[2].weight.grad is not None
-                seen["unwritten"] = bool(torch.isnan(slot[hi - 4096:hi]).any() or torch.isnan(slot[lo:lo + 4096]).any())
-
-            h = model[0](torch.randn(3, 7))
-            h.register_hook(after_layer2)
-            model[2](model[1](h)).sum().backward()
+            seen.clear()
+            calls = streamer.hook_calls
+            model[2](model[1](model[0](torch.randn(3, 7)))).sum().backward()
             streamer.wait_all()
-            assert seen["launched"]
+            assert seen["launched"] > calls, "the look ran before the streamer's hook"
             assert torch.equal(slot[lo:hi].view(8192, 2048), model[2].weight.grad)  # then the copy completes
             streamer.reset()
             tries.append(seen["unwritten"])
             if seen["unwritten"]:
                 break
-    assert any(tries), f"every look found bucket 0 copied already: {tries}"
+        handle.remove()
+    assert any(tries), f"every look found the bucket copied already: {tries}"
 
 
 def test_pipelined_update_names_each_bucket_in_an_nvtx_range(monkeypatch):
@@ -1212,3 +1216,28 @@ def test_a_numpy_integer_names_a_worker():
         model(batch()).pow(2).mean().backward()
         streamer.wait_all()
         assert_slots_equal_grads(store, model, 1)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda s: s.wait("0"), IndexError, r"GradientStreamer.wait: bucket must be an int in \[0, \d+\); got str '0'"),
+    (lambda s: s.wait(0.5), IndexError, r"GradientStreamer.wait: bucket must be an int .*; got float 0.5"),
+    (lambda s: s.wait(True), IndexError, r"GradientStreamer.wait: bucket must be an int .*; got bool True"),
+    (lambda s: s.wait(-1), IndexError, r"GradientStreamer.wait: bucket must be an int .*; got int -1"),
+    (lambda s: s.wait(0, timeout=True), TypeError, "GradientStreamer.wait: timeout must be a number of seconds >= 0 "
+                                                   "or None; got bool True"),
+    (lambda s: s.wait(0, timeout="1"), TypeError, "timeout must be a number of seconds >= 0 or None; got str '1'"),
+    (lambda s: s.wait(0, timeout=float("nan")), ValueError, "timeout must be >= 0 seconds or None; got nan"),
+    (lambda s: s.wait_weights("0"), IndexError, r"GradientStreamer.wait_weights: bucket must be an int .*; got str"),
+    (lambda s: s.wait_weights(10**6), IndexError, r"wait_weights: bucket must be an int .*; got int 1000000"),
+])
+@pytest.mark.timeout(60, method="thread")  # bucket True once waited for bucket 1, which this test never delivers
+def test_waits_name_a_bad_bucket_or_timeout_in_their_own_words(call, error, message):
+    """A bucket that is no int met pybind11's "incompatible function arguments" listing the C++ signature; True
+    waited for bucket 1, and timeout=True for a second."""
+    model = Net()
+    with pyengine.GradientStreamer(model, pyengine.HostStore(model, pin=False), bucket_mb=TINY,
+                                   first_bucket_mb=TINY) as streamer:
+        with pytest.raises(error, match=message):
+            call(streamer)
+        model(batch()).backward()
+        assert streamer.wait(0, timeout=5) is True  # a good call after the refusal works
