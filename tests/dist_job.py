@@ -686,7 +686,7 @@ def death_between_steps(seed, rank, world, shard, dying, out_dir=None):
                     try:
                         engine.step(b)
                     except distributed.DistributedError as refused:
-                        print(f"the next step refused after {time.monotonic() - began:.1f} s: {refused}", flush=True)
+                        print(f"the next step refused after {time.monotonic() - began:.3f} s: {refused}", flush=True)
                     raise
             engine.step(b)
     return {}

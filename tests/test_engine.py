@@ -1070,11 +1070,14 @@ def test_close_from_a_new_thread_waits_for_workers_whose_thread_ids_came_free(rn
     that had ended left its id behind, a new thread often gets the same one, and close() from it returned while the
     other workers still ran."""
     batches = make_batches(rng, 4, 8)
-    release = threading.Event()
+    release, inside = threading.Event(), threading.Event()
 
     def worker_0_slow(model, batch):
         if threading.current_thread().name == "pyengine-async-0":
+            inside.set()
             release.wait(30)  # meanwhile worker 1 takes the other batches and its thread ends
+        else:
+            inside.wait(30)  # worker 0 holds a batch first (else worker 1 could take all 4 and fit end)
         return loss_fn(model, batch)
 
     engine = Engine(make_model(), worker_0_slow, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT))
@@ -1094,6 +1097,9 @@ def test_close_from_a_new_thread_waits_for_workers_whose_thread_ids_came_free(rn
         if "pyengine-async-0" in names and "pyengine-async-1" not in names and engine.stats()["pushes"] >= 3:
             break
         time.sleep(0.001)
+    else:
+        release.set()
+        pytest.fail(f"worker 1 did not take the other batches and end while worker 0 waited: {names}")
 
     def close():
         release.set()

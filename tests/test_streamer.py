@@ -1110,17 +1110,23 @@ def test_grad_changed_in_place_after_the_pass_does_not_reach_the_slot(eager_mb, 
 
 
 class _FailsInBackward(torch.autograd.Function):
+    """Raises in backward once ``ready()`` is true (polled, 30 s at most): the test's sign that the buckets of the
+    layer after it were delivered and updated."""
+    ready = staticmethod(lambda: True)
+
     @staticmethod
     def forward(ctx, x):
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.2)  # the buckets of the layer after it are delivered (and updated) first
+        deadline = time.monotonic() + 30
+        while not _FailsInBackward.ready() and time.monotonic() < deadline:
+            time.sleep(0.001)
         raise ValueError("backward failed on purpose")
 
 
-def test_pipelined_update_raises_when_a_workers_step_fails():
+def test_pipelined_update_raises_when_a_workers_step_fails(monkeypatch):
     """A worker whose backward fails half way resets its streamer: a pipelined_update waiting on that step's later
     buckets used to wait for good, then woke on the retried step's gradients and updated those buckets with them
     (one update from two steps' gradients), and the retry's own update waited for good. Now it raises, naming the
@@ -1130,6 +1136,12 @@ def test_pipelined_update_raises_when_a_workers_step_fails():
     store = pyengine.HostStore(model, workers=1, pin=False)
     streamer = pyengine.GradientStreamer(model, store, bucket_mb=1e-4, first_bucket_mb=1e-5)
     assert len(streamer.buckets) >= 3
+    first = streamer.buckets[0]  # of layer 1: its gradients come before the failure
+
+    def first_updated():
+        return bool(store.exp_avg[first.begin:first.end].any())
+
+    monkeypatch.setattr(_FailsInBackward, "ready", staticmethod(first_updated))
     outcome = {}
 
     def host(step):
