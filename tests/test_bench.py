@@ -331,6 +331,13 @@ exec sleep 120
     with tarfile.open(out / "logs.tgz") as logs:
         assert {"./env.log", "./bench.log"} <= set(logs.getnames()), logs.getnames()
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{stage}") and "zombie" not in open(f"/proc/{stage}/status").read().lower():
+    while True:
+        try:
+            with open(f"/proc/{stage}/status") as status_file:
+                status = status_file.read()
+        except FileNotFoundError:  # reaped between two looks
+            break
+        if "zombie" in status.lower():
+            break
         assert time.monotonic() < deadline, "the stage's process outlived the script"
         time.sleep(0.1)

@@ -1894,9 +1894,15 @@ def test_ctrl_c_during_async_fit_stops_every_worker(rng, workers, python_sigint)
     def interrupt_at_5(engine, metrics):
         if engine.stats()["pushes"] == 5:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-            # callbacks run under the store's mutex: no push lands while the main thread, which may wait for the
-            # GIL on a loaded machine, gets to the signal (without this, 3 more pushes were seen under load)
-            time.sleep(1.0)
+            # callbacks run under the store's mutex: no push lands until the main thread, which may wait for the
+            # GIL on a loaded machine, got to the signal and stopped the run (a fixed 1 s sleep here could end
+            # first; before it, 3 more pushes were seen under load). A lone worker runs on the main thread, which
+            # takes the signal once this callback has returned.
+            if threading.current_thread() is threading.main_thread():
+                return
+            deadline = time.monotonic() + 30
+            while not engine._async_run.stop.is_set() and time.monotonic() < deadline:
+                time.sleep(0.001)
 
     with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT),
                 pin=False) as engine:
