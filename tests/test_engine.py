@@ -887,7 +887,15 @@ def test_state_dict_from_another_thread_during_async_fit_is_consistent_and_loads
     refused some of those states)."""
     batches = make_batches(rng, 6, 8)
     states, done = [], threading.Event()
-    with Engine(make_bn_model(), slow_loss, devices=["cpu"] * 3, mode="async", optimizer=AdamW(**OPT)) as engine:
+
+    def loss_after_a_look(model, batch):  # the first computations wait for a new state: 5 at least, on any load
+        seen, deadline = len(states), time.monotonic() + 10
+        while len(states) <= seen and len(states) < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return slow_loss(model, batch)
+
+    with Engine(make_bn_model(), loss_after_a_look, devices=["cpu"] * 3, mode="async",
+                optimizer=AdamW(**OPT)) as engine:
         def monitor():
             while not done.is_set():
                 states.append(engine.state_dict())
