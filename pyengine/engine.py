@@ -1277,8 +1277,13 @@ class Engine:
         """Raises ValueError when update ``step`` would be refused by the fused kernel: its learning rate
         (:meth:`lr_at`), ``eps``, ``weight_decay`` or a float32 scalar derived from them (lr / (1 - beta1^step),
         1 - lr * weight_decay) beyond float32's range. Asked before an update is counted, so a refused update never
-        advances the step (the optimizer's fields may be changed between steps)."""
+        advances the step (the optimizer's fields may be changed between steps; a bad one raises here too)."""
+        if not isinstance(self.optimizer, AdamW):
+            raise TypeError(f"engine.optimizer must be a pyengine.AdamW; got {type(self.optimizer).__name__}")
         self.optimizer.check_update(max(1, step), self.lr_at(step))
+        if self.optimizer.amsgrad != (self.store.max_exp_avg_sq is not None):
+            raise ValueError(f"engine.optimizer.amsgrad was changed to {self.optimizer.amsgrad} after the engine was "
+                             "made: the Adam state's buffers (max_exp_avg_sq) were sized then; build a new engine")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based: the optimizer's step count after it): ``optimizer.lr``

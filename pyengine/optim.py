@@ -15,7 +15,6 @@ import torch
 
 __all__ = ["AdamW", "WarmupCosine", "check_lr_factor"]
 
-
 @dataclass
 class AdamW:
     """AdamW (``adamw=False``: Adam with L2 weight decay) as torch.optim defines it, plus global-norm clipping.
@@ -40,6 +39,12 @@ class AdamW:
     no_decay: tuple[str, ...] = ()
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks the settings (TypeError / ValueError naming the field) and normalizes them (numbers to float,
+        betas and no_decay to tuples). Run when made and by :meth:`check_update`, before every update: the fields
+        may be changed between steps, and a bad value raises before the update is counted."""
         def number(value, name):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"AdamW: {name} must be a number; got {value!r}")
@@ -48,7 +53,12 @@ class AdamW:
             except OverflowError:  # an int past float's range: a value error like inf's
                 raise ValueError(f"AdamW: {name} must be a finite number; got {value!r}") from None
 
-        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
+        if getattr(self.betas, "ndim", None) == 1 and hasattr(self.betas, "tolist"):  # a 1-D tensor or array
+            self.betas = tuple(self.betas.tolist())
+        if not isinstance(self.betas, (tuple, list)):  # a set's order would swap them; a dict gives its keys
+            raise TypeError(f"AdamW: betas must be a tuple of two numbers in [0, 1); got {type(self.betas).__name__} "
+                            f"{self.betas!r}")
+        if len(self.betas) != 2:
             raise ValueError(f"AdamW: betas must be two numbers in [0, 1); got {self.betas!r}")
         self.betas = tuple(number(b, f"betas[{i}]") for i, b in enumerate(self.betas))
         for name in ("lr", "eps", "weight_decay"):
@@ -76,13 +86,17 @@ class AdamW:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ValueError(f"AdamW: {message}")
 
     def check_update(self, step: int, lr: float | None = None) -> None:
         """Raises ValueError where the fused update ``step`` (at ``lr``, default ``self.lr``) would refuse these
         settings: lr, eps, weight_decay or the float32 scalars derived from them (lr / (1 - beta1^step), 1 - lr *
-        weight_decay) beyond float32's range. The kernel's own check (``pyengine._C._check_update_hyper``)."""
+        weight_decay) beyond float32's range. The kernel's own check (``pyengine._C._check_update_hyper``), after
+        :meth:`validate` (the fields may have been changed since the last update). ``step``: an int >= 1."""
         from . import _C
+        self.validate()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"AdamW.check_update: step must be an int >= 1 (updates count from 1); got {step!r}")
         _C._check_update_hyper(float(self.lr if lr is None else lr), self.betas[0], float(self.eps),
                                float(self.weight_decay), step)
 
@@ -195,6 +209,14 @@ class AdamW:
             missing = [k for k in keys if not isinstance(entry, dict) or k not in entry]
             if missing:
                 raise ValueError(f"optimizer state[{index}] (param {name!r}) lacks {missing}")
+            if "max_exp_avg_sq" in entry and "max_exp_avg_sq" not in keys:  # it would be dropped
+                raise ValueError(f"optimizer state[{index}] (param {name!r}) has max_exp_avg_sq (saved with "
+                                 "amsgrad=True); this store has no room for it: build with AdamW(amsgrad=True)")
+            step_value = entry["step"]
+            if isinstance(step_value, (bool, str, bytes)) or (isinstance(step_value, torch.Tensor) and (
+                    step_value.dtype == torch.bool or step_value.numel() != 1)):
+                raise ValueError(f"optimizer state[{index}]['step'] (param {name!r}) must be a number or a "
+                                 f"one-element tensor; got {step_value!r}")
             for key in keys[1:]:
                 value = entry[key]
                 if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.is_meta \
@@ -217,7 +239,7 @@ class AdamW:
 
     def _state_buffers(self, store) -> dict:
         buffers = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}
-        if self.amsgrad:
+        if store.max_exp_avg_sq is not None:  # the store's buffers (amsgrad when it was made), not the field now
             buffers["max_exp_avg_sq"] = store.max_exp_avg_sq
         return buffers
 

@@ -1253,6 +1253,13 @@ def test_bad_optimizer_and_seed_types():
             AdamW(**{name: 1e39})
         AdamW(**{name: 3e38})
     assert AdamW(lr=1, betas=[0.8, 0.9]).betas == (0.8, 0.9)
+    assert AdamW(betas=torch.tensor([0.5, 0.75])).betas == (0.5, 0.75)  # a 1-D tensor (or array) of two
+    for betas in ({0.9, 0.999}, {0.9: 1, 0.999: 2}, "ab"):  # a set's order swapped them; a dict gave its keys
+        with pytest.raises(TypeError, match=r"betas must be a tuple of two numbers in \[0, 1\); got (set|dict|str)"):
+            AdamW(betas=betas)
+    for step in (0, -1, True, 1.5):  # the kernel's own check took some of these
+        with pytest.raises(ValueError, match=r"AdamW.check_update: step must be an int >= 1"):
+            AdamW().check_update(step)
     with pytest.raises(TypeError, match="seed must be an int"):
         Engine(make_model(), loss_fn, devices=["cpu"], seed="a")
     for seed in (2 ** 64, -2 ** 63 - 1):  # torch.manual_seed's range, said as the seed's
@@ -1262,14 +1269,26 @@ def test_bad_optimizer_and_seed_types():
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
-@pytest.mark.parametrize("changes,what", [(dict(lr=1e38), r"lr / \(1 - beta1\^step\)"),
-                                          (dict(lr=10.0, weight_decay=3e38), r"1 - lr \* weight_decay"),
-                                          (dict(eps=1e39), "eps")], ids=["lr", "decay", "eps"])
-def test_an_update_the_kernel_refuses_is_not_counted(rng, mode, changes, what):
+@pytest.mark.parametrize("changes,error,what", [
+    (dict(lr=1e38), ValueError, r"lr / \(1 - beta1\^step\)"),
+    (dict(lr=10.0, weight_decay=3e38), ValueError, r"1 - lr \* weight_decay"),
+    (dict(eps=1e39), ValueError, r"AdamW: eps must be a number in \[0, 3.403e\+38\] \(float32's range\)"),
+    (dict(lr=-0.1), ValueError, r"AdamW: lr must be a number in \[0, "),
+    (dict(weight_decay=-1.0), ValueError, r"AdamW: weight_decay must be a number in \[0, "),
+    (dict(lr=True), TypeError, "AdamW: lr must be a number; got True"),
+    (dict(lr="0.5"), TypeError, "AdamW: lr must be a number; got '0.5'"),
+    (dict(betas=(1.0, 0.999)), ValueError, r"AdamW: betas must be two numbers in \[0, 1\)"),
+    (dict(maximize="False"), TypeError, "AdamW: maximize must be True or False"),
+    (dict(amsgrad=True), ValueError, "engine.optimizer.amsgrad was changed to True after the engine was made"),
+], ids=["lr", "decay", "eps", "negative-lr", "negative-decay", "bool-lr", "str-lr", "beta1-1", "str-maximize",
+        "amsgrad"])
+def test_an_update_the_kernel_refuses_is_not_counted(rng, mode, changes, error, what):
     """Hyperparameters changed between steps so that a float32 scalar of the update leaves float32's range (lr
-    1e38: lr / (1 - beta1) is 1e39): the step is a ValueError naming it (async: the cause of the WorkerError), and
-    nothing counts: the version, the counters, the weights and the Adam state (its step too) are the last update's,
-    and with the value put back the next update is Adam's step 2, as in a run that never saw it."""
+    1e38: lr / (1 - beta1) is 1e39), or to a value AdamW refuses when made (lr -0.1 was counted, then refused by
+    the kernel; lr=True trained at 1.0; amsgrad changed sized no buffer): the step is an error naming it (async:
+    the cause of the WorkerError), and nothing counts: the version, the counters, the weights and the Adam state
+    (its step too) are the last update's, and with the value put back the next update is Adam's step 2, as in a
+    run that never saw it."""
     batches = make_batches(rng, 3, 12)
     with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), **TINY_BUCKETS) \
             as engine, Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT),
@@ -1283,12 +1302,12 @@ def test_an_update_the_kernel_refuses_is_not_counted(rng, mode, changes, what):
         good = {field: getattr(engine.optimizer, field) for field in changes}
         for field, value in changes.items():
             setattr(engine.optimizer, field, value)
-        expected = (WorkerError, f"ValueError: {what}") if mode == "async" else (ValueError, what)
+        expected = (WorkerError, f"{error.__name__}: {what}") if mode == "async" else (error, what)
         with pytest.raises(expected[0], match=expected[1]):
             step(engine, batches[1])
-        assert_state_is(engine, before, stats, version=1)
         for field, value in good.items():
             setattr(engine.optimizer, field, value)
+        assert_state_is(engine, before, stats, version=1)
         step(engine, batches[1])
         step(clean, batches[1])
         assert engine.version == clean.version == 2

@@ -607,3 +607,33 @@ def test_store_refuses_a_switch_or_a_buffer_of_another_type(call, error, message
     """amsgrad="no" was truthy (a max_exp_avg_sq buffer nobody asked for); views(list) raised AttributeError."""
     with pytest.raises(error, match=message):
         call(OddNet(sizes=[3, 5]))
+
+
+def _torch_adamw_state(model, amsgrad=False):
+    """A real torch.optim.AdamW's state_dict after one step of ``model``."""
+    opt = torch.optim.AdamW(model.parameters(), amsgrad=amsgrad)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    opt.step()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (None, r"state\[0\] \(param 'mat'\) has max_exp_avg_sq \(saved with amsgrad=True\); .*AdamW\(amsgrad=True\)"),
+    (lambda e: e.update(step="1"), r"state\[0\]\['step'\] \(param 'mat'\) must be a number or a one-element tensor"),
+    (lambda e: e.update(step=torch.tensor(True)), r"state\[0\]\['step'\] .* must be a number"),
+    (lambda e: e.update(step=True), r"state\[0\]\['step'\] .* must be a number"),
+])
+def test_load_torch_state_dict_refuses_state_it_would_drop_or_misread(edit, message):
+    """An amsgrad=True state loaded into a store without max_exp_avg_sq dropped that buffer without a word; a step
+    given as the string "1" or a bool was read as a number."""
+    model = OddNet(sizes=[3, 5])
+    names = [n for n, _ in model.named_parameters()]
+    sd = _torch_adamw_state(model, amsgrad=edit is None)
+    if edit is not None:
+        edit(sd["state"][0])
+    store = make(model)
+    before = {name: flat.clone() for name, flat in buffers(store).items()}
+    with pytest.raises(ValueError, match=message):
+        pyengine.AdamW().load_torch_state_dict(store, sd, names)
+    assert all(torch.equal(flat, before[name]) for name, flat in buffers(store).items())
+    assert pyengine.AdamW().load_torch_state_dict(store, _torch_adamw_state(model), names) == 1  # a good one loads
