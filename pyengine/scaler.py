@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import struct
 
 import torch
@@ -46,13 +47,22 @@ def _f32(value: float) -> float:
 def _finite(value) -> float | None:
     """``value`` as a finite float, or None when it is not a finite real number (an int past float's range too:
     math.isfinite raised OverflowError on 10**400)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's floats and ints are real too
         return None
     try:
         value = float(value)
     except OverflowError:
         return None
     return value if math.isfinite(value) else None
+
+
+def _check_used(used, what: str) -> None:
+    """A scale a gradient was computed with: a finite number > 0 (0, -1, None or NaN once backed the scale off to
+    its minimum, or counted nothing, without a word)."""
+    value = _finite(used)
+    if value is None or value <= 0:
+        raise ValueError(f"LossScaler.{what}: used must be the scale the gradient was computed with, a finite "
+                         f"number > 0; got {used!r}")
 
 
 def _factor(name: str, value, least: float) -> float:
@@ -121,6 +131,7 @@ class LossScaler:
         """A gradient computed at scale ``used`` is not finite: True when the scale answers it (the step is skipped
         and the scale backed off, or was already backed off below ``used``); False when it cannot (static, or at
         ``min_scale``): the engine's ``nonfinite`` policy decides."""
+        _check_used(used, "overflow")
         if not self.dynamic:
             return False
         if used > self.scale:  # answered by an earlier backoff (async: Note [Loss scaling])
@@ -138,6 +149,7 @@ class LossScaler:
     def applied(self, used: float) -> None:
         """A step computed at scale ``used`` was applied: counts towards growth (GradScaler's rule; a new scale that
         is not finite is not taken)."""
+        _check_used(used, "applied")
         if not self.dynamic or used != self.scale:
             return
         self.growth_tracker += 1

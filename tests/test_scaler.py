@@ -377,3 +377,27 @@ def test_defaults():
     with Engine(make_model(), loss_fn, devices=["cpu"], pin=False, autocast=F16) as engine:
         with pytest.raises(RuntimeError, match="needs the scale the gradients were computed with"):
             engine.apply_update([0], None)
+
+
+@pytest.mark.parametrize("used", [-1.0, 0.0, math.nan, math.inf, None, "x", True])
+@pytest.mark.parametrize("method", ["overflow", "applied"])
+def test_overflow_and_applied_refuse_a_scale_no_gradient_was_computed_with(method, used):
+    """overflow(-1.0) or overflow(0.0) backed the scale off to min_scale, applied(None) counted nothing, both
+    without a word; the scaler is unchanged after the refusal."""
+    scaler = LossScaler(init_scale=1024.0, growth_interval=1)
+    with pytest.raises(ValueError, match=rf"LossScaler.{method}: used must be the scale the gradient was computed "
+                                         "with, a finite number > 0"):
+        getattr(scaler, method)(used)
+    assert (scaler.scale, scaler.growth_tracker) == (1024.0, 0)
+    scaler.applied(1024.0)  # a good call still counts
+    assert scaler.scale == 2048.0
+
+
+def test_numpy_numbers_are_numbers():
+    """np.float32(1024.0) was "not a normal float32"."""
+    np = pytest.importorskip("numpy")
+    scaler = LossScaler(init_scale=np.float32(1024.0), growth_factor=np.float64(2.0), min_scale=np.int64(1))
+    assert scaler.scale == 1024.0 and type(scaler.scale) is float
+    assert scaler.overflow(np.float32(1024.0)) and scaler.scale == 512.0
+    scaler.load_state_dict({"scale": np.float32(256.0), "growth_tracker": 0})
+    assert scaler.scale == 256.0
