@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .ops import bool_or_complex
+
 __all__ = ["AdamW", "WarmupCosine", "check_lr_factor"]
 
 @dataclass
@@ -248,7 +250,7 @@ def check_lr_factor(factor, step: int) -> float:
     """``factor`` as a float, checked: a learning-rate schedule's value for ``step`` (updates applied before this
     one) must be a finite number >= 0."""
     try:
-        value = None if isinstance(factor, (bool, str, bytes)) else float(factor)
+        value = None if isinstance(factor, (str, bytes)) or bool_or_complex(factor) else float(factor)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         value = None
     if value is None or not math.isfinite(value) or value < 0:

@@ -1023,3 +1023,30 @@ def test_numbers_that_are_not_one_number_are_named():
         with pytest.raises(TypeError, match=message):
             ops.mean_grad_adamw_(*args, **{**call, key: value})
     assert torch.equal(args[0], before)
+
+
+def test_bools_and_complex_numbers_of_any_kind_are_not_numbers():
+    """np.True_ or torch.tensor(True) as lr trained at lr 1.0, as step counted step 1; a complex lr dropped its
+    imaginary part (a warning at most); a schedule's np.True_ was a factor of 1; a max_exp_avg_sq given without
+    amsgrad was left as it was, any size."""
+    import numpy as np
+    call = valid_call("cpu")
+    args = [call.pop(k) for k in ("param", "exp_avg", "exp_avg_sq", "grads")]
+    before = args[0].clone()
+    for key, value in (("lr", np.True_), ("lr", torch.tensor(True)), ("lr", np.complex128(1e-3 + 1j)),
+                       ("lr", 1e-3 + 0j), ("eps", torch.tensor(1e-8 + 0j)), ("weight_decay", np.True_),
+                       ("step", np.True_), ("step", torch.tensor(True))):
+        message = "step must be an int" if key == "step" else f"{key} must be a number; got"
+        with pytest.raises(TypeError, match=message):
+            ops.mean_grad_adamw_(*args, **{**call, key: value})
+    assert torch.equal(args[0], before)
+    ops.mean_grad_adamw_(*args, **{**call, "lr": np.float32(1e-3), "step": np.int64(2)})  # numpy's real ones are
+    assert not torch.equal(args[0], before)
+    with pytest.raises(ValueError, match="max_exp_avg_sq given with amsgrad=False: only amsgrad reads and writes it"):
+        ops.mean_grad_adamw_(*args, **{**call, "max_exp_avg_sq": torch.zeros(1)})  # the wrong size too: never read
+    with pytest.raises(ValueError, match="max_exp_avg_sq given with amsgrad=False"):
+        ops.mean_grad_adamw_multi_([args[0]], [args[1]], [args[2]], [[g] for g in args[3]], lr=1e-3, step=3,
+                                   max_exp_avg_sqs=[torch.zeros(1)])
+    for factor in (np.True_, torch.tensor(False), 1 + 0j):
+        with pytest.raises(ValueError, match=r"lr_schedule\(3\) returned"):
+            pyengine.optim.check_lr_factor(factor, 3)
