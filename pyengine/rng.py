@@ -141,7 +141,13 @@ class WorkerRNG:
 
     def install(self, model: torch.nn.Module, classes=()) -> int:
         """Routes the random modules of ``model`` (:data:`RANDOM_MODULES` and ``classes``) through :meth:`run`;
-        returns how many. ``model`` must be this worker's own replica; a module is routed once."""
+        returns how many. ``model`` must be this worker's own replica; a module is routed once. ``classes``: a tuple
+        or list of ``nn.Module`` subclasses, checked before any module is routed."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"WorkerRNG.install: model must be an nn.Module; got {type(model).__name__}")
+        if not isinstance(classes, (tuple, list)) or not all(
+                isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+            raise TypeError(f"WorkerRNG.install: classes must be a tuple of nn.Module subclasses; got {classes!r}")
         count = 0
         for module in model.modules():
             if isinstance(module, (*RANDOM_MODULES, *classes)) and not isinstance(module.__dict__.get("forward"),

@@ -105,3 +105,14 @@ def test_eval_mode_and_p_zero_draw_nothing():
     assert torch.equal(rng.generator.get_state(), state)
     seeds = {worker_seed(s, w, t) for s in range(3) for w in range(3) for t in range(3)}
     assert len(seeds) == 27 and all(0 <= v < 2**63 for v in seeds)
+
+
+@pytest.mark.parametrize("classes", [torch.nn.Linear, (torch.nn.Linear, "Dropout"), [int], "Dropout"])
+def test_install_checks_its_classes_before_routing_anything(classes):
+    """A bad entry of classes raised from isinstance after the first modules were routed already."""
+    rng = WorkerRNG(torch.device("cpu"), 0, 0)
+    model = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="WorkerRNG.install: classes must be a tuple of nn.Module subclasses"):
+        rng.install(model, classes)
+    assert "forward" not in model[0].__dict__, "a module was routed before the refusal"
+    assert rng.install(model, (torch.nn.Linear,)) == 2
