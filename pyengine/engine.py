@@ -385,7 +385,9 @@ class Engine:
         ``(inputs, targets)`` through the stages in micro-batches).
 
         Steps run one at a time: one called from another thread meanwhile, and :meth:`close`, wait for it. Its
-        update holds the engine's mutex (Note [A step's update under the mutex])."""
+        update holds the engine's mutex (Note [A step's update under the mutex]). From inside a step (its
+        loss_fn, a hook) a RuntimeError: it would wait for itself, or nest in it."""
+        self._check_not_in_step("step()")
         with self._step_lock:  # in a forked child a lock of its own (_after_fork_in_child); _step checks the process
             self._step_depth += 1
             try:
@@ -471,6 +473,7 @@ class Engine:
         ``keep_history`` of them when the engine was given a bound).
         """
         self._check_process()
+        self._check_not_in_step("fit()")
         with self.mutex:
             if self._fitting:
                 raise RuntimeError("fit() is already running on this Engine (on another thread, or this is one of its "
@@ -483,6 +486,9 @@ class Engine:
 
     def _fit(self, batches, steps, epochs, callbacks) -> list[dict]:
         self._check_open()
+        if isinstance(batches, torch.Tensor):  # its rows would be taken for batches, one update each
+            raise ValueError(f"fit: batches must be an iterable of batches; got one tensor of shape "
+                             f"{tuple(batches.shape)} (a single batch: fit([batch]) or step(batch))")
         self._stop.clear()
         for name, value, least in (("steps", steps, 0), ("epochs", epochs, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):

@@ -1239,6 +1239,10 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
             for bad in (dict(steps=-1), dict(steps=1.5), dict(epochs=0), dict(epochs="2")):
                 with pytest.raises(ValueError, match="fit: (steps|epochs) must be an int"):
                     engine.fit(make_batches(rng, 1, 8), **bad)
+            with pytest.raises(ValueError, match=r"fit: batches must be an iterable of batches; got one tensor of "
+                                                 r"shape \(8, 16\) \(a single batch: fit\(\[batch\]\)"):
+                engine.fit(torch.randn(8, 16))  # its rows were taken for batches
+            assert engine.version == 0
 
 
 def test_bad_optimizer_and_seed_types():
@@ -2560,21 +2564,24 @@ def test_load_state_dict_is_refused_while_a_step_runs(rng, mode, devices):
             assert torch.equal(engine.master_state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("call", ["close", "step", "fit"])
 @pytest.mark.parametrize("mode,devices", [("hybrid", 2), ("hybrid", 1), ("sync", 2), ("pipeline", 2)],
                          ids=["hybrid-threads", "hybrid-inline", "sync", "pipeline"])
-def test_close_from_inside_a_step_is_refused_and_the_step_completes(rng, mode, devices):
-    """close() from a step's own loss_fn (on a worker or stage thread: waiting for the step to end would wait for
-    itself; on the calling thread with one CPU worker: the step would go on on stopped workers) is a RuntimeError
-    that says to close after step() returns; the step completes as if no close had been tried, and the engine goes
-    on until closed from outside."""
+def test_close_from_inside_a_step_is_refused_and_the_step_completes(rng, mode, devices, call):
+    """close(), step() or fit() from a step's own loss_fn (on a worker or stage thread: waiting for the step to end
+    would wait for itself, a deadlock; on the calling thread with one CPU worker: the step would go on on stopped
+    workers, or a second step would nest in it, both counted) is a RuntimeError that says to call it after step()
+    returns; the step completes as if nothing had been tried, and the engine goes on until closed from outside."""
     batches = make_batches(rng, 3, 12)
     errors, hold = [], {"on": False}
     options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+    inner = {"close": lambda: engine.close(), "step": lambda: engine.step(batches[0]),
+             "fit": lambda: engine.fit([batches[0]])}[call]
 
     def closing_loss(model, batch):
         if hold["on"]:
             try:
-                engine.close()
+                inner()
             except RuntimeError as e:
                 errors.append(e)
         return loss_fn(model, batch)
@@ -2590,8 +2597,8 @@ def test_close_from_inside_a_step_is_refused_and_the_step_completes(rng, mode, d
         stepping = threading.Thread(target=engine.step, args=(batches[1],), daemon=True)
         stepping.start()
         stepping.join(60)
-        assert not stepping.is_alive(), "close() from inside the step deadlocked"
-        assert errors and all("close() from inside a step" in str(e) for e in errors), errors
+        assert not stepping.is_alive(), f"{call}() from inside the step deadlocked"
+        assert errors and all(f"{call}() from inside a step" in str(e) for e in errors), errors
         hold["on"] = False
         clean.step(batches[1])
         engine.step(batches[2])
