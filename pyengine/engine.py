@@ -804,10 +804,15 @@ class Engine:
         if not isinstance(seed, int) or isinstance(seed, bool) or not -2 ** 63 <= seed < 2 ** 64:
             raise ValueError(f"the state's seed must be an int in [-2**63, 2**64); got {seed!r}")
         counters, staleness = self._own_counters(sd)
+        def count(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
         try:
-            if not all(isinstance(k, str) and isinstance(v, int) for k, v in counters.items()):
-                raise TypeError("keys must be str and values int")
-            staleness = collections.Counter({int(k): int(v) for k, v in staleness.items()})
+            if not all(isinstance(k, str) and count(v) for k, v in counters.items()):
+                raise TypeError(f"keys must be str and values ints >= 0; got {counters!r:.200}")
+            if not all(count(v) and not isinstance(k, bool) for k, v in staleness.items()):  # True, 2.9: coerced
+                raise TypeError(f"counts must be ints >= 0; got {staleness!r:.200}")
+            staleness = collections.Counter({int(k): v for k, v in staleness.items()})
         except (AttributeError, TypeError, ValueError, OverflowError) as exc:  # int(inf): OverflowError
             raise ValueError(f"the state's counters / staleness are not {{name: count}} / {{staleness: count}} "
                              f"dicts: {exc}") from None
