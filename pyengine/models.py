@@ -106,11 +106,17 @@ def as_layers(model: nn.Module) -> nn.Sequential:
 
 def build(name: str, dataset, seed: int, hidden: int | None = None) -> nn.Module:
     """The model ``name`` sized for ``dataset`` (of the model's task: ``TASK_OF_MODEL``), initialised from ``seed``.
-    ``hidden``: the width (None: 256 for the MLP, 128 for the transformer), an integer >= 1."""
+    ``hidden``: the width (None: 256 for the MLP, 128 for the transformer), an integer >= 1 (the transformer's: a
+    multiple of its ``TRANSFORMER_HEADS`` attention heads). ``seed``: an int, as torch.manual_seed takes it."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
     if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1):
         raise ValueError(f"build: hidden must be None (the model's default width) or an integer >= 1; got {hidden!r}")
+    if name == "transformer" and hidden is not None and hidden % TRANSFORMER_HEADS:
+        raise ValueError(f"build: the transformer's hidden width must be a multiple of its {TRANSFORMER_HEADS} "
+                         f"attention heads; got {hidden}")
+    if isinstance(seed, bool) or not isinstance(seed, int):  # torch.manual_seed("0") took the string
+        raise TypeError(f"build: seed must be an int; got {type(seed).__name__} {seed!r}")
     task = TASK_OF_MODEL[name]
     if dataset.task != task:
         raise ValueError(f"build: model {name!r} needs a dataset of task {task!r}; got {dataset.name!r} of task "
@@ -134,6 +140,9 @@ def evaluate(model, x, y, batch_size: int = 512) -> dict:
     ``batch_size`` (an integer >= 1) samples at a time."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"evaluate: batch_size must be an integer >= 1; got {batch_size!r}")
+    if x.shape[0] != y.shape[0]:  # the extra labels (or inputs) were left out of the score without a word
+        raise ValueError(f"evaluate: x and y must hold the same samples; got x of shape {tuple(x.shape)} and y of "
+                         f"shape {tuple(y.shape)}")
     if x.shape[0] == 0 or y.numel() == 0:
         raise ValueError(f"evaluate: the evaluation set is empty (x of shape {tuple(x.shape)}, y of shape "
                          f"{tuple(y.shape)}); expected at least one sample")

@@ -156,6 +156,9 @@ def test_evaluate_refuses_an_empty_set_and_a_batch_size_below_one(digits):
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match=f"evaluate: batch_size must be an integer >= 1; got {bad}"):
             models.evaluate(model, digits.x_test, digits.y_test, batch_size=bad)
+    with pytest.raises(ValueError, match=r"evaluate: x and y must hold the same samples; got x of shape \(4, 64\) "
+                                         r"and y of shape \(10,\)"):
+        models.evaluate(model, digits.x_test[:4], digits.y_test[:10])  # scored against the first 4 labels
     whole = models.evaluate(model, digits.x_test, digits.y_test)
     one_by_one = models.evaluate(model, digits.x_test[:3], digits.y_test[:3], batch_size=1)
     assert 0 <= whole["test_accuracy"] <= 1 and one_by_one["test_loss"] > 0
@@ -171,6 +174,18 @@ def test_build_refuses_a_width_below_one(digits, tokens, hidden):
     assert models.build("mlp", digits, 0).net[0].out_features == 256
     assert models.build("mlp", digits, 0, 1).net[0].out_features == 1
     assert models.build("transformer", tokens, 0).tok.embedding_dim == 128
+
+
+def test_build_refuses_a_transformer_width_its_heads_do_not_divide_and_a_seed_that_is_no_int(digits, tokens):
+    """hidden=130 failed inside torch's attention ("embed_dim must be divisible by num_heads"); seed="0" was taken
+    by torch.manual_seed."""
+    with pytest.raises(ValueError, match=f"build: the transformer's hidden width must be a multiple of its "
+                                         f"{models.TRANSFORMER_HEADS} attention heads; got 130"):
+        models.build("transformer", tokens, 0, hidden=130)
+    assert models.build("transformer", tokens, 0, hidden=4 * models.TRANSFORMER_HEADS).tok.embedding_dim == 16
+    for seed in ("0", 1.0, True, None):
+        with pytest.raises(TypeError, match="build: seed must be an int; got"):
+            models.build("mlp", digits, seed, hidden=8)
 
 
 def test_build_refuses_a_dataset_of_another_task(digits, tokens):
