@@ -99,6 +99,22 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                     after_in_child=_after_fork_in_child)
 
 
+
+def _generator_untouched_on_failure(init):
+    """An Engine refused after its seeding (a check that needs the replicas or the stages built) puts torch's CPU
+    generator back as it found it, as one refused by the option checks before the seeding does."""
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            before = self.__dict__.pop("_generator_before", None)
+            if before is not None:
+                torch.set_rng_state(before)
+            raise
+        self.__dict__.pop("_generator_before", None)
+    return wrapper
+
 class Engine:
     """Trains ``model`` with G workers; see the module docstring.
 
@@ -177,6 +193,7 @@ class Engine:
     :meth:`state_dict`, :meth:`copy_to` and :meth:`load_state_dict` use that source.
     """
 
+    @_generator_untouched_on_failure
     def __init__(self, model: torch.nn.Module, loss_fn, devices=None, mode: str = "hybrid",
                  optimizer: AdamW | None = None, seed: int = 0, *, lr_schedule=None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, eager_mb: float | None = 1.0, unused: str = "zero",
@@ -253,6 +270,7 @@ class Engine:
             grad_dtype = autocast if autocast is not None else torch.float32
             self.servers = distributed.check_servers(  # with the store's numel, before the store is allocated
                 servers, group, mode, layout_of(model, grad_dtype, replica_shadow_dtype(model))[1])
+            self._generator_before = torch.get_rng_state()  # put back if a later check refuses the engine
             torch.manual_seed(seed)  # once every option is checked: a refused engine leaves the generator alone
         except Exception as exc:
             distributed.report_failed_config(process_group, exc)

@@ -1220,6 +1220,26 @@ def test_bad_engine_options(kwargs, message):
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def _shared_batchnorm_stages():
+    norm = torch.nn.BatchNorm1d(4)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), norm, torch.nn.Linear(4, 4), norm)
+
+
+@pytest.mark.parametrize("make,options", [
+    (lambda: make_model().double(), dict(devices=["cpu"] * 2)),  # float64: refused by a worker
+    (_shared_batchnorm_stages, dict(devices=["cpu"] * 2, mode="pipeline", stages=2)),  # refused by the stages
+], ids=["float64-replica", "batchnorm-shared-by-stages"])
+def test_an_engine_refused_after_its_seeding_puts_the_generator_back(make, options):
+    """Checks that need the replicas or the stages built run after the engine seeded torch's generator: a refused
+    engine left it reseeded (the next torch.rand was seed 7's)."""
+    model = make()  # may seed torch's generator itself
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError):
+        Engine(model, loss_fn, seed=7, **options)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_bad_batch_schedule_and_fit_arguments(rng):
     with pytest.raises(TypeError, match="batch_schedule must be callable"):
         Engine(make_model(), loss_fn, mode="async", batch_schedule=2)
