@@ -1319,7 +1319,10 @@ class Engine:
         times ``lr_schedule(step - 1)``, or ``optimizer.lr`` without a schedule. The schedule is asked once per
         update (the last answer is kept); its value is checked (:func:`pyengine.optim.check_lr_factor`). Updates
         count from 1: a step below (a shard server's check of a push that makes no Adam step passes 0) asks for the
-        first update's value, so a schedule is never called with a negative step (LambdaLR never does that)."""
+        first update's value, so a schedule is never called with a negative step (LambdaLR never does that).
+        ``step``: an int >= 0 (2.5 once asked the schedule for 1.5; True, NaN and -3 gave the first update's lr)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"lr_at: step must be an int >= 0 (the update's number, 1-based); got {step!r}")
         if self.lr_schedule is None:
             return self.optimizer.lr
         step = max(1, step)

@@ -130,6 +130,8 @@ class AdamW:
         buffers by name, needed when the store holds part of the state only (``state_ranges``; see
         :func:`pyengine.distributed.gather_optimizer_state`). ``scheduled_lr``: with a learning-rate schedule, the
         group holds it as ``lr`` and ``self.lr`` as ``initial_lr`` (the key torch's ``LambdaLR`` adds)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # -1 gave an empty state, 1.5 a step
+            raise ValueError(f"torch_state_dict: step must be an int >= 0 (updates applied); got {step!r}")
         if full_state is None and store.state_ranges is not None:
             raise ValueError("the store holds part of the Adam state only (state_ranges); pass full_state, e.g. "
                              "pyengine.distributed.gather_optimizer_state(engine)")

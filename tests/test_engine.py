@@ -448,7 +448,10 @@ def test_lr_schedule_and_warmup_cosine_arguments_are_checked():
     with Engine(make_model(), loss_fn, devices=["cpu"], lr_schedule=lambda k: asked.append(k) or 1.0) as engine:
         engine.lr_at(0)
         engine.lr_at(1)
-    assert asked and min(asked) == 0, asked
+        for bad in (2.5, True, float("nan"), -3, "1"):  # 2.5 asked the schedule for 1.5; the others for step 0
+            with pytest.raises(ValueError, match=r"lr_at: step must be an int >= 0 \(the update's number"):
+                engine.lr_at(bad)
+    assert asked and min(asked) == 0 and all(isinstance(k, int) for k in asked), asked
 
 
 def test_nonfinite_gradient_in_the_last_bucket_skips_the_whole_step(rng, worker_device):

@@ -637,3 +637,11 @@ def test_load_torch_state_dict_refuses_state_it_would_drop_or_misread(edit, mess
         pyengine.AdamW().load_torch_state_dict(store, sd, names)
     assert all(torch.equal(flat, before[name]) for name, flat in buffers(store).items())
     assert pyengine.AdamW().load_torch_state_dict(store, _torch_adamw_state(model), names) == 1  # a good one loads
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
+def test_torch_state_dict_refuses_a_step_that_is_no_count(step):
+    """step=-1 gave an empty state, 1.5 a state at step 1.5, True one at step 1."""
+    model = OddNet(sizes=[3])
+    with pytest.raises(ValueError, match="torch_state_dict: step must be an int >= 0"):
+        pyengine.AdamW().torch_state_dict(make(model), step, [n for n, _ in model.named_parameters()])
