@@ -187,6 +187,15 @@ def test_list_of_layers_and_resume(rng, worker_device):
         assert torch.equal(expected[name], got[name]), name
 
 
+def test_balance_as_an_array_or_tensor_of_layer_counts(rng):
+    """balance=np.array([3, 4]) met numpy's "truth value of an array is ambiguous" in the option checks."""
+    np = pytest.importorskip("numpy")
+    for balance in (np.array([3, 4]), torch.tensor([3, 4])):  # make_model() has 7 layers
+        with pipeline(make_model(), ["cpu"] * 2, microbatches=2, balance=balance) as engine:
+            assert engine.pipeline.sizes == [3, 4]
+            engine.step(make_batches(rng, 1, 8)[0])
+
+
 def test_a_time_balanced_pipeline_resumes_with_the_saved_split(rng):
     """balance="time" chooses the split from timings, which vary: a state loaded before the first step gave no
     split, so the resumed engine timed its own, and a different split draws other dropout masks (5 of 8 resumes
