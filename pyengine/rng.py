@@ -38,6 +38,7 @@ training with the same seed does.
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 import weakref
 
@@ -54,9 +55,24 @@ _SWAP = threading.Lock()  # Note [Random numbers of concurrent workers]
 _ACTIVE = threading.local()  # .rng: the WorkerRNG whose state is swapped in on this thread, if any
 
 
+def _index(value, name: str, least: int, below: int | None) -> int:
+    """``value`` as an int (numpy's too) in [least, below), or a ValueError naming ``name``."""
+    try:
+        index = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        index = None
+    if index is None or index < least or (below is not None and index >= below):
+        bound = f"in [{least}, {below})" if below is not None else f">= {least}"
+        raise ValueError(f"worker_seed: {name} must be an int {bound}; got {value!r}")
+    return index
+
+
 def worker_seed(seed: int, worker: int, step: int) -> int:
     """The seed of worker ``worker``'s generator at step ``step``: a pure function of the three, distinct per worker
-    and per step (a 64-bit mix, so that nearby seeds, workers and steps give unrelated streams)."""
+    and per step (a 64-bit mix, so that nearby seeds, workers and steps give unrelated streams). ``seed``: an int
+    in [-2**63, 2**64) (torch.manual_seed's range: 2**64 mixed like 0); ``worker``, ``step``: ints >= 0."""
+    seed, worker, step = (_index(value, name, least, below) for value, name, least, below in (
+        (seed, "seed", -2**63, 2**64), (worker, "worker", 0, None), (step, "step", 0, None)))
     x = (seed * 0x9E3779B97F4A7C15 + worker * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) % 2**64
     for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):  # splitmix64's finaliser
         x = ((x ^ (x >> shift)) * mult) % 2**64

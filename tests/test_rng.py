@@ -116,3 +116,17 @@ def test_install_checks_its_classes_before_routing_anything(classes):
         rng.install(model, classes)
     assert "forward" not in model[0].__dict__, "a module was routed before the refusal"
     assert rng.install(model, (torch.nn.Linear,)) == 2
+
+
+def test_worker_seed_checks_its_arguments_and_takes_numpy_integers():
+    """np.int64(5) raised an OverflowError from the mix, 5.0 a TypeError about >>, True was 1, and 2**64 gave the
+    seed of 0 (torch.manual_seed refuses it)."""
+    np = pytest.importorskip("numpy")
+    assert worker_seed(np.int64(5), np.int64(1), np.uint8(2)) == worker_seed(5, 1, 2)
+    assert worker_seed(-2**63, 0, 0) != worker_seed(2**64 - 1, 0, 0)
+    for args, message in (((2**64, 0, 0), r"seed must be an int in \[-9223372036854775808, 18446744073709551616\)"),
+                          ((5.0, 0, 0), "seed must be an int"), ((True, 0, 0), "seed must be an int"),
+                          (("5", 0, 0), "seed must be an int"), ((0, -1, 0), "worker must be an int >= 0"),
+                          ((0, 0, -2), "step must be an int >= 0"), ((0, 0, 1.5), "step must be an int >= 0")):
+        with pytest.raises(ValueError, match=f"worker_seed: {message}"):
+            worker_seed(*args)
