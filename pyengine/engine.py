@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import numbers
 import os
 import threading
 import warnings
@@ -98,6 +99,14 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                     after_in_child=_after_fork_in_child)
 
+
+
+def plain_int(value):
+    """A numpy integer (any ``numbers.Integral`` but bool and int) as a Python int; anything else as it is, for the
+    checks to judge."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
 
 
 def _generator_untouched_on_failure(init):
@@ -203,6 +212,11 @@ class Engine:
                  shard_update: bool = False, servers: int = 1, stages: int | None = None, microbatches: int = 1,
                  schedule: str = "1f1b", balance="params", loss_scale="auto", random_modules=(),
                  keep_history: int | None = None):
+        # numpy's integers as Python's (the checks below, the saved config and the ranks' comparison take ints)
+        seed, accumulate, max_staleness, servers, stages, microbatches, keep_history = map(
+            plain_int, (seed, accumulate, max_staleness, servers, stages, microbatches, keep_history))
+        if isinstance(balance, (list, tuple)):
+            balance = [plain_int(size) for size in balance]
         try:  # this rank's own checks; a failure is reported to the other ranks (Note [Every rank's engine alike])
             self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                                 loss_fn)
@@ -506,6 +520,7 @@ class Engine:
 
     def _fit(self, batches, steps, epochs, callbacks) -> list[dict]:
         self._check_open()
+        steps, epochs = plain_int(steps), plain_int(epochs)
         if isinstance(batches, torch.Tensor):  # its rows would be taken for batches, one update each
             raise ValueError(f"fit: batches must be an iterable of batches; got one tensor of shape "
                              f"{tuple(batches.shape)} (a single batch: fit([batch]) or step(batch))")

@@ -196,6 +196,21 @@ def test_balance_as_an_array_or_tensor_of_layer_counts(rng):
             engine.step(make_batches(rng, 1, 8)[0])
 
 
+def test_numpy_integers_are_counts_like_pythons(rng):
+    """Engine(seed=np.int64(3)) was a TypeError; stages, microbatches, balance's counts, keep_history and fit's
+    steps as numpy integers were ValueErrors. They train as the same Python ints do."""
+    np = pytest.importorskip("numpy")
+    batches = make_batches(rng, 2, 8)
+    runs = []
+    for to in (int, np.int64):
+        with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="pipeline", optimizer=AdamW(**OPT),
+                    seed=to(3), stages=to(2), microbatches=to(2), balance=[to(3), to(4)],
+                    keep_history=to(5)) as engine:
+            assert engine.fit(batches, steps=to(2))[-1]["step"] == 2 and type(engine.keep_history) is int
+            runs.append(engine.master_state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].values(), runs[1].values()))
+
+
 def test_a_time_balanced_pipeline_resumes_with_the_saved_split(rng):
     """balance="time" chooses the split from timings, which vary: a state loaded before the first step gave no
     split, so the resumed engine timed its own, and a different split draws other dropout masks (5 of 8 resumes
