@@ -14,8 +14,18 @@ TASK_OF_MODEL = {"mlp": "classify", "transformer": "lm"}
 TRANSFORMER_HEADS = 4  # attention heads of the token workload's transformer: --hidden (d_model) is a multiple
 
 
+def _check_sizes(who: str, **sizes) -> None:
+    """Each size an int >= 1 (depth and layers: >= 0), or a ValueError naming it: depth=-1 built a depth-0 model,
+    d_in=0 a model of no inputs, both without a word."""
+    for name, value in sizes.items():
+        least = 0 if name in ("depth", "layers") else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{who}: {name} must be an int >= {least}; got {value!r}")
+
+
 class MLP(nn.Module):
     def __init__(self, d_in: int = 64, hidden: int = 256, d_out: int = 10, depth: int = 2):
+        _check_sizes("MLP", d_in=d_in, hidden=hidden, d_out=d_out, depth=depth)
         super().__init__()
         layers, width = [], d_in
         for _ in range(depth):
@@ -46,6 +56,9 @@ class TinyTransformer(nn.Module):
 
     def __init__(self, vocab: int = 256, seq_len: int = 64, d: int = 128, layers: int = 2,
                  heads: int = TRANSFORMER_HEADS):
+        _check_sizes("TinyTransformer", vocab=vocab, seq_len=seq_len, d=d, layers=layers, heads=heads)
+        if d % heads:
+            raise ValueError(f"TinyTransformer: d must be a multiple of heads; got d={d}, heads={heads}")
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq_len, d) * 0.02)

@@ -1,4 +1,6 @@
 """The embedded datasets (pyengine.data) and the CLI's models (pyengine.models): argument checks of the API."""
+import re
+
 import pytest
 import torch
 
@@ -186,6 +188,21 @@ def test_build_refuses_a_transformer_width_its_heads_do_not_divide_and_a_seed_th
     for seed in ("0", 1.0, True, None):
         with pytest.raises(TypeError, match="build: seed must be an int; got"):
             models.build("mlp", digits, seed, hidden=8)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: models.MLP(depth=-1), "MLP: depth must be an int >= 0; got -1"),
+    (lambda: models.MLP(d_in=0), "MLP: d_in must be an int >= 1; got 0"),
+    (lambda: models.MLP(hidden=2.5), "MLP: hidden must be an int >= 1; got 2.5"),
+    (lambda: models.TinyTransformer(vocab=0), "TinyTransformer: vocab must be an int >= 1; got 0"),
+    (lambda: models.TinyTransformer(d=30, heads=4), "TinyTransformer: d must be a multiple of heads; got d=30"),
+    (lambda: models.TinyTransformer(layers=True), "TinyTransformer: layers must be an int >= 0; got True"),
+])
+def test_model_sizes_are_checked(make, message):
+    """MLP(depth=-1) built a depth-0 model and MLP(d_in=0) one of no inputs, without a word."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
+    assert len(models.MLP(depth=0).net) == 1 and len(models.TinyTransformer(layers=0, d=8).blocks) == 0
 
 
 def test_build_refuses_a_dataset_of_another_task(digits, tokens):
