@@ -218,6 +218,8 @@ class Engine:
         if isinstance(balance, (list, tuple)):
             balance = [plain_int(size) for size in balance]
         try:  # this rank's own checks; a failure is reported to the other ranks (Note [Every rank's engine alike])
+            if not isinstance(model, torch.nn.Module):  # AttributeError 'parameters' before
+                raise TypeError(f"Engine: model must be an nn.Module; got {type(model).__name__}")
             self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                                 loss_fn)
             if keep_history is not None and (not isinstance(keep_history, int) or isinstance(keep_history, bool)
@@ -521,6 +523,8 @@ class Engine:
     def _fit(self, batches, steps, epochs, callbacks) -> list[dict]:
         self._check_open()
         steps, epochs = plain_int(steps), plain_int(epochs)
+        if not isinstance(batches, collections.abc.Iterable):
+            raise TypeError(f"fit: batches must be an iterable of batches; got {type(batches).__name__}")
         if isinstance(batches, torch.Tensor):  # its rows would be taken for batches, one update each
             raise ValueError(f"fit: batches must be an iterable of batches; got one tensor of shape "
                              f"{tuple(batches.shape)} (a single batch: fit([batch]) or step(batch))")
@@ -603,6 +607,9 @@ class Engine:
     def copy_to(self, model: torch.nn.Module) -> None:
         """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers.
         Pipeline stages across processes: a collective (Note [Distributed pipeline store])."""
+        if not isinstance(model, torch.nn.Module):  # a state dict, say: AttributeError 'named_buffers' before
+            raise TypeError(f"copy_to: model must be an nn.Module (the engine writes its parameters and buffers); "
+                            f"got {type(model).__name__}")
         self._gather_stages()
         buffers, named = self.buffers_state_dict(), dict(model.named_buffers())
         wrong = [f"{name!r} (the engine's {tuple(value.shape)}; model: "

@@ -1262,6 +1262,11 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
             for bad in (dict(steps=-1), dict(steps=1.5), dict(epochs=0), dict(epochs="2")):
                 with pytest.raises(ValueError, match="fit: (steps|epochs) must be an int"):
                     engine.fit(make_batches(rng, 1, 8), **bad)
+            for bad in (None, 42):
+                with pytest.raises(TypeError, match=r"fit: batches must be an iterable of batches; got (NoneType|int)"):
+                    engine.fit(bad)
+            with pytest.raises(TypeError, match=r"copy_to: model must be an nn.Module .*; got OrderedDict"):
+                engine.copy_to(make_model().state_dict())
             with pytest.raises(ValueError, match=r"fit: batches must be an iterable of batches; got one tensor of "
                                                  r"shape \(8, 16\) \(a single batch: fit\(\[batch\]\)"):
                 engine.fit(torch.randn(8, 16))  # its rows were taken for batches
@@ -1269,6 +1274,9 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
 
 
 def test_bad_optimizer_and_seed_types():
+    for model in (None, [torch.nn.Linear(2, 2)], "model"):  # AttributeError 'parameters' before
+        with pytest.raises(TypeError, match=r"Engine: model must be an nn.Module; got (NoneType|list|str)"):
+            Engine(model, loss_fn, devices=["cpu"])
     for kwargs, message in ((dict(lr="1"), "lr must be a number"), (dict(betas=(0.9,)), "betas must be two"),
                             (dict(betas=(0.9, "0.99")), r"betas\[1\] must be a number"),
                             (dict(eps=None), "eps must be a number"), (dict(max_grad_norm="1"), "max_grad_norm"),
