@@ -176,10 +176,22 @@ def mean_grad_adamw_clipped_(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm
     return _update_flat(param, exp_avg, exp_avg_sq, grads, max_grad_norm=max_grad_norm, **options)
 
 
+def _tensors(required: dict, optional: dict) -> None:
+    """TypeError naming the first argument that is not a tensor (``optional``: nor None); the dispatcher's own
+    error ("Expected a value of type 'Optional[Tensor]'") named no argument of ours."""
+    for name, value in (*required.items(), *optional.items()):
+        if not isinstance(value, torch.Tensor) and (name in required or value is not None):
+            shown = repr(value)
+            raise TypeError(f"{name} must be a tensor{'' if name in required else ' or None'}; got "
+                            f"{type(value).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}")
+
+
 def _update_flat(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm, lr, beta1=0.9, beta2=0.999, eps=1e-8,
                  weight_decay=0.0, step, adamw=True, maximize=False, amsgrad=False, max_exp_avg_sq=None,
                  grad_scale=None, found_inf=None, weights=None, param_out=None) -> torch.Tensor | None:
     """The flat update; clips when ``max_grad_norm`` is not None and returns the norm then."""
+    _tensors(dict(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq),
+             dict(max_exp_avg_sq=max_exp_avg_sq, grad_scale=grad_scale, found_inf=found_inf, param_out=param_out))
     grads = _tensor_list(grads, "grads")
     hyper, step = _hyper(lr, beta1, beta2, eps, weight_decay), _step(step)
     clip = _clip_norm(max_grad_norm)
@@ -201,6 +213,11 @@ def mean_grad_adamw_multi_(params, exp_avgs, exp_avg_sqs, grads, *, lr, beta1=0.
     ``max_grad_norm`` the norm is the global norm over all P tensors. Returns that norm when clipping, else None.
     """
     params = _tensor_list(params, "params", "at least one tensor")
+    _tensors({}, dict(grad_scale=grad_scale, found_inf=found_inf))
+    if max_exp_avg_sqs is not None:
+        _tensor_list(max_exp_avg_sqs, "max_exp_avg_sqs")
+    if param_outs is not None:
+        _tensor_list(param_outs, "param_outs")
     flat = _worker_major(grads, len(params))
     hyper, step = _hyper(lr, beta1, beta2, eps, weight_decay), _step(step)
     clip = _clip_norm(max_grad_norm)

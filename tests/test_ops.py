@@ -5,6 +5,7 @@ float64 mean of the same (already rounded) gradients the kernel sees.
 """
 import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1047,6 +1048,16 @@ def test_bools_and_complex_numbers_of_any_kind_are_not_numbers():
     with pytest.raises(ValueError, match="max_exp_avg_sq given with amsgrad=False"):
         ops.mean_grad_adamw_multi_([args[0]], [args[1]], [args[2]], [[g] for g in args[3]], lr=1e-3, step=3,
                                    max_exp_avg_sqs=[torch.zeros(1)])
+    for key, value, message in (("grad_scale", 2.0, "grad_scale must be a tensor or None; got float 2.0"),
+                                ("found_inf", True, "found_inf must be a tensor or None; got bool True"),
+                                ("param_out", [args[0]], "param_out must be a tensor or None; got list"),
+                                ("param", None, "param must be a tensor; got NoneType")):
+        with pytest.raises(TypeError, match=re.escape(message)):
+            ops.mean_grad_adamw_(*([value] + args[1:] if key == "param" else args),
+                                 **{**call, **({} if key == "param" else {key: value})})
+    with pytest.raises(TypeError, match=re.escape("param_outs[0] must be a tensor; got NoneType")):
+        ops.mean_grad_adamw_multi_([args[0]], [args[1]], [args[2]], [[g] for g in args[3]], lr=1e-3, step=3,
+                                   param_outs=[None])
     for factor in (np.True_, torch.tensor(False), 1 + 0j):
         with pytest.raises(ValueError, match=r"lr_schedule\(3\) returned"):
             pyengine.optim.check_lr_factor(factor, 3)
