@@ -218,8 +218,9 @@ class Engine:
         if isinstance(balance, (list, tuple)):
             balance = [plain_int(size) for size in balance]
         try:  # this rank's own checks; a failure is reported to the other ranks (Note [Every rank's engine alike])
-            if not isinstance(model, torch.nn.Module):  # AttributeError 'parameters' before
-                raise TypeError(f"Engine: model must be an nn.Module; got {type(model).__name__}")
+            if mode != "pipeline" and not isinstance(model, torch.nn.Module):  # AttributeError 'parameters' before
+                raise TypeError(f"Engine: model must be an nn.Module (or, for mode='pipeline', a list of layers); "
+                                f"got {type(model).__name__}")
             self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                                 loss_fn)
             if keep_history is not None and (not isinstance(keep_history, int) or isinstance(keep_history, bool)

@@ -1275,8 +1275,12 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
 
 def test_bad_optimizer_and_seed_types():
     for model in (None, [torch.nn.Linear(2, 2)], "model"):  # AttributeError 'parameters' before
-        with pytest.raises(TypeError, match=r"Engine: model must be an nn.Module; got (NoneType|list|str)"):
+        with pytest.raises(TypeError, match=r"Engine: model must be an nn.Module \(or, for mode='pipeline', a list of "
+                                            r"layers\); got (NoneType|list|str)"):
             Engine(model, loss_fn, devices=["cpu"])
+    for model in (None, "model"):  # a list of layers is a pipeline's model (tests/test_pipeline.py); these are not
+        with pytest.raises(TypeError, match="mode='pipeline' needs the model as a sequence of layers"):
+            Engine(model, loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2)
     for kwargs, message in ((dict(lr="1"), "lr must be a number"), (dict(betas=(0.9,)), "betas must be two"),
                             (dict(betas=(0.9, "0.99")), r"betas\[1\] must be a number"),
                             (dict(eps=None), "eps must be a number"), (dict(max_grad_norm="1"), "max_grad_norm"),
