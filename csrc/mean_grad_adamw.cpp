@@ -177,6 +177,9 @@ void check_update_args(const UpdateArgs& a) {
                     a.grads.size(), " gradients for ", P, " params");
   check_hyper(a.hyper);
   const int64_t G = a.num_workers();
+  TORCH_CHECK_VALUE(a.hyper.amsgrad || a.max_exp_avg_sqs.empty(),  // it was left as it was, any size, no word
+                    "max_exp_avg_sq given with amsgrad=False: only amsgrad reads and writes it; pass amsgrad=True, "
+                    "or leave it out");
   TORCH_CHECK_VALUE(!a.hyper.amsgrad || static_cast<int64_t>(a.max_exp_avg_sqs.size()) == P,
                     "amsgrad=True needs max_exp_avg_sq (one float32 buffer per param like exp_avg_sq); got ",
                     a.max_exp_avg_sqs.size(), " for ", P, " params");

@@ -115,7 +115,7 @@ void mean_grad_adamw_op(const at::Tensor& param, const at::Tensor& exp_avg, cons
                         const std::optional<at::Tensor>& param_out, const std::optional<at::Tensor>& grad_norm,
                         double max_grad_norm) {
   std::vector<at::Tensor> max_list, out_list;
-  if (amsgrad && max_exp_avg_sq.has_value()) max_list.push_back(*max_exp_avg_sq);
+  if (max_exp_avg_sq.has_value()) max_list.push_back(*max_exp_avg_sq);
   if (param_out.has_value()) out_list.push_back(*param_out);
   run_update<Impl>(/*flat=*/true, {param}, {exp_avg}, {exp_avg_sq}, grads, lr, beta1, beta2, eps, weight_decay,
                    step, adamw, maximize, amsgrad, max_list, grad_scale, found_inf, weights, out_list, grad_norm,

@@ -80,17 +80,13 @@ def _step(step) -> int:
     return step
 
 
-def _flags(adamw, maximize, amsgrad, max_state=None) -> dict:
+def _flags(adamw, maximize, amsgrad) -> dict:
     """The update's switches, each True or False: a string such as "False" would otherwise count as True.
-    ``max_state``: the max_exp_avg_sq argument(s), which only amsgrad reads (given without it, they were left as
-    they were without a word)."""
+    (max_exp_avg_sq given with amsgrad=False is refused by the op itself, check_update_args.)"""
     flags = dict(adamw=adamw, maximize=maximize, amsgrad=amsgrad)
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False; got {value!r}")
-    if not amsgrad and max_state is not None and not (isinstance(max_state, (list, tuple)) and not max_state):
-        raise ValueError("max_exp_avg_sq given with amsgrad=False: only amsgrad reads and writes it; pass "
-                         "amsgrad=True, or leave it out")
     return flags
 
 
@@ -197,7 +193,7 @@ def _update_flat(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm, lr, beta1=
     clip = _clip_norm(max_grad_norm)
     norm = mean_grad_norm(grads, weights).norm if clip > 0 and grads else None
     torch.ops.pyengine.mean_grad_adamw_.default(
-        param, exp_avg, exp_avg_sq, grads, **hyper, step=step, **_flags(adamw, maximize, amsgrad, max_exp_avg_sq),
+        param, exp_avg, exp_avg_sq, grads, **hyper, step=step, **_flags(adamw, maximize, amsgrad),
         max_exp_avg_sq=max_exp_avg_sq, grad_scale=grad_scale, found_inf=found_inf,
         weights=_weights(weights), param_out=param_out, grad_norm=norm, max_grad_norm=clip)
     return norm
@@ -224,7 +220,7 @@ def mean_grad_adamw_multi_(params, exp_avgs, exp_avg_sqs, grads, *, lr, beta1=0.
     norm = mean_grad_norm_multi(grads, weights).norm if clip > 0 and flat else None
     torch.ops.pyengine.mean_grad_adamw_multi_.default(
         params, _tensor_list(exp_avgs, "exp_avgs"), _tensor_list(exp_avg_sqs, "exp_avg_sqs"), flat, **hyper,
-        step=step, **_flags(adamw, maximize, amsgrad, max_exp_avg_sqs),
+        step=step, **_flags(adamw, maximize, amsgrad),
         max_exp_avg_sqs=[] if max_exp_avg_sqs is None else list(max_exp_avg_sqs), grad_scale=grad_scale,
         found_inf=found_inf, weights=_weights(weights), param_outs=[] if param_outs is None else list(param_outs),
         grad_norm=norm, max_grad_norm=clip)

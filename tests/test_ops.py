@@ -1048,6 +1048,17 @@ def test_bools_and_complex_numbers_of_any_kind_are_not_numbers():
     with pytest.raises(ValueError, match="max_exp_avg_sq given with amsgrad=False"):
         ops.mean_grad_adamw_multi_([args[0]], [args[1]], [args[2]], [[g] for g in args[3]], lr=1e-3, step=3,
                                    max_exp_avg_sqs=[torch.zeros(1)])
+    updated = [t.clone() for t in args[:3]]
+    raw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=3, adamw=True, maximize=False,
+               amsgrad=False, grad_scale=None, found_inf=None, weights=None, grad_norm=None, max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="max_exp_avg_sq given with amsgrad=False"):  # the op itself refuses it
+        torch.ops.pyengine.mean_grad_adamw_.default(*args, **raw, max_exp_avg_sq=torch.zeros_like(args[0]),
+                                                    param_out=None)
+    with pytest.raises(ValueError, match="max_exp_avg_sq given with amsgrad=False"):
+        torch.ops.pyengine.mean_grad_adamw_multi_.default(
+            [args[0]], [args[1]], [args[2]], list(args[3]), **raw, max_exp_avg_sqs=[torch.zeros_like(args[0])],
+            param_outs=[])
+    assert all(torch.equal(t, u) for t, u in zip(args[:3], updated))  # refused before anything was written
     for key, value, message in (("grad_scale", 2.0, "grad_scale must be a tensor or None; got float 2.0"),
                                 ("found_inf", True, "found_inf must be a tensor or None; got bool True"),
                                 ("param_out", [args[0]], "param_out must be a tensor or None; got list"),
