@@ -40,6 +40,7 @@ import torch
 from . import distributed, ops, rng as rng_module
 from .asynchronous import run_async
 from .hybrid import hybrid_step
+from .metrics import step_counter
 from .optim import AdamW, check_lr_factor
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
@@ -739,16 +740,17 @@ class Engine:
         """Restores :meth:`state_dict`. Everything is validated first (format, keys, names, shapes and dtypes of the
         weights, buffers and Adam state, step against version, RNG state, counters); an invalid state raises
         ``ValueError`` and leaves the engine as it was. The loss scaler's state is loaded into this engine's scaler (a
-        state saved without one resets it; an engine without a scaler ignores it). The state is always full
-        (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the Adam state, so
-        every rank loads the same state and no collective is needed. With a process group every rank must load the
-        same state: a hybrid step refuses ranks at different versions, on every rank, with a ``DistributedError``
-        (Note [Every rank at the same version] in :mod:`pyengine.distributed`). Refused during an async
-        :meth:`fit` (from its callbacks or any thread): its workers compute on the weights they pulled and would push
-        onto the loaded ones; stop the fit (:meth:`stop`) and load once it has returned. Refused as well while a
+        state saved without one resets it; an engine without a scaler ignores it). A state of another mode loads, with a
+        warning, its count of steps (async: pushes) going on as this engine's (Note [A state of another mode]). The
+        state is always full (whatever engine wrote it): with ``shard_update=True`` each rank keeps its own slice of the
+        Adam state, so every rank loads the same state and no collective is needed. With a process group every rank must
+        load the same state: a hybrid step refuses ranks at different versions, on every rank, with a
+        ``DistributedError`` (Note [Every rank at the same version] in :mod:`pyengine.distributed`). Refused during an
+        async :meth:`fit` (from its callbacks or any thread): its workers compute on the weights they pulled and would
+        push onto the loaded ones; stop the fit (:meth:`stop`) and load once it has returned. Refused as well while a
         :meth:`step` runs (on another thread, or from inside it: its loss_fn, a hook): its workers compute on the
-        weights they pulled, and its update would count on top of the loaded state; load between steps (a
-        :meth:`fit` callback may)."""
+        weights they pulled, and its update would count on top of the loaded state; load between steps (a :meth:`fit`
+        callback may)."""
         # The step lock first, without waiting: a step holds it while its workers compute, and a load from inside
         # the step (a worker thread) waiting for it would never return. Then the mutex, in the step's order.
         if not self._step_lock.acquire(blocking=False):
@@ -846,6 +848,9 @@ class Engine:
         seed = sd.get("seed", self.seed)  # absent in states written before workers had their own generators
         if not isinstance(seed, int) or isinstance(seed, bool) or not -2 ** 63 <= seed < 2 ** 64:
             raise ValueError(f"the state's seed must be an int in [-2**63, 2**64); got {seed!r}")
+        saved_mode = sd.get("mode", self.mode)  # absent in states written before it was saved
+        if saved_mode not in MODES:
+            raise ValueError(f"the state's mode must be one of {MODES}; got {saved_mode!r:.200}")
         counters, staleness = self._own_counters(sd)
         def count(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -865,6 +870,7 @@ class Engine:
         split = self._saved_split(sd.get("pipeline_sizes"))  # absent in states written before it was saved
         self._check_frozen(sd.get("frozen"))  # absent in states written before it was saved
         # Valid: from here on nothing raises on the state's account.
+        counters = self._counters_of_mode(saved_mode, counters)
         if differing:
             warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
                           f"({ {k: self.optimizer.config()[k] for k in differing} }) is used from here on",
@@ -900,6 +906,25 @@ class Engine:
                 mine = self._replica_buffers(index)
                 for name, value in buffers.items():
                     mine[name].copy_(value)
+
+    def _counters_of_mode(self, saved_mode: str, counters: dict) -> dict:
+        """Note [A state of another mode]
+        The weights, the Adam state, the version and the random state mean the same in every mode, so a state
+        saved by an engine of another mode loads (a run started in hybrid goes on in async, say), with a warning.
+        The counters do not: a hybrid, sync or pipeline engine numbers its steps with ``steps``, async with
+        ``pushes`` (:func:`step_counter`), and the workers draw each step's random numbers by that number. So the
+        saved run's count goes on as this engine's: after the load this engine's counter holds the saved one's
+        value, stats() still finds it equal to applied + skipped + raised, and no worker draws a step's numbers a
+        second time. The other counter keeps the saved value (a history of the earlier mode); the staleness
+        histogram counts the async pushes only."""
+        if saved_mode == self.mode:
+            return counters
+        saved, mine = step_counter(saved_mode), step_counter(self.mode)
+        warnings.warn(f"load_state_dict: the state was saved by a mode={saved_mode!r} engine; this one is "
+                      f"mode={self.mode!r}: its weights, optimizer state and version are taken"
+                      + (f", and its {saved} ({counters.get(saved, 0)}) go on as this engine's {mine}"
+                         if saved != mine else ""), stacklevel=4)  # past _load_state_dict, the mutex, the method
+        return {**counters, mine: counters.get(saved, 0)}
 
     def _check_frozen(self, saved) -> None:
         """Note [A state names the frozen parameters it was trained with]

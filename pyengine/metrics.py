@@ -5,6 +5,12 @@ import math
 import time
 
 
+def step_counter(mode: str) -> str:
+    """The counter that numbers a ``mode`` engine's steps: ``"pushes"`` for async, ``"steps"`` for the others (each
+    equals ``applied_updates + skipped_steps + raised_steps``; the workers' random numbers are drawn per its value)."""
+    return "pushes" if mode == "async" else "steps"
+
+
 def step_metrics(engine: Engine, *, loss: float, samples: int, wall: float, compute: float, update: float,
                  transfer_wait: float, copy_back: float, applied: bool, lr_step: int | None = None,
                  loss_scale: float | None = None, **extra) -> dict:
@@ -16,7 +22,7 @@ def step_metrics(engine: Engine, *, loss: float, samples: int, wall: float, comp
     # step: the steps (async: pushes) the engine has counted, this one included, as stats() counts them (the
     # length of history was not: a step raised for a non-finite gradient is counted and not recorded, and
     # load_state_dict restores the counts, not the history)
-    step = engine._counters["pushes" if engine.mode == "async" else "steps"]
+    step = engine._counters[step_counter(engine.mode)]
     return dict(step=step, version=engine.version, loss=loss, samples=samples, lr=lr,
                 samples_per_s=samples / wall if wall > 0 else math.inf, wall_s=wall, compute_s=compute,
                 transfer_wait_s=transfer_wait, update_s=update, copy_back_s=copy_back,

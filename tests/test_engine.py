@@ -2704,3 +2704,44 @@ def test_a_state_read_while_a_step_computes_is_the_last_steps(rng, devices):
     assert not torch.equal(after["buffers"]["1.running_mean"], before["buffers"]["1.running_mean"])
     if devices == 1:  # the lone worker draws from torch's generator: the step moved it
         assert not torch.equal(after["rng"], before["rng"])
+
+
+def test_a_state_of_another_mode_goes_on_counting(rng):
+    """Note [A state of another mode]: a hybrid state loaded into an async engine left its pushes at 0 (a resumed
+    async run counted pushes from 0 again, below applied + skipped + raised, and drew the first steps' random
+    numbers again), and the other way round; with no word that the modes differed."""
+    batches = make_batches(rng, 5, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as hybrid:
+        hybrid.fit(batches[:3])
+        state = hybrid.state_dict()
+    with Engine(make_model(seed=3), loss_fn, devices=["cpu"], mode="async", optimizer=AdamW(**OPT)) as engine:
+        with pytest.warns(UserWarning, match=r"saved by a mode='hybrid' engine; this one is mode='async': .* and its "
+                                             r"steps \(3\) go on as this engine's pushes"):
+            engine.load_state_dict(state)
+        assert engine.version == 3
+        assert all(torch.equal(v, state["master"][k]) for k, v in engine.master_state_dict().items())
+        history = engine.fit(batches[3:])
+        stats = engine.stats()
+        assert [m["step"] for m in history] == [4, 5]
+        assert stats["pushes"] == 5 == stats["applied_updates"] + stats["skipped_steps"] + stats["raised_steps"]
+        state = engine.state_dict()
+    for mode, devices in (("hybrid", ["cpu"] * 2), ("sync", ["cpu"] * 2)):
+        with Engine(make_model(), loss_fn, devices=devices, mode=mode, optimizer=AdamW(**OPT)) as engine:
+            with pytest.warns(UserWarning, match=rf"saved by a mode='async' engine; this one is mode='{mode}': .* its "
+                                                 r"pushes \(5\) go on as this engine's steps"):
+                engine.load_state_dict(state)
+            assert engine.fit(batches[:1])[0]["step"] == 6
+            assert engine.stats()["steps"] == 6 == engine.stats()["applied_updates"]
+            mine = engine.state_dict()
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="hybrid", optimizer=AdamW(**OPT)) as engine:
+        with pytest.warns(UserWarning, match=r"saved by a mode='sync' engine; this one is mode='hybrid': its "
+                                             r"weights, optimizer state and version are taken$"):
+            engine.load_state_dict(mine)  # the same counter: only the word
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.load_state_dict(engine.state_dict())  # its own mode: no word
+        before = engine.state_dict()
+        for bad in ("all", None, 3):
+            with pytest.raises(ValueError, match=r"the state's mode must be one of \('hybrid', 'sync', 'async', "):
+                engine.load_state_dict({**before, "mode": bad})
+        assert engine.stats()["steps"] == 6 and engine.version == 6
