@@ -41,7 +41,7 @@ from . import distributed, ops, rng as rng_module
 from .asynchronous import run_async
 from .hybrid import hybrid_step
 from .metrics import step_counter
-from .optim import AdamW, check_lr_factor
+from .optim import AdamW, check_lr_factor, check_state_values
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
 from .profiling import PhaseRecorder
@@ -807,6 +807,7 @@ class Engine:
                     or value.dtype != torch.float32):
                 raise ValueError(f"master weight {name!r}: expected float32 {tuple(views[name].shape)}; got "
                                  f"{_describe(value)}")
+            check_state_values(value, f"master weight {name!r}")  # Note [A state's values are checked]
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
         source = self._replica_buffers(self.buffer_source)  # shapes and dtypes only: no gather (a collective)
         current = {name: source[name] for name in self.buffer_names}

@@ -230,6 +230,8 @@ class AdamW:
                              if isinstance(value, torch.Tensor) else type(value).__name__)
                     raise ValueError(f"optimizer state[{index}][{key!r}]: expected a floating tensor of shape "
                                      f"{tuple(views[name].shape)} (param {name!r}); got {found}")
+                check_state_values(value, f"optimizer state[{index}][{key!r}] (param {name!r})",
+                                   nonnegative=key != "exp_avg")
         try:
             steps = {float(state[index]["step"]) for index in range(len(names))}
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -246,6 +248,26 @@ class AdamW:
         if store.max_exp_avg_sq is not None:  # the store's buffers (amsgrad when it was made), not the field now
             buffers["max_exp_avg_sq"] = store.max_exp_avg_sq
         return buffers
+
+
+def check_state_values(value: torch.Tensor, what: str, nonnegative: bool = False) -> None:
+    """Note [A state's values are checked]
+    The engine never writes a non-finite weight or moment (a non-finite gradient is skipped or raises), and Adam's
+    second moments are never negative; a state that holds such values is damaged (or was written by other code),
+    and training from it goes wrong with no word: a NaN weight makes every later loss NaN, so every later step is
+    skipped; a negative exp_avg_sq makes its square root NaN. So the values of a loaded state (the master weights,
+    exp_avg, exp_avg_sq, max_exp_avg_sq) are checked, in float32 as they are stored (a float64 value beyond float32's
+    range is infinite there): ValueError naming ``what`` and how many values are bad."""
+    value = value.detach().to(torch.float32)
+    bad = value.numel() - int(torch.isfinite(value).sum())
+    if bad:
+        raise ValueError(f"{what} holds {bad} non-finite value(s) (NaN, inf, or beyond float32's range) of "
+                         f"{value.numel()}: a diverged or damaged state; resume from an earlier one")
+    if nonnegative:
+        negative = int((value < 0).sum())
+        if negative:
+            raise ValueError(f"{what} holds {negative} negative value(s) of {value.numel()}: Adam's second moments "
+                             "are >= 0 (a damaged state)")
 
 
 def check_lr_factor(factor, step: int) -> float:

@@ -1792,7 +1792,22 @@ def _corruptions():
         ("pipeline_sizes not a list of ints", spoil(("pipeline_sizes",), [3.5]), "pipeline_sizes"),
         ("frozen parameters of another model", spoil(("frozen",), {"0.weight": "0" * 64}), "other frozen parameters"),
         ("frozen not a dict of digests", spoil(("frozen",), ["0.weight"]), "the state's frozen must be"),
+        # Note [A state's values are checked]: a diverged or damaged state trained on with every loss NaN
+        ("master weight NaN", spoil(("master", "2.bias"), lambda t: _with_last(t, float("nan"))),
+         r"master weight '2.bias' holds 1 non-finite value\(s\) .* of 3: a diverged or damaged state"),
+        ("exp_avg infinite", spoil(("optimizer", "state", 0, "exp_avg"), lambda t: _with_last(t, -float("inf"))),
+         r"optimizer state\[0\]\['exp_avg'\] \(param '0.weight'\) holds 1 non-finite"),
+        ("exp_avg_sq beyond float32", spoil(("optimizer", "state", 3, "exp_avg_sq"),
+                                            lambda t: _with_last(t.double(), 1e39)), "beyond float32's range"),
+        ("exp_avg_sq negative", spoil(("optimizer", "state", 1, "exp_avg_sq"), lambda t: _with_last(t, -1e-12)),
+         r"state\[1\]\['exp_avg_sq'\] \(param '0.bias'\) holds 1 negative value\(s\) of 24"),
     ]
+
+
+def _with_last(t: torch.Tensor, value) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[-1] = value
+    return t
 
 
 @pytest.mark.parametrize("what,corrupt,error", _corruptions(), ids=[c[0] for c in _corruptions()])
