@@ -59,7 +59,19 @@ def parse_devices(devices) -> list[torch.device]:
 
 
 def batch_size(batch) -> int:
-    """Size of dim 0, the same for every tensor of a tensor / tuple / list / dict batch."""
+    """Size of dim 0, the same for every tensor of a tensor / tuple / list / dict batch. Every leaf of the batch
+    is a tensor (or None): anything else (a number, a string, a numpy array, a list of labels) would reach every
+    worker whole instead of being split with the tensors, so a loss that reads it saw all the samples' values
+    with G > 1 workers and its own shard's with one (ValueError naming it)."""
+    other = _first_other_leaf(batch, "batch")
+    if other is not None:
+        where, value = other
+        kind = type(value).__qualname__ if type(value).__module__ == "builtins" else \
+            f"{type(value).__module__}.{type(value).__qualname__}"
+        raise ValueError(f"{where} is a {kind}, not a tensor: every "
+                         "value of a batch is a tensor split along dim 0 among the workers (anything else would "
+                         "reach each worker whole); make it a tensor (torch.as_tensor) or keep it out of the batch "
+                         "(in the loss_fn's closure)")
     named = _named_tensors(batch, "batch")
     if not named:
         raise ValueError("a batch must contain at least one tensor")
@@ -124,6 +136,19 @@ def _named_tensors(batch, where: str) -> list[tuple[str, torch.Tensor]]:
     if isinstance(batch, (tuple, list)):
         return [item for i, v in enumerate(batch) for item in _named_tensors(v, f"{where}[{i}]")]
     return []
+
+
+def _first_other_leaf(batch, where: str):
+    """(where, value) of the first leaf of ``batch`` that is neither a tensor nor None, else None."""
+    if isinstance(batch, torch.Tensor) or batch is None:
+        return None
+    if isinstance(batch, Mapping):
+        items = ((f"{where}[{k!r}]", v) for k, v in batch.items())
+    elif isinstance(batch, (tuple, list)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(batch))
+    else:
+        return where, batch
+    return next((found for w, v in items if (found := _first_other_leaf(v, w)) is not None), None)
 
 
 def _tensors(batch) -> list[torch.Tensor]:
