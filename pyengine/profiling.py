@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
 import threading
 import time
 
@@ -50,7 +51,10 @@ class PhaseRecorder:
                 self._spans.append((who, name, tid, start - self._origin, end - start))
 
     def write_chrome_trace(self, path) -> None:
-        """Writes the recorded spans as a Chrome trace (one row per worker, one for the host)."""
+        """Writes the recorded spans as a Chrome trace (one row per worker, one for the host) to the file ``path``
+        (a str or path-like: an int would be taken for a file descriptor, True for stdout, and closed)."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"trace: path must be a file name (str or path-like); got {type(path).__name__} {path!r}")
         with self._lock:
             spans = list(self._spans)
         events = [{"name": name, "cat": who, "ph": "X", "pid": 0, "tid": tid, "ts": start * 1e6, "dur": dur * 1e6}

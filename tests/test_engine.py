@@ -1383,6 +1383,27 @@ def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
         assert engine.version == 0
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 1), ("hybrid", 2), ("sync", 2), ("async", 2)])
+def test_a_batch_of_values_that_are_not_tensors_is_refused(rng, mode, workers):
+    """A list of labels, a numpy array or a number in a batch reached every worker whole (not split with the
+    tensors): a loss reading it saw every sample's values with two workers and its shard's with one."""
+    np = pytest.importorskip("numpy")
+    x, y = make_batches(rng, 1, 8)[0]
+
+    def loss(model, batch):
+        return loss_fn(model, (batch["x"], batch["y"]) if isinstance(batch, dict) else batch)
+
+    with Engine(make_model(), loss, devices=["cpu"] * workers, mode=mode) as engine:
+        for batch, where, kind in (((x, y.tolist()), r"batch\[1\]\[0\]", "int"),
+                                   ((x, y.numpy()), r"batch\[1\]", "numpy.ndarray"),
+                                   ({"x": x, "y": y, "t": 0.5}, r"batch\['t'\]", "float")):
+            with pytest.raises((ValueError, WorkerError), match=rf"{where} is a {kind}, not a tensor: every value of "
+                                                                r"a batch is a tensor split along dim 0"):
+                engine.fit([batch]) if mode == "async" else engine.step(batch)
+        assert engine.version == 0
+        assert engine.fit([{"x": x, "y": y, "unused": None}])[0]["version"] == 1  # None: nothing to split
+
+
 @pytest.mark.parametrize("mode,workers", [("hybrid", 1), ("hybrid", 2), ("sync", 2), ("pipeline", 1),
                                           ("pipeline", 2)])
 def test_the_steps_after_a_failed_one_draw_as_if_it_had_never_been_tried(rng, mode, workers):
@@ -2187,6 +2208,9 @@ def test_metrics_trace_and_unused_parameters(rng, tmp_path):
     with Engine(model, loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**{**OPT, "weight_decay": 0.0})) as engine:
         history = engine.fit(make_batches(rng, 3, 8))
         engine.trace(tmp_path / "trace.json")
+        for bad in (10 ** 6, None, True):  # an int was a file descriptor: trace(True) wrote to stdout and closed it
+            with pytest.raises(TypeError, match=r"trace: path must be a file name \(str or path-like\); got "):
+                engine.trace(bad)
         unused = engine.master_state_dict()["unused.weight"]
     assert torch.equal(unused, model.unused.weight.detach()), "zero gradient and no decay: unchanged"
     for key in ("loss", "samples_per_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s",
