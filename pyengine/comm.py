@@ -34,8 +34,10 @@ Calibration: :func:`fit_network` fits alpha and B by least squares on relative e
 """
 from __future__ import annotations
 
+import collections.abc
 import math
 import numbers
+import os
 import re
 from dataclasses import dataclass
 
@@ -77,9 +79,14 @@ class Cost:
 
 
 def _check_real(value, what: str) -> None:
-    """A TypeError naming ``what`` unless ``value`` is a real number (a bool is not one)."""
+    """A TypeError naming ``what`` unless ``value`` is a real number (a bool is not one); a ValueError for an integer
+    beyond a float's range (10**400: an OverflowError in the arithmetic)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number; got {type(value).__name__} {value!r}")
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"{what} must be a finite number; got an integer of {len(str(value))} digits") from None
 
 
 def _check_network(network) -> None:
@@ -88,15 +95,21 @@ def _check_network(network) -> None:
                         f"{network!r}")
 
 
-def _check_servers(servers) -> None:
-    if servers is not None and (isinstance(servers, bool) or not isinstance(servers, int) or servers < 1):
+def _is_count(value) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_servers(servers) -> int | None:
+    if servers is not None and (not _is_count(servers) or servers < 1):
         raise ValueError(f"servers must be None (one shard per node) or an integer >= 1; got {servers!r}")
+    return None if servers is None else int(servers)
 
 
-def _check_nodes(nodes) -> int:
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise ValueError(f"nodes must be an integer >= 1; got {nodes!r}")
-    return nodes
+def _check_nodes(nodes, where: str = "") -> int:
+    if not _is_count(nodes) or nodes < 1:
+        raise ValueError(f"{where}nodes must be an integer >= 1; got {nodes!r}")
+    return int(nodes)
 
 
 def _log2_ceil(p: int) -> int:
@@ -114,7 +127,7 @@ def exchange_cost(algorithm: str, nodes: int, nbytes: float, network: Network, s
         raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
     _check_real(nbytes, "nbytes")
     _check_network(network)
-    _check_servers(servers)
+    servers = _check_servers(servers)
     if not (math.isfinite(nbytes) and nbytes >= 0):
         raise ValueError(f"nbytes must be a finite number >= 0; got {nbytes}")
     n = float(nbytes)
@@ -159,12 +172,12 @@ def plan(nodes: int, params: float, grad_bytes: int, network: Network, compute_s
          servers: int | None = None, overlap: float = 0.0) -> list[PlanRow]:
     """Step time of every algorithm: ``compute_s + (1 - overlap) * exchange``; efficiency = compute_s / step time
     (weak scaling: each node keeps its batch, so 1.0 is perfect linear speed-up)."""
-    _check_nodes(nodes)
+    nodes = _check_nodes(nodes)
     _check_real(params, "params")
     _check_real(compute_s, "compute_s")
     _check_real(overlap, "overlap")
     _check_network(network)
-    _check_servers(servers)
+    servers = _check_servers(servers)
     if not (math.isfinite(params) and params > 0):
         raise ValueError(f"params must be a number > 0; got {params}")
     if grad_bytes not in (2, 4):
@@ -187,12 +200,24 @@ def best(rows: list[PlanRow]) -> PlanRow:
 
 
 def efficiency_curve(node_counts, params, grad_bytes, network, compute_s, **kwargs) -> dict[str, list[float]]:
-    """algorithm -> scaling efficiency at each of ``node_counts``."""
+    """algorithm -> scaling efficiency at each of ``node_counts`` (an iterable of node counts, not empty)."""
+    node_counts = _node_counts(node_counts)
     curves = {a: [] for a in ALGORITHMS}
-    for p in list(node_counts):
+    for p in node_counts:
         for row in plan(p, params, grad_bytes, network, compute_s, **kwargs):
             curves[row.cost.algorithm].append(row.efficiency)
     return curves
+
+
+def _node_counts(node_counts) -> list[int]:
+    """``node_counts`` as a list of ints (numpy's taken), checked: ValueError naming the argument."""
+    if isinstance(node_counts, (str, bytes)) or not isinstance(node_counts, collections.abc.Iterable):
+        raise TypeError(f"node_counts must be an iterable of node counts; got {type(node_counts).__name__} "
+                        f"{node_counts!r:.100}")
+    counts = list(node_counts)
+    if not counts:
+        raise ValueError("node_counts must hold at least one node count; got none")
+    return [_check_nodes(p, f"node_counts[{i}]: ") for i, p in enumerate(counts)]
 
 
 def _label(algorithm: str, nodes: int, servers: int | None) -> str:
@@ -270,8 +295,8 @@ def parse_count(text: str) -> float:
     """``"1.3e9"``, ``"1.3B"``, ``"350M"``, ``"7k"`` -> a number of parameters (> 0)."""
     value, unit = _split(text, "params", "1.3e9 or 350M")
     scale = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(unit)
-    if scale is None or not value * scale > 0 or not math.isfinite(value * scale):
-        raise ValueError(f"params: expected a positive count like 1.3e9, 1.3B or 350M; got {text!r}")
+    if scale is None or not value * scale >= 1 or not math.isfinite(value * scale):  # 0.5 planned 2 bytes a node
+        raise ValueError(f"params: expected a count >= 1 like 1.3e9, 1.3B or 350M; got {text!r}")
     return value * scale
 
 
@@ -287,14 +312,20 @@ def parse_dtype(text: str) -> int:
 
 def _checked_samples(where: str, samples) -> list:
     """``samples`` as a list, each checked: a measurement of a network (nodes >= 2) that took a finite time > 0."""
+    if isinstance(samples, (str, bytes)) or not isinstance(samples, collections.abc.Iterable):
+        raise TypeError(f"{where}: samples must be an iterable of (algorithm, nodes, nbytes, seconds); got "
+                        f"{type(samples).__name__} {samples!r:.100}")
     checked = []
     for i, sample in enumerate(samples):
+        if not isinstance(sample, (tuple, list)) or len(sample) != 4:
+            raise ValueError(f"{where}: sample {i} must be an (algorithm, nodes, nbytes, seconds) tuple; got "
+                             f"{sample!r:.200}")
         algorithm, nodes, nbytes, seconds = sample
         _check_real(seconds, f"{where}: sample {i} {sample!r}: measured seconds")
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"{where}: sample {i} {sample!r}: measured seconds must be a finite number > 0; got "
                              f"{seconds}")
-        _check_nodes(nodes)
+        nodes = _check_nodes(nodes, f"{where}: sample {i} {sample!r}: ")
         if nodes < 2:
             raise ValueError(f"{where}: sample {i} {sample!r}: nodes must be >= 2 (one node exchanges nothing, so its "
                              f"time says nothing about the network); got {nodes}")
@@ -345,14 +376,17 @@ def model_errors(samples, network: Network) -> list[float]:
 def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> float:
     """Median seconds of one gloo ``all_reduce`` or ``broadcast`` (from the group's first rank) of ``nbytes`` of
     float32 in ``group`` (None: the initialized torch.distributed default group), after a warm-up; a barrier before
-    each timed call. Every rank of the group must call it with the same arguments. ``nbytes``: an integer >= 4 (one
-    float32); ``repeats``: an integer >= 1."""
+    each timed call. Every rank of the group must call it with the same arguments. ``nbytes``: a multiple of 4 (whole
+    float32 elements), >= 4; ``repeats``: an integer >= 1."""
     for name, value, least in (("nbytes", nbytes, 4), ("repeats", repeats, 1)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_count(value):
             raise TypeError(f"time_collective: {name} must be an integer >= {least}; got {type(value).__name__} "
                             f"{value!r}")
         if value < least:
             raise ValueError(f"time_collective: {name} must be an integer >= {least}; got {value}")
+    nbytes, repeats = int(nbytes), int(repeats)
+    if nbytes % 4:  # 7 timed 4 bytes
+        raise ValueError(f"time_collective: nbytes must be a multiple of 4 (whole float32 elements); got {nbytes}")
     import time
 
     import torch
@@ -380,15 +414,17 @@ def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> floa
 def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *, servers=None, overlap=0.0,
                     title=None) -> dict[str, list[float]]:
     """PNG of the scaling efficiency of every algorithm against the node count (log2 axis), with the same model
-    options as :func:`plan` (``servers``, ``overlap``). Returns the curves drawn (algorithm -> efficiencies)."""
-    import matplotlib
+    options as :func:`plan` (``servers``, ``overlap``), written to ``path`` (a file name ending in .png). Returns the
+    curves drawn (algorithm -> efficiencies). Drawn on a figure of its own (matplotlib's object API): pyplot's
+    backend and open figures are left as they were."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    node_counts = list(node_counts)  # drawn twice (curves, x axis): a generator would be spent after the first
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).lower().endswith(".png"):
+        raise ValueError(f"plot_efficiency: path must be a file name ending in .png; got {path!r}")  # else another
+    node_counts = _node_counts(node_counts)  # drawn twice (curves, x axis): a generator would be spent after one
     curves = efficiency_curve(node_counts, params, grad_bytes, network, compute_s, servers=servers, overlap=overlap)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5), layout="tight")
+    ax = fig.subplots()
     for algorithm, values in curves.items():
         label = "ps (one shard per node)" if algorithm == "ps-sharded" and servers is None else \
             _label(algorithm, 0, servers)
@@ -400,7 +436,5 @@ def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *
     ax.grid(True, alpha=0.3)
     ax.legend()
     ax.set_title(title or "gradient exchange: alpha-beta model")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return curves

@@ -1,4 +1,5 @@
-"""Plots of ``python -m pyengine train`` (matplotlib, Agg backend: no display needed).
+"""Plots of ``python -m pyengine train`` (matplotlib's object API: figures of their own, drawn without a display;
+pyplot's backend and open figures are left alone).
 
 - ``loss.png``: training loss against step and against wall time (raw, and a moving average).
 - ``compare.png`` (``--mode all``): every schedule's loss against step and against wall time, and samples/s bars.
@@ -7,10 +8,7 @@ from __future__ import annotations
 
 import math
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
 __all__ = ["plot_loss", "plot_compare", "compare_figure", "mode_colors"]
 
@@ -42,7 +40,8 @@ def _series(records):
 def plot_loss(records: list[dict], path, title: str) -> None:
     steps, elapsed, loss = _series(records)
     window = max(1, len(loss) // 50)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    axes = fig.subplots(1, 2)
     for ax, xs, label in ((axes[0], steps, "step"), (axes[1], elapsed, "wall time (s)")):
         ax.plot(xs, loss, color="0.75", linewidth=0.8, label="loss")
         if window > 1:
@@ -54,7 +53,6 @@ def plot_loss(records: list[dict], path, title: str) -> None:
         ax.legend()
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def mode_colors(modes) -> dict[str, str]:
@@ -65,14 +63,13 @@ def mode_colors(modes) -> dict[str, str]:
 
 def plot_compare(runs: dict[str, tuple[list[dict], dict]], path, title: str) -> None:
     """``runs``: mode -> (metrics records, summary)."""
-    fig = compare_figure(runs, title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    compare_figure(runs, title).savefig(path, dpi=110)
 
 
 def compare_figure(runs: dict[str, tuple[list[dict], dict]], title: str):
     """compare.png's figure: loss against step and against wall time per mode, and samples/s bars."""
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    fig = Figure(figsize=(16, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3)
     colors = mode_colors(runs)
     for mode, (records, _) in runs.items():
         steps, elapsed, loss = _series(records)

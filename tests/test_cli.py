@@ -123,15 +123,12 @@ def test_compare_png_gives_every_mode_its_own_colour():
     records = [{"step": s, "elapsed_s": 0.1 * s, "loss": 1.0 / s} for s in (1, 2, 3)]
     runs = {m: (records, {"samples_per_s": 100.0 + i, "test_accuracy": 0.5}) for i, m in enumerate(MODES)}
     fig = plots.compare_figure(runs, "t")
-    try:
-        for ax in fig.axes[:2]:
-            lines = {line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()}
-            assert lines == {m: to_hex(plots.COLORS[m]) for m in MODES}, lines
-        bars = [to_hex(bar.get_facecolor()) for bar in fig.axes[2].patches]
-        assert bars == [to_hex(plots.COLORS[m]) for m in MODES]
-        assert len(set(bars)) == len(MODES)
-    finally:
-        plots.plt.close(fig)
+    for ax in fig.axes[:2]:
+        lines = {line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()}
+        assert lines == {m: to_hex(plots.COLORS[m]) for m in MODES}, lines
+    bars = [to_hex(bar.get_facecolor()) for bar in fig.axes[2].patches]
+    assert bars == [to_hex(plots.COLORS[m]) for m in MODES]
+    assert len(set(bars)) == len(MODES)
     assert len(set(plots.mode_colors([*MODES, "other", "more"]).values())) == len(MODES) + 2
 
 

@@ -181,6 +181,7 @@ def test_plan_plot_into_a_new_folder_or_onto_a_folder(tmp_path, capsys):
     (["--bandwidth", "25Gbiz"], "--bandwidth: expected a bandwidth"),
     (["--grad-dtype", "int8"], "--grad-dtype: expected bf16, fp16 or fp32"),
     (["--latency", "5"], "--latency: expected a latency"),
+    (["--params", "0.5"], "--params: expected a parameter count like 1.3e9 or 350M; got '0.5'"),  # planned 2 B a node
 ])
 def test_plan_command_rejects_bad_input(argv, message, capsys):
     base = {"--nodes": "8", "--params": "1e9", "--bandwidth": "25Gbit", "--compute-ms": "100"}
@@ -379,3 +380,48 @@ dist.destroy_process_group()
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) < 1 << 20, done.stdout
+
+
+def test_numpy_counts_are_counts_and_bad_node_counts_samples_and_paths_are_named(tmp_path):
+    """numpy's integers were refused as node counts ("nodes must be an integer >= 1; got np.int64(8)", also from
+    2 ** np.arange(6) given to the plot); an empty node_counts drew an empty chart, a path without .png was written
+    to another file (matplotlib added the extension), a sample of three items failed to unpack, a huge int overflowed
+    in the arithmetic; the plot switched pyplot's backend to Agg and left a figure open when it failed."""
+    np = pytest.importorskip("numpy")
+    matplotlib = pytest.importorskip("matplotlib")
+    assert comm.plan(np.int64(8), 1e9, 2, NET, 0.3, servers=np.int32(2)) == comm.plan(8, 1e9, 2, NET, 0.3, servers=2)
+    assert comm.exchange_cost("ring", np.uint8(4), 1e6, NET).nodes == 4
+    counts = 2 ** np.arange(1, 6)
+    assert comm.efficiency_curve(counts, 1e9, 2, NET, 0.3) == comm.efficiency_curve([2, 4, 8, 16, 32], 1e9, 2, NET, 0.3)
+    samples = [("ring", np.int64(2), 1e3, 1e-3), ("ring", 4, 1e6, 1e-2)]
+    assert comm.fit_network(samples) == comm.fit_network([("ring", 2, 1e3, 1e-3), ("ring", 4, 1e6, 1e-2)])
+    backend = matplotlib.get_backend()
+    import matplotlib.pyplot as plt
+    figures = plt.get_fignums()
+    assert comm.plot_efficiency(tmp_path / "e.png", counts, 1e9, 2, NET, 0.3)["ring"]
+    for bad, error, message in (
+            (dict(node_counts=[]), ValueError, "node_counts must hold at least one node count; got none"),
+            (dict(node_counts=8), TypeError, "node_counts must be an iterable of node counts; got int 8"),
+            (dict(node_counts=[2, 0]), ValueError, r"node_counts\[1\]: nodes must be an integer >= 1; got 0"),
+            (dict(path=tmp_path / "e"), ValueError, "path must be a file name ending in .png"),
+            (dict(path=True), ValueError, "path must be a file name ending in .png; got True"),
+            (dict(compute_s=float("inf")), ValueError, "compute_s must be a number > 0")):
+        args = {**dict(path=tmp_path / "f.png", node_counts=[2, 4], compute_s=0.3), **bad}
+        with pytest.raises(error, match=message):
+            comm.plot_efficiency(args["path"], args["node_counts"], 1e9, 2, NET, args["compute_s"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.png"]
+    assert matplotlib.get_backend() == backend and plt.get_fignums() == figures
+    for bad, message in ((("ring", 4, 1e6), r"fit_network: sample 1 must be an \(algorithm, nodes, nbytes, seconds\) "
+                                            r"tuple; got \('ring', 4, 1000000.0\)"),
+                         ({"nodes": 4}, "fit_network: sample 1 must be an"),
+                         (("ring", 0, 1e6, 1e-2), r"fit_network: sample 1 \('ring', 0, .*\): nodes must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            comm.fit_network([samples[0], bad])
+    with pytest.raises(TypeError, match="fit_network: samples must be an iterable of"):
+        comm.fit_network(None)
+    with pytest.raises(ValueError, match="params must be a finite number; got an integer of 401 digits"):
+        comm.plan(4, 10 ** 400, 2, NET, 0.3)
+    with pytest.raises(ValueError, match="Network: alpha .* must be a finite number; got an integer of 401 digits"):
+        comm.Network(10 ** 400, 1e9)
+    with pytest.raises(ValueError, match=r"time_collective: nbytes must be a multiple of 4 \(whole float32 "):
+        comm.time_collective("broadcast", 7)  # it timed 4 bytes
