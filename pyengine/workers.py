@@ -37,7 +37,7 @@ def parse_devices(devices) -> list[torch.device]:
     if devices is None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")] * 2
-    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
+    if isinstance(devices, (str, bytes, torch.device)) or not isinstance(devices, Sequence) or not devices:
         raise ValueError(f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0']; got {devices!r}")
     parsed = []
     for d in devices:

@@ -1274,6 +1274,9 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
 
 
 def test_bad_optimizer_and_seed_types():
+    for devices in ("cpu", b"cpu", torch.device("cpu"), [], 2):  # bytes were a list of ints: "devices: 99 asks CUDA"
+        with pytest.raises(ValueError, match=r"devices must be a non-empty list like \['cpu', 'cpu'\]"):
+            Engine(make_model(), loss_fn, devices=devices)
     for model in (None, [torch.nn.Linear(2, 2)], "model"):  # AttributeError 'parameters' before
         with pytest.raises(TypeError, match=r"Engine: model must be an nn.Module \(or, for mode='pipeline', a list of "
                                             r"layers\); got (NoneType|list|str)"):
