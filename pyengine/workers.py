@@ -90,6 +90,8 @@ def batch_size(batch) -> int:
 
 def split_batch(batch, parts: int) -> list:
     """Splits a batch on dim 0 into ``parts`` shards whose sizes differ by at most one."""
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:  # 0 gave no shards at all
+        raise ValueError(f"split_batch: parts must be an integer >= 1; got {parts!r}")
     n = batch_size(batch)
     if n < parts:
         raise ValueError(f"a batch of {n} samples cannot feed {parts} workers; use a batch of at least {parts}")

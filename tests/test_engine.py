@@ -1386,6 +1386,16 @@ def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
         assert engine.version == 0
 
 
+def test_split_batch_shards_and_checks_its_parts():
+    from pyengine.workers import split_batch
+    x = torch.arange(7)
+    assert [s.tolist() for s in split_batch({"x": x}, 3)[0].values()] == [[0, 1, 2]]
+    assert [len(s) for s in split_batch(x, 3)] == [3, 2, 2]
+    for bad in (0, -1, True, 2.0):  # 0 and -1 gave no shards at all, True one
+        with pytest.raises(ValueError, match=r"split_batch: parts must be an integer >= 1; got "):
+            split_batch(x, bad)
+
+
 @pytest.mark.parametrize("mode,workers", [("hybrid", 1), ("hybrid", 2), ("sync", 2), ("async", 2)])
 def test_a_batch_of_values_that_are_not_tensors_is_refused(rng, mode, workers):
     """A list of labels, a numpy array or a number in a batch reached every worker whole (not split with the
