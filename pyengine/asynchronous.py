@@ -38,11 +38,14 @@ from .workers import WorkerError, batch_size, deferred_interrupt, set_worker_thr
 class _BatchSource:
     """Thread-safe source of mini-batches: ``epochs`` passes over ``batches`` (None: until the steps are done).
 
-    An epoch that yields nothing (an empty or exhausted one-shot iterable) ends the source.
+    An epoch that yields nothing (an empty or exhausted one-shot iterable) ends the source. ``pushes``: how many
+    takes it serves at most (fit's ``steps``; None: no limit). Each take feeds one push (a refresh computes the same
+    mini-batches again), so no batch is taken that no push of this fit would use: with G workers, the G - 1 that
+    would take one past the last push find none and end, and a generator keeps those batches for a later fit.
     """
 
-    def __init__(self, batches, epochs):
-        self._batches, self._epochs = batches, epochs
+    def __init__(self, batches, epochs, pushes=None):
+        self._batches, self._epochs, self._pushes = batches, epochs, pushes
         self._epoch, self._it = 0, iter(batches)
         self._fresh, self._done = True, False
         self._lock = threading.Lock()
@@ -54,6 +57,10 @@ class _BatchSource:
         out = []
         with self._lock:
             first = self.taken
+            if self._pushes is not None:
+                if self._pushes <= 0:
+                    return [], []
+                self._pushes -= 1
             while len(out) < k and not self._done:
                 try:
                     out.append(next(self._it))
@@ -163,7 +170,7 @@ def _end_when_stopped(engine, run) -> None:
 
 
 def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
-    source = _BatchSource(batches, epochs)
+    source = _BatchSource(batches, epochs, pushes=steps)
     stop = run.stop
     pushes_before = engine.stats()["pushes"]  # ``steps`` counts this call's pushes
     errors: list[tuple[int, BaseException, bool]] = []  # (worker, error, on a thread of its own)

@@ -507,8 +507,10 @@ class Engine:
         ``steps`` counts this call's steps (hybrid, sync) or pushes (async), whatever ran before. Each callback is
         called as ``callback(engine, metrics)`` after every step or push; a callback may call :meth:`stop` to end
         training after the current step (async: after the push being applied; the other workers' computations in
-        flight are discarded, their mini-batches not pushed). Returns the metrics of this call's steps (the last
-        ``keep_history`` of them when the engine was given a bound).
+        flight are discarded, their mini-batches not pushed). With ``steps``, no batch is taken from ``batches``
+        beyond those the steps use, and no new pass begins for none (a generator keeps the rest for a later fit).
+        Returns the metrics of this call's steps (the last ``keep_history`` of them when the engine was given a
+        bound).
         """
         self._check_process()
         self._check_not_in_step("fit()")
@@ -1581,15 +1583,21 @@ def _describe(value) -> str:
 
 
 def _batches(batches, steps, epochs):
-    """Yields batches for ``steps`` steps or ``epochs`` passes (one pass when neither is given)."""
+    """Yields batches for ``steps`` steps or ``epochs`` passes (one pass when neither is given). A batch is taken
+    from the iterable only when a step will use it, and a new pass begins only then: with ``steps`` reached at the
+    end of a pass, the source is not iterated again (a generator keeps its next batch for a later fit, a live
+    source is not waited on for a batch no step would take, a one-pass source is not restarted)."""
     if steps is None and epochs is None:
         epochs = 1
     done, epoch = 0, 0
-    while epochs is None or epoch < epochs:
+    while (epochs is None or epoch < epochs) and (steps is None or done < steps):
         produced = False
-        for batch in batches:
-            if steps is not None and done >= steps:
-                return
+        iterator = iter(batches)
+        while steps is None or done < steps:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
             produced = True
             done += 1
             yield batch

@@ -683,6 +683,32 @@ def test_steps_from_no_batches_is_an_error(mode):
         assert engine.fit([]) == [] and engine.version == 0
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
+def test_fit_takes_no_batch_past_its_steps(rng, mode):
+    """fit(steps=n) took batch n + 1 from the iterable before it stopped (hybrid, sync): a generator lost it, a
+    live source was waited on for it (a hang), and a pass that ended at step n began a new one (a one-pass source
+    raised after the steps had trained, a DataLoader started another epoch)."""
+    batches = make_batches(rng, 10, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        source = iter(batches)
+        assert len(engine.fit(source, steps=3)) == 3
+        assert len(list(source)) == 7  # the batches no step took are the source's still
+
+        class OnePass:
+            passes = 0
+
+            def __iter__(self):
+                OnePass.passes += 1
+                if OnePass.passes > 1:
+                    raise RuntimeError("this source can be iterated once")
+                return iter(batches[:3])
+
+        assert len(engine.fit(OnePass(), steps=3)) == 3 and OnePass.passes == 1
+        assert len(engine.fit(batches[:4], steps=6)) == 6  # over two passes, as before
+        assert engine.fit(iter(batches), steps=0) == []
+        assert engine.stats()["applied_updates"] == 12
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_empty_batch_is_refused(mode):
     """A 0-sample batch has a NaN mean loss and a zero gradient: applied, it would count a step and decay the
