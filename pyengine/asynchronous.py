@@ -288,11 +288,12 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                                     try:
                                         metrics = push(worker, pulled, scale, loss, samples, compute, wait, copied,
                                                        ordinals, wall_start)
-                                    except FloatingPointError:
-                                        if engine._counters["raised_steps"] != raised:  # nonfinite="raise": counted
-                                            saved = None
-                                            pushed(worker)
-                                        raise
+                                    except FloatingPointError as exc:
+                                        if engine._counters["raised_steps"] == raised:
+                                            raise
+                                        saved = None  # nonfinite="raise": counted, and raised by fit as itself
+                                        pushed(worker)  # (as in sync and hybrid: not a failure of the worker)
+                                        raise _AsItself(exc) from exc
                                 if metrics is not None:
                                     saved = None
                                     pushed(worker)
