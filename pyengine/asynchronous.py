@@ -28,6 +28,7 @@ are discarded. ``load_state_dict`` is refused during an async fit: the workers c
 """
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 
@@ -101,10 +102,10 @@ def minibatches_per_push(engine, version: int) -> int:
     if engine.batch_schedule is None:
         return engine.accumulate
     k = engine.batch_schedule(version)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1:  # numpy's integers are ints too
         raise ValueError(f"batch_schedule({version}) must return the number of mini-batches of the next push, an "
                          f"int >= 1; got {k!r}")
-    return k
+    return int(k)
 
 
 class AsyncRun:

@@ -106,9 +106,10 @@ class LossScaler:
         self.backoff_factor = float(_factor("backoff_factor", backoff_factor, 0.0))
         if self.backoff_factor >= 1.0:
             raise ValueError(f"LossScaler: backoff_factor must be in (0, 1); got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral) \
+                or growth_interval < 1:
             raise ValueError(f"LossScaler: growth_interval must be an int >= 1; got {growth_interval!r}")
-        self.growth_interval = growth_interval
+        self.growth_interval = int(growth_interval)
         self.min_scale = _positive("min_scale", min_scale)
         if self.min_scale > self.init_scale:
             raise ValueError(f"LossScaler: min_scale ({min_scale!r}) must be <= init_scale ({init_scale!r})")
@@ -196,7 +197,7 @@ def make_scaler(loss_scale, autocast) -> LossScaler | None:
         return copy.deepcopy(loss_scale)  # (shared, two engines moved one scale, and a third started from it)
     if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return LossScaler()
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):  # numpy's too (np.float32 was not)
         scale = _positive("the static loss_scale", loss_scale)
         return LossScaler(init_scale=scale, min_scale=scale, dynamic=False)
     raise ValueError(f"loss_scale must be 'auto', 'dynamic', None, a number > 0 or a pyengine.LossScaler; got "

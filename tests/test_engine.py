@@ -1283,6 +1283,9 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
                 engine.fit(make_batches(rng, 4, 8), steps=4)
             assert engine.version == 0 and engine.stats()["pushes"] == 0
             assert all(torch.equal(before[k], v) for k, v in engine.master_state_dict().items())
+    np = pytest.importorskip("numpy")
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="async", batch_schedule=lambda v: np.int64(2)) as e:
+        assert [len(m["batches"]) for m in e.fit(make_batches(rng, 4, 8))] == [2, 2]  # it was refused
     for mode, devices in (("async", ["cpu"]), ("async", ["cpu"] * 2), ("hybrid", ["cpu"] * 2)):
         with Engine(make_model(), loss_fn, devices=devices, mode=mode) as engine:
             before = engine.master_state_dict()

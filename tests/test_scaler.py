@@ -365,6 +365,20 @@ def test_bad_loss_scaler_arguments(kwargs, error):
         LossScaler(**kwargs)
 
 
+def test_numpy_numbers_as_a_static_loss_scale_and_growth_interval():
+    """np.float32(1024.0) or np.int64(1024) as loss_scale were refused as not "a number > 0" (np.float64 was
+    taken), growth_interval=np.int64(100) as not an int."""
+    np = pytest.importorskip("numpy")
+    for value in (np.float32(1024.0), np.int64(1024), np.float64(1024.0), 1024):
+        scaler = make_scaler(value, F16)
+        assert (scaler.scale, scaler.dynamic) == (1024.0, False)
+    scaler = LossScaler(growth_interval=np.int64(100))
+    assert scaler.growth_interval == 100 and type(scaler.growth_interval) is int
+    for bad in (np.bool_(True), np.float32(0.0), np.int64(-4)):
+        with pytest.raises(ValueError, match="loss_scale"):
+            make_scaler(bad, F16)
+
+
 def test_defaults():
     """"auto": dynamic under float16 only; a number: a static scale."""
     assert isinstance(make_scaler("auto", F16), LossScaler) and make_scaler("auto", F16).dynamic
