@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import numbers
 import os
 import threading
@@ -532,6 +533,9 @@ class Engine:
         if isinstance(batches, torch.Tensor):  # its rows would be taken for batches, one update each
             raise ValueError(f"fit: batches must be an iterable of batches; got one tensor of shape "
                              f"{tuple(batches.shape)} (a single batch: fit([batch]) or step(batch))")
+        if isinstance(batches, collections.abc.Mapping):  # its keys would be taken for batches
+            raise ValueError(f"fit: batches must be an iterable of batches; got one {type(batches).__name__} with "
+                             f"keys {list(batches)[:8]} (a single batch: fit([batch]) or step(batch))")
         self._stop.clear()
         for name, value, least in (("steps", steps, 0), ("epochs", epochs, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
@@ -546,6 +550,16 @@ class Engine:
                 from None
         if not all(callable(c) for c in callbacks):
             raise ValueError(f"fit: every callback must be callable; got {[type(c).__name__ for c in callbacks]}")
+        for callback in callbacks:  # before any step: a callback(metrics) failed after the first update
+            try:
+                signature = inspect.signature(callback)
+            except (TypeError, ValueError):  # some builtins have none: called as they are
+                continue
+            try:
+                signature.bind(self, {})
+            except TypeError:
+                raise TypeError(f"fit: a callback is called as callback(engine, metrics); {callback!r} takes "
+                                f"{signature}") from None
         # A one-shot iterator (a generator, iter(list)) is used up by its first pass: what it cannot give is said,
         # not silently skipped (a list or a DataLoader is iterated again for each epoch).
         one_shot = isinstance(batches, collections.abc.Iterator)

@@ -2,6 +2,7 @@
 the model (float64), run step by step on the same batches."""
 import collections
 import copy
+import functools
 import gc
 import json
 import os
@@ -1298,12 +1299,22 @@ def test_bad_batch_schedule_and_fit_arguments(rng):
             for bad in (None, 42):
                 with pytest.raises(TypeError, match=r"fit: batches must be an iterable of batches; got (NoneType|int)"):
                     engine.fit(bad)
+            x, y = make_batches(rng, 1, 8)[0]
+            with pytest.raises(ValueError, match=r"got one dict with keys \['x', 'y'\] \(a single batch: fit"):
+                engine.fit({"x": x, "y": y})  # its keys were taken for batches ("batch is a str")
+            for callback in (lambda metrics: None, lambda engine_, metrics, extra: None):  # failed after a step
+                with pytest.raises(TypeError, match=r"fit: a callback is called as callback\(engine, metrics\); "):
+                    engine.fit(make_batches(rng, 2, 8), callbacks=[callback])
             with pytest.raises(TypeError, match=r"copy_to: model must be an nn.Module .*; got OrderedDict"):
                 engine.copy_to(make_model().state_dict())
             with pytest.raises(ValueError, match=r"fit: batches must be an iterable of batches; got one tensor of "
                                                  r"shape \(8, 16\) \(a single batch: fit\(\[batch\]\)"):
                 engine.fit(torch.randn(8, 16))  # its rows were taken for batches
             assert engine.version == 0
+            taken = []
+            engine.fit(make_batches(rng, 1, 8), callbacks=[lambda *args, **kwargs: taken.append(len(args)),
+                                                           functools.partial(lambda tag, e, m: taken.append(tag), 7)])
+            assert taken == [2, 7] and engine.version == 1  # any signature that takes (engine, metrics)
 
 
 def test_bad_optimizer_and_seed_types():
