@@ -238,6 +238,10 @@ class Engine:
             if not any(p.requires_grad for p in model.parameters()):
                 raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
             for name, param in model.named_parameters():  # before the host store is allocated
+                if param.requires_grad and param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"parameter {name!r} is {param.dtype}: a trainable parameter must be float32, "
+                                     "bfloat16 or float16 (the master weights are float32; a pipeline trained a "
+                                     "float64 model at float32's precision); give the engine model.float()")
                 if param.requires_grad and not param.is_contiguous():
                     raise ValueError(f"parameter {name!r} is not contiguous (shape {tuple(param.shape)}, strides "
                                      f"{param.stride()}; channels_last, say): gradients and weights travel as flat "

@@ -777,12 +777,7 @@ class Pipeline:
                 raise TypeError(f"a stage before the last must return one floating-point tensor (the activations "
                                 f"for the next stage); got {got}")
             return out
-        loss = self.engine.loss_fn(stage.module, (x, to_device(targets, stage.device)))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
-                             f"loss over the micro-batch); got {shape}")
-        return loss
+        return checked_loss(self.engine.loss_fn(stage.module, (x, to_device(targets, stage.device))))
 
     def _metrics(self, results, shard_sizes, start, built, pulled, schedule_end, updated, end, applied,
                  scale) -> dict:
@@ -822,6 +817,19 @@ def check_options(layers: int, devices: int, stages, microbatches, schedule, bal
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     if balance not in ("params", "time"):
         _check_sizes(balance, layers, stages)
+
+
+def checked_loss(loss):
+    """The last stage's ``loss_fn`` result, checked: a scalar tensor that requires grad (a detached one skipped its
+    backward, and the step applied weight decay alone)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
+                         f"loss over the micro-batch); got {shape}")
+    if not loss.requires_grad:
+        raise RuntimeError("loss_fn(last_stage, (activations, targets)) returned a loss that does not require "
+                           "grad (detached, or computed under torch.no_grad()): there is no gradient to train on")
+    return loss
 
 
 def check_mode_options(mode: str, stages, microbatches, schedule, balance) -> None:

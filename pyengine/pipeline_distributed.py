@@ -38,8 +38,8 @@ from torch.func import functional_call
 from . import ops
 from .metrics import step_metrics
 from .distributed import BytePacket, DistributedError, _collective, _FailureNaming, as_bytes, receive_rank0_state
-from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, owned_names,
-                       partition, split_layers, stage_range, stage_store_names)
+from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, checked_loss,
+                       owned_names, partition, split_layers, stage_range, stage_store_names)
 from .workers import autocast as autocast_region
 from .workers import batch_size
 
@@ -610,11 +610,7 @@ class DistributedPipeline(_FailureNaming):
     def _loss(self, x, targets):
         try:
             with self._meter.loss(), self._wrapped.context(x.device):
-                loss = self.engine.loss_fn(self.module, (x, None if self._targetless else targets))
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise ValueError("loss_fn(last_stage, (activations, targets)) must return a scalar tensor (the mean "
-                                 f"loss over the micro-batch); got {shape}")
+                loss = checked_loss(self.engine.loss_fn(self.module, (x, None if self._targetless else targets)))
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise self._wrapped.failure(exc) from exc
         return loss if self._scale is None else loss * self._scale  # Note [Loss scaling]

@@ -2090,3 +2090,29 @@ def test_a_buffer_updated_by_assignment_is_saved_and_loaded_across_processes(tmp
     for rank in range(2):
         assert torch.equal(got[rank]["saved"], live), f"rank {rank} saved another value than the layer's"
     assert torch.equal(got[0]["loaded"], live), "the load did not reach the layer's buffer"
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_loss_that_does_not_require_grad_is_an_error(rng, stages):
+    """A detached loss (or one computed under no_grad) skipped its backward: the step was applied with no gradient
+    (weight decay alone), where hybrid raises."""
+    def detached(model, batch):
+        return loss_fn(model, batch).detach()
+
+    with Engine(make_model(), detached, devices=["cpu"] * stages, mode="pipeline", stages=stages,
+                optimizer=AdamW(lr=1e-2)) as engine:
+        before = engine.master_state_dict()
+        with pytest.raises(StageError, match="returned a loss that does not require grad .*no gradient to train on"):
+            engine.step(make_batches(rng, 1, 8)[0])
+        assert engine.version == 0 and engine.stats()["applied_updates"] == 0
+        assert all(torch.equal(before[k], v) for k, v in engine.master_state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
+def test_a_float64_model_is_refused_in_every_mode(mode):
+    """A pipeline trained a float64 model at float32's precision (its master weights and copy_to were float32);
+    the other modes refused it from a worker's streamer, after the seeding."""
+    options = dict(stages=2) if mode == "pipeline" else {}
+    with pytest.raises(ValueError, match=r"parameter '.*' is torch.float64: a trainable parameter must be float32, "
+                                         r"bfloat16 or float16 .* give the engine model.float\(\)"):
+        Engine(make_model().double(), loss_fn, devices=["cpu"] * 2, mode=mode, **options)
