@@ -524,7 +524,8 @@ class Pipeline:
         schedule: ``"1f1b"`` or ``"gpipe"``.
         balance: ``"params"``, ``"time"`` (measured on the first step's first micro-batch, on ``devices[0]``: Note
             [Timing the layers on stage 0's device]; a state loaded before that step gives its split instead: Note
-            [A resumed pipeline keeps its split] in pyengine.engine) or a list of S sizes.
+            [A resumed pipeline keeps its split] in pyengine.engine; the model is copied when the engine is made,
+            so its changes after that are not trained on) or a list of S sizes.
         unused: ``"zero"`` or ``"error"`` for parameters that got no gradient in a step.
         autocast: None, ``torch.bfloat16`` or ``torch.float16``: every stage's forward (and the loss) runs under
             ``torch.autocast`` on its device, as hybrid workers do; activations and their gradients travel between
@@ -535,6 +536,8 @@ class Pipeline:
     def __init__(self, engine, model: torch.nn.Sequential, *, stages: int, microbatches: int, schedule: str,
                  balance, unused: str = "zero", autocast: torch.dtype | None = None):
         devices = engine.devices
+        if balance == "time":  # the stages are built at the first step: from the model as it was given, not as the
+            model = copy.deepcopy(model)  # caller changes it meanwhile (and neither timing nor a load touches it)
         self.layers = list(model._modules.items())  # named_children() would list a repeated module once
         check_options(len(self.layers), len(devices), stages, microbatches, schedule, balance)
         # Note [No reference cycle through the engine]

@@ -2116,3 +2116,33 @@ def test_a_float64_model_is_refused_in_every_mode(mode):
     with pytest.raises(ValueError, match=r"parameter '.*' is torch.float64: a trainable parameter must be float32, "
                                          r"bfloat16 or float16 .* give the engine model.float\(\)"):
         Engine(make_model().double(), loss_fn, devices=["cpu"] * 2, mode=mode, **options)
+
+
+def test_balance_time_trains_the_model_as_given_not_as_changed_before_the_first_step(rng):
+    """With balance="time" the stages are built at the first step: they were built from the caller's model as it
+    was then (a change made after the engine was made was trained on), and a state loaded before that step was
+    written into the caller's model."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 3))
+    options = dict(devices=["cpu"] * 2, mode="pipeline", stages=2, balance="time", optimizer=AdamW(**OPT))
+    batches = make_batches(rng, 3, 8)
+    with Engine(model, loss_fn, **options) as engine, Engine(copy.deepcopy(model), loss_fn, **options) as reference:
+        given = copy.deepcopy(model.state_dict())
+        with Engine(copy.deepcopy(model), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT)) as hybrid:
+            hybrid.step(batches[0])
+            state = hybrid.state_dict()  # moved statistics, and no split: the pipelines stay unbuilt
+        with pytest.warns(UserWarning, match="saved by a mode='hybrid' engine"):
+            engine.load_state_dict(state)
+            reference.load_state_dict(state)
+        assert all(torch.equal(given[k], v) for k, v in model.state_dict().items())  # the load left it alone
+        with torch.no_grad():
+            model[1].running_mean += 5.0
+            model[0].weight += 1.0
+        for batch in batches[1:]:
+            engine.step(batch)
+            reference.step(batch)
+        ours, theirs = engine.state_dict(), reference.state_dict()
+        for part in ("master", "buffers"):
+            for name, value in theirs[part].items():
+                torch.testing.assert_close(ours[part][name], value, rtol=1e-4, atol=1e-5, msg=f"{part} {name}")
