@@ -228,8 +228,9 @@ class Engine:
             if keep_history is not None and (not isinstance(keep_history, int) or isinstance(keep_history, bool)
                                              or keep_history < 0):
                 raise ValueError(f"keep_history must be an integer >= 0 or None; got {keep_history!r}")
-            if not isinstance(balance, str) and getattr(balance, "ndim", None) == 1 and hasattr(balance, "tolist"):
-                balance = balance.tolist()  # a 1-D array or tensor of layer counts ("is ambiguous" in the checks)
+            if not isinstance(balance, str) and getattr(balance, "ndim", None) is not None and hasattr(balance,
+                                                                                                   "tolist"):
+                balance = balance.tolist()  # an array or tensor of layer counts ("is ambiguous" in the checks)
             check_mode_options(mode, stages, microbatches, schedule, balance)
             check_streamer_options(bucket_mb, first_bucket_mb, unused, eager_mb, who="Engine")
             check_pin(pin, who="Engine")

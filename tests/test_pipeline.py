@@ -194,6 +194,9 @@ def test_balance_as_an_array_or_tensor_of_layer_counts(rng):
         with pipeline(make_model(), ["cpu"] * 2, microbatches=2, balance=balance) as engine:
             assert engine.pipeline.sizes == [3, 4]
             engine.step(make_batches(rng, 1, 8)[0])
+    for balance in (np.array([[3, 4]]), np.array(7), torch.tensor([[3], [4]])):  # 2-D: numpy's "is ambiguous"
+        with pytest.raises(ValueError, match="balance must be"):
+            pipeline(make_model(), ["cpu"] * 2, microbatches=2, balance=balance)
 
 
 def test_numpy_integers_are_counts_like_pythons(rng):
