@@ -260,6 +260,10 @@ class Engine:
                 stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
                                                             balance, group), 1
             elif mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
+                if stages is None and len(self.devices) > len(model):  # the default: one stage per device
+                    raise ValueError(f"mode='pipeline': stages defaults to one per device, {len(self.devices)}, more "
+                                     f"than the model's {len(model)} layers (each stage needs at least one); give "
+                                     "stages=S (the devices are S stages x R replicas)")
                 stages = len(self.devices) if stages is None else stages
                 check_pipeline(len(model), len(self.devices), stages, microbatches, schedule, balance)
                 slots = len(self.devices) // stages

@@ -2149,3 +2149,12 @@ def test_balance_time_trains_the_model_as_given_not_as_changed_before_the_first_
         for part in ("master", "buffers"):
             for name, value in theirs[part].items():
                 torch.testing.assert_close(ours[part][name], value, rtol=1e-4, atol=1e-5, msg=f"{part} {name}")
+
+
+def test_stages_left_to_default_says_so_when_there_are_too_many():
+    """devices=["cpu"] * 8 with 7 layers and no stages said "stages=8 is more than the model's 7 layers", a value
+    never given."""
+    with pytest.raises(ValueError, match=r"stages defaults to one per device, 8, more than the model's 7 layers"):
+        Engine(make_model(), loss_fn, devices=["cpu"] * 8, mode="pipeline")
+    with pytest.raises(ValueError, match=r"stages=8 is more than the model's 7 layers"):
+        Engine(make_model(), loss_fn, devices=["cpu"] * 8, mode="pipeline", stages=8)
