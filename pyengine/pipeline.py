@@ -698,8 +698,9 @@ class Pipeline:
         shards = split_batch(batch, self.replicas)
         micro = [split_batch(shard, self.microbatches) for shard in shards]
         inputs = [[mb[0] for mb in replica] for replica in micro]
-        # (targets, samples) of each micro-batch: targets may be None (a loss_fn that needs none)
-        targets = [[(mb[1], batch_size(mb)) for mb in replica] for replica in micro]
+        # (targets, samples, the batch's type) of each micro-batch: targets may be None (a loss_fn that needs none);
+        # loss_fn gets (activations, targets) of the batch's type (batch_like)
+        targets = [[(mb[1], batch_size(mb), type(batch)) for mb in replica] for replica in micro]
         return inputs, targets, [batch_size(s) for s in shards]
 
     def _stage_task(self, stage: _Stage, channels, inputs, targets, shard_size, scale, stop, failures):
@@ -739,7 +740,7 @@ class Pipeline:
                         x = x.detach().requires_grad_(x.is_floating_point())
                         given = x.clone() if x.requires_grad else x
                     with memory.hooks():
-                        out = self._forward(stage, given, last, targets[m][0])
+                        out = self._forward(stage, given, last, targets[m])
                     if last:
                         samples = targets[m][1]
                         losses.append((out.detach(), samples))
@@ -780,7 +781,8 @@ class Pipeline:
                 raise TypeError(f"a stage before the last must return one floating-point tensor (the activations "
                                 f"for the next stage); got {got}")
             return out
-        return checked_loss(self.engine.loss_fn(stage.module, (x, to_device(targets, stage.device))))
+        y, _, kind = targets
+        return checked_loss(self.engine.loss_fn(stage.module, batch_like(kind, x, to_device(y, stage.device))))
 
     def _metrics(self, results, shard_sizes, start, built, pulled, schedule_end, updated, end, applied,
                  scale) -> dict:
@@ -820,6 +822,14 @@ def check_options(layers: int, devices: int, stages, microbatches, schedule, bal
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     if balance not in ("params", "time"):
         _check_sizes(balance, layers, stages)
+
+
+def batch_like(kind: type, activations, targets):
+    """``(activations, targets)`` for the last stage's ``loss_fn``, of the batch's type ``kind``: a namedtuple (as
+    hybrid's loss_fn gets it: ``b.targets`` works in every mode), a list or a tuple."""
+    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        return kind(activations, targets)
+    return [activations, targets] if issubclass(kind, list) else (activations, targets)
 
 
 def checked_loss(loss):

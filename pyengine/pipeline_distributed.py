@@ -38,8 +38,8 @@ from torch.func import functional_call
 from . import ops
 from .metrics import step_metrics
 from .distributed import BytePacket, DistributedError, _collective, _FailureNaming, as_bytes, receive_rank0_state
-from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, check_options, checked_loss,
-                       owned_names, partition, split_layers, stage_range, stage_store_names)
+from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
+                       checked_loss, owned_names, partition, split_layers, stage_range, stage_store_names)
 from .workers import autocast as autocast_region
 from .workers import batch_size
 
@@ -470,6 +470,7 @@ class DistributedPipeline(_FailureNaming):
         self._gathered = (engine.version, 0)  # (version, steps) at the last gather: every rank starts equal
         self._scale = None  # the step's loss scale, which _loss multiplies in (Note [Loss scaling])
         self._targetless = False  # the step's batch is (inputs, None): _loss gives loss_fn None
+        self._kind = tuple  # the step's batch's type: _loss gives loss_fn (activations, targets) of it (batch_like)
         # Note [Buffers of stages across processes]
         # A stage's persistent buffers (BatchNorm statistics) live, and change, on its own rank only. ``buffers``
         # holds every persistent buffer of the model: this rank's stage's own tensors, and a CPU copy of every other
@@ -610,7 +611,8 @@ class DistributedPipeline(_FailureNaming):
     def _loss(self, x, targets):
         try:
             with self._meter.loss(), self._wrapped.context(x.device):
-                loss = checked_loss(self.engine.loss_fn(self.module, (x, None if self._targetless else targets)))
+                loss = checked_loss(self.engine.loss_fn(self.module, batch_like(
+                    self._kind, x, None if self._targetless else targets)))
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise self._wrapped.failure(exc) from exc
         return loss if self._scale is None else loss * self._scale  # Note [Loss scaling]
@@ -653,6 +655,7 @@ class DistributedPipeline(_FailureNaming):
                 _check_equal_split(shards[1][r], m, "targets" + where)
         inputs, targets = shards[0][self.replica], shards[1][self.replica]
         self._targetless = targets is None  # Note [Batches without targets across processes]
+        self._kind = type(batch)
         with torch.no_grad():
             for name, p in self.params:
                 p.copy_(self._master[name])

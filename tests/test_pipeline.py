@@ -2158,3 +2158,28 @@ def test_stages_left_to_default_says_so_when_there_are_too_many():
         Engine(make_model(), loss_fn, devices=["cpu"] * 8, mode="pipeline")
     with pytest.raises(ValueError, match=r"stages=8 is more than the model's 7 layers"):
         Engine(make_model(), loss_fn, devices=["cpu"] * 8, mode="pipeline", stages=8)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_loss_fn_gets_the_batch_type_back(rng, stages):
+    """A loss_fn written for a namedtuple batch (b.inputs, b.targets), which hybrid gives back as it was given,
+    met a plain tuple on the last stage ("'tuple' object has no attribute 'targets'")."""
+    Batch = collections.namedtuple("Batch", ["inputs", "targets"])
+    seen = []
+
+    def named_loss(model, b):
+        seen.append(type(b))
+        return torch.nn.functional.cross_entropy(model(b.inputs), b.targets) if isinstance(b, Batch) else \
+            loss_fn(model, b)
+
+    batches = make_batches(rng, 2, 8)
+    results = {}
+    for kind in (Batch, list, tuple):
+        with Engine(make_model(), named_loss, devices=["cpu"] * stages, mode="pipeline", stages=stages,
+                    microbatches=2, optimizer=AdamW(**OPT)) as engine:
+            seen.clear()
+            engine.fit([kind(b) if kind is not Batch else Batch(*b) for b in batches])
+            assert set(seen) == {kind}
+            results[kind] = engine.master_state_dict()
+    for name, value in results[tuple].items():
+        assert torch.equal(results[Batch][name], value) and torch.equal(results[list][name], value), name
