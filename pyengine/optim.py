@@ -158,11 +158,13 @@ class AdamW:
             start += len(group_names)
         return {"state": state, "param_groups": param_groups}
 
-    def load_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
+    def load_torch_state_dict(self, store, state_dict: dict, names: list[str], *, checked_step: int | None = None
+                              ) -> int:
         """Copies a ``torch.optim.AdamW.state_dict()`` into the store (a store with ``state_ranges`` keeps only its
         ranges of it); returns its step count. Everything is checked (:meth:`check_torch_state_dict`) before the
-        store is written."""
-        step = self.check_torch_state_dict(store, state_dict, names)
+        store is written; ``checked_step``: what that check returned for this very state, when the caller ran it
+        already (it reads every value: not twice)."""
+        step = self.check_torch_state_dict(store, state_dict, names) if checked_step is None else checked_step
         if step == 0:
             return 0
         state = state_dict["state"]
