@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,8 +36,8 @@ def rank_main(args) -> None:
     from pyengine import distributed
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=args.rank, world_size=2)
+    # A file rendezvous: a port picked here and released before the ranks bind it could be taken in between.
+    dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=2)
     torch.manual_seed(0)
     layers = []
     for _ in range(args.layers):
@@ -76,15 +75,14 @@ def rank_main(args) -> None:
 
 
 def one_run(tree: str, args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    common = ["--width", str(args.width), "--layers", str(args.layers), "--pushes", str(args.pushes),
-              "--batch", str(args.batch), "--skip", str(args.skip), "--tree", tree, "--port", str(port)]
-    procs = [subprocess.Popen([sys.executable, __file__, *common, "--rank", str(r)], env=env, stdout=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    outs = [p.communicate()[0] for p in procs]
+    with tempfile.TemporaryDirectory(prefix="pull-rdzv-") as rendezvous:
+        common = ["--width", str(args.width), "--layers", str(args.layers), "--pushes", str(args.pushes),
+                  "--batch", str(args.batch), "--skip", str(args.skip), "--tree", tree,
+                  "--rendezvous", os.path.join(rendezvous, "store")]
+        procs = [subprocess.Popen([sys.executable, __file__, *common, "--rank", str(r)], env=env,
+                                  stdout=subprocess.PIPE, text=True) for r in range(2)]
+        outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"{tree}: a rank failed (exit codes {[p.returncode for p in procs]})")
     return json.loads(outs[1].strip().splitlines()[-1])
@@ -116,7 +114,7 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank is not None:
