@@ -31,6 +31,20 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker {worker} ({device}) failed: {type(cause).__name__}: {cause}")
         self.worker = worker
 
+    def __reduce__(self):
+        # Pickled (a process pool's result, a sweep's queue) as its message and attributes: the default rebuilds it
+        # from ``args`` (the message alone), which this __init__ refuses, so the unpickling side lost the error (a
+        # pool's result thread died, and its caller waited for ever). Like any exception, ``__cause__`` stays behind.
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
+
+def _rebuild_error(cls, args, attributes):
+    """The unpickled form of a :class:`WorkerError` (or subclass): its message, args and attributes as pickled."""
+    error = Exception.__new__(cls)
+    error.args = args
+    error.__dict__.update(attributes)
+    return error
+
 
 def parse_devices(devices) -> list[torch.device]:
     """``["cuda:0", "cuda:0", "cpu"]`` -> devices, checked; default: every visible GPU, else 2 CPU workers."""

@@ -6,6 +6,7 @@ import functools
 import gc
 import json
 import os
+import pickle
 import statistics
 import threading
 import time
@@ -1182,9 +1183,13 @@ def test_failing_async_worker_stops_everyone(rng, worker_device):
 
     start = time.monotonic()
     with Engine(make_model(), fail_on_fifth_call_of_worker_2, devices=[worker_device] * 4, mode="async") as engine:
-        with pytest.raises(WorkerError, match=rf"worker 2 \({worker_device}\) failed: ValueError: bad sample"):
+        with pytest.raises(WorkerError, match=rf"worker 2 \({worker_device}\) failed: ValueError: bad sample") as info:
             engine.fit(batches, epochs=50)
         assert engine.stats()["pushes"] < 400, "the others must stop soon after the failure"
+    # it crosses processes whole (a process pool's result): the default pickling rebuilt it from its message alone,
+    # which its __init__ refused
+    carried = pickle.loads(pickle.dumps(info.value))
+    assert type(carried) is WorkerError and str(carried) == str(info.value) and carried.worker == 2
     assert time.monotonic() - start < 60
     assert not [t for t in threading.enumerate() if t.name.startswith("pyengine-async")], "orphan worker thread"
 

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import sys
 import threading
 import time
@@ -752,6 +753,9 @@ def test_raising_stage_stops_the_pipeline_and_is_named(rng, schedule, where, wor
             engine.step(batches[1])
         assert time.perf_counter() - start < 5, "the other stages stop instead of waiting forever"
         assert info.value.stage == failing and isinstance(info.value.__cause__, RuntimeError)
+        carried = pickle.loads(pickle.dumps(info.value))  # it crosses processes whole (a process pool's result)
+        assert type(carried) is StageError and str(carried) == str(info.value)
+        assert (carried.stage, carried.replica, carried.worker) == (failing, 0, failing)
         assert threads_inside_the_pipeline(engine) == [], "a stage thread is still in the failed step"
         after = engine.master_state_dict(), engine.buffers_state_dict()
         for was, now, what in zip(before, after, ("the master weights", "the buffers")):
