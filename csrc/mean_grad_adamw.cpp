@@ -66,7 +66,12 @@ void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name, c
 
 void check_hyper(const AdamWHyper& h) {
   TORCH_CHECK_VALUE(std::isfinite(h.lr) && h.lr >= 0.0, "lr must be a finite number >= 0; got ", h.lr);
-  TORCH_CHECK_VALUE(std::isfinite(h.eps) && h.eps >= 0.0, "eps must be a finite number >= 0; got ", h.eps);
+  // eps = 0: an element whose gradients have all been 0 so far divides 0 by 0 (NaN in the master weights); one below
+  // float32's smallest normal number is 0 where the hardware flushes subnormals.
+  TORCH_CHECK_VALUE(std::isfinite(h.eps) && h.eps >= std::numeric_limits<float>::min(),
+                    "eps must be a finite number >= ", std::numeric_limits<float>::min(),
+                    " (float32's smallest normal number; with eps = 0 an element whose gradients are all 0 divides 0 by"
+                    " 0); got ", h.eps);
   TORCH_CHECK_VALUE(h.beta1 >= 0.0 && h.beta1 < 1.0, "beta1 must be in [0, 1); got ", h.beta1);
   TORCH_CHECK_VALUE(h.beta2 >= 0.0 && h.beta2 < 1.0, "beta2 must be in [0, 1); got ", h.beta2);
   TORCH_CHECK_VALUE(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0,

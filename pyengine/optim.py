@@ -22,7 +22,8 @@ class AdamW:
     """AdamW (``adamw=False``: Adam with L2 weight decay) as torch.optim defines it, plus global-norm clipping.
 
     Args:
-        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``, except that eps must be > 0 (at least
+            float32's smallest normal number): with eps = 0 an element whose gradients are all 0 becomes NaN.
         max_grad_norm: clip the mean gradient to this global L2 norm (None: no clipping).
         adamw: True for decoupled weight decay (AdamW), False for Adam's L2 penalty.
         no_decay: names of parameters without weight decay: a parameter whose name contains any of these strings
@@ -76,11 +77,15 @@ class AdamW:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AdamW: {name} must be True or False; got {getattr(self, name)!r}")
         f32 = float(torch.finfo(torch.float32).max)  # the update computes in float32
+        tiny = float(torch.finfo(torch.float32).tiny)
         checks = [
             (0 <= self.lr <= f32, f"lr must be a number in [0, {f32:.4g}] (float32's range); got {self.lr}"),
             (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
              f"betas must be two numbers in [0, 1); got {self.betas}"),
-            (0 <= self.eps <= f32, f"eps must be a number in [0, {f32:.4g}] (float32's range); got {self.eps}"),
+            # eps = 0: an element whose gradients have all been 0 so far divides 0 by 0 (NaN in the master weights)
+            (tiny <= self.eps <= f32, f"eps must be a number in [{tiny:.4g}, {f32:.4g}] (float32's normal numbers: "
+                                      f"with eps = 0 an element whose gradients are all 0 divides 0 by 0); "
+                                      f"got {self.eps}"),
             (0 <= self.weight_decay <= f32,
              f"weight_decay must be a number in [0, {f32:.4g}] (float32's range); got {self.weight_decay}"),
             (self.max_grad_norm is None or self.max_grad_norm > 0,

@@ -1340,7 +1340,8 @@ def test_bad_optimizer_and_seed_types():
         with pytest.raises((TypeError, ValueError), match=message):
             AdamW(**kwargs)
     for name in ("lr", "eps", "weight_decay"):  # the update computes in float32: refused when made, not at a step
-        with pytest.raises(ValueError, match=rf"{name} must be a number in \[0, 3.403e\+38\] \(float32's range\)"):
+        low = "1.175e-38" if name == "eps" else "0"  # eps > 0: float32's normal numbers
+        with pytest.raises(ValueError, match=rf"{name} must be a number in \[{low}, 3.403e\+38\] \(float32's"):
             AdamW(**{name: 1e39})
         AdamW(**{name: 3e38})
     assert AdamW(lr=1, betas=[0.8, 0.9]).betas == (0.8, 0.9)
@@ -1363,7 +1364,9 @@ def test_bad_optimizer_and_seed_types():
 @pytest.mark.parametrize("changes,error,what", [
     (dict(lr=1e38), ValueError, r"lr / \(1 - beta1\^step\)"),
     (dict(lr=10.0, weight_decay=3e38), ValueError, r"1 - lr \* weight_decay"),
-    (dict(eps=1e39), ValueError, r"AdamW: eps must be a number in \[0, 3.403e\+38\] \(float32's range\)"),
+    (dict(eps=1e39), ValueError, r"AdamW: eps must be a number in \[1.175e-38, 3.403e\+38\] \(float32's normal"),
+    # eps = 0: a parameter no worker used (its zero gradient, unused="zero") was NaN after the first step
+    (dict(eps=0.0), ValueError, r"AdamW: eps must be a number in \[1.175e-38, .* divides 0 by 0\); got 0.0"),
     (dict(lr=-0.1), ValueError, r"AdamW: lr must be a number in \[0, "),
     (dict(weight_decay=-1.0), ValueError, r"AdamW: weight_decay must be a number in \[0, "),
     (dict(lr=True), TypeError, "AdamW: lr must be a number; got True"),
@@ -1371,8 +1374,8 @@ def test_bad_optimizer_and_seed_types():
     (dict(betas=(1.0, 0.999)), ValueError, r"AdamW: betas must be two numbers in \[0, 1\)"),
     (dict(maximize="False"), TypeError, "AdamW: maximize must be True or False"),
     (dict(amsgrad=True), ValueError, "engine.optimizer.amsgrad was changed to True after the engine was made"),
-], ids=["lr", "decay", "eps", "negative-lr", "negative-decay", "bool-lr", "str-lr", "beta1-1", "str-maximize",
-        "amsgrad"])
+], ids=["lr", "decay", "eps", "zero-eps", "negative-lr", "negative-decay", "bool-lr", "str-lr", "beta1-1",
+        "str-maximize", "amsgrad"])
 def test_an_update_the_kernel_refuses_is_not_counted(rng, mode, changes, error, what):
     """Hyperparameters changed between steps so that a float32 scalar of the update leaves float32's range (lr
     1e38: lr / (1 - beta1) is 1e39), or to a value AdamW refuses when made (lr -0.1 was counted, then refused by

@@ -414,6 +414,9 @@ BAD_CALLS = {
     "negative lr": (_set("lr", -1e-3), r"lr must be a finite number >= 0"),
     "nan lr": (_set("lr", float("nan")), r"lr must be"),
     "negative eps": (_set("eps", -1.0), r"eps must be"),
+    # an element whose gradients are all 0 divided 0 by 0: NaN in the weights (below float32's normals: flushed to 0)
+    "zero eps": (_set("eps", 0.0), r"eps must be a finite number >= 1.17549e-38 \(float32's smallest normal"),
+    "subnormal eps": (_set("eps", 1e-40), r"eps must be a finite number >= 1.17549e-38"),
     "beta1 = 1": (_set("beta1", 1.0), r"beta1 must be in \[0, 1\)"),
     "beta2 < 0": (_set("beta2", -0.1), r"beta2 must be in \[0, 1\)"),
     "negative weight_decay": (_set("weight_decay", -0.1), r"weight_decay must be"),
