@@ -184,6 +184,24 @@ def test_weighted_mean(rng, device):
     check_state(ref, ours)
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_gradient_whose_square_overflows_float32_keeps_a_finite_second_moment(device, amsgrad):
+    """|g| > 1.8e19 squares past float32's range; torch.optim computes (1 - beta2) * g * g, finite up to ~5.8e20 at
+    beta2 = 0.999. The op's second moment is finite too (it was inf, after which the element's update was 0 for
+    good and a saved state was refused as damaged), and the weights and moments follow torch's in float64."""
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    p0 = torch.tensor([0.5, -0.25, 1.0, 2.0])
+    ref, ours = Reference(p0, amsgrad=amsgrad, **hyper), Ours(p0, device, amsgrad=amsgrad)
+    for g in ([3e19, -1.0, 0.5, -4e20], [1.0, 2.0, -1.0, 1.0], [-1.0, 0.5, 2.0, -3.0]):
+        grads = [torch.tensor(g), torch.tensor(g)]  # two workers: their mean is g
+        ref.step(grads)
+        ours.step(grads, **hyper)
+        assert torch.isfinite(ours.v).all(), ours.v
+        torch.testing.assert_close(ours.v.cpu().double(), ref.state("exp_avg_sq"), rtol=1e-6, atol=0)
+        torch.testing.assert_close(ours.m.cpu().double(), ref.state("exp_avg"), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours.p.cpu().double(), ref.p.detach(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5], ids=["no_clip", "clip"])
 def test_grad_scale_unscales(rng, device, max_grad_norm):
     """grad_scale divides the gradients; with clipping, the norm compared to max_grad_norm is the unscaled one."""

@@ -257,7 +257,9 @@ inline void adam_range(float* __restrict p, float* __restrict m, float* __restri
       g = g + wd * w;
     }
     const float mj = beta1 * m[j] + one_minus_beta1 * g;
-    const float vj = beta2 * v[j] + one_minus_beta2 * (g * g);
+    // (1 - beta2) * g first, then * g, as torch.optim: g * g overflows float32 for |g| > 1.8e19 (and the element's
+    // second moment stayed inf, its update 0, for good); this way it is finite up to ~5.8e20 at beta2 = 0.999.
+    const float vj = beta2 * v[j] + (one_minus_beta2 * g) * g;
     float vd = vj;
     if constexpr (kAmsgrad) {
       vd = vmax[j] > vj ? vmax[j] : vj;  // NaN in vj propagates, as torch.maximum

@@ -67,7 +67,7 @@ __device__ __forceinline__ void adamw(ElementState& e, float g, const UpdateScal
     g = g + s.weight_decay * e.p;
   }
   e.m = s.beta1 * e.m + s.one_minus_beta1 * g;
-  e.v = s.beta2 * e.v + s.one_minus_beta2 * (g * g);
+  e.v = s.beta2 * e.v + (s.one_minus_beta2 * g) * g;  // torch.optim's order: see adam_range in cpu/kernel_isa.cpp
   float vd = e.v;
   if (kAmsgrad) {
     vd = e.vmax > e.v ? e.vmax : e.v;
