@@ -454,7 +454,9 @@ def _check_pipeline_config(cfg: dict, workers: int) -> None:
     given = [key for key in ("stages", *PIPELINE_DEFAULTS) if cfg.get(key) is not None]
     if cfg["mode"] in ("hybrid", "sync") and "microbatches" in given:  # gradient accumulation within a step
         given.remove("microbatches")
-        parts = workers * _launched()[1] if cfg["mode"] == "hybrid" else 1
+        # hybrid: the batch is split over the processes, then over each one's devices (``workers`` counts the
+        # processes under torchrun: a pipeline's)
+        parts = len(cfg["devices"]) * _launched()[1] if cfg["mode"] == "hybrid" else 1
         if cfg["batch_size"] // parts < cfg["microbatches"]:
             raise UsageError(f"--microbatches {cfg['microbatches']}: --batch-size {cfg['batch_size']} leaves a "
                              f"worker fewer samples than micro-batches (use --batch-size >= "

@@ -1204,8 +1204,11 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
      "processes needs --microbatches >= the 2 stages"),
     (["--mode", "pipeline", "--workers", "1", "--balance", "time"], "--balance time: stages in separate processes "
      "are split before the first step"),
+    # 8 samples over 2 processes x 3 workers: 1 each (it passed, counting 2 x 2 workers, and failed in the first step)
+    (["--workers", "3", "--batch-size", "8", "--microbatches", "2"], "--microbatches 2: --batch-size 8 leaves a "
+     "worker fewer samples than micro-batches (use --batch-size >= 12)"),
 ], ids=["sync", "pipeline-2-devices", "stages!|processes", "unequal-microbatches", "1f1b-microbatches<stages",
-        "balance-time"])
+        "balance-time", "hybrid-microbatches>samples"])
 @pytest.mark.timeout(180)
 def test_under_torchrun_impossible_combination_is_one_line_exit_2(tmp_path, argv, message):
     """Both ranks of a 2-process launch, one command line: each refuses it in one line before any work."""
@@ -1235,12 +1238,13 @@ def test_under_torchrun_a_rank_that_fails_its_own_checks_is_named_by_the_others_
 @pytest.mark.timeout(120)
 def test_under_torchrun_command_lines_alike_once_resolved_train_together(tmp_path):
     """A flag given at its default equals the flag left out (--checkpoint-every of one epoch, --steps of the same
-    updates as --epochs), and a hybrid rank's --microbatches is its own (a memory setting: the same step)."""
+    updates as --epochs), and a hybrid rank's --microbatches is its own (a memory setting: the same step): 16 of
+    each worker's 32 / 2 samples (it was refused, the samples counted as if split over 2 x 2 workers)."""
     from pyengine import data
 
     per_epoch = data.load("digits").steps_per_epoch(32)
     common = [*SHORT[:4], "--devices", "cpu", "--workers", "1", "--quiet", "--out", str(tmp_path / "run")]
-    argvs = [[*common, "--epochs", "1", "--checkpoint-every", str(per_epoch), "--microbatches", "2"],
+    argvs = [[*common, "--epochs", "1", "--checkpoint-every", str(per_epoch), "--microbatches", "16"],
              [*common, "--steps", str(per_epoch)]]
     ended, _ = _two_ranks(tmp_path, argvs)
     assert [code for code, _ in ended] == [0, 0], ended
