@@ -287,12 +287,12 @@ def _plan(args) -> int:
     from . import comm
 
     made = []
-    if args.plot:  # a file type matplotlib writes; its folder is made (as --out's is) and checked before any output
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        kinds = sorted(FigureCanvasAgg.get_supported_filetypes())
-        if args.plot.endswith(("/", os.sep)) or Path(args.plot).suffix.lower().lstrip(".") not in kinds:
-            raise UsageError(f"--plot {args.plot}: expected a file name ending in .png (or {', '.join(kinds)})")
+    if args.plot:  # a type plot_efficiency writes; its folder is made (as --out's is) and checked before any output
+        try:
+            comm.check_plot_path(args.plot)
+        except ValueError:
+            raise UsageError(f"--plot {args.plot}: expected a file name ending in .png (or "
+                             f"{', '.join(comm.plot_kinds())})") from None
         made = _check_writable(Path(args.plot).resolve().parent, "the --plot folder")
     network = comm.Network(args.latency, args.bandwidth)
     compute_s = args.compute_ms / 1e3

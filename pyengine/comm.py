@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 __all__ = ["ALGORITHMS", "Cost", "Network", "PlanRow", "exchange_cost", "plan", "format_plan", "best",
            "efficiency_curve", "parse_bandwidth", "parse_latency", "parse_count", "parse_dtype", "fit_network",
-           "model_errors", "time_collective", "plot_efficiency"]
+           "model_errors", "time_collective", "plot_efficiency", "plot_kinds", "check_plot_path"]
 
 ALGORITHMS = ("ps", "ps-sharded", "tree", "butterfly", "ring")
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -411,16 +411,32 @@ def time_collective(op: str, nbytes: int, repeats: int = 10, group=None) -> floa
     return sorted(times)[len(times) // 2]
 
 
+def plot_kinds() -> list[str]:
+    """The file types :func:`plot_efficiency` writes (matplotlib's Agg canvas), named by their file suffixes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return sorted(FigureCanvasAgg.get_supported_filetypes())
+
+
+def check_plot_path(path, what: str = "path") -> None:
+    """Raises ValueError unless ``path`` is a file name whose suffix is one of :func:`plot_kinds` (the type written:
+    a name without one would be written to another file, name + ".png")."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(name, str) or name.endswith(("/", os.sep)) or \
+            os.path.splitext(name)[1].lower().lstrip(".") not in plot_kinds():
+        raise ValueError(f"{what} must be a file name ending in .png (or {', '.join(plot_kinds())}); got {path!r}")
+
+
 def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *, servers=None, overlap=0.0,
                     title=None) -> dict[str, list[float]]:
     """PNG of the scaling efficiency of every algorithm against the node count (log2 axis), with the same model
-    options as :func:`plan` (``servers``, ``overlap``), written to ``path`` (a file name ending in .png). Returns the
+    options as :func:`plan` (``servers``, ``overlap``), written to ``path`` (a .png, or another of :func:`plot_kinds`,
+    by its suffix). Returns the
     curves drawn (algorithm -> efficiencies). Drawn on a figure of its own (matplotlib's object API): pyplot's
     backend and open figures are left as they were."""
     from matplotlib.figure import Figure
 
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).lower().endswith(".png"):
-        raise ValueError(f"plot_efficiency: path must be a file name ending in .png; got {path!r}")  # else another
+    check_plot_path(path, "plot_efficiency: path")
     node_counts = _node_counts(node_counts)  # drawn twice (curves, x axis): a generator would be spent after one
     curves = efficiency_curve(node_counts, params, grad_bytes, network, compute_s, servers=servers, overlap=overlap)
     fig = Figure(figsize=(7, 4.5), layout="tight")

@@ -127,6 +127,12 @@ def test_plan_command_prints_the_table_and_draws_the_plot(tmp_path, capsys):
     assert f"{ring.time_s * 1e3:.1f}" in out and f"{0.3 / (0.3 + ring.time_s):.1%}" in out
     assert "fastest: ring" in out
     assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 5000
+    # every type the refusal names is drawn, by its suffix (only .png was, while the CLI named them all, and refused
+    # an .svg after printing the table)
+    for name, magic in (("eff.svg", b"<?xml"), ("eff.PDF", b"%PDF")):
+        assert main(["plan", "--nodes", "4", "--params", "1e9", "--bandwidth", "25Gbit", "--compute-ms", "300",
+                     "--plot", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes().startswith(magic), name
 
 
 def test_plan_plot_draws_what_the_table_says_with_overlap(tmp_path, monkeypatch):
@@ -404,7 +410,8 @@ def test_numpy_counts_are_counts_and_bad_node_counts_samples_and_paths_are_named
             (dict(node_counts=8), TypeError, "node_counts must be an iterable of node counts; got int 8"),
             (dict(node_counts=[2, 0]), ValueError, r"node_counts\[1\]: nodes must be an integer >= 1; got 0"),
             (dict(path=tmp_path / "e"), ValueError, "path must be a file name ending in .png"),
-            (dict(path=True), ValueError, "path must be a file name ending in .png; got True"),
+            (dict(path=True), ValueError, r"path must be a file name ending in .png \(or .*\); got True"),
+            (dict(path=tmp_path / "e.xyz"), ValueError, r"path must be a file name ending in .png \(or .*eps, .*svg"),
             (dict(compute_s=float("inf")), ValueError, "compute_s must be a number > 0")):
         args = {**dict(path=tmp_path / "f.png", node_counts=[2, 4], compute_s=0.3), **bad}
         with pytest.raises(error, match=message):
