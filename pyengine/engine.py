@@ -158,7 +158,10 @@ class Engine:
         bucket_mb, first_bucket_mb: gradient bucket sizes of the streamers (DDP's scheme).
         eager_mb: gradients of at least this many MiB start their copy to the host as soon as they are ready, ahead of
             their bucket (None: whole buckets only); see :class:`~pyengine.GradientStreamer`.
-        unused: ``"zero"`` (parameters without a gradient in a step get zero) or ``"error"``.
+        unused: ``"zero"`` (parameters without a gradient in a step get zero) or ``"error"``. A zero gradient is
+            still an AdamW step: the parameter's momentum and weight decay move it, where ``torch.optim.AdamW``
+            leaves a parameter whose ``.grad`` is None alone (DDP too, for one no rank used). Freeze a parameter
+            (``requires_grad=False``) that must not move; a step whose loss reached no parameter at all warns.
         autocast: None, or ``torch.bfloat16``/``torch.float16``: replicas compute under autocast and gradients travel
             in that dtype (master weights stay fp32).
         loss_scale: ``"auto"`` (dynamic loss scaling under float16 autocast, none otherwise), ``"dynamic"``, None (no

@@ -16,6 +16,7 @@ import contextlib
 import numbers
 import operator
 import threading
+import warnings
 import weakref
 from typing import NamedTuple, Sequence
 
@@ -133,6 +134,7 @@ class GradientStreamer:
         self._fired_pass = [False] * len(self._params)  # got it in the current backward pass (Note [Hook fires once])
         # Note [Unused parameters and overlap]
         self._prune = False  # set once a step had parameters without a gradient (unused="zero")
+        self._said_reached_none = False  # the warning of a step whose backward reached no parameter: said once
         self._unreached: list[int] = []  # this pass: parameters the loss's graph does not reach
         self._presumed = [False] * len(self._params)  # counted ready at the pass's start (in _unreached)
         self._index_of = {id(p): i for i, p in enumerate(self._params)}  # the graph walk's AccumulateGrad variables
@@ -295,6 +297,13 @@ class GradientStreamer:
                 f"GradientStreamer(worker={self.worker}): replica parameter(s) {replaced[:10]} were replaced after the "
                 "streamer was built (a new nn.Parameter assigned): their gradients have no hook and their weights "
                 "no copy back; build the store and the streamer after changing the model")
+        if never and self.unused == "zero" and len(never) == len(self._params) and not self._said_reached_none:
+            self._said_reached_none = True
+            warnings.warn(
+                f"GradientStreamer(worker={self.worker}): this step's backward reached none of the replica's "
+                f"{len(never)} trainable parameters, so every gradient streamed is zero (a loss computed with another "
+                "module, such as the original model held in a closure instead of the replica that loss_fn is given, "
+                "trains nothing); said once per streamer", RuntimeWarning, stacklevel=2)
         if never and self.unused == "error":
             raise RuntimeError(
                 f"GradientStreamer(worker={self.worker}): {len(never)} parameter(s) received no gradient in this "
@@ -384,7 +393,8 @@ class GradientStreamer:
 
         - a backward that reaches no trainable parameter (a loss that does not depend on the model) fires no hook;
           without this, the step's buckets would never be launched and :meth:`wait` would wait forever. Here it
-          counts as a pass in which no parameter got a gradient (``unused`` decides: zeros, or the error).
+          counts as a pass in which no parameter got a gradient (``unused`` decides: zeros, or the error); with
+          zeros, the first such step warns (a RuntimeWarning: a loss computed with another module trains nothing).
         - a pass whose end was deferred by a reentrant checkpoint (Note [Reentrant backward]) ends here.
         - a backward that raises leaves no half-launched step behind (:meth:`reset`): the next backward starts a
           fresh step, and no :meth:`wait` returns on the failed one's buckets.

@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -744,8 +745,10 @@ def test_backward_reaching_no_parameter_ends_the_pass():
     store = pyengine.HostStore(model, pin=False)
     store.grad_slot(0).fill_(7.0)
     with pyengine.GradientStreamer(model, store) as streamer:
-        with streamer.backward_pass():
-            torch.zeros((), requires_grad=True).backward()
+        with pytest.warns(RuntimeWarning, match=r"GradientStreamer\(worker=0\): this step's backward reached none of "
+                                                r"the replica's 8 trainable parameters"):
+            with streamer.backward_pass():
+                torch.zeros((), requires_grad=True).backward()
         assert streamer.wait(0, timeout=5.0)
         streamer.wait_all()
         assert all((view == 0).all() for view in slot_views(store, 0).values())
@@ -764,17 +767,31 @@ def test_backward_reaching_no_parameter_ends_the_pass():
 
 
 @pytest.mark.parametrize("unused,error", [("zero", None), ("error", "received no gradient")])
-def test_engine_loss_reaching_no_parameter(rng, unused, error):
-    """Through the engine (workers wrap every backward): the step completes, or fails naming the cause; no hang."""
-    def constant(model, batch):
-        return torch.zeros((), requires_grad=True)
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
+def test_engine_loss_reaching_no_parameter(rng, unused, error, mode):
+    """Through the engine (workers wrap every backward): the step completes, or fails naming the cause; no hang. With
+    zeros, each worker warns at its first such step: a loss_fn that computes with the model of its closure, not the
+    replica it is given, trained nothing (weight decay alone moved the weights) and said nothing."""
+    model = Net()
 
-    with pyengine.Engine(Net(), constant, devices=["cpu"] * 2, unused=unused, pin=False) as engine:
+    def closure_model(replica, batch):
+        return model(batch).sum()  # the mistake: the closure's model, not the replica
+
+    with pyengine.Engine(model, closure_model, devices=["cpu"] * 2, mode=mode, unused=unused, pin=False) as engine:
+        def step():
+            return engine.fit([batch(n=8)])[0] if mode == "async" else engine.step(batch(n=8))
+
         if error is None:
-            assert engine.step(batch(n=8))["applied"]
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                assert step()["applied"] and step()["applied"]
+            said = sorted(str(w.message) for w in said if "reached none" in str(w.message))
+            # once per worker (each took a batch in hybrid and sync; async: whichever workers took the two pushes)
+            assert len(set(said)) == len(said) and len(said) in ((1, 2) if mode == "async" else (2,)), said
+            assert all("original model held in a closure" in m for m in said), said
         else:
             with pytest.raises(pyengine.WorkerError, match=error):
-                engine.step(batch(n=8))
+                step()
 
 
 @pytest.mark.parametrize("device", DEVICES)
