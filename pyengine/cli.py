@@ -215,9 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--accumulate", type=_positive_int, default=S,
                    help="async: mini-batches a worker sums before one push [1]")
     g.add_argument("--max-staleness", type=_nonnegative_int, default=S,
-                   help="async: a push more than this many versions old recomputes on fresh weights [unbounded]")
+                   help="async (and its run in --mode all): a push more than this many versions old recomputes on "
+                        "fresh weights [unbounded]")
     g.add_argument("--staleness-lr", choices=("none", "inverse"), default=S,
-                   help="async: scale lr by 1/(1+staleness) [none]")
+                   help="async (and its run in --mode all): scale lr by 1/(1+staleness) [none]")
     g = p.add_argument_group("pipeline (--mode pipeline, and its run in --mode all)")
     g.add_argument("--stages", type=_positive_int, default=S,
                    help="pipeline stages S; the workers must be S x R (stage s, replica r on worker s*R+r) "
@@ -390,9 +391,10 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
     if cfg["accumulate"] > 1 and not async_only:
         raise UsageError(f"--accumulate is an async option (a worker sums mini-batches before one push); "
                          f"--mode {mode} updates once per batch: drop --accumulate or use --mode async")
-    if cfg["max_staleness"] is not None and not async_only:
+    # in --mode all, the async run's (as --microbatches is the pipeline run's)
+    if cfg["max_staleness"] is not None and mode not in ("async", "all"):
         raise UsageError(f"--max-staleness is an async option; --mode {mode} has no stale gradients")
-    if cfg["staleness_lr"] != "none" and not async_only:
+    if cfg["staleness_lr"] != "none" and mode not in ("async", "all"):
         raise UsageError(f"--staleness-lr is an async option; --mode {mode} has no stale gradients")
     expected = {"digits": "mlp", "tokens": "transformer"}[cfg["data"]]
     if cfg["model"] != expected:

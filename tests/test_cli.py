@@ -48,9 +48,12 @@ def check_run_dir(run: Path, mode: str, steps: int):
 
 
 def test_mode_all_writes_every_run_and_compare_png(tmp_path, capsys):
+    """... and the async options are its async run's (they were refused: "--mode all has no stale gradients")."""
     out = tmp_path / "all"
     assert train("--mode", "all", "--steps", "12", "--out", str(out), "--trace", str(tmp_path / "t.json"),
-                 *SHORT) == 0
+                 "--max-staleness", "0", "--staleness-lr", "inverse", *SHORT) == 0
+    pushes = [json.loads(line) for line in (out / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert len(pushes) == 12 and all(p["staleness"] == 0 for p in pushes), pushes  # older pushes recomputed
     printed = capsys.readouterr().out
     for mode in ("hybrid", "sync", "async", "pipeline"):
         summary = check_run_dir(out / mode, mode, 12)
