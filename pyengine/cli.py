@@ -933,7 +933,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             if not primary:  # rank 0 holds the same state (Note [Training under torchrun])
                 state["last_ckpt"] = ckpt.path_for(ckpt_dir, state["step"])  # rank 0's, once the next agreement passed
                 return state["last_ckpt"]
-            config = _saved_config(dict(cfg, mode=mode, out=str(out), **own_trace,
+            # a --mode all sub-run saves its own options only: the async ones are its async run's
+            own_async = {} if mode == "async" else {"max_staleness": None, "staleness_lr": "none"}
+            config = _saved_config(dict(cfg, mode=mode, out=str(out), **own_trace, **own_async,
                                         **({} if pipeline else {"microbatches": own_microbatches})))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
                            batches_beyond=sorted(state["applied_beyond"]), elapsed_s=elapsed(), mode=mode,

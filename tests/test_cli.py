@@ -71,6 +71,10 @@ def test_mode_all_writes_every_run_and_compare_png(tmp_path, capsys):
     assert top["wall_s"] == pytest.approx(sum(r["wall_s"] for r in top["runs"].values()))
     assert top["best"]["samples_per_s"] == max(top["samples_per_s"], key=top["samples_per_s"].get)
     assert (out / "compare.png").read_bytes().startswith(PNG)
+    for mode, own in (("hybrid", (None, "none")), ("async", (0, "inverse"))):  # each sub-run resumes alone: the
+        config = ckpt.load(ckpt.latest(out / mode / "checkpoints"))["config"]   # hybrid one was refused
+        assert (config["max_staleness"], config["staleness_lr"]) == own, mode
+        assert train("--resume", str(out / mode), "--steps", "13", "--quiet") == 0, mode
 
 
 def test_interrupted_mode_all_resumes_as_a_whole(tmp_path, capsys, monkeypatch):
