@@ -100,7 +100,9 @@ SPLIT_SEED_BELOW = 2**32  # what scikit-learn's random_state takes
 
 
 def _mix(seed: int, epoch: int) -> int:
-    return (seed * 1_000_003 + epoch * 7919 + 12345) % (2**63 - 1)
+    """The generator seed of one epoch's shuffle: distinct for every seed in [0, 2**64) at one epoch (1_000_003 is
+    odd, so a bijection modulo 2**64; modulo 2**63 - 1, seeds s and s + 2**63 - 1 shuffled alike)."""
+    return (seed * 1_000_003 + epoch * 7919 + 12345) % SEED_BELOW
 
 
 TOKENS_OPTIONS = ("train", "test", "seq_len", "vocab", "p_follow")

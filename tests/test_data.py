@@ -215,3 +215,18 @@ def test_build_refuses_a_dataset_of_another_task(digits, tokens):
         models.build("transformer", digits, 0)
     with pytest.raises(ValueError, match="unknown model 'cnn'"):
         models.build("cnn", digits, 0)
+
+
+def test_seeds_in_the_upper_half_of_their_range_order_the_data_their_own_way():
+    """--seed takes [0, 2**64): the shuffle's generator seed was taken modulo 2**63 - 1, so s and s + 2**63 - 1 gave
+    the same batches in every epoch. Small seeds keep the order they always had (their mixed seed is below both)."""
+    digits = data.load("digits")
+    per_epoch = digits.steps_per_epoch(32)
+    for seed in (0, 1, 12345):
+        twin = seed + 2**63 - 1
+        for step in (0, per_epoch, 5 * per_epoch + 3):
+            assert not torch.equal(digits.batch(step, 32, seed)[1], digits.batch(step, 32, twin)[1]) or \
+                not torch.equal(digits.batch(step, 32, seed)[0], digits.batch(step, 32, twin)[0]), (seed, step)
+    # the order a small seed always had: epoch 2's shuffle, from its generator seed as before
+    order = torch.randperm(digits.train_size, generator=torch.Generator().manual_seed(7 * 1_000_003 + 2 * 7919 + 12345))
+    assert torch.equal(digits.batch(2 * per_epoch, 32, 7)[0], digits.x_train[order[:32]])
