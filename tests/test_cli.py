@@ -1557,6 +1557,11 @@ def test_lr_schedule_bad_flags(tmp_path, capsys):
     out = tmp_path / "run"
     assert train("--steps", "3", "--lr-schedule", "cosine", "--warmup-steps", "4", "--out", str(out), *SHORT) == 2
     assert "--warmup-steps 4 is longer than the run's 3 updates" in capsys.readouterr().err and not out.exists()
+    # a constant lr too: its run ended still warming up (it never trained at --lr)
+    assert train("--steps", "3", "--warmup-steps", "4", "--lr", "0.004", "--out", str(out), *SHORT) == 2
+    assert ("--warmup-steps 4 is longer than the run's 3 updates: the run would end before its lr reached --lr 0.004"
+            in capsys.readouterr().err) and not out.exists()
+    assert train("--steps", "3", "--warmup-steps", "3", "--quiet", "--out", str(tmp_path / "ok"), *SHORT) == 0
     for bad in (["--lr-schedule", "linear"], ["--warmup-steps", "-1"]):
         with pytest.raises(SystemExit) as exc:
             train("--steps", "3", *bad, "--out", str(out), *SHORT)
