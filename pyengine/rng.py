@@ -28,6 +28,17 @@ GPipe stage, M forwards then M backwards in micro-batch order). A module called 
 checkpointed regions recomputed in another order would replay the wrong state: checkpoint such a module outside
 the concurrent workers, or give it no randomness.
 
+Note [Checkpoints beside concurrent workers]
+``torch.utils.checkpoint`` (with ``preserve_rng_state=True``, its default) reads torch's generator states at the
+forward and, around each recomputation, saves them, sets the forward's and restores the saved ones, through
+``torch.get_rng_state``/``set_rng_state`` (``torch.cuda``'s for a device), without any lock of ours. A worker's
+recomputation that did so while another worker's random module had its own state swapped in changed the numbers
+that module was drawing (and the state saved back into its generator): measured, 5 % of the recomputed dropout
+masks of 2 x 2 pipeline stages differed from their forwards', so the gradients were not those of the loss, and runs
+with one seed differed. So once a process has a WorkerRNG, those four functions take the swap's lock
+(:func:`_guard_generator_functions`; a reentrant lock, since a routed module's forward may call them): a
+recomputation's generator work then falls between two routed forwards, never inside one.
+
 What stays on the shared generator: random numbers drawn outside routed modules (``torch.rand`` or ``F.dropout``
 called in a ``forward`` or a ``loss_fn``). With concurrent workers such a draw can land while another worker's state
 is swapped in, so it takes numbers from that worker's stream too: a model with unrouted randomness is not
@@ -38,6 +49,7 @@ training with the same seed does.
 from __future__ import annotations
 
 import collections
+import functools
 import operator
 import threading
 import weakref
@@ -51,7 +63,7 @@ _DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.
 # Module classes whose forward draws random numbers in training; each is routed when it would draw.
 RANDOM_MODULES = (*_DROPOUTS, torch.nn.RReLU, torch.nn.MultiheadAttention)
 
-_SWAP = threading.Lock()  # Note [Random numbers of concurrent workers]
+_SWAP = threading.RLock()  # Note [Random numbers of concurrent workers]; reentrant: Note [Checkpoints beside ...]
 _ACTIVE = threading.local()  # .rng: the WorkerRNG whose state is swapped in on this thread, if any
 
 
@@ -77,6 +89,36 @@ def worker_seed(seed: int, worker: int, step: int) -> int:
     for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):  # splitmix64's finaliser
         x = ((x ^ (x >> shift)) * mult) % 2**64
     return (x ^ (x >> 31)) % 2**63
+
+
+_GENERATOR_FUNCTIONS = ((torch, "get_rng_state"), (torch, "set_rng_state"), (torch.random, "get_rng_state"),
+                        (torch.random, "set_rng_state"), (torch.cuda, "get_rng_state"), (torch.cuda, "set_rng_state"),
+                        (torch.cuda.random, "get_rng_state"), (torch.cuda.random, "set_rng_state"))
+
+
+def _guard_generator_functions() -> None:
+    """Note [Checkpoints beside concurrent workers]: torch's functions that read or set the default generators' states
+    (as ``torch.utils.checkpoint`` and ``torch.random.fork_rng`` call them) take :data:`_SWAP`, once per process;
+    each does what it did."""
+    with _SWAP:
+        wrapped = {}
+        for module, name in _GENERATOR_FUNCTIONS:
+            function = getattr(module, name)
+            if getattr(function, "_pyengine_guarded", False):
+                continue
+            if function not in wrapped:
+                wrapped[function] = _guarded(function)
+            setattr(module, name, wrapped[function])
+
+
+def _guarded(function):
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        with _SWAP:
+            return function(*args, **kwargs)
+
+    guarded._pyengine_guarded = True
+    return guarded
 
 
 def _draws(module: torch.nn.Module) -> bool:
@@ -111,6 +153,7 @@ class WorkerRNG:
     """The generator of one concurrent worker on ``device``; :meth:`begin_step` seeds it for a step."""
 
     def __init__(self, device: torch.device, seed: int, worker: int):
+        _guard_generator_functions()  # Note [Checkpoints beside concurrent workers]
         self.device = torch.device(device)
         self.seed, self.worker = seed, worker
         self.generator = torch.Generator(self.device)

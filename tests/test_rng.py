@@ -130,3 +130,42 @@ def test_worker_seed_checks_its_arguments_and_takes_numpy_integers():
                           ((0, 0, -2), "step must be an int >= 0"), ((0, 0, 1.5), "step must be an int >= 0")):
         with pytest.raises(ValueError, match=f"worker_seed: {message}"):
             worker_seed(*args)
+
+
+def test_setting_the_generators_waits_for_a_routed_forward_to_end():
+    """Note [Checkpoints beside concurrent workers]: torch.set_rng_state on another thread (as a worker's activation
+    checkpoint calls it around each recomputation) used to land inside a routed forward that had its worker's state
+    swapped in, and the rest of that forward drew the other state's numbers (5 % of recomputed dropout masks differed
+    from their forwards' with 2 x 2 pipeline stages). Now it waits until the forward has swapped its state back."""
+    inside, go, set_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Drawing(torch.nn.Module):
+        def forward(self, x):
+            first = torch.rand(4)
+            inside.set()
+            go.wait(10)
+            return x + torch.cat([first, torch.rand(4)])
+
+    with torch.random.fork_rng():
+        rng = WorkerRNG(torch.device("cpu"), seed=3, worker=1)
+        module = Drawing()
+        assert rng.install(module, classes=(Drawing,)) == 1
+        expected = torch.rand(8, generator=torch.Generator().manual_seed(worker_seed(3, 1, 0)))
+        other = torch.Generator().manual_seed(99).get_state()
+        out = []
+        forward = threading.Thread(target=lambda: out.append(module(torch.zeros(8))))
+        forward.start()
+        assert inside.wait(10)
+
+        def set_state():
+            torch.set_rng_state(other)
+            set_done.set()
+
+        setter = threading.Thread(target=set_state)
+        setter.start()
+        assert not set_done.wait(0.5), "torch.set_rng_state ran inside the routed forward"
+        go.set()
+        forward.join(10)
+        setter.join(10)
+        assert set_done.is_set() and torch.equal(out[0], expected)
+        assert torch.equal(torch.get_rng_state(), other)  # then it set the state, as asked
