@@ -372,7 +372,8 @@ class Engine:
         self._fitting = False  # fit() is running (one at a time)
         if mode == "pipeline" and group is not None:
             self.pipeline = DistributedPipeline(self, model, stages=stages, microbatches=microbatches,
-                                                schedule=schedule, balance=balance, autocast=autocast, group=group)
+                                                schedule=schedule, balance=balance, unused=unused, autocast=autocast,
+                                                group=group)
         else:
             self.pipeline = None if mode != "pipeline" else Pipeline(
                 self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance,

@@ -121,6 +121,15 @@ class StageError(WorkerError):
         self.replica = replica
 
 
+def check_unused(params, unused: str, tied=()) -> None:
+    """``unused="error"``: raises RuntimeError naming the parameters of ``params`` (name, parameter) that got no
+    gradient in this step, tied ones (``tied``: names, summed across the stages) left out."""
+    missing = [name for name, p in params if p.grad is None and name not in tied]
+    if missing and unused == "error":
+        raise RuntimeError(f"{len(missing)} parameter(s) of this stage received no gradient: {missing[:10]}; "
+                           "pass unused='zero' or freeze them")
+
+
 class _Stopped(Exception):
     """Raised in a stage whose pipeline was stopped by another stage's failure."""
 
@@ -422,10 +431,7 @@ class _Stage:
 
         Tied parameters are not written: their gradients are returned (fp32, on the CPU; None where this stage's copy
         got none) for :meth:`Pipeline.step` to sum across the stages."""
-        missing = [name for name, p in self.params if p.grad is None and name not in self.tied]
-        if missing and unused == "error":
-            raise RuntimeError(f"{len(missing)} parameter(s) of this stage received no gradient: {missing[:10]}; "
-                               "pass unused='zero' or freeze them")
+        check_unused(self.params, unused, self.tied)
         tied = {}
         with self.context():
             for name, p in self.params:

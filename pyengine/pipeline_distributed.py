@@ -39,7 +39,8 @@ from . import ops
 from .metrics import step_metrics
 from .distributed import BytePacket, DistributedError, _collective, _FailureNaming, as_bytes, receive_rank0_state
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
-                       checked_loss, owned_names, partition, split_layers, stage_range, stage_store_names)
+                       check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
+                       stage_store_names)
 from .workers import autocast as autocast_region
 from .workers import batch_size
 
@@ -115,9 +116,10 @@ def stage_inputs(modules, microbatch: torch.Tensor, device: torch.device, contex
                                                                   module.named_buffers(remove_duplicate=False))}
             with context(device):
                 x = functional_call(module, state, (x,))
-            if not isinstance(x, torch.Tensor):
-                raise _StageOutputError(f"stage {s}'s output is a {type(x).__name__}; a stage before the last must "
-                                        "return one floating-point tensor (it travels to the next stage's process)")
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # an int one: no gradient goes back
+                got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+                raise _StageOutputError(f"stage {s}'s output is {got}; a stage before the last must return one "
+                                        "floating-point tensor (it travels to the next stage's process)")
             inputs.append(x)
     # contiguous: what travels between the processes (gloo sends contiguous tensors only; the stages' outputs are
     # made so, Note [Activations travel contiguous])
@@ -275,19 +277,27 @@ class _PipelinedLayers(torch.nn.Module):
         return StageError(self.stage, self.replica, self.device, exc)
 
     def forward(self, x):
+        # Note [A stage's input is its own] (pyengine.pipeline): a received activation is a leaf that requires grad;
+        # the layers get a copy, so that an in-place first layer (ReLU(inplace=True), where balance="params" puts
+        # parameter-free layers) modifies no leaf (it was "a view of a leaf Variable ... used in an in-place
+        # operation" across processes, while the in-process pipeline trained it)
+        own = x.clone() if x.requires_grad else x
         if self.last:
-            # A view, so the output has its own autograd node rather than being the received buffer itself. With
-            # torch 2.11, returning x unchanged left the input without a gradient ("has gradients None ... expecting
-            # to send gradients to stage 0"); with the view the pipeline tests across processes pass on 2.11 (CPU).
-            return x.view_as(x)
+            # A node of its own, not the received buffer itself (torch 2.11 left the input without a gradient when
+            # x came back unchanged: "has gradients None ... expecting to send gradients to stage 0").
+            return own if own is not x else x.view_as(x)
         try:
             with self.context(x.device):
-                out = self.layers(x)
+                out = self.layers(own)
         except Exception as exc:  # this rank's own failure (Note [Naming the stage that failed])
             raise self.failure(exc) from exc
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():  # where no fake forward checked it
+            got = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise self.failure(TypeError(f"a stage before the last must return one floating-point tensor (the "
+                                         f"activations for the next stage); got {got}"))
         # Note [Activations travel contiguous]: gloo sends and receives contiguous tensors only; a transposed
         # output failed the exchange on both ranks, each naming the other (the in-process pipeline trains it)
-        return out.contiguous() if isinstance(out, torch.Tensor) else out
+        return out.contiguous()
 
 
 def batch_checksum(t: torch.Tensor) -> float:
@@ -434,14 +444,14 @@ class DistributedPipeline(_FailureNaming):
     """
 
     def __init__(self, engine, model: torch.nn.Sequential, *, stages, microbatches: int, schedule: str, balance,
-                 autocast: torch.dtype | None, group):
+                 autocast: torch.dtype | None, group, unused: str = "zero"):
         # weak: Note [No reference cycle through the engine] (pyengine.pipeline)
         self.engine, self.store, self.group = weakref.proxy(engine), engine.store, group
         self.works = engine.collective_works  # Note [Gloo's works are released by the thread that waits]
         world = dist.get_world_size(group)
         self.num_stages, self.replicas = stages, world // stages  # Note [Replicas of stages across processes]
         self.stage, self.replica = divmod(dist.get_rank(group), self.replicas)
-        self.microbatches, self.schedule, self.autocast = microbatches, schedule, autocast
+        self.microbatches, self.schedule, self.autocast, self.unused = microbatches, schedule, autocast, unused
         self.stages: list = []  # no in-process stages: Engine._replica_buffers reads self.buffers
         # every rank checks every stage, so a bad split is the same ValueError on every rank, before any collective
         self.layers = list(model._modules.items())
@@ -780,6 +790,10 @@ class DistributedPipeline(_FailureNaming):
         since :meth:`_start_clock` over the ranks), then the fused update of this rank's range (Note [Distributed
         pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across replicas, the bubble
         fraction, the wall: Note [Bubble across processes]). ``scale``: the step's loss scale."""
+        try:  # unused="error": this rank's own failure, named to its peers (Note [Naming the stage that failed])
+            check_unused(self.params, self.unused, self.tied)
+        except RuntimeError as exc:
+            raise self._wrapped.failure(exc) from exc
         _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.stage]

@@ -1140,10 +1140,14 @@ def _failing_worker(rank, world, init_file, how, out_dir):
     model = make_model(blocks=2)
     model[0].register_forward_hook(lambda *_: fail("forward"))
     model[0].register_forward_hook(fail_in_backward)
+    # unused="error": the last layer's extra parameter reaches the loss except at step 3 (it was ignored across
+    # processes: zeros streamed, and weight decay moved the parameter)
+    model[4].extra = torch.nn.Parameter(torch.zeros(()))
+    model[4].register_forward_hook(lambda m, _, out: out if how == "unused" and step[0] == 3 else out + 0 * m.extra)
     batches = make_batches(torch.Generator().manual_seed(0), 5, 12)
     try:
         with Engine(model, loss, devices=["cpu"], mode="pipeline", microbatches=3, optimizer=AdamW(**OPT),
-                    pin=False) as engine:
+                    pin=False, unused="error") as engine:
             try:
                 for i, batch in enumerate(batches):
                     step[0] = i + 1
@@ -1168,13 +1172,16 @@ def _failing_worker(rank, world, init_file, how, out_dir):
     os._exit(0)  # the group is broken; its teardown is not the subject here
 
 
-FAILING = {"loss": 1, "forward": 0, "backward": 0, "exit": 1}
+FAILING = {"loss": 1, "forward": 0, "backward": 0, "exit": 1, "unused": 1}
+OWN_ERROR = {"unused": "RuntimeError: 1 parameter(s) of this stage received no gradient: ['4.extra']; pass "
+                       "unused='zero' or freeze them"}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["loss", "forward", "backward", "exit"])
+@pytest.mark.parametrize("how", ["loss", "forward", "backward", "exit", "unused"])
 def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
-    """Engine(mode="pipeline") over 2 gloo ranks: a stage whose loss, forward or backward raises at step 3 raises
+    """Engine(mode="pipeline") over 2 gloo ranks: a stage whose loss, forward or backward raises at step 3, or one of
+    whose parameters gets no gradient with unused="error", raises
     StageError naming its stage and the original error (the backward's, not torch's "Failed to run stage backward"
     around it, nor a DistributedError blaming the healthy peer), and the other rank DistributedError naming that rank
     and its error; a rank that exits between steps is named as never reaching step 3 (Note [Naming the stage that
@@ -1196,12 +1203,12 @@ def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
         assert f"rank {failed} never reached step 3 (rank {other} did;" in survivor["error"], survivor
     else:
         own = json.loads((tmp_path / f"rank{failed}").read_text())
-        assert own["error"] == (f"StageError: pipeline stage {failed} (replica 0, cpu) failed: RuntimeError: rank "
-                                f"{failed} fails on purpose"), own
+        error = OWN_ERROR.get(how, f"RuntimeError: rank {failed} fails on purpose")
+        assert own["error"] == f"StageError: pipeline stage {failed} (replica 0, cpu) failed: {error}", own
         failed_at = own["at"]
         assert survivor["error"].startswith(f"DistributedError: rank {other}: step 3 of the pipeline failed"), survivor
         assert survivor["error"].endswith(f"; rank {failed} failed: StageError: pipeline stage {failed} (replica 0, "
-                                          f"cpu) failed: RuntimeError: rank {failed} fails on purpose"), survivor
+                                          f"cpu) failed: {error}"), survivor
     assert survivor["at"] - failed_at < 15, "noticed within PRESENCE_WAIT_S (5 s) and some, not the group's timeout"
     for rank in ([other] if how == "exit" else [other, failed]):
         got = json.loads((tmp_path / f"rank{rank}").read_text())
@@ -1342,6 +1349,20 @@ def _transposed_model():
     return torch.nn.Sequential(torch.nn.Linear(10, 12), _Transposed(), torch.nn.Flatten(), torch.nn.Linear(12, 3))
 
 
+class _Long(torch.nn.Module):
+    """Integer activations (indices for the next stage's Embedding): no gradient can go back through them."""
+
+    def forward(self, x):
+        return (x.abs() * 10).long().clamp(max=15)
+
+
+def _in_place_model():
+    """balance="params" puts the in-place ReLU first in the last stage ([1, 4]: Note [A stage's input is its own])."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 16),
+                               torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 3))
+
+
 def _stage_kinds_worker(rank, world, init_file, out_dir):
     dist = _join_gloo_group(rank, world, init_file)
     try:
@@ -1365,6 +1386,18 @@ def _stage_kinds_worker(rank, world, init_file, out_dir):
                 engine.step(batches[0])
         except Exception as error:  # noqa: BLE001 - reported to the test
             out["tuple"] = f"{type(error).__name__}: {error}"
+        model = torch.nn.Sequential(torch.nn.Linear(10, 4), _Long(), torch.nn.Embedding(16, 3), torch.nn.Flatten(),
+                                    torch.nn.Linear(12, 3))
+        try:
+            with Engine(model, loss_fn, devices=["cpu"], mode="pipeline", microbatches=2, pin=False,
+                        balance=[2, 3]) as engine:
+                engine.step(batches[0])
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            out["long"] = f"{type(error).__name__}: {error}"
+        with Engine(_in_place_model(), loss_fn, devices=["cpu"], mode="pipeline", microbatches=3, pin=False,
+                    optimizer=AdamW(**OPT)) as engine:
+            out["in_place"] = [engine.step(b)["stage_sizes"] for b in batches]
+            out["in_place_master"] = engine.master_state_dict()
         torch.save(out, f"{out_dir}/stage-kinds-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -1375,7 +1408,9 @@ def test_stage_outputs_and_a_raised_nonfinite_step_across_processes(tmp_path):
     """Across processes: a stage whose output is not contiguous trains as in process (gloo refused it on both
     ranks, each naming the other); nonfinite="raise" raises FloatingPointError on every rank and the engine goes on
     (it was taken for a failed rank: every later step refused); a stage returning a tuple is one ValueError naming
-    it on every rank (a TypeError from inside torch's schedule, blaming the other rank)."""
+    it on every rank (a TypeError from inside torch's schedule, blaming the other rank), as is one returning integer
+    activations (they trained stage 0 on zero gradients); a stage whose first layer is in place (ReLU(inplace=True))
+    trains as in process (it failed: "a view of a leaf Variable ... is being used in an in-place operation")."""
     import torch.multiprocessing as mp
 
     mp.spawn(_stage_kinds_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
@@ -1389,6 +1424,10 @@ def test_stage_outputs_and_a_raised_nonfinite_step_across_processes(tmp_path):
             local.step(poisoned)
         losses += [local.step(b)["loss"] for b in batches[2:]]
         master = local.master_state_dict()
+    with Engine(_in_place_model(), loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2, microbatches=3,
+                optimizer=AdamW(**OPT), pin=False) as local:
+        local.fit(batches)
+        in_place = local.master_state_dict()
     for rank in range(2):
         got = torch.load(tmp_path / f"stage-kinds-{rank}.pt", weights_only=False)
         assert "non-finite" in got["raised"], got
@@ -1396,6 +1435,11 @@ def test_stage_outputs_and_a_raised_nonfinite_step_across_processes(tmp_path):
         for name, value in master.items():
             torch.testing.assert_close(got["master"][name], value, rtol=1e-6, atol=1e-7)
         assert got["tuple"].startswith("ValueError: mode='pipeline' across processes: stage 0's output is a tuple"), got
+        assert got["long"].startswith("ValueError: mode='pipeline' across processes: stage 0's output is a "
+                                      "torch.int64 tensor; a stage before the last must return one floating-point"), got
+        assert got["in_place"] == [[1, 4]] * len(batches)
+        for name, value in in_place.items():
+            torch.testing.assert_close(got["in_place_master"][name], value, rtol=1e-6, atol=1e-7)
 
 
 def _energy(model, batch):
