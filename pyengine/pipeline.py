@@ -147,10 +147,11 @@ def as_sequential(model) -> torch.nn.Sequential:
             raise ValueError(f"mode='pipeline': the {type(model).__name__} holds {own} itself, outside its layers, "
                              "and the stages are its layers; move them into a layer (a module of their own)")
     if isinstance(model, torch.nn.Sequential):
-        hooks = model._forward_hooks or model._forward_pre_hooks
+        hooks = model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or \
+            model._backward_pre_hooks  # a backward hook on the container: not run either (silently, before)
         if type(model).forward is not torch.nn.Sequential.forward or hooks:
             raise ValueError(f"mode='pipeline': the stages chain the layers of the {type(model).__name__}, so its "
-                             f"{'forward hooks' if hooks else 'own forward()'} would not run; pass its layers (a "
+                             f"{'hooks' if hooks else 'own forward()'} would not run; pass its layers (a "
                              "list or an nn.Sequential of them), with what that forward adds made a layer of its own")
         return model
     if (isinstance(model, (list, tuple, torch.nn.ModuleList)) and len(model)

@@ -276,7 +276,7 @@ class _Residual(torch.nn.Sequential):
         return x + super().forward(x)
 
 
-@pytest.mark.parametrize("kind", ["forward", "hook", "pre-hook"])
+@pytest.mark.parametrize("kind", ["forward", "hook", "pre-hook", "backward-hook", "backward-pre-hook"])
 def test_a_sequential_whose_forward_is_not_the_chain_is_refused(kind):
     """The stages chain a Sequential's layers: a subclass's own forward (a residual) or a hook on the container
     would not run, and the pipeline trained another model than the one given (its losses differed from a single
@@ -287,7 +287,11 @@ def test_a_sequential_whose_forward_is_not_the_chain_is_refused(kind):
         model.register_forward_hook(lambda module, args, out: out * 2)
     elif kind == "pre-hook":
         model.register_forward_pre_hook(lambda module, args: None)
-    what = "own forward()" if kind == "forward" else "forward hooks"
+    elif kind == "backward-hook":  # accepted, and never run
+        model.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    elif kind == "backward-pre-hook":
+        model.register_full_backward_pre_hook(lambda module, grad_out: None)
+    what = "own forward()" if kind == "forward" else "hooks"
     with pytest.raises(ValueError, match=rf"chain the layers of the {type(model).__name__}, so its {what}"):
         pipeline(model, ["cpu"] * 2, microbatches=2)
     pipeline(torch.nn.Sequential(*layers), ["cpu"] * 2, microbatches=2).close()  # the layers themselves: taken
