@@ -1172,7 +1172,14 @@ class AsyncNaming(_FailureNaming):
     def __init__(self, group):
         self._start_naming(group, "async-engine")
         self.runs = 0
+        self.split: str | None = None  # Note [A failed run of several servers]: why the store is no longer whole
         self._enter("the construction of the engine")
+
+    def check_whole(self) -> None:
+        """Raises :class:`DistributedError` when this rank's store is no longer one state of the model (Note [A failed
+        run of several servers])."""
+        if self.split is not None:
+            raise DistributedError(self.split)
 
     def start_run(self) -> None:
         self.runs += 1
@@ -1298,6 +1305,8 @@ class AsyncServer:
         self._tell_outcome()
         if self.failure is not None:
             failed, what, reporter, cause = self.failure
+            # the cause's traceback holds this server's frames: kept here too, it made a cycle that kept the engine
+            self.failure = self.consequence = None
             raise DistributedError(f"rank {self.rank}: the async run stopped because rank {failed} failed: "
                                    f"{_reported(what, reporter)}") from cause
 
@@ -1578,12 +1587,12 @@ class _AsyncClient:
         self.acknowledged = 0  # the last of this fit's pushes that server 0 said it applied (push ids start at 1)
         self.acknowledgements: list[dict] = []  # their metrics, not yet given to the callbacks
 
-    def run(self, batches, epochs) -> None:
+    def run(self, batches, epochs, steps=None) -> None:
         from .asynchronous import _AsItself
 
         own = None
         try:
-            self._loop(batches, epochs)
+            self._loop(batches, epochs, steps)
             self._receive_outcome()
         except _ClientAbort as abort:
             self._tell_waiting(_FAILED, failed=abort.failed, text=abort.what)
@@ -1624,11 +1633,11 @@ class _AsyncClient:
         if failure is not None:
             raise failure
 
-    def _loop(self, batches, epochs) -> None:
+    def _loop(self, batches, epochs, steps=None) -> None:
         from .asynchronous import _BatchSource, minibatches_per_push
 
         engine = self.engine
-        source = _BatchSource(batches, epochs)
+        source = _BatchSource(batches, epochs, pushes=steps)  # fit's steps: this client's pushes at most
         slots = [engine.store.grad_slot(w.index) for w in engine.workers]
         minibatches, push_id, decision = None, 0, _GO
         while True:
@@ -1824,7 +1833,16 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
 
     Collectives at both ends: rank 0's store (weights, Adam state, version) goes to every rank first, and at the end
     every server's shard goes to every rank, so after a complete run every rank's store holds the result. After a
-    failure every rank raises :class:`DistributedError` and the servers' shards may differ by the pushes in flight."""
+    failure every rank raises :class:`DistributedError` and the servers' shards may differ by the pushes in flight.
+
+    Note [A failed run of several servers]
+    With ``servers > 1`` each server applies the pushes to its own shard, and the shards meet only in the exchange
+    that ends a run well; a failed run skips it. The next run began with rank 0's whole store broadcast to every
+    rank, so the other servers' shards went back to the start of the failed run (weights and Adam moments), while
+    the version and Adam step went on counting: silently wrong weights (4e-2 apart from one process after a
+    nonfinite="raise" run). So after such a failure every rank's engine refuses further runs and its state (fit,
+    state_dict, master_state_dict, copy_to, checkpoint.save_engine: a DistributedError saying so); with one server
+    rank 0 holds the whole store, and the next run goes on from it as before."""
     from .asynchronous import AsyncRun, _closed_during_fit, _end
 
     # Note [Closing a multi-node async run]
@@ -1849,16 +1867,27 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
     try:
         numel = engine.store.numel
         naming = engine.async_naming
+        naming.check_whole()
         naming.start_run()
         _share_store(engine, group, [(0, 0, numel)], naming._explain)
         rendezvous = _Rendezvous(group, "async")  # Note [A timeout names the rank that hangs]
         client = None
-        if dist.get_rank(group) < servers:
-            AsyncServer(engine, group, servers, steps, callbacks, rendezvous, run).run()
-        else:
-            client = _AsyncClient(engine, group, servers, rendezvous, callbacks)
-            client.run(batches, epochs)
-        _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
+        try:
+            if dist.get_rank(group) < servers:
+                AsyncServer(engine, group, servers, steps, callbacks, rendezvous, run).run()
+            else:
+                client = _AsyncClient(engine, group, servers, rendezvous, callbacks)
+                client.run(batches, epochs, steps)
+            _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
+        except BaseException:
+            if servers > 1:  # Note [A failed run of several servers]
+                naming.broken = True
+                naming.split = (f"rank {dist.get_rank(group)}: an earlier async run failed, and with servers="
+                                f"{servers} each server's shard of the store went on alone until then (only a run "
+                                "that ends well brings them together): this rank's store mixes that run's shards "
+                                "with its start's, so it neither trains on nor gives its state; load the last "
+                                "checkpoint into a new engine")
+            raise
         if client is not None:  # the pushes acknowledged at the run's end (the others' run is over: no exchange)
             client.call_back()
     finally:

@@ -518,8 +518,10 @@ class Engine:
     def fit(self, batches, steps: int | None = None, epochs: int | None = None, callbacks=()) -> list[dict]:
         """Trains on ``batches`` (an iterable; re-iterated per epoch) for ``steps`` updates or ``epochs`` passes.
 
-        ``steps`` counts this call's steps (hybrid, sync) or pushes (async), whatever ran before. Each callback is
-        called as ``callback(engine, metrics)`` after every step or push; a callback may call :meth:`stop` to end
+        ``steps`` counts this call's steps (hybrid, sync) or pushes (async), whatever ran before (async across
+        processes: the servers end the run after ``steps`` applied pushes, and a client pushes at most ``steps``
+        times). Each callback is called as ``callback(engine, metrics)`` after every step or push; a callback may
+        call :meth:`stop` to end
         training after the current step (async: after the push being applied; the other workers' computations in
         flight are discarded, their mini-batches not pushed). With ``steps``, no batch is taken from ``batches``
         beyond those the steps use, and no new pass begins for none (a generator keeps the rest for a later fit).
@@ -630,7 +632,7 @@ class Engine:
         """The fp32 master weights, keys as ``model.state_dict()`` and in its order (trainable parameters only; the
         store holds them in reverse). Pipeline stages across processes: a collective (Note [Distributed pipeline
         store])."""
-        self._gather_stages()
+        self._whole_store()
         views = self.store.views(self.store.param)
         return {name: views[name].detach().clone() for name in reversed(self.store.names)}
 
@@ -641,7 +643,7 @@ class Engine:
         if not isinstance(model, torch.nn.Module):  # a state dict, say: AttributeError 'named_buffers' before
             raise TypeError(f"copy_to: model must be an nn.Module (the engine writes its parameters and buffers); "
                             f"got {type(model).__name__}")
-        self._gather_stages()
+        self._whole_store()
         buffers, named = self.buffers_state_dict(), dict(model.named_buffers())
         wrong = [f"{name!r} (the engine's {tuple(value.shape)}; model: "
                  f"{tuple(named[name].shape) if name in named else 'none'})"
@@ -657,7 +659,7 @@ class Engine:
     def buffers_state_dict(self) -> dict:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
         docstring), on the CPU, keys as ``model.state_dict()``. Pipeline stages across processes: a collective."""
-        self._gather_stages()
+        self._whole_store()
         run = self._async_run
         if run is not None and run.buffers is not None:  # the source replica is computing: its last pushed state
             return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.buffer_names, run.buffers)}
@@ -729,7 +731,7 @@ class Engine:
         ``lr_schedule`` the group's ``lr`` is the last update's (the first's before any) and ``initial_lr`` the
         optimizer's lr; torch's ``LambdaLR`` would hold the next update's lr there, which this does not compute: a
         checkpoint never asks the schedule about a step not yet taken."""
-        self._gather_stages()
+        self._whole_store()
         return self.optimizer.torch_state_dict(
             self.store, self.version, self.param_names, distributed.gather_optimizer_state(self),
             scheduled_lr=None if self.lr_schedule is None else self.lr_at(max(1, self.version)))
@@ -1435,9 +1437,14 @@ class Engine:
             del self.history[:len(self.history) - self.keep_history]
         return metrics
 
-    def _gather_stages(self) -> None:
+    def _whole_store(self) -> None:
+        """Makes this rank's store whole before it is read: a pipeline's stages across processes are gathered (a
+        collective); a multi-node async store that a failed run of several servers left split is refused (Note [A
+        failed run of several servers] in :mod:`pyengine.distributed`)."""
         if isinstance(self.pipeline, DistributedPipeline):
             self.pipeline.gather()
+        if self.async_naming is not None:
+            self.async_naming.check_whole()
 
     def _check_process(self) -> None:
         """Note [An engine in a forked process]

@@ -845,6 +845,35 @@ def async_sharded(seed, rank, world):
     return out
 
 
+def async_client_steps(seed, rank, world):
+    """Rank 0 serves with no steps; rank 1 (a client) fits 4 batches with steps=3 (its steps were ignored and its
+    list cycled for ever: the run never ended). Records each rank's counters."""
+    batches = [client_batch(seed, rank, i) for i in range(4)] if rank else []
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False) as engine:
+        engine.fit(batches, **({"steps": 3} if rank else {}))
+        return {"stats": engine.stats(), "version": engine.version}
+
+
+def async_split_after_failure(seed, rank, world):
+    """Note [A failed run of several servers]: 2 servers, one client whose third push is non-finite under
+    nonfinite="raise". Every rank's first fit fails; then each records what a second fit and the state readers
+    raise (the next fit trained on a store whose server-1 shard had gone back to the failed run's start)."""
+    batches = [poisoned_batch(seed, rank, i) for i in range(SHARDED["per_client"])] if rank >= 2 else []
+    out = {}
+    with pyengine.Engine(make_model(), poisoned_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=2, nonfinite="raise") as engine:
+        for what, call in (("fit", lambda: engine.fit(batches, steps=SHARDED["pushes"])),
+                           ("again", lambda: engine.fit(batches, steps=SHARDED["pushes"])),
+                           ("state", engine.state_dict), ("master", engine.master_state_dict)):
+            try:
+                call()
+                out[what] = "returned"
+            except Exception as exc:  # noqa: BLE001 - what each call raised is the test's subject
+                out[what] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def async_client_failure(seed, rank, world, servers, how):
     """``servers`` server ranks; the last rank (a client) exits, raises or hangs mid-computation after a few pushes:
     every other rank must raise DistributedError naming it."""
@@ -1108,6 +1137,7 @@ def main():
                     for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
                  "low-precision": low_precision, "low-precision-async": low_precision_async,
                  "frozen-rank0": frozen_rank0, "async-client-callback": async_client_callback,
+                 "async-client-steps": async_client_steps, "async-split": async_split_after_failure,
                  **{f"async-refresh-stop-{k}": lambda s, r, w, k=k: async_refresh_at_stop(s, r, w, k, out_dir)
                     for k in (1, 2)},
                  **{f"async-client-raises-{how}": lambda s, r, w, how=how: async_client_raises(s, r, w, how)

@@ -924,6 +924,32 @@ def test_a_multi_node_async_clients_callbacks_see_its_applied_pushes_and_may_sto
 
 
 @pytest.mark.timeout(120)
+def test_a_multi_node_async_clients_steps_bound_its_pushes(tmp_path, seed):
+    """fit(batches, steps=3) on a client pushes at most 3 times, as in one process (its steps were ignored and its 4
+    batches cycled for ever: with a server given no steps, the run never ended)."""
+    codes, logs, _ = launch("async-client-steps", 2, tmp_path, seed, timeout=60.0)
+    assert codes == [0, 0], "\n".join(logs)
+    server, client = results(tmp_path, 2)
+    assert client["stats"]["pushes"] == 3 and server["stats"]["pushes"] == 3 and server["version"] == 3, \
+        (server, client)
+
+
+@pytest.mark.timeout(120)
+def test_after_a_failed_run_of_several_servers_the_engine_refuses_to_go_on(tmp_path, seed):
+    """Note [A failed run of several servers]: with 2 servers, a run that failed (a non-finite push under
+    nonfinite="raise") left server 1's pushes out of rank 0's store; the next fit began from rank 0's store and trained
+    on with server 1's shard back at the failed run's start (4e-2 off one process). Now every rank refuses a further
+    fit and its state, at once and saying why."""
+    codes, logs, _ = launch("async-split", 3, tmp_path, seed, timeout=90.0)
+    assert codes == [0, 0, 0], "\n".join(logs)
+    for rank, got in enumerate(results(tmp_path, 3)):
+        assert got["fit"].startswith("DistributedError"), (rank, got)
+        for what in ("again", "state", "master"):
+            assert got[what].startswith(f"DistributedError: rank {rank}: an earlier async run failed, and with "
+                                        "servers=2 each server's shard"), (rank, what, got)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["callback", "iter"])
 def test_a_multi_node_async_clients_own_error_is_raised_as_itself_and_named_at_once(tmp_path, seed, how):
     """A client's callback that raised did so inside an exchange (server 0 was sending it the weights): both waited
