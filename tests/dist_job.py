@@ -9,6 +9,7 @@ import datetime
 import gc
 import os
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -865,7 +866,8 @@ def async_split_after_failure(seed, rank, world):
                          pin=False, servers=2, nonfinite="raise") as engine:
         for what, call in (("fit", lambda: engine.fit(batches, steps=SHARDED["pushes"])),
                            ("again", lambda: engine.fit(batches, steps=SHARDED["pushes"])),
-                           ("state", engine.state_dict), ("master", engine.master_state_dict)):
+                           ("state", engine.state_dict), ("master", engine.master_state_dict),
+                           ("save", lambda: checkpoint.save_engine(tempfile.mkdtemp(), 1, engine))):
             try:
                 call()
                 out[what] = "returned"

@@ -947,6 +947,7 @@ def test_after_a_failed_run_of_several_servers_the_engine_refuses_to_go_on(tmp_p
         for what in ("again", "state", "master"):
             assert got[what].startswith(f"DistributedError: rank {rank}: an earlier async run failed, and with "
                                         "servers=2 each server's shard"), (rank, what, got)
+        assert got["save"].startswith(f"DistributedError: rank {rank}: an earlier"), (rank, got)
 
 
 @pytest.mark.timeout(120)
