@@ -227,6 +227,14 @@ def nonfinite_raise(seed, rank, world):
                     steps.append(f"{type(exc).__name__}: {exc}")
             out[name] = dict(steps=steps, stats=engine.stats(), recorded=engine.recorded_failure(),
                              master=engine.master_state_dict())
+            engine.optimizer.no_decay = ("bias",)  # refused when made with shard_update=True: and when set later
+            try:
+                engine.step(batches[2])
+                out[name]["no_decay"] = "applied"
+            except ValueError as exc:
+                out[name]["no_decay"] = str(exc)
+            engine.optimizer.no_decay = ()
+            out[name]["after"] = engine.step(batches[2])["applied"]
     return out
 
 

@@ -333,7 +333,8 @@ def test_async_fp16_servers_follow_the_coordinators_loss_scale(tmp_path, seed):
 def test_nonfinite_raise_raises_on_every_rank_and_the_engine_trains_on(tmp_path, seed):
     """nonfinite="raise" across processes, replicated and sharded: a NaN in rank 1's batch makes every rank raise
     FloatingPointError together (a decision from the same reduced norm), no rank is recorded as failed, and the next
-    step trains on, as in one process: the weights are those of the two good steps."""
+    step trains on, as in one process: the weights are those of the two good steps. Then optimizer.no_decay set on
+    the sharded engine is refused at the next step (it trained with one decay for all), and the engine goes on."""
     codes, logs, _ = launch("nonfinite-raise", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
@@ -351,6 +352,13 @@ def test_nonfinite_raise_raises_on_every_rank_and_the_engine_trains_on(tmp_path,
             assert (stats["steps"], stats["applied_updates"], stats["raised_steps"]) == (3, 2, 1), (kind, r)
         assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
         reference.assert_matches(ranks[0][kind]["master"])
+        for rank in ranks:  # no_decay set after construction: the sharded update decayed the biases, silently
+            if kind == "sharded":
+                assert rank[kind]["no_decay"].startswith("engine.optimizer.no_decay was set to ('bias',) after the "
+                                                         "engine was made with shard_update=True"), rank[kind]
+            else:
+                assert rank[kind]["no_decay"] == "applied", rank[kind]
+            assert rank[kind]["after"] is True
 
 
 @pytest.mark.timeout(90)
