@@ -1396,9 +1396,10 @@ class Engine:
             raise ValueError(f"engine.optimizer.amsgrad was changed to {self.optimizer.amsgrad} after the engine was "
                              "made: the Adam state's buffers (max_exp_avg_sq) were sized then; build a new engine")
         if self.optimizer.no_decay and self.dist is not None and self.dist.shard_update:  # refused when made too
-            raise ValueError(f"engine.optimizer.no_decay was set to {self.optimizer.no_decay} after the engine was made "
-                             "with shard_update=True, which does not support it (the sharded update runs one weight "
-                             "decay over each rank's ranges); set it back to () or build an engine without one of them")
+            raise ValueError(f"engine.optimizer.no_decay was set to {self.optimizer.no_decay} after the engine was "
+                             "made with shard_update=True, which does not support it (the sharded update runs one "
+                             "weight decay over each rank's ranges); set it back to () or build an engine without one "
+                             "of them")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based: the optimizer's step count after it): ``optimizer.lr``
