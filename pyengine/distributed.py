@@ -1186,6 +1186,31 @@ class AsyncNaming(_FailureNaming):
         self._enter(f"the start of async run {self.runs} (fit)")
 
 
+def _servers_take_client_buffers(engine, group, servers: int, explain=None) -> None:
+    """Note [The servers hold a client's statistics]
+    A server computes nothing, so its replicas' buffers (BatchNorm's running statistics) stayed as built: rank 0's
+    ``state_dict`` (what :func:`pyengine.checkpoint.save_engine` writes) held untrained statistics while the clients'
+    had moved (a model saved so evaluated with mean 0 and variance 1, and a resumed run's clients went back to
+    them). In one process the state holds a worker's statistics. So at the end of a run that ended well the first
+    client (rank ``servers``) broadcasts its source replica's buffers as bytes; the servers take them into every
+    replica of theirs, and the other clients keep their own (each client's statistics are its own, as when the
+    engine was built). A collective."""
+    if not engine.buffer_names:
+        return
+    rank = dist.get_rank(group)
+    held = [engine._replica_buffers(w) for w in range(len(engine.workers))]
+    tensors = [held[engine.buffer_source][name] for name in engine.buffer_names]
+    packet = BytePacket(tensors)
+    if rank == servers:
+        packet.pack(tensors)
+    with _collective("broadcast of the first client's buffers", rank, explain):
+        engine.collective_works.run(dist.broadcast, packet.flat, src=dist.get_global_rank(group, servers),
+                                    group=group)
+    if rank < servers:
+        for named in held:
+            packet.unpack([named[name] for name in engine.buffer_names])
+
+
 def _share_store(engine, group, spans, explain=None) -> None:
     """Broadcasts ``store[lo:hi]`` of the weights and the Adam state from rank ``src`` for each ``(src, lo, hi)`` of
     ``spans``, then the version and the loss scaler's state from rank 0: every rank then holds the same complete
@@ -1879,6 +1904,7 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
                 client = _AsyncClient(engine, group, servers, rendezvous, callbacks)
                 client.run(batches, epochs, steps)
             _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
+            _servers_take_client_buffers(engine, group, servers, naming._explain)
         except BaseException:
             if servers > 1:  # Note [A failed run of several servers]
                 naming.broken = True

@@ -856,12 +856,14 @@ def async_sharded(seed, rank, world):
 
 def async_client_steps(seed, rank, world):
     """Rank 0 serves with no steps; rank 1 (a client) fits 4 batches with steps=3 (its steps were ignored and its
-    list cycled for ever: the run never ended). Records each rank's counters."""
+    list cycled for ever: the run never ended). A BatchNorm model: records each rank's counters, master weights and
+    buffers (Note [The servers hold a client's statistics])."""
     batches = [client_batch(seed, rank, i) for i in range(4)] if rank else []
-    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+    with pyengine.Engine(make_bn_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
                          pin=False) as engine:
         engine.fit(batches, **({"steps": 3} if rank else {}))
-        return {"stats": engine.stats(), "version": engine.version}
+        return {"stats": engine.stats(), "version": engine.version, "master": engine.master_state_dict(),
+                "buffers": engine.buffers_state_dict()}
 
 
 def async_split_after_failure(seed, rank, world):

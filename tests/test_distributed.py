@@ -934,12 +934,22 @@ def test_a_multi_node_async_clients_callbacks_see_its_applied_pushes_and_may_sto
 @pytest.mark.timeout(120)
 def test_a_multi_node_async_clients_steps_bound_its_pushes(tmp_path, seed):
     """fit(batches, steps=3) on a client pushes at most 3 times, as in one process (its steps were ignored and its 4
-    batches cycled for ever: with a server given no steps, the run never ended)."""
+    batches cycled for ever: with a server given no steps, the run never ended). Note [The servers hold a client's
+    statistics]: rank 0's state holds the client's BatchNorm statistics, as one process's holds its worker's (it
+    held the untrained ones, and a checkpoint with them)."""
     codes, logs, _ = launch("async-client-steps", 2, tmp_path, seed, timeout=60.0)
     assert codes == [0, 0], "\n".join(logs)
     server, client = results(tmp_path, 2)
     assert client["stats"]["pushes"] == 3 and server["stats"]["pushes"] == 3 and server["version"] == 3, \
         (server, client)
+    with pyengine.Engine(dist_job.make_bn_model(), dist_job.loss_fn, devices=["cpu"], mode="async",
+                         optimizer=pyengine.AdamW(**dist_job.OPT), pin=False) as alone:
+        alone.fit([dist_job.client_batch(seed, 1, i) for i in range(4)], steps=3)
+        want = alone.buffers_state_dict()
+        assert int(want["1.num_batches_tracked"]) == 3
+        for rank in (server, client):
+            assert_identical(rank["buffers"], want, "buffers")
+            assert_identical(rank["master"], alone.master_state_dict(), "master")
 
 
 @pytest.mark.timeout(120)
