@@ -1186,6 +1186,9 @@ class AsyncNaming(_FailureNaming):
         self._enter(f"the start of async run {self.runs} (fit)")
 
 
+_NONFINITE_RAISED = "raised FloatingPointError: non-finite gradient"  # a push's nonfinite="raise", as it is told
+
+
 def _servers_take_client_buffers(engine, group, servers: int, explain=None) -> None:
     """Note [The servers hold a client's statistics]
     A server computes nothing, so its replicas' buffers (BatchNorm's running statistics) stayed as built: rank 0's
@@ -1905,7 +1908,7 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
                 client.run(batches, epochs, steps)
             _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
             _servers_take_client_buffers(engine, group, servers, naming._explain)
-        except BaseException:
+        except BaseException as exc:
             if servers > 1:  # Note [A failed run of several servers]
                 naming.broken = True
                 naming.split = (f"rank {dist.get_rank(group)}: an earlier async run failed, and with servers="
@@ -1913,6 +1916,10 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
                                 "that ends well brings them together): this rank's store mixes that run's shards "
                                 "with its start's, so it neither trains on nor gives its state; load the last "
                                 "checkpoint into a new engine")
+            if engine.nonfinite == "raise" and isinstance(exc, DistributedError) and _NONFINITE_RAISED in str(exc):
+                # nonfinite="raise" on rank 0: raised by every rank as the FloatingPointError it is, as in one process
+                # and in hybrid (it was a DistributedError blaming the server); the message names the push
+                raise FloatingPointError(str(exc)) from exc
             raise
         if client is not None:  # the pushes acknowledged at the run's end (the others' run is over: no exchange)
             client.call_back()

@@ -866,6 +866,24 @@ def async_client_steps(seed, rank, world):
                 "buffers": engine.buffers_state_dict()}
 
 
+def async_nonfinite_raise(seed, rank, world):
+    """One server; the client's third push is non-finite under nonfinite="raise": what each rank's fit raised, then a
+    fit on clean batches (one server holds the whole store: the engine goes on)."""
+    poisoned = [poisoned_batch(seed, rank, i) for i in range(6)] if rank else []
+    clean = [(x, y, torch.zeros(len(y))) for x, y, _ in poisoned]
+    out = {}
+    with pyengine.Engine(make_model(), poisoned_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, nonfinite="raise") as engine:
+        try:
+            engine.fit(poisoned, steps=6)
+            out["first"] = "returned"
+        except Exception as exc:  # noqa: BLE001 - what it raised is the test's subject
+            out["first"] = f"{type(exc).__name__}: {exc}"
+        engine.fit(clean, steps=3)
+        out["stats"] = engine.stats()
+    return out
+
+
 def async_split_after_failure(seed, rank, world):
     """Note [A failed run of several servers]: 2 servers, one client whose third push is non-finite under
     nonfinite="raise". Every rank's first fit fails; then each records what a second fit and the state readers
@@ -1150,6 +1168,7 @@ def main():
                  "low-precision": low_precision, "low-precision-async": low_precision_async,
                  "frozen-rank0": frozen_rank0, "async-client-callback": async_client_callback,
                  "async-client-steps": async_client_steps, "async-split": async_split_after_failure,
+                 "async-nonfinite-raise": async_nonfinite_raise,
                  **{f"async-refresh-stop-{k}": lambda s, r, w, k=k: async_refresh_at_stop(s, r, w, k, out_dir)
                     for k in (1, 2)},
                  **{f"async-client-raises-{how}": lambda s, r, w, how=how: async_client_raises(s, r, w, how)

@@ -953,6 +953,21 @@ def test_a_multi_node_async_clients_steps_bound_its_pushes(tmp_path, seed):
 
 
 @pytest.mark.timeout(120)
+def test_a_nonfinite_push_under_raise_is_a_floating_point_error_on_every_rank(tmp_path, seed):
+    """nonfinite="raise" across processes: rank 0 refuses the client's non-finite push, and every rank's fit raises
+    FloatingPointError naming it, as in one process and in hybrid (it was a DistributedError blaming rank 0, which
+    code catching FloatingPointError missed); with one server the engine then trains on."""
+    codes, logs, _ = launch("async-nonfinite-raise", 2, tmp_path, seed, timeout=90.0)
+    assert codes == [0, 0], "\n".join(logs)
+    for rank, got in enumerate(results(tmp_path, 2)):
+        assert got["first"].startswith(f"FloatingPointError: rank {rank}: the async run stopped because rank 0 "
+                                       "failed: applying a push of rank 1 raised FloatingPointError: non-finite "
+                                       "gradient"), (rank, got)
+    server = results(tmp_path, 2)[0]
+    assert server["stats"]["raised_steps"] == 1 and server["stats"]["applied_updates"] == 2 + 3, server["stats"]
+
+
+@pytest.mark.timeout(120)
 def test_after_a_failed_run_of_several_servers_the_engine_refuses_to_go_on(tmp_path, seed):
     """Note [A failed run of several servers]: with 2 servers, a run that failed (a non-finite push under
     nonfinite="raise") left server 1's pushes out of rank 0's store; the next fit began from rank 0's store and trained
@@ -961,7 +976,7 @@ def test_after_a_failed_run_of_several_servers_the_engine_refuses_to_go_on(tmp_p
     codes, logs, _ = launch("async-split", 3, tmp_path, seed, timeout=90.0)
     assert codes == [0, 0, 0], "\n".join(logs)
     for rank, got in enumerate(results(tmp_path, 3)):
-        assert got["fit"].startswith("DistributedError"), (rank, got)
+        assert got["fit"].startswith(f"FloatingPointError: rank {rank}: the async run stopped"), (rank, got)
         for what in ("again", "state", "master"):
             assert got[what].startswith(f"DistributedError: rank {rank}: an earlier async run failed, and with "
                                         "servers=2 each server's shard"), (rank, what, got)
