@@ -35,9 +35,13 @@ forward and, around each recomputation, saves them, sets the forward's and resto
 recomputation that did so while another worker's random module had its own state swapped in changed the numbers
 that module was drawing (and the state saved back into its generator): measured, 5 % of the recomputed dropout
 masks of 2 x 2 pipeline stages differed from their forwards', so the gradients were not those of the loss, and runs
-with one seed differed. So once a process has a WorkerRNG, those four functions take the swap's lock
-(:func:`_guard_generator_functions`; a reentrant lock, since a routed module's forward may call them): a
-recomputation's generator work then falls between two routed forwards, never inside one.
+with one seed differed. So once a process has a WorkerRNG, those four functions take the swap's lock when called
+inside a backward pass, where the recomputations run (:func:`_guard_generator_functions`; a reentrant lock, since a
+routed module's forward may call them): a recomputation's generator work then falls between two routed forwards,
+never inside one. Outside a backward they take no lock: a routed forward holds the lock while it runs the module's
+code, and a thread compiling with torch.compile (which reads the generators' states) while that code waited for the
+compiler deadlocked the two. A forked child gets a lock of its own (one held by a thread of the parent at the fork
+would never be released there).
 
 What stays on the shared generator: random numbers drawn outside routed modules (``torch.rand`` or ``F.dropout``
 called in a ``forward`` or a ``loss_fn``). With concurrent workers such a draw can land while another worker's state
@@ -51,6 +55,7 @@ from __future__ import annotations
 import collections
 import functools
 import operator
+import os
 import threading
 import weakref
 
@@ -91,6 +96,14 @@ def worker_seed(seed: int, worker: int, step: int) -> int:
     return (x ^ (x >> 31)) % 2**63
 
 
+def _swap_lock_of_the_child() -> None:
+    """A forked child's own swap lock (Note [Checkpoints beside concurrent workers])."""
+    global _SWAP
+    _SWAP = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_swap_lock_of_the_child)
+
 _GENERATOR_FUNCTIONS = ((torch, "get_rng_state"), (torch, "set_rng_state"), (torch.random, "get_rng_state"),
                         (torch.random, "set_rng_state"), (torch.cuda, "get_rng_state"), (torch.cuda, "set_rng_state"),
                         (torch.cuda.random, "get_rng_state"), (torch.cuda.random, "set_rng_state"))
@@ -114,6 +127,8 @@ def _guard_generator_functions() -> None:
 def _guarded(function):
     @functools.wraps(function)
     def guarded(*args, **kwargs):
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward: no recomputation (Note [Checkpoints ...])
+            return function(*args, **kwargs)
         with _SWAP:
             return function(*args, **kwargs)
 

@@ -1,6 +1,7 @@
 """pyengine.rng: a concurrent worker's random modules draw from its own generator, seeded per step (Note [Random
 numbers of concurrent workers]); the default generator is left exactly as it was."""
 import gc
+import os
 import threading
 import weakref
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from pyengine import rng as rng_module
 from pyengine.rng import WorkerRNG, worker_seed
 
 
@@ -157,13 +159,28 @@ def test_setting_the_generators_waits_for_a_routed_forward_to_end():
         forward.start()
         assert inside.wait(10)
 
-        def set_state():
-            torch.set_rng_state(other)
+        def set_state():  # from inside a backward, where a checkpoint recomputes
+            x = torch.zeros(1, requires_grad=True)
+            y = x * 2
+            y.register_hook(lambda grad: torch.set_rng_state(other))
+            y.sum().backward()
             set_done.set()
 
         setter = threading.Thread(target=set_state)
         setter.start()
         assert not set_done.wait(0.5), "torch.set_rng_state ran inside the routed forward"
+        # outside a backward nothing waits: torch.compile reads the states while it compiles, and a routed forward
+        # whose code waited for the compiler deadlocked with it
+        read = []
+        reader = threading.Thread(target=lambda: read.append(torch.get_rng_state()))
+        reader.start()
+        reader.join(5)
+        assert read, "torch.get_rng_state outside a backward waited for the routed forward"
+        # a forked child has a swap lock of its own (the parent's is held by the routed forward's thread)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if rng_module._SWAP.acquire(timeout=5) else 1)
+        assert os.waitpid(pid, 0)[1] == 0, "the child found the swap lock held"
         go.set()
         forward.join(10)
         setter.join(10)
