@@ -1611,6 +1611,7 @@ class _AsyncClient:
         self.waiting: set[int] = set()  # the servers waiting for a header from this rank
         self.announced_wait = _ANNOUNCE_WAIT_S  # spent on the first failed exchange (Note [A timeout names the ...])
         self.sent_at = 0  # version at pull of the last push sent
+        self.newest_pull = engine.version  # the newest version pulled in this run (Note [A failed run of several ...])
         self.sent: dict = {}  # its loss and samples
         self.acknowledged = 0  # the last of this fit's pushes that server 0 said it applied (push ids start at 1)
         self.acknowledgements: list[dict] = []  # their metrics, not yet given to the callbacks
@@ -1670,6 +1671,7 @@ class _AsyncClient:
         minibatches, push_id, decision = None, 0, _GO
         while True:
             status, pulled, scale, decided = self._pull()
+            self.newest_pull = max(self.newest_pull, pulled)
             self.call_back()
             if self.servers == 1:  # rank 0's decision on the last push comes with the pull, a STOP or not
                 decision = self._learn(decided)
@@ -1868,9 +1870,12 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
     that ends a run well; a failed run skips it. The next run began with rank 0's whole store broadcast to every
     rank, so the other servers' shards went back to the start of the failed run (weights and Adam moments), while
     the version and Adam step went on counting: silently wrong weights (4e-2 apart from one process after a
-    nonfinite="raise" run). So after such a failure every rank's engine refuses further runs and its state (fit,
-    state_dict, master_state_dict, copy_to, checkpoint.save_engine: a DistributedError saying so); with one server
-    rank 0 holds the whole store, and the next run goes on from it as before."""
+    nonfinite="raise" run). So after a failed run in which a push was applied (as far as the rank saw: a server's
+    version moved, a client pulled a later version) the rank's engine refuses further runs and its state (fit,
+    state_dict, master_state_dict, copy_to, checkpoint.save_engine: a DistributedError saying so); a run that failed
+    before any push was applied, or after the end's exchange, changed no shard alone; with one server rank 0 holds
+    the whole store, and the next run goes on from it as before. (A client that saw no push applied while a server
+    did goes on to the next run, whose start then fails on it naming the servers that refused it.)"""
     from .asynchronous import AsyncRun, _closed_during_fit, _end
 
     # Note [Closing a multi-node async run]
@@ -1899,7 +1904,7 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
         naming.start_run()
         _share_store(engine, group, [(0, 0, numel)], naming._explain)
         rendezvous = _Rendezvous(group, "async")  # Note [A timeout names the rank that hangs]
-        client = None
+        client, start, whole = None, engine.version, False
         try:
             if dist.get_rank(group) < servers:
                 AsyncServer(engine, group, servers, steps, callbacks, rendezvous, run).run()
@@ -1907,9 +1912,13 @@ def run_async(engine, group, batches, *, servers: int = 1, steps, epochs, callba
                 client = _AsyncClient(engine, group, servers, rendezvous, callbacks)
                 client.run(batches, epochs, steps)
             _share_store(engine, group, [(s, lo, hi) for s, (lo, hi) in enumerate(shard_spans(numel, servers))])
+            whole = True
             _servers_take_client_buffers(engine, group, servers, naming._explain)
         except BaseException as exc:
-            if servers > 1:  # Note [A failed run of several servers]
+            # a push was applied in this run, as far as this rank saw (a server's version moved; a client pulled
+            # weights of a later version)
+            moved = engine.version != start or (client is not None and client.newest_pull != start)
+            if servers > 1 and moved and not whole:  # Note [A failed run of several servers]
                 naming.broken = True
                 naming.split = (f"rank {dist.get_rank(group)}: an earlier async run failed, and with servers="
                                 f"{servers} each server's shard of the store went on alone until then (only a run "

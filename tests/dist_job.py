@@ -890,6 +890,22 @@ def async_split_after_failure(seed, rank, world):
     raise (the next fit trained on a store whose server-1 shard had gone back to the failed run's start)."""
     batches = [poisoned_batch(seed, rank, i) for i in range(SHARDED["per_client"])] if rank >= 2 else []
     out = {}
+
+    class NoData:  # fails at its first item, after the client's first pull
+        def __iter__(self):
+            raise ValueError("no data today")
+            yield
+
+    # a run that fails before any push is applied changes no shard: the next one goes on
+    with pyengine.Engine(make_model(), poisoned_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
+                         pin=False, servers=2) as engine:
+        try:
+            engine.fit(NoData() if rank >= 2 else [], steps=3)
+            out["early"] = "returned"
+        except Exception as exc:  # noqa: BLE001 - what it raised is the test's subject
+            out["early"] = f"{type(exc).__name__}: {exc}"
+        engine.fit(batches[:2], steps=2)
+        out["after_early"] = engine.version
     with pyengine.Engine(make_model(), poisoned_loss, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
                          pin=False, servers=2, nonfinite="raise") as engine:
         for what, call in (("fit", lambda: engine.fit(batches, steps=SHARDED["pushes"])),

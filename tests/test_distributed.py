@@ -976,10 +976,13 @@ def test_after_a_failed_run_of_several_servers_the_engine_refuses_to_go_on(tmp_p
     """Note [A failed run of several servers]: with 2 servers, a run that failed (a non-finite push under
     nonfinite="raise") left server 1's pushes out of rank 0's store; the next fit began from rank 0's store and trained
     on with server 1's shard back at the failed run's start (4e-2 off one process). Now every rank refuses a further
-    fit and its state, at once and saying why."""
+    fit and its state, at once and saying why; a run that failed before any push was applied does not stop the
+    next."""
     codes, logs, _ = launch("async-split", 3, tmp_path, seed, timeout=90.0)
     assert codes == [0, 0, 0], "\n".join(logs)
     for rank, got in enumerate(results(tmp_path, 3)):
+        # a run that failed before any push was applied left every shard as it was: the next run trains
+        assert "no data today" in got["early"] and got["after_early"] == 2, (rank, got)
         assert got["fit"].startswith(f"FloatingPointError: rank {rank}: the async run stopped"), (rank, got)
         for what in ("again", "state", "master"):
             assert got[what].startswith(f"DistributedError: rank {rank}: an earlier async run failed, and with "
