@@ -418,11 +418,11 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
                              f"of --data {cfg['data']}")
         steps = {m: target_steps(cfg, m, train_size // cfg["batch_size"]) for m in (MODES if mode == "all" else
                                                                                    (mode,))}
-        if cfg["warmup_steps"] > min(steps.values()):  # constant: the run would end before its lr reached --lr
-            after = "the cosine decay would have no steps left" if cfg["lr_schedule"] == "cosine" else \
-                f"the run would end before its lr reached --lr {cfg['lr']:g}"
+        # cosine only: with a constant lr a run that ends while warming up is valid (a first part, resumed later
+        # with more --steps)
+        if cfg["lr_schedule"] == "cosine" and cfg["warmup_steps"] > min(steps.values()):
             raise UsageError(f"--warmup-steps {cfg['warmup_steps']} is longer than the run's "
-                             f"{min(steps.values())} updates: {after}")
+                             f"{min(steps.values())} updates: the cosine decay would have no steps left")
     if mode in ("hybrid", "all") and cfg["batch_size"] < workers:
         raise UsageError(f"hybrid splits each batch across the workers: --batch-size {cfg['batch_size']} cannot "
                          f"feed {workers} workers (use --batch-size >= {workers} or fewer --workers)")

@@ -415,7 +415,8 @@ def plot_kinds() -> list[str]:
     """The file types :func:`plot_efficiency` writes (matplotlib's Agg canvas), named by their file suffixes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    return sorted(FigureCanvasAgg.get_supported_filetypes())
+    # pgf needs a LaTeX installation: it failed after the plan's table was printed
+    return sorted(kind for kind in FigureCanvasAgg.get_supported_filetypes() if kind != "pgf")
 
 
 def check_plot_path(path, what: str = "path") -> None:

@@ -175,7 +175,8 @@ def test_plan_plot_into_a_new_folder_or_onto_a_folder(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip() == (f"pyengine plan: error: cannot write to the --plot folder "
                                                            f"{blocker}: {blocker} is a file, not a folder"), captured
-    for bad in ("new/eff.xyz", "new/eff", "new/"):  # no file type matplotlib writes: refused before any output
+    # no file type matplotlib writes (pgf: not without LaTeX): refused before any output
+    for bad in ("new/eff.xyz", "new/eff", "new/", "new/eff.pgf"):
         assert main([*base, "--plot", str(tmp_path / bad)]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and "expected a file name ending in .png" in captured.err, (bad, captured)
