@@ -1666,7 +1666,9 @@ class _AsyncClient:
         from .asynchronous import _BatchSource, minibatches_per_push
 
         engine = self.engine
-        source = _BatchSource(batches, epochs, pushes=steps)  # fit's steps: this client's pushes at most
+        source = None  # made after the first pull: iter(batches) may raise (as a batch may), and a client that
+        # failed before its first pull left the servers' first weights unreceived in the connections, where the next
+        # run's first broadcast then read them (every rank timed out at its start)
         slots = [engine.store.grad_slot(w.index) for w in engine.workers]
         minibatches, push_id, decision = None, 0, _GO
         while True:
@@ -1679,6 +1681,8 @@ class _AsyncClient:
                 self._tell_waiting(_DONE)
                 return
             if decision == _GO:  # the previous push (if any) was applied or skipped: next mini-batches
+                if source is None:  # fit's steps: this client's pushes at most
+                    source = _BatchSource(batches, epochs, pushes=steps)
                 _, minibatches = source.take(minibatches_per_push(engine, pulled))
             if not minibatches or engine.stop_requested or engine._closed:  # Note [Closing a multi-node async run]
                 self._tell_waiting(_DONE)

@@ -982,7 +982,8 @@ def test_after_a_failed_run_of_several_servers_the_engine_refuses_to_go_on(tmp_p
     assert codes == [0, 0, 0], "\n".join(logs)
     for rank, got in enumerate(results(tmp_path, 3)):
         # a run that failed before any push was applied left every shard as it was: the next run trains
-        assert "no data today" in got["early"] and got["after_early"] == 2, (rank, got)
+        assert "no data today" in got["early"] and "no data today" in got["first"], (rank, got)
+        assert got["after_early"] == 2, (rank, got)
         assert got["fit"].startswith(f"FloatingPointError: rank {rank}: the async run stopped"), (rank, got)
         for what in ("again", "state", "master"):
             assert got[what].startswith(f"DistributedError: rank {rank}: an earlier async run failed, and with "
