@@ -432,9 +432,8 @@ def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *
                     title=None) -> dict[str, list[float]]:
     """PNG of the scaling efficiency of every algorithm against the node count (log2 axis), with the same model
     options as :func:`plan` (``servers``, ``overlap``), written to ``path`` (a .png, or another of :func:`plot_kinds`,
-    by its suffix). Returns the
-    curves drawn (algorithm -> efficiencies). Drawn on a figure of its own (matplotlib's object API): pyplot's
-    backend and open figures are left as they were."""
+    by its suffix). Returns the curves drawn (algorithm -> efficiencies). Drawn on a figure of its own (matplotlib's
+    object API): pyplot's backend and open figures are left as they were."""
     from matplotlib.figure import Figure
 
     check_plot_path(path, "plot_efficiency: path")

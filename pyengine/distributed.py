@@ -1200,18 +1200,18 @@ def _servers_take_client_buffers(engine, group, servers: int, explain=None) -> N
     engine was built). A collective."""
     if not engine.buffer_names:
         return
-    rank = dist.get_rank(group)
-    held = [engine._replica_buffers(w) for w in range(len(engine.workers))]
-    tensors = [held[engine.buffer_source][name] for name in engine.buffer_names]
-    packet = BytePacket(tensors)
+    rank, names = dist.get_rank(group), engine.buffer_names
+    source = engine._replica_buffers(engine.buffer_source)
+    packet = BytePacket([source[name] for name in names])
     if rank == servers:
-        packet.pack(tensors)
+        packet.pack([source[name] for name in names])
     with _collective("broadcast of the first client's buffers", rank, explain):
         engine.collective_works.run(dist.broadcast, packet.flat, src=dist.get_global_rank(group, servers),
                                     group=group)
     if rank < servers:
-        for named in held:
-            packet.unpack([named[name] for name in engine.buffer_names])
+        for worker in range(len(engine.workers)):
+            named = engine._replica_buffers(worker)
+            packet.unpack([named[name] for name in names])
 
 
 def _share_store(engine, group, spans, explain=None) -> None:

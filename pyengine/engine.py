@@ -521,12 +521,11 @@ class Engine:
         ``steps`` counts this call's steps (hybrid, sync) or pushes (async), whatever ran before (async across
         processes: the servers end the run after ``steps`` applied pushes, and a client pushes at most ``steps``
         times). Each callback is called as ``callback(engine, metrics)`` after every step or push; a callback may
-        call :meth:`stop` to end
-        training after the current step (async: after the push being applied; the other workers' computations in
-        flight are discarded, their mini-batches not pushed). With ``steps``, no batch is taken from ``batches``
-        beyond those the steps use, and no new pass begins for none (a generator keeps the rest for a later fit).
-        Returns the metrics of this call's steps (the last ``keep_history`` of them when the engine was given a
-        bound).
+        call :meth:`stop` to end training after the current step (async: after the push being applied; the other
+        workers' computations in flight are discarded, their mini-batches not pushed). With ``steps``, no batch is
+        taken from ``batches`` beyond those the steps use, and no new pass begins for none (a generator keeps the
+        rest for a later fit). Returns the metrics of this call's steps (the last ``keep_history`` of them when the
+        engine was given a bound).
         """
         self._check_process()
         self._check_not_in_step("fit()")

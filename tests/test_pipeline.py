@@ -1383,21 +1383,16 @@ def _stage_kinds_worker(rank, world, init_file, out_dir):
                 out["raised"] = str(error)
             out["losses"] += [engine.step(b)["loss"] for b in batches[2:]]  # the group is still usable
             out["master"] = engine.master_state_dict()
-        model = torch.nn.Sequential(torch.nn.Linear(10, 12), _Pair(), torch.nn.Linear(12, 3))
-        try:
-            with Engine(model, loss_fn, devices=["cpu"], mode="pipeline", microbatches=2, pin=False,
-                        balance=[2, 1]) as engine:
-                engine.step(batches[0])
-        except Exception as error:  # noqa: BLE001 - reported to the test
-            out["tuple"] = f"{type(error).__name__}: {error}"
-        model = torch.nn.Sequential(torch.nn.Linear(10, 4), _Long(), torch.nn.Embedding(16, 3), torch.nn.Flatten(),
-                                    torch.nn.Linear(12, 3))
-        try:
-            with Engine(model, loss_fn, devices=["cpu"], mode="pipeline", microbatches=2, pin=False,
-                        balance=[2, 3]) as engine:
-                engine.step(batches[0])
-        except Exception as error:  # noqa: BLE001 - reported to the test
-            out["long"] = f"{type(error).__name__}: {error}"
+        for what, layers, balance in (
+                ("tuple", [torch.nn.Linear(10, 12), _Pair(), torch.nn.Linear(12, 3)], [2, 1]),
+                ("long", [torch.nn.Linear(10, 4), _Long(), torch.nn.Embedding(16, 3), torch.nn.Flatten(),
+                          torch.nn.Linear(12, 3)], [2, 3])):
+            try:
+                with Engine(torch.nn.Sequential(*layers), loss_fn, devices=["cpu"], mode="pipeline", microbatches=2,
+                            pin=False, balance=balance) as engine:
+                    engine.step(batches[0])
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                out[what] = f"{type(error).__name__}: {error}"
         with Engine(_in_place_model(), loss_fn, devices=["cpu"], mode="pipeline", microbatches=3, pin=False,
                     optimizer=AdamW(**OPT)) as engine:
             out["in_place"] = [engine.step(b)["stage_sizes"] for b in batches]
