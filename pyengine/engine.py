@@ -861,6 +861,17 @@ class Engine:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"the state's optimizer_config: {exc}") from None
         step = saved_layout.check_torch_state_dict(self.store, sd["optimizer"], self.param_names)
+        # Against the settings the state was saved with, where it has them: a difference from this engine's is
+        # already in `differing`; one from the saved settings is a group edited (or written by torch.optim)
+        saved_settings = saved_layout
+        if isinstance(sd.get("optimizer_config"), dict):
+            try:
+                saved_settings = dataclasses.replace(saved_layout, **{k: v for k, v in sd["optimizer_config"].items()
+                                                                      if k != "max_grad_norm"})
+            except (TypeError, ValueError):
+                pass  # settings that AdamW refuses: compare with this engine's
+        edited = saved_settings.group_differences(sd["optimizer"], self.param_names,
+                                                  scheduled=self.lr_schedule is not None)
         version = sd["version"]
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"the state's version must be an int >= 0; got {version!r}")
@@ -906,6 +917,10 @@ class Engine:
             warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
                           f"({ {k: self.optimizer.config()[k] for k in differing} }) is used from here on",
                           stacklevel=3)  # past _under_mutex
+        if edited:
+            warnings.warn(f"load_state_dict: the state's optimizer param_groups hold {edited}, which are not read: "
+                          f"the engine's optimizer settings drive the update (to change them, set engine.optimizer's "
+                          f"fields, e.g. engine.optimizer.lr = ...)", stacklevel=3)
         if split is not None:  # first: the only step here that may still raise, and it leaves the pipeline unbuilt
             self.pipeline._build(split)
         for worker in self.workers:  # the last step's copies back still read the weights written below

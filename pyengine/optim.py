@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -168,8 +169,16 @@ class AdamW:
         """Copies a ``torch.optim.AdamW.state_dict()`` into the store (a store with ``state_ranges`` keeps only its
         ranges of it); returns its step count. Everything is checked (:meth:`check_torch_state_dict`) before the
         store is written; ``checked_step``: what that check returned for this very state, when the caller ran it
-        already (it reads every value: not twice)."""
-        step = self.check_torch_state_dict(store, state_dict, names) if checked_step is None else checked_step
+        already (it reads every value: not twice); without it, hyper-parameters in the groups that differ from this
+        AdamW's (:meth:`group_differences`, never read) are warned about."""
+        if checked_step is None:
+            step = self.check_torch_state_dict(store, state_dict, names)
+            differing = self.group_differences(state_dict, names)
+            if differing:
+                warnings.warn(f"load_torch_state_dict: the state's param_groups hold {differing}; they are not read: "
+                              f"this AdamW's settings drive the update", stacklevel=2)
+        else:
+            step = checked_step
         if step == 0:
             return 0
         state = state_dict["state"]
@@ -183,6 +192,32 @@ class AdamW:
             if full is not flat:
                 store.load_state_from_full(flat, full)
         return step
+
+    def group_differences(self, state_dict: dict, names: list[str], *, scheduled: bool = False) -> dict:
+        """The hyper-parameters of a ``torch.optim`` state's ``param_groups`` that differ from these settings, as
+        ``{"param_groups[g]['key']": value}``. Loading reads the groups' layout only: these settings drive the
+        update, so a group's values are never used (editing a saved group's lr, a torch habit, changes nothing;
+        the callers warn). ``lr``: a group's ``initial_lr`` (an lr schedule's base) when it has one, else its ``lr``
+        unless ``scheduled`` (then ``lr`` is a scheduled value, not a setting). Keys a group lacks are skipped."""
+        def same(saved, mine) -> bool:
+            try:
+                if isinstance(mine, tuple):
+                    return len(saved) == len(mine) and all(float(s) == m for s, m in zip(saved, mine))
+                return (bool(saved) == mine) if isinstance(mine, bool) else float(saved) == mine
+            except (TypeError, ValueError, RuntimeError):  # not numbers (or a tensor of several)
+                return False
+
+        differences = {}
+        for g, (group, (_, weight_decay)) in enumerate(zip(state_dict["param_groups"], self.param_groups(names))):
+            if not isinstance(group, dict):
+                continue
+            lr_key = "initial_lr" if "initial_lr" in group else None if scheduled else "lr"
+            mine = {lr_key: self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": weight_decay,
+                    "amsgrad": self.amsgrad, "maximize": self.maximize, "decoupled_weight_decay": self.adamw}
+            for key, value in mine.items():
+                if key is not None and key in group and not same(group[key], value):
+                    differences[f"param_groups[{g}][{key!r}]"] = group[key]
+        return differences
 
     def check_torch_state_dict(self, store, state_dict: dict, names: list[str]) -> int:
         """Validates a ``torch.optim.AdamW.state_dict()`` for :meth:`load_torch_state_dict` without writing

@@ -1767,6 +1767,44 @@ def test_load_state_dict_checks_the_optimizer_it_was_saved_with(rng):
             engine.load_state_dict(saved)
 
 
+def test_load_state_dict_warns_that_the_optimizer_groups_hyper_parameters_are_not_read(rng):
+    """Lowering a saved group's lr before resuming (a torch.optim habit), or loading torch.optim's own state, changes
+    nothing: the engine's optimizer drives the update. Said with a warning that names the values, never silently;
+    a state as saved (two groups, an lr schedule whose group lr is a scheduled value) loads without a word."""
+    batches = make_batches(rng, 2, 8)
+    settings = dict(optimizer=AdamW(**OPT, no_decay=("bias",)), lr_schedule=pyengine.WarmupCosine(2, 10))
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, **settings) as engine:
+        engine.step(batches[0])
+        saved = engine.state_dict()
+    assert saved["optimizer"]["param_groups"][0]["lr"] != OPT["lr"]  # scheduled: not a difference
+    edited = copy.deepcopy(saved)
+    edited["optimizer"]["param_groups"][0].update(initial_lr=0.0, betas=(0.5, 0.5))
+    edited["optimizer"]["param_groups"][1]["eps"] = 1e-8
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, **settings) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.load_state_dict(saved)
+        with pytest.warns(UserWarning, match=r"param_groups hold \{\"param_groups\[0\]\['initial_lr'\]\": 0\.0, "
+                                             r"\"param_groups\[0\]\['betas'\]\": \(0\.5, 0\.5\), "
+                                             r"\"param_groups\[1\]\['eps'\]\": 1e-08\}, which are not read"):
+            engine.load_state_dict(edited)
+        assert engine.step(batches[1])["lr"] > 0  # the engine's own settings
+    model = make_model()  # torch.optim's state: no optimizer_config, compared with the engine's settings
+    torch_opt = torch.optim.AdamW(model.parameters(), **{**OPT, "lr": 0.5})
+    loss_fn(model, batches[0]).backward()
+    torch_opt.step()
+    with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT)) as engine:
+        engine.step(batches[0])
+        state = dict(engine.state_dict(), optimizer=torch_opt.state_dict())
+        del state["optimizer_config"]
+        with pytest.warns(UserWarning, match=r"\{\"param_groups\[0\]\['lr'\]\": 0\.5\}, which are not read"):
+            engine.load_state_dict(state)
+        state["optimizer"]["param_groups"][0]["lr"] = OPT["lr"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch.optim.AdamW's state with the same settings
+            engine.load_state_dict(state)
+
+
 def test_dropout_resume_on_other_workers_and_process_free_state(rng):
     """The workers' generators are seeded per step from (seed, worker, step) (Note [Random numbers of concurrent
     workers]): the state holds no generator, and a run resumed with another worker count loads without a word."""

@@ -639,6 +639,18 @@ def test_load_torch_state_dict_refuses_state_it_would_drop_or_misread(edit, mess
     assert pyengine.AdamW().load_torch_state_dict(store, _torch_adamw_state(model), names) == 1  # a good one loads
 
 
+def test_load_torch_state_dict_warns_of_group_settings_it_does_not_read():
+    """A torch.optim state whose groups hold other hyper-parameters loads its moments; the groups' values are not
+    read (the AdamW's drive the update), and the warning names them."""
+    model = OddNet(sizes=[3, 5])
+    names = [n for n, _ in model.named_parameters()]
+    sd = _torch_adamw_state(model)
+    sd["param_groups"][0].update(lr=0.5, maximize=True)
+    with pytest.warns(UserWarning, match=r"param_groups hold \{\"param_groups\[0\]\['lr'\]\": 0\.5, "
+                                         r"\"param_groups\[0\]\['maximize'\]\": True\}; they are not read"):
+        assert pyengine.AdamW().load_torch_state_dict(make(model), sd, names) == 1
+
+
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
 def test_torch_state_dict_refuses_a_step_that_is_no_count(step):
     """step=-1 gave an empty state, 1.5 a state at step 1.5, True one at step 1."""
