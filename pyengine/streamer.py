@@ -54,6 +54,13 @@ def check_options(bucket_mb, first_bucket_mb, unused, eager_mb, who: str = "Grad
         raise ValueError(f"{who}: eager_mb must be a number >= 0 or None; got {eager_mb!r}")
 
 
+def _copy_source(grad: torch.Tensor) -> torch.Tensor | None:
+    """What a gradient's copy into its slot reads: None (a zero-fill) for a ZeroTensor, the storage-less zeros that
+    some backward formulas give (torch.sgn's, a custom Function's torch._efficientzerotensor): its data pointer is
+    null, and a copy from it killed the process."""
+    return None if grad._is_zerotensor() else grad.detach().contiguous()
+
+
 def make_buckets(layout: Sequence[LayoutEntry], numel: int, grad_dtype: torch.dtype, bucket_mb: float,
                  first_bucket_mb: float) -> list[Bucket]:
     """DDP's scheme over a store layout (``store.layout``, ``store.numel``): a parameter joins the open bucket, which
@@ -341,7 +348,7 @@ class GradientStreamer:
         grad = self._params[index].grad
         if grad is None:  # no gradient after all: the bucket's launch decides (zeros or the error)
             return
-        self._transfer.launch(_GRADS, k, [grad.detach().contiguous()], [self._slot_views[index]], False)
+        self._transfer.launch(_GRADS, k, [_copy_source(grad)], [self._slot_views[index]], False)
         self._sent[index] = True
 
     def _launch_ready(self) -> None:
@@ -353,7 +360,7 @@ class GradientStreamer:
                 if self._sent[i]:
                     continue
                 grad = self._params[i].grad
-                srcs.append(grad.detach().contiguous() if self._fired[i] and grad is not None else None)
+                srcs.append(_copy_source(grad) if self._fired[i] and grad is not None else None)
                 dsts.append(self._slot_views[i])
             self._transfer.launch(_GRADS, k, srcs, dsts)
             self._next_launch += 1
@@ -529,10 +536,11 @@ class GradientStreamer:
             raise ValueError(f"GradientStreamer.copy_back: source must be a flat store buffer of {self.store.numel} "
                              f"elements; got shape {tuple(source.shape)}")
         if (source.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not source.is_contiguous()
-                or source.device.type != "cpu"):  # checked before any bucket is released or copied
+                or source.device.type != "cpu" or source._is_zerotensor()):  # checked before any bucket is released or copied
             raise ValueError(f"GradientStreamer.copy_back: source must be a contiguous float32, bfloat16 or float16 "
                              f"host buffer (the store's param or shadow); got {source.dtype} on {source.device}"
-                             f"{'' if source.is_contiguous() else ', not contiguous'}")
+                             f"{'' if source.is_contiguous() else ', not contiguous'}"
+                             f"{', a ZeroTensor (no memory behind it)' if source._is_zerotensor() else ''}")
         return source
 
     def _copy_back_bucket(self, k: int, source: torch.Tensor, dsts: list[torch.Tensor]) -> None:

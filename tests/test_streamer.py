@@ -622,6 +622,47 @@ def test_unused_parameter_gives_zero(device):
         assert torch.count_nonzero(slot_views(store, 0)["extra.weight"]) == 0
 
 
+class SignWeights(torch.nn.Module):
+    """A layer used through torch.sgn of its weight: torch gives that weight a ZeroTensor gradient (no memory behind
+    it, a null data pointer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.sign, self.out = torch.nn.Linear(5, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(x @ torch.sgn(self.sign.weight).t() + self.sign.bias).pow(2).mean()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_zero_tensor_gradient_streams_zeros(device):
+    """The copy thread read a ZeroTensor gradient's null pointer and the process died (SIGSEGV); it is a zero-fill.
+    In an engine too: the step equals torch.optim.AdamW's (in float64) on the whole batch."""
+    model = SignWeights().to(device)
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        store.grad_slot(0).fill_(7.0)  # stale contents must be overwritten
+        loss = model(torch.randn(4, 5, device=device))
+        with streamer.backward_pass(loss):
+            loss.backward()
+        streamer.wait_all()
+        assert model.sign.weight.grad._is_zerotensor()  # the premise
+        assert_slots_equal_grads(store, model, 0)
+        assert torch.count_nonzero(slot_views(store, 0)["sign.weight"]) == 0
+    x = torch.randn(8, 5)
+    reference = copy.deepcopy(SignWeights()).double()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.1, foreach=False)
+    reference(x.double()).backward()
+    optimizer.step()
+    with pyengine.Engine(SignWeights(), lambda m, batch: m(batch), devices=["cpu"] * 2, pin=False,
+                         optimizer=pyengine.AdamW(lr=0.1, weight_decay=0.1)) as engine:
+        engine.step(x)
+        for name, value in engine.master_state_dict().items():
+            torch.testing.assert_close(value.double(), dict(reference.named_parameters())[name].detach(), rtol=1e-6,
+                                       atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_unused_parameter_error_names_it_and_does_not_hang(device):
     model = Net().to(device)
@@ -961,6 +1002,9 @@ def test_transfer_checks_its_arguments():
             transfer.launch(0, 1, *pair)
     assert torch.equal(dst, torch.full((5,), 9.0))
     shared = torch.arange(1000.0)  # overlapping source and destination: memcpy's result is undefined
+    for pair in (([torch._efficientzerotensor(5)], [dst]), ([None], [torch._efficientzerotensor(5)])):
+        with pytest.raises(ValueError, match="pair 0 holds a ZeroTensor"):  # no memory: a null pointer was read
+            transfer.launch(0, 1, *pair)
     with pytest.raises(ValueError, match=r"srcs\[0\] and dsts\[0\] overlap in memory"):
         transfer.launch(0, 1, [shared[:900]], [shared[100:]])
     assert torch.equal(shared, torch.arange(1000.0))

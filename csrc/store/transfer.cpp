@@ -22,6 +22,10 @@ bool copyable_dtype(at::ScalarType type) {
 void check_pair(const at::Tensor& src, const at::Tensor& dst, size_t i) {
   TORCH_CHECK_VALUE(dst.defined() && dst.is_contiguous(), "BucketTransfer: dsts[", i,
                     "] must be a contiguous tensor");
+  // A ZeroTensor (torch._efficientzerotensor; torch.sgn's gradient, say) has no memory: its data pointer is null, and
+  // the copy thread's memcpy from it killed the process. A zero source is an undefined one (a zero-fill).
+  TORCH_CHECK_VALUE(!dst._is_zerotensor() && !(src.defined() && src._is_zerotensor()), "BucketTransfer: pair ", i,
+                    " holds a ZeroTensor (no memory behind it); pass an undefined source (None) to fill with zeros");
   // A lazy negation (torch._neg_view) lives in a flag a byte copy would not see: the values would land unnegated.
   TORCH_CHECK_VALUE(!dst.is_neg() && !(src.defined() && src.is_neg()), "BucketTransfer: pair ", i,
                     " is a negative view (torch._neg_view); resolve it first (.resolve_neg())");
