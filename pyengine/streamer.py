@@ -535,8 +535,9 @@ class GradientStreamer:
         if source.dim() != 1 or source.numel() != self.store.numel:
             raise ValueError(f"GradientStreamer.copy_back: source must be a flat store buffer of {self.store.numel} "
                              f"elements; got shape {tuple(source.shape)}")
+        # checked before any bucket is released or copied
         if (source.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not source.is_contiguous()
-                or source.device.type != "cpu" or source._is_zerotensor()):  # checked before any bucket is released or copied
+                or source.device.type != "cpu" or source._is_zerotensor()):
             raise ValueError(f"GradientStreamer.copy_back: source must be a contiguous float32, bfloat16 or float16 "
                              f"host buffer (the store's param or shadow); got {source.dtype} on {source.device}"
                              f"{'' if source.is_contiguous() else ', not contiguous'}"
