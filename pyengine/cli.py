@@ -902,6 +902,10 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                 print(f"[{mode}] resuming at step {start_step}, before the run's newest checkpoint: the later "
                       f"checkpoints and metrics were moved to {aside}", file=sys.stderr, flush=True)
         kept = _read_metrics(metrics_path, upto=start_step) if resume is not None else []
+        # the samples trained before this run: the checkpoint counts them (its run directory's metrics.jsonl may be
+        # another's, or lack lines: a checkpoint copied into a new directory has none); older checkpoints did not
+        samples_before = (resume.get("samples_done", sum(r.get("samples", 0) for r in kept)) if resume is not None
+                          else 0)
         if primary:  # a resumed run redoes the steps after its checkpoint; a crash keeps the old file whole
             _write_lines(metrics_path, [json.dumps(r) + "\n" for r in kept])
         records = list(kept)
@@ -916,7 +920,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         # former and leaves the latter out. Every batch is applied once (resuming at a count applied batch 1 twice
         # and never batch 0). Hybrid, sync and pipeline take batch ``step`` at each step: beyond stays empty.
         state = dict(step=start_step, batches=batches_done, applied_beyond=set(applied_beyond), taken=[],
-                     last_ckpt=None, t0=time.perf_counter(),
+                     samples=samples_before, last_ckpt=None, t0=time.perf_counter(),
                      agreed_ckpt=ckpt.path_for(ckpt_dir, start_step) if resume is not None else None)
 
         def elapsed() -> float:
@@ -940,8 +944,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             config = _saved_config(dict(cfg, mode=mode, out=str(out), **own_trace, **own_async,
                                         **({} if pipeline else {"microbatches": own_microbatches})))
             payload = dict(kind="pyengine.train", step=state["step"], batches_done=state["batches"],
-                           batches_beyond=sorted(state["applied_beyond"]), elapsed_s=elapsed(), mode=mode,
-                           config=config, engine=engine_state)
+                           batches_beyond=sorted(state["applied_beyond"]), elapsed_s=elapsed(),
+                           samples_done=state["samples"], mode=mode, config=config, engine=engine_state)
             began = time.perf_counter()
             state["last_ckpt"] = ckpt.save(ckpt_dir, state["step"], payload, keep=cfg["keep"] if prune else None)
             state["save_s"] = time.perf_counter() - began
@@ -993,6 +997,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                     state["batches"] += 1
             else:
                 state["batches"] += 1
+            state["samples"] += rec["samples"]
             rec.pop("time", None)
             rec = _json_safe(rec)
             records.append(rec)
@@ -1089,9 +1094,12 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         engine.close()
 
     this_run = records[len(kept):]
-    samples = sum(r["samples"] for r in records)
+    samples = state["samples"]
     train_total = records[-1]["elapsed_s"] if records else 0.0
     tail = [r["loss"] for r in records[-10:] if r["loss"] is not None]
+    # a run whose last step's loss is not finite (None in the records) ended diverged: its final loss is not the
+    # last finite one before (that made a diverged mode the best of --mode all)
+    diverged = bool(records) and records[-1]["loss"] is None
 
     def mean(key):
         values = [r[key] for r in this_run if r.get(key) is not None]
@@ -1102,7 +1110,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         **({"rank_devices": cfg["rank_devices"]} if world > 1 else {}), steps=state["step"],
         target_steps=target,
         samples=samples, samples_per_s=samples / train_total if train_total > 0 else 0.0,
-        final_loss=sum(tail) / len(tail) if tail else None, final_loss_window=len(tail),
+        final_loss=sum(tail) / len(tail) if tail and not diverged else None,
+        final_loss_window=0 if diverged else len(tail), diverged=diverged,
         test_accuracy=evaluation["test_accuracy"], test_loss=evaluation["test_loss"],
         wall_s=time.perf_counter() - started, train_s=train_total, this_run_train_s=train_s,
         data=cfg["data"], model=cfg["model"], params=sum(p.numel() for p in model.parameters()),
@@ -1161,6 +1170,8 @@ def _read_checkpoint(file: Path) -> dict:
     if not (isinstance(payload["elapsed_s"], (int, float)) and math.isfinite(payload["elapsed_s"])
             and payload["elapsed_s"] >= 0):
         refuse("its elapsed_s must be a number of seconds >= 0", payload["elapsed_s"])
+    if "samples_done" in payload and not count(payload["samples_done"]):  # absent before checkpoints counted them
+        refuse("its samples_done must be an int >= 0", payload["samples_done"])
     config = payload["config"]
     if not isinstance(config, dict):
         refuse("its config must be a dict", type(config).__name__)
@@ -1432,7 +1443,7 @@ def _summarise(summary: dict) -> str:
     where = workers if summary.get("processes", 1) == 1 else f"{_plural(summary['processes'], 'process')} x {workers}"
     return (f"[{summary['mode']}] {summary['steps']} steps on {where}: "
             f"{summary['samples_per_s']:,.0f} samples/s, final loss "
-            f"{'n/a' if loss is None else format(loss, '.4g')}, "
+            f"{'nan (diverged)' if summary.get('diverged') else 'n/a' if loss is None else format(loss, '.4g')}, "
             f"test accuracy {acc:.2%} ({summary['wall_s']:.1f} s)")
 
 

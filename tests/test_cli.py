@@ -456,6 +456,21 @@ def test_a_copied_or_moved_run_writes_its_trace_in_its_own_folder_and_no_other_r
     assert outside.read_bytes() != written
 
 
+def test_a_checkpoint_copied_into_a_new_directory_counts_the_samples_trained_before_it(tmp_path):
+    """The new directory has no metrics.jsonl: its summary counted the resumed run's samples only, and divided them
+    by the whole run's training time (a rate ~15x too low). The checkpoint counts them."""
+    first, copy_ = tmp_path / "first", tmp_path / "copy"
+    assert train("--steps", "4", "--out", str(first), "--quiet", *SHORT) == 0
+    (copy_ / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpt.latest(first / "checkpoints"), copy_ / "checkpoints")
+    for run in (copy_, first):
+        assert train("--resume", str(run), "--steps", "6", "--quiet") == 0
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["samples"] == 6 * 32 and summary["train_s"] > summary["this_run_train_s"], run
+        assert summary["samples_per_s"] == pytest.approx(summary["samples"] / summary["train_s"])
+    assert len((copy_ / "metrics.jsonl").read_text().splitlines()) == 2  # the premise: 2 of the 6 steps there
+
+
 def test_a_mode_all_resume_from_elsewhere_writes_its_traces_where_the_run_did(tmp_path, monkeypatch):
     """config.json kept --trace as given: a relative one was taken from the resuming shell's working directory."""
     first, other = tmp_path / "first", tmp_path / "other"
@@ -1500,13 +1515,22 @@ def test_mode_all_sub_runs_resume(tmp_path):
 def test_non_finite_losses_are_reported_not_fatal(tmp_path, capsys):
     """A diverging run (lr 1e30; 1e38 is refused before any work, its step size lr / (1 - beta1) being past
     float32's range): losses become non-finite (null in metrics.jsonl, "nan" on the
-    progress line) and the run still ends with its checkpoint, loss.png and, for --mode all, compare.png."""
+    progress line) and the run still ends with its checkpoint, loss.png and, for --mode all, compare.png. A run
+    whose last loss is not finite ended diverged: its final loss is none (it was the last finite one, and such a
+    mode could be --mode all's best)."""
     out = tmp_path / "diverged"
     assert train("--mode", "all", "--steps", "3", "--lr", "1e30", "--log-every", "1", "--out", str(out),
                  *SHORT) == 0
-    assert "loss nan" in capsys.readouterr().out
-    losses = [json.loads(line)["loss"] for line in (out / "hybrid" / "metrics.jsonl").read_text().splitlines()]
-    assert None in losses
+    printed = capsys.readouterr().out
+    assert "loss nan" in printed
+    top = json.loads((out / "summary.json").read_text())
+    for mode in ("hybrid", "sync", "async", "pipeline"):
+        losses = [json.loads(line)["loss"] for line in (out / mode / "metrics.jsonl").read_text().splitlines()]
+        assert losses[0] is not None and losses[-1] is None, (mode, losses)  # the premise
+        summary = json.loads((out / mode / "summary.json").read_text())
+        assert summary["diverged"] and summary["final_loss"] is None and top["final_loss"][mode] is None, mode
+        assert f"[{mode}] 3 steps on 2 workers: " in printed and "final loss nan (diverged)" in printed
+    assert top["best"]["final_loss"] is None
     assert (out / "compare.png").read_bytes().startswith(PNG) and (out / "hybrid" / "loss.png").exists()
 
 
