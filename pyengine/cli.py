@@ -1360,9 +1360,13 @@ def _apply_resume_flags(base: dict, given: dict) -> dict:
                 cfg["epochs"] = None
             if key == "epochs":
                 cfg["steps"] = None
+        elif key == "stages" and cfg.get(key) is None and value == pipeline_workers(cfg):
+            continue  # saved as None: a stage per worker, the number given
         elif cfg.get(key) != value:
+            saved = (f"None (a stage per worker: {pipeline_workers(cfg)})" if key == "stages" and cfg.get(key) is None
+                     else repr(cfg[key]))
             raise UsageError(f"--{key.replace('_', '-')} {value} differs from the resumed run's "
-                             f"{cfg[key]!r}; a resumed run keeps its settings (only "
+                             f"{saved}; a resumed run keeps its settings (only "
                              f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_OVERRIDABLE))} "
                              f"may change, and --devices/--workers for --mode {'/'.join(DEVICES_MOVABLE)})")
     return cfg

@@ -962,6 +962,19 @@ def test_resume_with_another_setting_is_refused_naming_what_may_change(finished_
     assert _unchanged(run) == before
 
 
+def test_a_pipeline_resume_takes_the_stages_it_trained_with(tmp_path, capsys):
+    """--stages left out is saved as None (a stage per worker): giving that number on resume was refused as a
+    change, and the refusal of another number named None."""
+    run = tmp_path / "run"
+    assert train("--mode", "pipeline", "--steps", "2", "--out", str(run), "--quiet", *SHORT) == 0
+    assert json.loads((run / "summary.json").read_text())["stages"] == 2  # the premise
+    assert train("--resume", str(run), "--steps", "3", "--stages", "2", "--quiet") == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    capsys.readouterr()
+    assert train("--resume", str(run), "--steps", "4", "--stages", "1", "--quiet") == 2
+    assert "--stages 1 differs from the resumed run's None (a stage per worker: 2)" in capsys.readouterr().err
+
+
 def test_summary_line_formats():
     from pyengine.cli import _summarise
     summary = dict(mode="hybrid", steps=3, workers=1, samples_per_s=1234.5, final_loss=3.1e-5, test_accuracy=0.975,
