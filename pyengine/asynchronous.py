@@ -255,7 +255,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         try:
             if own_thread:
                 run.threads.add(ident)
-                set_worker_threads(engine.devices)
+                set_worker_threads(engine.devices, engine._intra_op_threads)
             while not stop.is_set():
                 wall_start = time.perf_counter()
                 pulled = pull(worker)

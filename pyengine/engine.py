@@ -363,7 +363,7 @@ class Engine:
         self._task_threads = set()  # idents of the threads of this engine's worker and stage pools (close() asks)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
-            initializer=task_thread_initializer, initargs=(self._task_threads, self.devices))
+            initializer=task_thread_initializer, initargs=(self._task_threads, self.devices, self._intra_op_threads))
         self.buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._buffers_before = None  # Note [A failed step leaves the buffers alone]

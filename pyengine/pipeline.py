@@ -575,7 +575,7 @@ class Pipeline:
         # only thread its neighbour could run on
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=len(devices), thread_name_prefix="pyengine-stage", initializer=task_thread_initializer,
-            initargs=(engine._task_threads, devices))
+            initargs=(engine._task_threads, devices, engine._intra_op_threads))
 
     def _build(self, sizes: list[int]) -> None:
         """Builds the stages, or raises and leaves the pipeline unbuilt (the next step tries again)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import signal
 import threading
 import time
@@ -196,8 +195,12 @@ def _map(batch, fn):
     return batch
 
 
-def set_worker_threads(devices: list[torch.device]) -> None:
-    """Intra-op threads of the calling worker thread: the cores divided among the CPU workers.
+def set_worker_threads(devices: list[torch.device], threads: int) -> None:
+    """Intra-op threads of the calling worker thread: ``threads``, the intra-op threads of the thread that built the
+    engine (``torch.get_num_threads()``, which honours OMP_NUM_THREADS, ``torch.set_num_threads`` and the CPUs the
+    process may run on), divided among the CPU workers. Not ``os.cpu_count()``: a process pinned to 4 of a
+    machine's 64 CPUs gave each of 2 workers 32 threads, and so did each of 8 processes of a node under torchrun
+    (which sets OMP_NUM_THREADS=1 in each, unless given, for that reason).
 
     Note [Worker threads' count]
     ``torch.set_num_threads`` sets the calling thread's OpenMP count and also the count every thread started later
@@ -206,14 +209,15 @@ def set_worker_threads(devices: list[torch.device]) -> None:
     thread had back, and so does an engine collected without close() (a finalizer; tested: tests/test_engine.py)."""
     cpu_workers = sum(d.type == "cpu" for d in devices)
     if cpu_workers:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
+        torch.set_num_threads(max(1, threads // cpu_workers))
 
 
-def task_thread_initializer(threads: set, devices: list[torch.device]) -> None:
+def task_thread_initializer(threads: set, devices: list[torch.device], intra_op_threads: int) -> None:
     """Initializer of an engine's worker and stage pool threads: records the thread in ``threads`` (so
-    :meth:`Engine.close` knows a call from inside one of its steps) and sets its intra-op threads."""
+    :meth:`Engine.close` knows a call from inside one of its steps) and sets its intra-op threads
+    (:func:`set_worker_threads`)."""
     threads.add(threading.get_ident())
-    set_worker_threads(devices)
+    set_worker_threads(devices, intra_op_threads)
 
 
 # Host work over fewer elements than this runs on one thread beside CPU workers (Note [Host threads beside CPU

@@ -2188,23 +2188,41 @@ def test_close_gives_later_threads_the_callers_thread_count(rng, mode):
     """Note [Worker threads' count]: CPU workers set their share of the cores, which later threads would inherit;
     after close() a new thread starts with the count the engine's caller had."""
     options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
-    share = max(1, (os.cpu_count() or 1) // 4)  # what each of 4 CPU workers sets (workers.set_worker_threads)
-    torch.set_num_threads(share + 1)
+    torch.set_num_threads(8)
     with Engine(make_model(), loss_fn, devices=["cpu"] * 4, mode=mode, pin=False, **options) as engine:
         engine.fit(make_batches(rng, 2, 8))
-        assert _new_thread_count() == share  # the premise: the effect exists
-    assert _new_thread_count() == share + 1
+        assert _new_thread_count() == 2  # the premise: the effect exists (each of 4 CPU workers set 8 // 4)
+    assert _new_thread_count() == 8
 
 
 def test_an_engine_dropped_without_close_gives_later_threads_the_callers_thread_count(rng):
-    share = max(1, (os.cpu_count() or 1) // 4)
-    torch.set_num_threads(share + 1)
+    torch.set_num_threads(8)
     engine = Engine(make_model(), loss_fn, devices=["cpu"] * 4, pin=False)
     engine.fit(make_batches(rng, 2, 8))
-    assert _new_thread_count() == share  # the premise: the effect exists
+    assert _new_thread_count() == 2  # the premise: the effect exists
     del engine
     gc.collect()
-    assert _new_thread_count() == share + 1
+    assert _new_thread_count() == 8
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "async", "pipeline"])
+def test_cpu_workers_divide_the_callers_intra_op_threads(rng, mode):
+    """Note on set_worker_threads: the workers share the threads of the thread that built the engine (what
+    OMP_NUM_THREADS, torch.set_num_threads and the process's CPU affinity leave it), not os.cpu_count(): a process
+    pinned to a few of a machine's CPUs, or one of several processes of a node, oversubscribed its cores."""
+    options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
+    seen = set()
+
+    def counting_loss(model, batch):
+        seen.add(torch.get_num_threads())
+        return loss_fn(model, batch)
+
+    for threads in (3 * (os.cpu_count() or 1), 1):  # more than the machine's CPUs; fewer than its workers
+        torch.set_num_threads(threads)
+        seen.clear()
+        with Engine(make_model(), counting_loss, devices=["cpu"] * 2, mode=mode, pin=False, **options) as engine:
+            engine.fit(make_batches(rng, 2, 8))
+        assert seen == {max(1, threads // 2)}, threads
 
 
 @pytest.mark.parametrize("workers,serial", [(2, True), (1, False)])
