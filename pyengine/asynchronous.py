@@ -192,7 +192,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                                compute=compute, update=end - start, transfer_wait=wait,
                                copy_back=copy_back, applied=applied, worker=worker.index, version_at_pull=pulled,
                                version_at_apply=engine.version - int(applied), staleness=staleness,
-                               loss_scale=scale, batches=ordinals)
+                               lr_divisor=engine.staleness_divisor(staleness), loss_scale=scale, batches=ordinals)
         engine._record(metrics)
         return metrics
 

@@ -1460,7 +1460,7 @@ class AsyncServer:
                                    push_id=int(push_id), version_at_pull=int(pulled),
                                    version_at_apply=engine.version - int(applied), staleness=staleness,
                                    server=self.rank, adam_step=step if applied else None, lr_step=step or None,
-                                   loss_scale=scale)
+                                   lr_divisor=engine.staleness_divisor(staleness), loss_scale=scale)
             engine._record(metrics)
             for callback in self.callbacks:
                 callback(engine, metrics)

@@ -1385,7 +1385,7 @@ class Engine:
         if not decided and self.max_staleness is not None and staleness > self.max_staleness:
             self._counters["refreshes"] += 1
             return None
-        divisor = 1.0 + staleness if self.staleness_lr == "inverse" else 1.0
+        divisor = self.staleness_divisor(staleness)
         self.check_update(self.version + 1 if step is None else step)  # a bad value raises before the count
         self._counters["pushes"] += 1
         self._staleness[staleness] += 1  # before the update, which may raise: the histogram counts every push
@@ -1414,6 +1414,11 @@ class Engine:
                              "made with shard_update=True, which does not support it (the sharded update runs one "
                              "weight decay over each rank's ranges); set it back to () or build an engine without one "
                              "of them")
+
+    def staleness_divisor(self, staleness: int | None) -> float:
+        """What divides the scheduled lr of a push of this ``staleness`` (``staleness_lr="inverse"``: 1 +
+        staleness; otherwise, and for None, 1)."""
+        return 1.0 + staleness if self.staleness_lr == "inverse" and staleness is not None else 1.0
 
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based: the optimizer's step count after it): ``optimizer.lr``

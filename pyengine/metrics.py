@@ -13,12 +13,13 @@ def step_counter(mode: str) -> str:
 
 def step_metrics(engine: Engine, *, loss: float, samples: int, wall: float, compute: float, update: float,
                  transfer_wait: float, copy_back: float, applied: bool, lr_step: int | None = None,
-                 loss_scale: float | None = None, **extra) -> dict:
+                 lr_divisor: float = 1.0, loss_scale: float | None = None, **extra) -> dict:
     """The per-step metrics every schedule reports (seconds; overlap = (compute + update) / wall). ``lr``: the
-    scheduled learning rate of the update (:meth:`Engine.lr_at` its step, ``lr_step`` when not ``version``; async's
-    staleness damping not included), None when the step was skipped. ``loss_scale``: the scale the step computed
-    with, reported when the engine scales the loss."""
-    lr = engine.lr_at(engine.version if lr_step is None else lr_step) if applied else None
+    learning rate the update ran with: the scheduled one (:meth:`Engine.lr_at` its step, ``lr_step`` when not
+    ``version``) divided by ``lr_divisor`` (async's staleness damping, :meth:`Engine.staleness_divisor`); None when
+    the step was skipped. ``loss_scale``: the scale the step computed with, reported when the engine scales the
+    loss."""
+    lr = engine.lr_at(engine.version if lr_step is None else lr_step) / lr_divisor if applied else None
     # step: the steps (async: pushes) the engine has counted, this one included, as stats() counts them (the
     # length of history was not: a step raised for a non-finite gradient is counted and not recorded, and
     # load_state_dict restores the counts, not the history)

@@ -824,7 +824,8 @@ def poisoned_loss(model, batch):
 
 
 def _push_record(engine):
-    return [{k: m[k] for k in ("rank", "push_id", "applied", "version_at_pull", "staleness", "server", "adam_step")}
+    return [{k: m[k] for k in ("rank", "push_id", "applied", "version_at_pull", "staleness", "server", "adam_step",
+                               "lr")}
             for m in engine.history if "server" in m]
 
 

@@ -707,6 +707,10 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
             assert [m["push_id"] for m in runs[c]["history"]] == ids, f"{name}, rank {c}: acknowledgements differ"
         for r in range(1, world):  # the end of a run gives every rank the whole store
             assert_identical(runs[0]["master"], runs[r]["master"], f"{name}, rank {r}")
+    # staleness_lr="inverse": a push's metrics hold the lr it was applied with (stale pushes are likely here, not
+    # certain: tests/test_engine.py makes them certain in one process)
+    free = [m for m in ranks[0]["free"]["history"] if m["applied"]]
+    assert all(m["lr"] == pytest.approx(dist_job.OPT["lr"] / (1 + m["staleness"]), rel=1e-12) for m in free)
     sequential = [rank["sequential"] for rank in ranks]
     history = sequential[0]["history"]
 
