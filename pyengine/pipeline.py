@@ -501,9 +501,21 @@ class _Activations:
             # Detached, not t itself: an op's saved output kept as itself holds its own grad_fn, a cycle through C++
             # that only backward breaks and gc cannot see; the activations of a failed step, or of an op off the
             # loss's path, were never freed. Autograd gives the unpacked alias its grad_fn back.
-            return t.detach()
+            # With its version: under saved-tensor hooks autograd no longer checks that a saved tensor was not
+            # changed in place since (the detached alias shares its version counter), so unpack does, with autograd's
+            # own error (a layer that did y = exp(x); y.add_(1) trained on a wrong gradient in a pipeline only).
+            return t.detach(), t._version
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        def unpack(packed):
+            t, version = packed
+            if t._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead "
+                    "(a pipeline stage's forward changed a tensor in place after an operation saved it for backward)")
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def stored(self) -> int:
         nbytes = self._current
