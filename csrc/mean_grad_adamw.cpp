@@ -20,6 +20,13 @@ bool is_grad_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
+// The kernels read and write elements through typed pointers (vector loads on CUDA when aligned); a tensor whose data
+// does not start on its element size's boundary (torch.frombuffer at an odd offset, DLPack) is formally undefined
+// behaviour on the CPU and a misaligned-address fault on CUDA, which ends the process's CUDA context.
+bool aligned(const at::Tensor& t) {
+  return t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % t.element_size() == 0;
+}
+
 std::string describe(const at::Tensor& t) {
   std::ostringstream os;
   os << t.scalar_type() << " tensor of shape " << t.sizes() << " on " << t.device()
@@ -54,12 +61,15 @@ void check_buffer(const at::Tensor& t, const std::string& name, const at::Tensor
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (",
                     written ? "it is written in place; a copy would lose the update" : "it is read as a flat array",
                     "); got ", describe(t));
+  TORCH_CHECK_VALUE(aligned(t), name, "'s data must start on a multiple of its element size (", t.element_size(),
+                    " bytes); got ", describe(t), " at address ", t.data_ptr());
 }
 
 void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name, const at::Tensor& param) {
   if (!t.has_value()) return;
   TORCH_CHECK_VALUE(t->numel() == 1, name, " must have exactly 1 element; got ", describe(*t));
   TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, " must be float32; got ", describe(*t));
+  TORCH_CHECK_VALUE(aligned(*t), name, "'s data must start on a multiple of 4 bytes; got address ", t->data_ptr());
   TORCH_CHECK_VALUE(t->device() == param.device(), name, " must be on ", param.device(), " like param; got ",
                     describe(*t));
 }
@@ -165,6 +175,8 @@ int64_t check_norm_args(at::TensorList grads, int64_t num_tensors, const std::op
       TORCH_CHECK_VALUE(t.numel() == first.numel(), op_name, ": ", name, " must have ", first.numel(),
                         " elements like grads[0]; got ", describe(t));
       TORCH_CHECK_VALUE(t.is_contiguous(), op_name, ": ", name, " must be contiguous; got ", describe(t));
+      TORCH_CHECK_VALUE(aligned(t), op_name, ": ", name, "'s data must start on a multiple of its element size (",
+                        t.element_size(), " bytes); got ", describe(t), " at address ", t.data_ptr());
     }
   }
   check_weights(weights, num_workers);
@@ -205,6 +217,8 @@ void check_update_args(const UpdateArgs& a) {
     TORCH_CHECK_VALUE(p.is_contiguous(), pname, " must be contiguous (it is updated in place; a copy would lose the "
                       "update); got ", describe(p));
     TORCH_CHECK_VALUE(!a.flat || p.dim() == 1, "param must be 1-D (flat form); got ", describe(p));
+    TORCH_CHECK_VALUE(aligned(p), pname, "'s data must start on a multiple of its element size (4 bytes); got ",
+                      describe(p), " at address ", p.data_ptr());
     check_buffer(a.exp_avgs[i], arg_name("exp_avg", i, P), p, true, true, a.flat);
     check_buffer(a.exp_avg_sqs[i], arg_name("exp_avg_sq", i, P), p, true, true, a.flat);
     outputs.push_back(span_of(p, pname));

@@ -522,6 +522,52 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(device, case):
         torch.testing.assert_close(now, then, rtol=0, atol=0, equal_nan=True, msg="a rejected call must not write")
 
 
+def _misaligned(n, dtype=torch.float32):
+    """n elements whose data starts one byte past an element boundary (torch.frombuffer at an odd offset)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    t = torch.frombuffer(bytearray(n * size + 1), dtype=dtype, offset=1, count=n)
+    assert t.data_ptr() % size != 0  # the premise
+    return t
+
+
+@pytest.mark.parametrize("key,message", [("grads", r"grads\[1\]'s data must start on a multiple of its element size"),
+                                         ("param", r"param's data must start on a multiple of its element size"),
+                                         ("found_inf", r"found_inf's data must start on a multiple of 4 bytes"),
+                                         ("norm", r"mean_grad_norm: grads\[1\]'s data must start")])
+def test_misaligned_tensors_are_refused(key, message):
+    """A tensor whose data is not on its element size's boundary was accepted: undefined behaviour on the CPU (typed
+    pointers), a misaligned-address fault on CUDA, which ends the process's CUDA context."""
+    call = valid_call("cpu")
+    odd = _misaligned(1 if key == "found_inf" else 64)
+    odd.copy_(torch.zeros(1) if key == "found_inf" else call["grads"][1])
+    before = call["param"].clone()
+    with pytest.raises(ValueError, match=message):
+        if key == "norm":
+            ops.mean_grad_norm([call["grads"][0], odd])
+        elif key == "grads":
+            ops.mean_grad_adamw_(call["param"], call["exp_avg"], call["exp_avg_sq"], [call["grads"][0], odd],
+                                 lr=1e-3, step=1)
+        elif key == "param":
+            before = odd.clone()
+            ops.mean_grad_adamw_(odd, call["exp_avg"], call["exp_avg_sq"], call["grads"], lr=1e-3, step=1)
+        else:
+            ops.mean_grad_adamw_(call["param"], call["exp_avg"], call["exp_avg_sq"], call["grads"], lr=1e-3, step=1,
+                                 found_inf=odd)
+    assert torch.equal(odd if key == "param" else call["param"], before)
+
+
+def test_a_zero_tensor_is_refused_by_name():
+    """torch.sgn's gradient is a ZeroTensor (no memory): the dispatcher made it an expanded zero, refused as
+    "non-contiguous"."""
+    call = valid_call("cpu")
+    zero = torch._efficientzerotensor(64)
+    with pytest.raises(ValueError, match=r"grads\[1\] is a ZeroTensor .*pass torch.zeros"):
+        ops.mean_grad_adamw_(call["param"], call["exp_avg"], call["exp_avg_sq"], [call["grads"][0], zero], lr=1e-3,
+                             step=1)
+    with pytest.raises(ValueError, match=r"grads\[0\] is a ZeroTensor"):
+        ops.mean_grad_norm([zero])
+
+
 def test_empty_lists_are_clear_errors():
     g = torch.ones(4)
     with pytest.raises(ValueError, match=r"grads must hold G >= 1 gradients"):
