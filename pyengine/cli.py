@@ -1073,7 +1073,10 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         train_s = time.perf_counter() - train_start
         progress.close()
         metrics_file.close()
-        if stop.requested:
+        # Under torchrun the ranks stop on their agreement (Interrupted above): a SIGINT that reached one rank after
+        # the last one is left to the next mode's first agreement (or to none), or that rank alone would call its
+        # run interrupted and leave while the others go on
+        if stop.requested and (world == 1 or mode == "async"):
             interrupted = True
         try:
             path = save_checkpoint()
@@ -1723,7 +1726,7 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
                     if rank == 0:  # the checkpoint is rank 0's to write (Note [Training under torchrun])
                         print(_stopped(summary, out, modes[index + 1:] if every else None), file=sys.stderr,
                               flush=True)
-                    return 130
+                    return _leave_together(130, rank)
                 if not quiet:
                     print(_summarise(summary) + f" -> {run_dir}", flush=True)
         except KeyboardInterrupt:
@@ -1750,7 +1753,33 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
             print(f"aborted while writing compare.png and summary.json; every mode is trained and saved: finish "
                   f"with {_resume_command(out)}", file=sys.stderr, flush=True)
             return 130
-    return 0
+    return _leave_together(0, rank)
+
+
+def _leave_together(code: int, rank: int) -> int:
+    """``code``, once every rank got here (under torchrun; else at once), or 1 when that wait failed (said in one line).
+
+    Note [The ranks leave together]
+    Rank 0 alone writes the run's last checkpoint, its summary and plots; the other ranks are done before it. torchrun
+    takes a rank's exit with a code other than 0 (130 after a Ctrl-C) as a failed worker and stops the others with
+    SIGTERM: rank 0, still writing, lost its final checkpoint and summary (seen with a 3 s write). So every rank
+    waits here for the others, rank 0 once it has written everything, before leaving. A failed run (exit 1) does not
+    wait: its group may be broken, and its last checkpoint is the periodic one."""
+    if _launched()[1] == 1:
+        return code
+    import torch.distributed as dist
+
+    from .distributed import DistributedError, _collective
+
+    late = (f"rank 0 was writing the run's last checkpoint, summary and plots: a write longer than the group's timeout "
+            f"({DIST_TIMEOUT_ENV}, default 60 s) ends the wait; else a peer rank died")
+    try:
+        with _collective("the end of the run (waiting for rank 0's last files)", rank, lambda: late):
+            dist.barrier()
+    except DistributedError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return code
 
 
 def _stopped(summary: dict, out: Path, rest: tuple | None) -> str:

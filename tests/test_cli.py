@@ -1485,9 +1485,20 @@ def _rank_of(pid: int) -> int | None:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
 def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """Note [Stopping together under torchrun]: SIGINT sent to rank 1 alone (as a scheduler may) stops both ranks
-    after the same step; rank 0 writes the final checkpoint of that step and the summary, no collective times out."""
+    after the same step; rank 0 writes the final checkpoint of that step and the summary, no collective times out.
+    Rank 0's write is made 3 s slow here: rank 1 left at once with 130, and torchrun stopped rank 0 (SIGTERM) before
+    it had written anything (Note [The ranks leave together])."""
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '0':\n"
+        "    import time\n"
+        "    import pyengine.checkpoint as c\n"
+        "    save = c.save\n"
+        "    c.save = lambda *args, **kwargs: (time.sleep(3), save(*args, **kwargs))[1]\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(slow), str(REPO)]), OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
