@@ -505,8 +505,10 @@ def _split_sizes(n: int, parts: int) -> list[int]:
     return [base + (k < extra) for k in range(parts)]
 
 
-def check_pipeline_layers(cfg: dict, layers: int) -> None:
-    """The model must have at least one layer per stage (:func:`pyengine.models.as_layers` counts them)."""
+def check_pipeline_layers(cfg: dict, costs: list[int]) -> None:
+    """The model must have at least one layer per stage (``costs``: the trainable parameters of each layer of
+    :func:`pyengine.models.as_layers`), and across processes a trainable parameter in each stage."""
+    layers = len(costs)
     stages = cfg["stages"] or pipeline_workers(cfg)
     if cfg["mode"] in ("pipeline", "all") and stages > layers:
         raise UsageError(f"--stages {stages} is more than the {layers} layers of --model {cfg['model']} (each stage "
@@ -517,6 +519,21 @@ def check_pipeline_layers(cfg: dict, layers: int) -> None:
         if len(sizes) != stages or min(sizes) < 1 or sum(sizes) != layers:
             raise UsageError(f"--balance {given}: expected {stages} layer counts (one per stage), each >= 1, summing "
                              f"to the {layers} layers of --model {cfg['model']}")
+    if cfg["mode"] == "pipeline" and _launched()[1] > 1 and stages <= layers:
+        # across processes a stage without trainable parameters is refused (pipeline_distributed): said before any
+        # work, as one line (it was "training failed" on every rank after the set-up)
+        from .pipeline import partition
+
+        sizes = sizes if isinstance(sizes, list) else partition(costs, stages, each_positive=True)
+        bounds = [sum(sizes[:s]) for s in range(stages + 1)]
+        empty = [s for s in range(stages) if not sum(costs[bounds[s]:bounds[s + 1]])]
+        if empty:
+            with_params = sum(c > 0 for c in costs)
+            raise UsageError(f"--stages {stages} across processes: stage {empty[0]} of {sizes} layers gets no "
+                             f"trainable parameter, and each stage across processes needs one (--model "
+                             f"{cfg['model']} has {with_params} layers with parameters of its {layers}; use "
+                             f"--stages <= {with_params}"
+                             f"{' or another --balance' if isinstance(cfg['balance'], list) else ''})")
 
 
 def _check_writable(directory: Path, what: str) -> list[Path]:
@@ -1652,8 +1669,9 @@ def _checked(given: dict, world: int) -> tuple:
         import torch
 
         with torch.device("meta"):  # the layers counted, no memory taken: a --hidden too large to allocate fails
-            layers = len(models.as_layers(models.build(cfg["model"], dataset, cfg["seed"], cfg["hidden"])))
-        check_pipeline_layers(cfg, layers)  # later, as in hybrid mode, as one line (it was a traceback here)
+            layers = models.as_layers(models.build(cfg["model"], dataset, cfg["seed"], cfg["hidden"]))
+        # later, as in hybrid mode, as one line (it was a traceback here)
+        check_pipeline_layers(cfg, [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers])
     if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
     _check_resume_steps(cfg, resumes, dataset.steps_per_epoch(cfg["batch_size"]))

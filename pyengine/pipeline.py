@@ -161,11 +161,12 @@ def as_sequential(model) -> torch.nn.Sequential:
                     f"a non-empty list of nn.Modules; got {type(model).__name__}")
 
 
-def partition(costs, stages: int) -> list[int]:
+def partition(costs, stages: int, each_positive: bool = False) -> list[int]:
     """Sizes of ``stages`` contiguous non-empty groups of layers minimising the largest group cost.
 
     ``costs`` are per-layer (parameter counts or seconds). Exact dynamic programme, O(stages x layers^2); ties go to
-    the earliest cut.
+    the earliest cut. ``each_positive``: every group's cost must be > 0 where enough layers cost anything (stages
+    across processes each need a trainable parameter; a GELU alone was a stage of its own), else as without it.
     """
     costs = [float(c) for c in costs]
     layers = len(costs)
@@ -177,9 +178,12 @@ def partition(costs, stages: int) -> list[int]:
     best = [[math.inf] * (layers + 1) for _ in range(stages + 1)]
     cut = [[0] * (layers + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
+    positive = each_positive and sum(c > 0 for c in costs) >= stages
     for s in range(1, stages + 1):
         for i in range(s, layers - (stages - s) + 1):
             for j in range(s - 1, i):
+                if positive and not prefix[i] - prefix[j] > 0:
+                    continue
                 value = max(best[s - 1][j], prefix[i] - prefix[j])
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j

@@ -64,8 +64,8 @@ def _stage_sizes(layers, stages: int, balance) -> list[int]:
     rank to time every layer: not supported)."""
     if stages > len(layers):
         raise ValueError(f"{stages} ranks (stages) but the model has {len(layers)} layers")
-    if balance == "params":
-        return partition(_param_costs([layer for _, layer in layers]), stages)
+    if balance == "params":  # every stage needs a trainable parameter here (its range of the store)
+        return partition(_param_costs([layer for _, layer in layers]), stages, each_positive=True)
     if balance == "time":
         raise ValueError("balance='time' is not supported across processes; use 'params' or a list of sizes")
     return _check_sizes(balance, len(layers), stages)

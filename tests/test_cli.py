@@ -1229,6 +1229,30 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
     assert all(r["stages"] == 2 for r in records)
 
 
+def test_under_torchrun_a_pipeline_stage_without_parameters_is_refused_before_any_work(monkeypatch):
+    """Across processes each stage needs a trainable parameter: 4 processes of the MLP (3 of its 5 layers have
+    parameters) failed on every rank after the set-up ("training failed"), 3 processes with balance="params" put a
+    GELU alone in a stage; now the first is a usage error naming the limit and the second splits with a parameter in
+    every stage."""
+    from pyengine import cli, models
+
+    costs = [sum(p.numel() for p in layer.parameters()) for layer in models.as_layers(models.MLP(hidden=32))]
+    assert costs[1] == costs[3] == 0  # the premise: GELUs
+    cfg = dict(mode="pipeline", stages=None, balance="params", devices=["cpu"], model="mlp")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(cli.UsageError, match=r"--stages 4 across processes: stage \d of \[.*\] layers gets no "
+                                             r"trainable parameter.*--model mlp has 3 layers with parameters of "
+                                             r"its 5; use --stages <= 3"):
+        cli.check_pipeline_layers(cfg, costs)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cli.check_pipeline_layers(cfg, costs)
+    with pytest.raises(cli.UsageError, match=r"stage 1 of \[1, 1, 3\] layers gets no trainable parameter.* or another "
+                                             r"--balance"):
+        cli.check_pipeline_layers(dict(cfg, balance=[1, 1, 3]), costs)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # in one process a stage without parameters trains
+    cli.check_pipeline_layers(dict(cfg, devices=["cpu"] * 4), costs)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--mode", "sync"], "under torchrun (WORLD_SIZE=2) the command line trains --mode hybrid or pipeline"),
     (["--mode", "pipeline", "--workers", "2"], "each process runs one stage on one device; got 2 devices"),

@@ -141,6 +141,23 @@ def test_a_tensor_changed_in_place_after_it_was_saved_is_refused_as_by_autograd(
         torch.nn.Sequential(*layers)(batch[0]).sum().backward()
 
 
+def test_stages_across_processes_each_get_a_trainable_parameter_when_they_can():
+    """balance="params" across processes put a GELU alone in a stage ([1, 1, 3] for 3 stages of Linear, GELU, Linear,
+    GELU, Linear), which a stage across processes cannot be: the split now gives each stage a parameter where enough
+    layers have one; in one process the split is as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 10))
+    layers = list(model._modules.items())
+    costs = pipeline_module._param_costs(model)
+    assert partition(costs, 3) == [1, 1, 3]  # the premise (in one process: unchanged)
+    sizes = pipeline_distributed._stage_sizes(layers, 3, "params")
+    bounds = [0, sizes[0], sizes[0] + sizes[1], 5]
+    assert all(sum(costs[bounds[s]:bounds[s + 1]]) > 0 for s in range(3)), sizes
+    assert max(sum(costs[bounds[s]:bounds[s + 1]]) for s in range(3)) == max(costs)  # still the least largest stage
+    assert partition(costs, 4, each_positive=True) == partition(costs, 4)  # 3 layers with parameters: as before
+
+
 def test_1f1b_and_gpipe_give_identical_weights(rng, worker_device):
     batches = make_batches(rng, 5, 31)
     results = []
