@@ -127,6 +127,12 @@ def resolve_group(process_group, shard_update: bool, mode: str):
         initialized = dist.is_available() and dist.is_initialized()
         alone = initialized and dist.get_world_size() == 1
         process_group = dist.group.WORLD if initialized and dist.get_world_size() > 1 else None
+        world = os.environ.get("WORLD_SIZE", "1")
+        if not initialized and world.isdigit() and int(world) > 1:  # each rank trained alone, on its own batches
+            warnings.warn(f"Engine: WORLD_SIZE={world} (launched by torchrun?) but torch.distributed is not "
+                          "initialized, so process_group='auto' trains in this process alone; call "
+                          "pyengine.distributed.init_process_group(...) before building the Engine, or pass "
+                          "process_group=None to train alone without this warning", RuntimeWarning, stacklevel=3)
     if process_group is None:
         if shard_update and alone:
             raise ValueError("shard_update=True shards the update across the ranks of a process group, and the "

@@ -1806,6 +1806,18 @@ def test_load_state_dict_warns_that_the_optimizer_groups_hyper_parameters_are_no
             engine.load_state_dict(state)
 
 
+def test_an_engine_launched_by_torchrun_without_a_process_group_warns(rng, monkeypatch):
+    """WORLD_SIZE > 1 without torch.distributed initialized: process_group="auto" trains each rank alone on its own
+    batches, which was silent."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(RuntimeWarning, match=r"WORLD_SIZE=2 \(launched by torchrun\?\) but torch.distributed is not "
+                                            r"initialized, so process_group='auto' trains in this process alone"):
+        Engine(make_model(), loss_fn, devices=["cpu"], pin=False).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no word
+        Engine(make_model(), loss_fn, devices=["cpu"], pin=False, process_group=None).close()
+
+
 def test_dropout_resume_on_other_workers_and_process_free_state(rng):
     """The workers' generators are seeded per step from (seed, worker, step) (Note [Random numbers of concurrent
     workers]): the state holds no generator, and a run resumed with another worker count loads without a word."""
