@@ -37,7 +37,7 @@ __all__ = ["CheckpointError", "FORMAT_VERSION", "save", "load", "save_engine", "
 MAGIC = b"PYENGINE-CKPT\n"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<IQ32s")
-_NAME = re.compile(r"^step-(\d{8,})\.pyeckpt$")
+_NAME = re.compile(r"step-([0-9]{8,})\.pyeckpt")  # fullmatch: "$" took a name ending in a newline, \d other digits
 SUFFIX = ".pyeckpt"
 
 
@@ -67,6 +67,8 @@ def _check_payload(value, where: str = "payload") -> None:
                              "(tensor.as_subclass(torch.Tensor))")
         if value.is_meta:
             raise ValueError(f"checkpoint: {where} is a meta tensor: it has no values to save")
+        for name, item in vars(value).items():  # torch.save keeps a tensor's Python attributes: read back too
+            _check_payload(item, f"{where}.{name}")
         return
     if type(value) in _LEAVES:
         return
@@ -247,7 +249,7 @@ def load_engine(path, engine) -> dict:
 
 def step_of(path) -> int:
     """The step of a checkpoint file named by :func:`path_for`."""
-    match = _NAME.match(Path(path).name)
+    match = _NAME.fullmatch(Path(path).name)
     if match is None:
         raise ValueError(f"{path} is not named like a checkpoint (step-<step>{SUFFIX})")
     return int(match.group(1))
@@ -259,7 +261,7 @@ def list_checkpoints(directory) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_file()]
     return [p for _, p in sorted(found)]
 
 

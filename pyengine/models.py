@@ -150,7 +150,7 @@ def loss_fn(model, batch):
 @torch.no_grad()
 def evaluate(model, x, y, batch_size: int = 512) -> dict:
     """Held-out mean loss and accuracy (per sample for classification, per token for the LM) of a non-empty set,
-    ``batch_size`` (an integer >= 1) samples at a time."""
+    ``batch_size`` (an integer >= 1) samples at a time; the model's training mode is given back as it was."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"evaluate: batch_size must be an integer >= 1; got {batch_size!r}")
     if x.shape[0] != y.shape[0]:  # the extra labels (or inputs) were left out of the score without a word
@@ -159,14 +159,17 @@ def evaluate(model, x, y, batch_size: int = 512) -> dict:
     if x.shape[0] == 0 or y.numel() == 0:
         raise ValueError(f"evaluate: the evaluation set is empty (x of shape {tuple(x.shape)}, y of shape "
                          f"{tuple(y.shape)}); expected at least one sample")
+    was_training = model.training  # given back as it was (it always came back in training mode)
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
-    for i in range(0, x.shape[0], batch_size):
-        logits = model(x[i:i + batch_size])
-        target = y[i:i + batch_size]
-        flat = logits.reshape(-1, logits.shape[-1])
-        loss_sum += F.cross_entropy(flat, target.reshape(-1), reduction="sum").item()
-        correct += (flat.argmax(-1) == target.reshape(-1)).sum().item()
-        count += target.numel()
-    model.train()
+    try:
+        for i in range(0, x.shape[0], batch_size):
+            logits = model(x[i:i + batch_size])
+            target = y[i:i + batch_size]
+            flat = logits.reshape(-1, logits.shape[-1])
+            loss_sum += F.cross_entropy(flat, target.reshape(-1), reduction="sum").item()
+            correct += (flat.argmax(-1) == target.reshape(-1)).sum().item()
+            count += target.numel()
+    finally:
+        model.train(was_training)
     return {"test_loss": loss_sum / count, "test_accuracy": correct / count}

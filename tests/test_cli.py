@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -556,6 +557,12 @@ def test_the_first_checkpoint_makes_its_folder_durable(tmp_path, monkeypatch):
     assert synced == [tmp_path / "run" / "checkpoints", tmp_path / "run", tmp_path / "run" / "checkpoints"]
 
 
+def _with_attribute(tensor, **attributes):
+    for name, value in attributes.items():
+        setattr(tensor, name, value)
+    return tensor
+
+
 class _TensorSubclass(torch.Tensor):
     """A tensor subclass: torch.save writes it, torch.load(weights_only=True) refuses to rebuild it."""
 
@@ -566,6 +573,8 @@ class _TensorSubclass(torch.Tensor):
     ([1, 2], r"payload must be a dict; got list"),
     ({"w": [torch.ones(2).as_subclass(_TensorSubclass)]}, r"payload\['w'\]\[0\] is a _TensorSubclass, a tensor "),
     ({"w": torch.empty(3, device="meta")}, r"payload\['w'\] is a meta tensor: it has no values"),
+    # torch.save keeps a tensor's Python attributes, and a numpy scalar among them does not load
+    ({"w": _with_attribute(torch.ones(2), scale=np.float32(0.5))}, r"payload\['w'\]\.scale is a float32"),
 ])
 def test_save_refuses_a_payload_that_would_not_load_and_keeps_the_last_good_one(tmp_path, payload, where):
     """torch.save pickles anything; load reads with weights_only: such a file never loaded, and keep=1 had pruned
@@ -579,9 +588,21 @@ def test_save_refuses_a_payload_that_would_not_load_and_keeps_the_last_good_one(
 
 def test_save_keeps_parameters_and_plain_tensors_it_can_read_back(tmp_path):
     weight = torch.nn.Parameter(torch.randn(5))
-    ckpt.save(tmp_path, 3, {"w": weight, "t": torch.arange(4)})
+    ckpt.save(tmp_path, 3, {"w": weight, "t": torch.arange(4), "a": _with_attribute(torch.ones(2), scale=3)})
     back = ckpt.load(ckpt.latest(tmp_path))
     assert torch.equal(back["w"], weight.detach()) and torch.equal(back["t"], torch.arange(4))
+    assert back["a"].scale == 3  # an attribute that loads is kept
+
+
+def test_only_exact_checkpoint_names_are_listed(tmp_path):
+    """A stray "step-00000009.pyeckpt\\n" (a newline: "$" matched before it) became latest, and prune(1) deleted the
+    real checkpoint; non-ASCII digits matched \\d."""
+    ckpt.save(tmp_path, 5, {"x": 5})
+    for stray in ("step-00000009.pyeckpt\n", "step-0000000\u0669.pyeckpt"):
+        (tmp_path / stray).write_bytes(b"not a checkpoint")
+    assert ckpt.latest(tmp_path) == ckpt.path_for(tmp_path, 5)
+    ckpt.prune(tmp_path, 1)
+    assert ckpt.path_for(tmp_path, 5).exists()
 
 
 def test_save_refuses_a_step_it_would_prune_at_once_and_steps_that_name_no_checkpoint(tmp_path):

@@ -149,6 +149,15 @@ def test_load_passes_on_what_each_dataset_uses():
         data.load("mnist")
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluate_gives_the_model_back_in_its_mode(digits, training):
+    """It always came back in training mode: a model the caller had put in eval mode then ran its dropout and
+    batch statistics as in training."""
+    model = models.build("mlp", digits, 0, hidden=8).train(training)
+    models.evaluate(model, digits.x_test, digits.y_test)
+    assert model.training is training
+
+
 def test_evaluate_refuses_an_empty_set_and_a_batch_size_below_one(digits):
     """An empty set once divided by zero; batch_size 0 failed inside range()."""
     model = models.build("mlp", digits, 0, hidden=8)
