@@ -379,6 +379,7 @@ class Engine:
                 self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance,
                 unused=unused, autocast=autocast)
         self._closed = False
+        self._close_done = threading.Event()  # the first close() has stopped everything (a second one waits for it)
         self._abandoned = False
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
@@ -1111,21 +1112,27 @@ class Engine:
             return
         self._check_not_in_step("close()")
         with self.mutex:  # a push being applied completes first; none is applied after (asynchronous.py)
-            if self._closed:
-                return
-            self._closed = True
+            closed, self._closed = self._closed, True
             run = self._async_run
-            if run is not None:
+            if run is not None and not closed:
                 run.stop.set()
-        if run is not None and threading.get_ident() not in run.threads:  # not from a callback of that fit
-            run.finished.wait()
-        with self._step_lock:  # a step running on another thread ends first
-            self._pool.shutdown(wait=True)
-            if self.pipeline is not None:
-                self.pipeline.close()
-            for worker in self.workers:
-                worker.close()
-        self._restore_threads()  # torch.set_num_threads(self._intra_op_threads): Note [Worker threads' count]
+        inside_run = run is not None and threading.get_ident() in run.threads  # a callback of that fit
+        if closed:  # closed already, or being closed by another thread: returns once that close() has stopped
+            if not inside_run:  # everything, as the first did (it returned while async workers still ran)
+                self._close_done.wait()
+            return
+        try:
+            if run is not None and not inside_run:
+                run.finished.wait()
+            with self._step_lock:  # a step running on another thread ends first
+                self._pool.shutdown(wait=True)
+                if self.pipeline is not None:
+                    self.pipeline.close()
+                for worker in self.workers:
+                    worker.close()
+            self._restore_threads()  # torch.set_num_threads(self._intra_op_threads): Note [Worker threads' count]
+        finally:
+            self._close_done.set()
 
     def __enter__(self):
         return self

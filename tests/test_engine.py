@@ -888,6 +888,31 @@ def test_close_from_another_thread_during_async_fit_returns_after_the_last_push(
     assert engine.stats()["pushes"] == engine.stats()["applied_updates"] == engine.version
 
 
+def test_two_threads_closing_during_async_fit_both_return_after_the_workers_stopped(rng):
+    """A second close() while the first waits for the async workers returned at once (closed already), with the
+    workers still running: every close() returns once the first has stopped everything."""
+    batches = make_batches(rng, 4, 8)
+    engine = Engine(make_model(), slow_loss, devices=["cpu"] * 3, mode="async", optimizer=AdamW(**OPT))
+    alive, closers = {}, []
+
+    def close_and_look(name):
+        engine.close()
+        alive[name] = [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async")]
+
+    def close_twice(engine_, metrics):
+        if engine_.stats()["pushes"] == 2:
+            for name in ("first", "second"):
+                closers.append(threading.Thread(target=close_and_look, args=(name,)))
+                closers[-1].start()
+                time.sleep(0.005)  # the second comes while the first waits for the workers
+
+    with pytest.raises(RuntimeError, match=r"closed while fit\(\) was running"):
+        engine.fit(batches, steps=10 ** 6, callbacks=[close_twice])
+    for closer in closers:
+        closer.join()
+    assert alive == {"first": [], "second": []}, alive
+
+
 def test_one_fit_at_a_time(rng):
     """A second fit() while one runs (another thread, or a callback of the running one) is a clear error; it used to
     run two schedules over one store at once."""
