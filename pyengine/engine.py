@@ -1522,6 +1522,9 @@ class Engine:
         if batch_schedule is not None and not callable(batch_schedule):
             raise TypeError(f"batch_schedule must be callable as batch_schedule(version) -> mini-batches per push; "
                             f"got {type(batch_schedule).__name__}")
+        if batch_schedule is not None and accumulate > 1:  # the schedule decided alone: accumulate was ignored
+            raise ValueError(f"accumulate={accumulate} and batch_schedule both set the mini-batches of a push; give "
+                             "one of them (batch_schedule alone: return the count from it)")
         async_only = [name for name, value, default in (("max_staleness", max_staleness, None),
                                                          ("staleness_lr", staleness_lr, "none"),
                                                          ("batch_schedule", batch_schedule, None))

@@ -1260,6 +1260,8 @@ def test_failing_lone_async_worker_on_the_calling_thread(rng):
     (dict(staleness_lr="sqrt", mode="async"), r"staleness_lr must be"),
     (dict(max_staleness=2), r"max_staleness: async option"),
     (dict(staleness_lr="inverse", mode="sync"), r"staleness_lr: async option"),
+    (dict(mode="async", accumulate=4, batch_schedule=lambda version: 1),  # the schedule won without a word
+     r"accumulate=4 and batch_schedule both set the mini-batches of a push"),
     (dict(batch_schedule=lambda v: 1, mode="pipeline", stages=2), r"batch_schedule: async option"),
     (dict(bucket_mb="25"), r"Engine: bucket_mb must be a number > 0 \(MiB\); got '25'"),
     (dict(bucket_mb=None), r"Engine: bucket_mb must be a number > 0"),
