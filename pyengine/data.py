@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .rng import cpu_generator_seed
+
 __all__ = ["Dataset", "DATASETS", "load"]
 
 DATASETS = ("digits", "tokens")
@@ -57,7 +59,7 @@ class Dataset:
         per_epoch = self._check_batch(batch_size)
         _check_int(seed, "seed", 0, SEED_BELOW)
         epoch, index = divmod(step, per_epoch)
-        generator = torch.Generator().manual_seed(_mix(seed, epoch))
+        generator = torch.Generator().manual_seed(cpu_generator_seed(seed, _mix(seed, epoch)))
         order = torch.randperm(self.train_size, generator=generator)
         rows = order[index * batch_size:(index + 1) * batch_size]
         return self.x_train[rows], self.y_train[rows]
@@ -100,8 +102,10 @@ SPLIT_SEED_BELOW = 2**32  # what scikit-learn's random_state takes
 
 
 def _mix(seed: int, epoch: int) -> int:
-    """The generator seed of one epoch's shuffle: distinct for every seed in [0, 2**64) at one epoch (1_000_003 is
-    odd, so a bijection modulo 2**64; modulo 2**63 - 1, seeds s and s + 2**63 - 1 shuffled alike)."""
+    """The generator seed of one epoch's shuffle before :func:`pyengine.rng.cpu_generator_seed`: distinct for every
+    seed in [0, 2**64) at one epoch (1_000_003 is odd, so a bijection modulo 2**64; modulo 2**63 - 1, seeds s and
+    s + 2**63 - 1 shuffled alike). The generator keeps 32 bits of it, so no 2**64 seeds can all shuffle apart; seeds
+    below 2**32 keep their orders, larger ones get theirs from all their bits."""
     return (seed * 1_000_003 + epoch * 7919 + 12345) % SEED_BELOW
 
 

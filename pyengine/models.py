@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .rng import cpu_generator_seed
+
 __all__ = ["MODELS", "MLP", "TinyTransformer", "as_layers", "build", "loss_fn", "evaluate"]
 
 MODELS = ("mlp", "transformer")
@@ -134,7 +136,7 @@ def build(name: str, dataset, seed: int, hidden: int | None = None) -> nn.Module
     if dataset.task != task:
         raise ValueError(f"build: model {name!r} needs a dataset of task {task!r}; got {dataset.name!r} of task "
                          f"{dataset.task!r}")
-    torch.manual_seed(seed)
+    torch.manual_seed(cpu_generator_seed(seed))  # seeds that differ above bit 32 initialised alike
     if name == "mlp":
         return MLP(dataset.info["features"], 256 if hidden is None else hidden, dataset.info["classes"])
     return TinyTransformer(dataset.info["vocab"], dataset.info["seq_len"], d=128 if hidden is None else hidden)

@@ -91,9 +91,24 @@ def worker_seed(seed: int, worker: int, step: int) -> int:
     seed, worker, step = (_index(value, name, least, below) for value, name, least, below in (
         (seed, "seed", -2**63, 2**64), (worker, "worker", 0, None), (step, "step", 0, None)))
     x = (seed * 0x9E3779B97F4A7C15 + worker * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) % 2**64
-    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):  # splitmix64's finaliser
+    return splitmix64(x) % 2**63
+
+
+def splitmix64(x: int) -> int:
+    """splitmix64's finaliser of ``x`` modulo 2**64: every output bit depends on every input bit."""
+    x %= 2**64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
         x = ((x ^ (x >> shift)) * mult) % 2**64
-    return (x ^ (x >> 31)) % 2**63
+    return x ^ (x >> 31)
+
+
+def cpu_generator_seed(seed: int, value: int | None = None) -> int:
+    """What to give torch's CPU generator for ``seed`` (``value``: a number derived from it, default the seed itself).
+    The generator (mt19937) keeps the low 32 bits of its seed only, so seeds that differ above bit 32 (5 and
+    5 + 2**32) drew the same numbers: a seed in [0, 2**32) gives ``value`` as it always did, a larger one (or a
+    negative one) ``value`` mixed so that its high bits count."""
+    value = seed if value is None else value
+    return value if 0 <= seed < 2**32 else splitmix64(value) % 2**32
 
 
 def _swap_lock_of_the_child() -> None:

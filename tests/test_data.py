@@ -226,6 +226,21 @@ def test_build_refuses_a_dataset_of_another_task(digits, tokens):
         models.build("cnn", digits, 0)
 
 
+def test_seeds_that_differ_above_bit_32_shuffle_and_initialise_apart():
+    """torch's CPU generator keeps the low 32 bits of its seed: --seed 1 and 1 + 2**32 gave the same batches in every
+    epoch and the same initial model. Seeds below 2**32 keep their orders and models."""
+    digits = data.load("digits")
+    per_epoch = digits.steps_per_epoch(32)
+    for seed in (1, 5):
+        for step in (0, per_epoch, 3 * per_epoch + 2):
+            assert not torch.equal(digits.batch(step, 32, seed)[0], digits.batch(step, 32, seed + 2**32)[0])
+        first, twin = models.build("mlp", digits, seed, 8), models.build("mlp", digits, seed + 2**32, 8)
+        assert not torch.equal(first.net[0].weight, twin.net[0].weight)
+    built = models.build("mlp", digits, 5, 8)
+    torch.manual_seed(5)  # the model a small seed always had
+    assert torch.equal(built.net[0].weight, torch.nn.Linear(64, 8).weight)
+
+
 def test_seeds_in_the_upper_half_of_their_range_order_the_data_their_own_way():
     """--seed takes [0, 2**64): the shuffle's generator seed was taken modulo 2**63 - 1, so s and s + 2**63 - 1 gave
     the same batches in every epoch. Small seeds keep the order they always had (their mixed seed is below both)."""
