@@ -279,9 +279,10 @@ def _add_plan_parser(commands) -> None:
     p.add_argument("--servers", type=_positive_int, default=None,
                    help="server shards of the sharded parameter server [one per node]")
     p.add_argument("--overlap", type=_number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]"), default=0.0,
-                   help="fraction of the exchange hidden behind backward [0]")
+                   help="fraction of the exchange hidden behind backward, at most the compute time [0]")
     p.add_argument("--plot", metavar="PATH", type=_path, default=None,
-                   help="also draw efficiency against node count (1, 2, 4, ... up to --nodes) to this PNG")
+                   help="also draw efficiency against node count (1, 2, 4, ... up to --nodes) to this file (.png, "
+                        ".svg, .pdf, ...: the type by the suffix)")
 
 
 def _plan(args) -> int:
