@@ -267,9 +267,12 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 wall_start += time.perf_counter() - taking  # the data's loading is not the push's
                 if not minibatches:
                     return
-                sizes = [batch_size(b) for b in minibatches]
-                if 0 in sizes:
-                    raise ValueError("a batch of 0 samples: a push needs at least one sample in every mini-batch")
+                try:  # the data's fault, not the worker's: raised as itself, as hybrid and sync raise it
+                    sizes = [batch_size(b) for b in minibatches]
+                    if 0 in sizes:
+                        raise ValueError("a batch of 0 samples: a push needs at least one sample in every mini-batch")
+                except ValueError as exc:
+                    raise _AsItself(exc) from exc
                 samples = sum(sizes)
                 while not stop.is_set():
                     with engine.phase("forward_backward+transfer", worker.index):
