@@ -1593,13 +1593,18 @@ def test_non_finite_losses_are_reported_not_fatal(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "loss nan" in printed
     top = json.loads((out / "summary.json").read_text())
+    finite = []
     for mode in ("hybrid", "sync", "async", "pipeline"):
         losses = [json.loads(line)["loss"] for line in (out / mode / "metrics.jsonl").read_text().splitlines()]
-        assert losses[0] is not None and losses[-1] is None, (mode, losses)  # the premise
+        # the premise; an async push computed on the weights before the first update may land last, finite
+        assert losses[0] is not None and (losses[-1] is None or mode == "async"), (mode, losses)
         summary = json.loads((out / mode / "summary.json").read_text())
-        assert summary["diverged"] and summary["final_loss"] is None and top["final_loss"][mode] is None, mode
-        assert f"[{mode}] 3 steps on 2 workers: " in printed and "final loss nan (diverged)" in printed
-    assert top["best"]["final_loss"] is None
+        diverged = losses[-1] is None
+        assert summary["diverged"] is diverged and (summary["final_loss"] is None) is diverged, (mode, summary)
+        assert (top["final_loss"][mode] is None) is diverged, mode
+        finite += [] if diverged else [mode]
+    assert "final loss nan (diverged)" in printed
+    assert top["best"]["final_loss"] == (min(finite, key=top["final_loss"].get) if finite else None)
     assert (out / "compare.png").read_bytes().startswith(PNG) and (out / "hybrid" / "loss.png").exists()
 
 
