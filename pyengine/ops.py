@@ -37,12 +37,13 @@ def _tensor_list(value, name: str, nonempty: str | None = None) -> list[torch.Te
     if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a list of tensors, one per worker; got {type(value).__name__}")
     value = list(value)
+    # torch.sgn's gradient, say, is a ZeroTensor: the dispatcher made it a strided zero, refused as "non-contiguous"
+    # (dynamo cannot trace the question; a compiled caller gets the op's own refusal)
+    eager = not torch.compiler.is_compiling()
     for i, t in enumerate(value):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a tensor; got {type(t).__name__}")
-        # torch.sgn's gradient, say: the dispatcher made it a strided zero, refused as "non-contiguous" (dynamo cannot
-        # trace the question; a compiled caller gets the op's own refusal)
-        if not torch.compiler.is_compiling() and t._is_zerotensor():
+        if eager and t._is_zerotensor():
             raise ValueError(f"{name}[{i}] is a ZeroTensor (torch._efficientzerotensor: no memory behind it); pass "
                              f"torch.zeros(...)")
     if nonempty is not None and not value:
