@@ -506,10 +506,10 @@ def _split_sizes(n: int, parts: int) -> list[int]:
     return [base + (k < extra) for k in range(parts)]
 
 
-def check_pipeline_layers(cfg: dict, costs: list[int]) -> None:
-    """The model must have at least one layer per stage (``costs``: the trainable parameters of each layer of
-    :func:`pyengine.models.as_layers`), and across processes a trainable parameter in each stage."""
-    layers = len(costs)
+def check_pipeline_layers(cfg: dict, model_layers) -> None:
+    """The model must have at least one layer per stage (``model_layers``: :func:`pyengine.models.as_layers`'s
+    ``(name, layer)`` pairs), and across processes a trainable parameter in each stage."""
+    layers = len(model_layers)
     stages = cfg["stages"] or pipeline_workers(cfg)
     if cfg["mode"] in ("pipeline", "all") and stages > layers:
         raise UsageError(f"--stages {stages} is more than the {layers} layers of --model {cfg['model']} (each stage "
@@ -520,12 +520,14 @@ def check_pipeline_layers(cfg: dict, costs: list[int]) -> None:
         if len(sizes) != stages or min(sizes) < 1 or sum(sizes) != layers:
             raise UsageError(f"--balance {given}: expected {stages} layer counts (one per stage), each >= 1, summing "
                              f"to the {layers} layers of --model {cfg['model']}")
-    if cfg["mode"] == "pipeline" and _launched()[1] > 1 and stages <= layers:
+    if cfg["mode"] == "pipeline" and _launched()[1] > 1 and stages <= layers and sizes != "time":  # time: refused
         # across processes a stage without trainable parameters is refused (pipeline_distributed): said before any
         # work, as one line (it was "training failed" on every rank after the set-up)
-        from .pipeline import partition
+        from .pipeline import _param_costs
+        from .pipeline_distributed import _stage_sizes
 
-        sizes = sizes if isinstance(sizes, list) else partition(costs, stages, each_positive=True)
+        sizes = _stage_sizes(model_layers, stages, sizes)  # the split the processes will make
+        costs = _param_costs([layer for _, layer in model_layers])
         bounds = [sum(sizes[:s]) for s in range(stages + 1)]
         empty = [s for s in range(stages) if not sum(costs[bounds[s]:bounds[s + 1]])]
         if empty:
@@ -1672,7 +1674,7 @@ def _checked(given: dict, world: int) -> tuple:
         with torch.device("meta"):  # the layers counted, no memory taken: a --hidden too large to allocate fails
             layers = models.as_layers(models.build(cfg["model"], dataset, cfg["seed"], cfg["hidden"]))
         # later, as in hybrid mode, as one line (it was a traceback here)
-        check_pipeline_layers(cfg, [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers])
+        check_pipeline_layers(cfg, list(layers.named_children()))
     if dataset.steps_per_epoch(cfg["batch_size"]) < 1:
         raise UsageError(f"--batch-size {cfg['batch_size']} leaves no full batch in {dataset.train_size} samples")
     _check_resume_steps(cfg, resumes, dataset.steps_per_epoch(cfg["batch_size"]))
