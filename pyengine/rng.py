@@ -21,12 +21,19 @@ saved, whatever devices or how many workers it resumes on, on every rank of a pr
 
 An activation checkpoint (``torch.utils.checkpoint``) recomputes its region's forward during backward and restores
 torch's default generator first so that the recomputed masks equal the forward's; a routed module would instead
-draw the worker's generator's next numbers. So every routed forward records the worker's state it started from, and
-a routed forward that runs inside backward (a recomputation) replays the oldest recorded state of that module in
-this step: forwards and their recomputations come in the same order for a module called once per micro-batch (in a
-GPipe stage, M forwards then M backwards in micro-batch order). A module called several times in one forward inside
-checkpointed regions recomputed in another order would replay the wrong state: checkpoint such a module outside
-the concurrent workers, or give it no randomness.
+draw the worker's generator's next numbers. So the worker's generator is restored the same way, at the same
+moments: the checkpoint reads the CPU generator's state (``torch.get_rng_state``) when its region's forward starts
+and sets that very tensor back (``torch.set_rng_state``) before the recomputation. A state tensor read in a forward
+gets a mark (:class:`_Mark`, kept beside the tensor, not in it), which the next routed forward on that thread
+settles with its worker's generator state: the state the region's draws start from, since only routed forwards
+move that generator. Setting a settled mark inside a backward makes the thread's routed forwards of that worker
+replay from its state, one after another as the region's forward drew, until the next ``set_rng_state`` (the
+checkpoint's own restore when the recomputation ends). So a layer called outside and inside a region, in several
+regions, or once per micro-batch recomputes each call's own masks. Where no mark applies
+(``preserve_rng_state=False``, a checkpoint inside a routed module's forward, one nested in another's
+recomputation), a recomputation replays the oldest recorded state of that module in this step: right for a module
+called once per micro-batch (in a GPipe stage, M forwards then M backwards in micro-batch order), not for one
+called in several such regions.
 
 Note [Checkpoints beside concurrent workers]
 ``torch.utils.checkpoint`` (with ``preserve_rng_state=True``, its default) reads torch's generator states at the
@@ -60,6 +67,7 @@ import threading
 import weakref
 
 import torch
+import torch.utils.weak
 
 __all__ = ["RANDOM_MODULES", "WorkerRNG", "worker_seed"]
 
@@ -70,6 +78,10 @@ RANDOM_MODULES = (*_DROPOUTS, torch.nn.RReLU, torch.nn.MultiheadAttention)
 
 _SWAP = threading.RLock()  # Note [Random numbers of concurrent workers]; reentrant: Note [Checkpoints beside ...]
 _ACTIVE = threading.local()  # .rng: the WorkerRNG whose state is swapped in on this thread, if any
+# .pending: weak references to the marks read on this thread that no routed forward has settled yet; .replay: while a
+# checkpoint recomputes on this thread, [WorkerRNG, the state its next routed forward starts from] (Note [Random ...])
+_MARKS = torch.utils.weak.WeakIdKeyDictionary()  # a state tensor read by torch.get_rng_state -> its _Mark
+_MARKS_LOCK = threading.Lock()
 
 
 def _index(value, name: str, least: int, below: int | None) -> int:
@@ -127,7 +139,8 @@ _GENERATOR_FUNCTIONS = ((torch, "get_rng_state"), (torch, "set_rng_state"), (tor
 def _guard_generator_functions() -> None:
     """Note [Checkpoints beside concurrent workers]: torch's functions that read or set the default generators' states
     (as ``torch.utils.checkpoint`` and ``torch.random.fork_rng`` call them) take :data:`_SWAP`, once per process;
-    each does what it did."""
+    each does what it did, and the CPU generator's pair also marks and replays (Note [Random numbers of concurrent
+    workers])."""
     with _SWAP:
         wrapped = {}
         for module, name in _GENERATOR_FUNCTIONS:
@@ -135,17 +148,60 @@ def _guard_generator_functions() -> None:
             if getattr(function, "_pyengine_guarded", False):
                 continue
             if function not in wrapped:
-                wrapped[function] = _guarded(function)
+                role = (module in (torch, torch.random)) and name[:3]  # "get"/"set" for the CPU generator
+                wrapped[function] = _guarded(function, role or None)
             setattr(module, name, wrapped[function])
 
 
-def _guarded(function):
+class _Mark:
+    """Where a forward read the CPU generator's state: ``rng``/``state`` are the worker's generator and its state at
+    the next routed forward on that thread (None until then). :data:`_MARKS` holds it as long as the state tensor
+    lives (as long as the checkpoint that keeps the tensor to restore)."""
+    __slots__ = ("rng", "state", "__weakref__")
+
+    def __init__(self):
+        self.rng = self.state = None
+
+
+def _mark(state: torch.Tensor) -> None:
+    """Marks a state tensor read outside any backward, unless inside a routed forward (whose draws are on torch's own
+    generator then, which torch restores itself); the thread's next routed forward settles the mark."""
+    if getattr(_ACTIVE, "rng", None) is not None:
+        return
+    mark = _Mark()
+    with _MARKS_LOCK:
+        _MARKS[state] = mark
+    pending = _ACTIVE.__dict__.setdefault("pending", [])
+    if len(pending) >= 64:  # a thread that reads states and runs no routed forward keeps only the live marks
+        pending[:] = [ref for ref in pending if ref() is not None]
+    pending.append(weakref.ref(mark))
+
+
+def _settle(rng: "WorkerRNG", state: torch.Tensor) -> None:
+    """Settles the thread's pending marks with ``rng`` and the state its forward starts from."""
+    pending = getattr(_ACTIVE, "pending", None)
+    while pending:
+        mark = pending.pop()()
+        if mark is not None:
+            mark.rng, mark.state = rng, state
+
+
+def _guarded(function, role: str | None):
     @functools.wraps(function)
     def guarded(*args, **kwargs):
         if torch._C._current_graph_task_id() == -1:  # not inside a backward: no recomputation (Note [Checkpoints ...])
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
+            if role == "get":
+                _mark(result)
+            return result
         with _SWAP:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
+        if role == "set":  # a settled mark starts a replay on this thread; any other state ends one
+            state = args[0] if args else kwargs.get("new_state")
+            with _MARKS_LOCK:
+                mark = _MARKS.get(state) if isinstance(state, torch.Tensor) else None
+            _ACTIVE.replay = [mark.rng, mark.state] if mark is not None and mark.rng is not None else None
+        return result
 
     guarded._pyengine_guarded = True
     return guarded
@@ -207,24 +263,31 @@ class WorkerRNG:
         if getattr(_ACTIVE, "rng", None) is self:  # inside another of this worker's random modules: swapped in
             return forward(module, *args, **kwargs)
         recompute = torch._C._current_graph_task_id() != -1
+        replay = getattr(_ACTIVE, "replay", None) if recompute else None
+        replay = replay if replay is not None and replay[0] is self else None
         records = self._replay.setdefault(id(module), collections.deque())
-        if recompute and not records:
+        if recompute and replay is None and not records:
             raise RuntimeError(f"{type(module).__name__} ran inside backward with no forward of this step to replay "
                                "(Note [Random numbers of concurrent workers] in pyengine/rng.py)")
         default = self._default()
         with _SWAP:
             saved = default.get_state()
-            if recompute:
+            if replay is not None:  # a checkpoint's recomputation, from the state its region's forward started at
+                default.set_state(replay[1])
+            elif recompute:
                 default.set_state(records.popleft())
             else:
                 records.append(self.generator.get_state())
+                _settle(self, records[-1])
                 default.set_state(records[-1])
             _ACTIVE.rng = self
             try:
                 return forward(module, *args, **kwargs)
             finally:
                 _ACTIVE.rng = None
-                if not recompute:
+                if replay is not None:
+                    replay[1] = default.get_state()
+                elif not recompute:
                     self.generator.set_state(default.get_state())
                 default.set_state(saved)
 

@@ -497,6 +497,41 @@ def test_hybrid_is_bit_reproducible(rng, dropout):
     assert any(not torch.equal(results[0][name], results[3][name]) for name in results[0]) == bool(dropout)
 
 
+class CheckpointedDropout(torch.nn.Module):
+    """One Dropout called outside any activation checkpoint and inside two (``regions``: checkpoint's keywords, or
+    None for no checkpoint)."""
+
+    def __init__(self, regions):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = (torch.nn.Linear(i, o) for i, o in ((10, 24), (24, 24), (24, 24), (24, 3)))
+        self.drop, self.regions = torch.nn.Dropout(0.3), regions
+
+    def forward(self, x):
+        def region(fn, h):
+            return fn(h) if self.regions is None else torch.utils.checkpoint.checkpoint(fn, h, **self.regions)
+        h = self.drop(torch.tanh(self.a(x)))
+        h = region(lambda t: self.drop(torch.tanh(self.b(t))), h)
+        return self.d(region(lambda t: self.drop(torch.tanh(self.c(t))), h))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpoints_change_nothing_with_concurrent_workers(rng, reentrant):
+    """Three workers, two micro-batches each, a Dropout called outside and inside two checkpointed regions: the
+    weights equal, bit for bit, those of the same run without checkpoints (each recomputation replayed another
+    call's masks before: Note [Random numbers of concurrent workers])."""
+    batches = make_batches(rng, 4, 36)
+    results = []
+    for regions in (None, dict(use_reentrant=reentrant)):
+        with Engine(CheckpointedDropout(regions), loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT), seed=4,
+                    microbatches=2) as engine:
+            for b in batches:
+                engine.step((b[0].requires_grad_(reentrant), b[1]))
+            results.append(engine.master_state_dict())
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
 def test_random_modules_routes_a_users_random_layer(rng):
     """A layer drawing with torch.rand in its forward is on the shared generator unless listed in random_modules."""
     class Noise(torch.nn.Module):

@@ -1,5 +1,6 @@
 """pyengine.rng: a concurrent worker's random modules draw from its own generator, seeded per step (Note [Random
 numbers of concurrent workers]); the default generator is left exactly as it was."""
+import copy
 import gc
 import os
 import threading
@@ -81,6 +82,80 @@ def test_a_checkpoint_recomputes_the_masks_its_forward_drew(reentrant):
         for _ in range(2):  # two micro-batches: forward, backward, forward, backward
             inputs = x.clone().requires_grad_(reentrant)
             out = checkpoint(model, inputs, use_reentrant=reentrant) if use_checkpoint else model(inputs)
+            out.pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+class SharedDropout(torch.nn.Module):
+    """One Dropout called outside any checkpointed region and inside two (each region with its own Linear, so that
+    a parameter's gradient sums in the same order with and without checkpoints)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (torch.nn.Linear(i, o) for i, o in ((8, 32), (32, 32), (32, 32), (32, 4)))
+        self.drop = torch.nn.Dropout(0.5)
+        self.regions = None  # None: no checkpoint; else checkpoint(..., **self.regions)
+
+    def forward(self, x):
+        def region(fn, h):
+            return fn(h) if self.regions is None else checkpoint(fn, h, **self.regions)
+        h = self.drop(self.a(x))
+        h = region(lambda t: self.drop(torch.relu(self.b(t))), h)
+        h = region(lambda t: self.drop(torch.tanh(self.c(t))) * 2, h)
+        return self.d(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_layer_called_outside_and_in_two_regions_recomputes_each_calls_masks(reentrant):
+    """Backward recomputes the second region first, the first next, and never the call outside: the recomputations
+    replayed the oldest recorded states in turn, the outside call's masks in the second region (wrong gradients for
+    every parameter before the last Linear). Two workers in threads, two micro-batches each: every worker's
+    gradients equal those of the same steps without the checkpoints, bit for bit."""
+    x = torch.randn(16, 8)
+
+    def grads(regions):
+        torch.manual_seed(0)
+        template = SharedDropout()
+        models = []
+        for g in range(2):
+            model = copy.deepcopy(template)
+            model.regions, model.rng = regions, WorkerRNG(torch.device("cpu"), 2, g)
+            assert model.rng.install(model) == 1
+            model.rng.begin_step(3)
+            models.append(model)
+
+        def work(model):
+            for _ in range(2):
+                model(x.clone().requires_grad_(reentrant)).pow(2).sum().backward()
+        threads = [threading.Thread(target=work, args=(m,)) for m in models]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [[p.grad for p in m.parameters()] for m in models]
+
+    plain, checkpointed = grads(None), grads(dict(use_reentrant=reentrant))
+    for g in range(2):
+        for a, b in zip(plain[g], checkpointed[g]):
+            assert torch.equal(a, b)
+    assert not torch.equal(plain[0][0], plain[1][0]), "the two workers draw different masks"
+
+
+def test_without_preserved_states_a_layer_called_once_per_micro_batch_recomputes_its_masks():
+    """preserve_rng_state=False: torch sets no state before the recomputation, so no mark applies; a routed layer
+    called once per micro-batch replays its forwards' states in order."""
+    x = torch.randn(16, 8)
+    grads = []
+    for regions in (False, True):
+        torch.manual_seed(0)
+        rng = WorkerRNG(torch.device("cpu"), 2, 0)
+        model = routed_model(rng)
+        rng.begin_step(3)
+        for _ in range(2):
+            inputs = x.clone()
+            out = checkpoint(model, inputs, use_reentrant=False, preserve_rng_state=False) if regions else model(inputs)
             out.pow(2).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
