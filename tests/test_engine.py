@@ -516,15 +516,15 @@ class CheckpointedDropout(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpoints_change_nothing_with_concurrent_workers(rng, reentrant):
+def test_activation_checkpoints_change_nothing_with_concurrent_workers(rng, worker_device, reentrant):
     """Three workers, two micro-batches each, a Dropout called outside and inside two checkpointed regions: the
     weights equal, bit for bit, those of the same run without checkpoints (each recomputation replayed another
     call's masks before: Note [Random numbers of concurrent workers])."""
     batches = make_batches(rng, 4, 36)
     results = []
     for regions in (None, dict(use_reentrant=reentrant)):
-        with Engine(CheckpointedDropout(regions), loss_fn, devices=["cpu"] * 3, optimizer=AdamW(**OPT), seed=4,
-                    microbatches=2) as engine:
+        with Engine(CheckpointedDropout(regions), loss_fn, devices=[worker_device] * 3, optimizer=AdamW(**OPT),
+                    seed=4, microbatches=2) as engine:
             for b in batches:
                 engine.step((b[0].requires_grad_(reentrant), b[1]))
             results.append(engine.master_state_dict())
