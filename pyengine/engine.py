@@ -1178,8 +1178,9 @@ class Engine:
         for i, fn in tasks.items():
             try:  # Note [A task's exception and its callers' frames]
                 futures[i] = _future(*_call(fn))  # handed to gather_workers, as from the pool
-            except BaseException:  # KeyboardInterrupt: leave nothing of the step behind, then stop
-                self.workers[i].streamer.reset()
+            except BaseException:  # KeyboardInterrupt, SystemExit: leave nothing of the step behind, then stop
+                saved, self._buffers_before = self._buffers_before, None
+                self._drop_step(saved)  # Note [A failed step leaves the buffers alone]
                 raise
         return futures
 

@@ -2478,6 +2478,37 @@ def test_a_failed_step_leaves_the_buffers_alone(rng, mode, workers, worker_devic
             assert torch.equal(engine.buffers_state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "sync"])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_a_step_stopped_on_the_calling_thread_leaves_the_buffers_alone(rng, mode, stop):
+    """A lone CPU worker runs on the calling thread (Note [One CPU worker runs on the calling thread]). A
+    KeyboardInterrupt (a program's own SIGINT handler) or SystemExit raised by its loss after the forward propagates
+    as itself, and the buffers are those of the last complete step: they stayed one batch ahead."""
+    batches = make_batches(rng, 3, 12)
+    failing = {"on": False}
+
+    def loss_then_stop(model, batch):
+        loss = loss_fn(model, batch)
+        if failing["on"]:
+            raise stop()
+        return loss
+
+    kw = dict(devices=["cpu"], mode=mode, optimizer=AdamW(**OPT))
+    with Engine(make_bn_model(), loss_then_stop, **kw) as engine, Engine(make_bn_model(), loss_fn, **kw) as clean:
+        engine.fit(batches[:1])
+        clean.fit(batches[:1])
+        failing["on"] = True
+        with pytest.raises(stop):
+            engine.step(batches[1])
+        failing["on"] = False
+        engine.fit(batches[2:])
+        clean.fit(batches[2:])
+        for name, value in clean.buffers_state_dict().items():
+            assert torch.equal(engine.buffers_state_dict()[name], value), name
+        for name, value in clean.master_state_dict().items():
+            assert torch.equal(engine.master_state_dict()[name], value), name
+
+
 def assert_buffers_match(buffers, reference_model, rtol=1e-5):
     expected = dict(reference_model.named_buffers())
     assert sorted(buffers) == sorted(expected)
