@@ -72,11 +72,42 @@ void bump_versions_of_mutated(const c10::OperatorHandle& op, c10::DispatchKeySet
   }
 }
 
+// Note [Negative views and the update ops]
+// A tensor with the negative bit (torch._neg_view, or .conj().imag of a complex tensor) reads as the negation of its
+// memory. torch's fallback for such arguments hands an op resolved clones and copies the clones of mutated arguments
+// back through the op's returned tensors; the update ops return nothing, and the fallback failed an internal assert,
+// left with freed tensors (a crash after it). So a negative view among an update op's tensors is refused here, at
+// the Negative key, before the kernel runs and before anything is written; the kernels' own checks never see one.
+void refuse_negative_views(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t start = stack->size() - arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = (*stack)[start + i];
+    std::vector<at::Tensor> tensors;
+    if (value.isTensor()) {
+      tensors.push_back(value.toTensor());
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList()) tensors.push_back(t);
+    }
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      TORCH_CHECK_VALUE(!(tensors[j].defined() && tensors[j].is_neg()), op.schema().name(), ": ",
+                        arguments[i].name(), value.isTensorList() ? "[" + std::to_string(j) + "]" : "",
+                        " is a negative view (torch._neg_view, .conj().imag); resolve it first (.resolve_neg())");
+    }
+  }
+  TORCH_CHECK(false, op.schema().name(), ": dispatched to the Negative key with no negative view among its tensors");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pyengine, ADInplaceOrView, m) {
   m.impl("mean_grad_adamw_", torch::CppFunction::makeFromBoxedFunction<&bump_versions_of_mutated>());
   m.impl("mean_grad_adamw_multi_", torch::CppFunction::makeFromBoxedFunction<&bump_versions_of_mutated>());
+}
+
+TORCH_LIBRARY_IMPL(pyengine, Negative, m) {  // Note [Negative views and the update ops]
+  m.impl("mean_grad_adamw_", torch::CppFunction::makeFromBoxedFunction<&refuse_negative_views>());
+  m.impl("mean_grad_adamw_multi_", torch::CppFunction::makeFromBoxedFunction<&refuse_negative_views>());
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -568,6 +568,30 @@ def test_a_zero_tensor_is_refused_by_name():
         ops.mean_grad_norm([zero])
 
 
+@pytest.mark.parametrize("where", ["param_out", "param", "grads", "multi"])
+def test_a_negative_view_is_refused_before_anything_is_written(where):
+    """Note [Negative views and the update ops]: a tensor with the negative bit (here .conj().imag of a complex
+    tensor, made with public ops only) went to torch's fallback for such tensors, which failed an internal assert
+    and left freed tensors behind: reading the parameter afterwards crashed the process."""
+    call = valid_call("cpu")
+    negative = torch.zeros(64, dtype=torch.complex64).conj().imag
+    assert negative.is_neg()
+    before = {k: v.clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
+    p, m, v, grads = call["param"], call["exp_avg"], call["exp_avg_sq"], call["grads"]
+    calls = {
+        "param_out": (r"param_out", lambda: ops.mean_grad_adamw_(p, m, v, grads, lr=1e-3, step=1, param_out=negative)),
+        "param": (r"param", lambda: ops.mean_grad_adamw_(negative, m, v, grads, lr=1e-3, step=1)),
+        "grads": (r"grads\[1\]", lambda: ops.mean_grad_adamw_(p, m, v, [grads[0], negative], lr=1e-3, step=1)),
+        "multi": (r"param_outs\[0\]", lambda: ops.mean_grad_adamw_multi_([p], [m], [v], [[g] for g in grads], lr=1e-3,
+                                                                          step=1, param_outs=[negative]))}
+    name, run = calls[where]
+    with pytest.raises(ValueError, match=f"{name} is a negative view .*resolve_neg"):
+        run()
+    for key, value in before.items():
+        assert torch.equal(call[key], value), key
+    assert torch.equal(negative, torch.zeros(64))
+
+
 def test_empty_lists_are_clear_errors():
     g = torch.ones(4)
     with pytest.raises(ValueError, match=r"grads must hold G >= 1 gradients"):
