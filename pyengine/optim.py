@@ -135,7 +135,8 @@ class AdamW:
         in ``model.parameters()`` order, which is how torch indexes them. ``full_state``: flat full-size state
         buffers by name, needed when the store holds part of the state only (``state_ranges``; see
         :func:`pyengine.distributed.gather_optimizer_state`). ``scheduled_lr``: with a learning-rate schedule, the
-        group holds it as ``lr`` and ``self.lr`` as ``initial_lr`` (the key torch's ``LambdaLR`` adds)."""
+        group holds it as ``lr`` and ``self.lr`` as ``initial_lr`` (the key torch's ``LambdaLR`` adds). Each
+        ``step`` is a float64 tensor (torch's float32 is exact up to 2**24 updates only; torch loads either)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # -1 gave an empty state, 1.5 a step
             raise ValueError(f"torch_state_dict: step must be an int >= 0 (updates applied); got {step!r}")
         if full_state is None and store.state_ranges is not None:
@@ -148,7 +149,7 @@ class AdamW:
         state = {}
         if step > 0:
             for index, name in enumerate(n for group_names, _ in groups for n in group_names):
-                entry = {"step": torch.tensor(float(step))}
+                entry = {"step": torch.tensor(float(step), dtype=torch.float64)}  # float32 is exact to 2**24 only
                 for key in views:
                     entry[key] = views[key][name].detach().clone()
                 state[index] = entry

@@ -651,6 +651,16 @@ def test_load_torch_state_dict_warns_of_group_settings_it_does_not_read():
         assert pyengine.AdamW().load_torch_state_dict(make(model), sd, names) == 1
 
 
+def test_torch_state_dict_holds_step_counts_past_float32s_exact_range():
+    """The step was a float32 tensor, exact up to 2**24 only: a state taken after 2**24 + 1 updates read back as
+    2**24, and the engine refused its own state ("optimizer step 16777216 does not match the state's version")."""
+    model = OddNet(sizes=[3, 5])
+    names = [n for n, _ in model.named_parameters()]
+    store, adamw = make(model), pyengine.AdamW()
+    for step in (2**24 - 1, 2**24 + 1, 10**8 + 7, 2**53):
+        assert adamw.load_torch_state_dict(store, adamw.torch_state_dict(store, step, names), names) == step
+
+
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
 def test_torch_state_dict_refuses_a_step_that_is_no_count(step):
     """step=-1 gave an empty state, 1.5 a state at step 1.5, True one at step 1."""
