@@ -298,8 +298,12 @@ def _plan(args) -> int:
         made = _check_writable(Path(args.plot).resolve().parent, "the --plot folder")
     network = comm.Network(args.latency, args.bandwidth)
     compute_s = args.compute_ms / 1e3
-    rows = comm.plan(args.nodes, args.params, args.grad_dtype, network, compute_s, servers=args.servers,
-                     overlap=args.overlap)
+    try:
+        rows = comm.plan(args.nodes, args.params, args.grad_dtype, network, compute_s, servers=args.servers,
+                         overlap=args.overlap)
+    except ValueError as exc:  # numbers each in range whose product is not
+        _remove_empty(made)
+        raise UsageError(str(exc)) from None
     dtype = {2: "16-bit", 4: "fp32"}[args.grad_dtype]
     print(f"pyengine plan: {args.nodes} nodes, {args.params:.3g} params, {dtype} gradients "
           f"({comm.format_bytes(args.params * args.grad_dtype)} per node), {args.bandwidth * 8 / 1e9:.3g} Gbit/s "

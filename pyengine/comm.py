@@ -188,9 +188,14 @@ def plan(nodes: int, params: float, grad_bytes: int, network: Network, compute_s
         raise ValueError(f"compute_s must be a number > 0; got {compute_s}")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1]; got {overlap}")
+    if not math.isfinite(params * grad_bytes):
+        raise ValueError(f"params: {params:g} gradients of {grad_bytes} bytes are past a float's range")
     rows = []
     for algorithm in ALGORITHMS:
         cost = exchange_cost(algorithm, nodes, params * grad_bytes, network, servers)
+        if not math.isfinite(cost.time_s):  # a step time of nan, named fastest
+            raise ValueError(f"{algorithm}'s exchange takes no finite time ({cost.time_s}) at {network.bandwidth:g} "
+                             f"bytes/s and {network.alpha:g} s latency: a bandwidth or a size out of range")
         step = compute_s + cost.time_s - min(overlap * cost.time_s, compute_s)
         rows.append(PlanRow(cost, step, compute_s / step))
     return rows

@@ -209,6 +209,20 @@ def test_plan_command_rejects_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--params", "1e308"], "params: 1e+308 gradients of 4 bytes are past a float's range"),
+    (["--bandwidth", "1e-300bit"], "exchange takes no finite time (inf)"),
+])
+def test_plan_command_refuses_numbers_whose_products_leave_the_floats(argv, message, capsys):
+    """Each number parsed, the gradient bytes overflowed (a traceback, exit 1) or the exchange time did (a table
+    of nan step times, one of them named fastest)."""
+    base = {"--nodes": "4", "--params": "1e9", "--bandwidth": "25Gbit", "--compute-ms": "100"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("pyengine plan: error: ") and message in captured.err
+
+
 @pytest.mark.timeout(120)
 def test_bench_comm_under_torchrun_measures_the_launched_group_and_checks_nominal_figures():
     """bench/bench_comm.py under torchrun (2 local ranks): rank 0 prints the measured table; two sizes and two
