@@ -20,6 +20,7 @@ import torch
 
 from pyengine import AdamW, Engine, LossScaler, StageError, WorkerError
 from pyengine import pipeline as pipeline_module, pipeline_distributed
+from pyengine.distributed import DistributedError
 from pyengine.pipeline import partition, schedule_actions, split_layers
 
 from conftest import loss_fn, make_batches
@@ -974,6 +975,13 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
             first.fit(batches[:2])
             state = first.state_dict()
         with Engine(make_model(blocks=2, seed=9), loss_fn, **options) as second:
+            different_states = None
+            if rank == 0:  # Note [Every rank at the same version]: rank 0 alone loads it; the step is refused
+                second.load_state_dict(state)
+            try:
+                second.step(batches[2])
+            except DistributedError as error:
+                different_states = str(error)
             second.load_state_dict(state)
             second.fit(batches[2:])
             got = second.master_state_dict()
@@ -1015,7 +1023,7 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
         with Engine(sleep_model(2, forward_s=0.008, backward_s=0.016), mse, devices=["cpu"], mode="pipeline",
                     microbatches=1, schedule="gpipe", pin=False) as single:
             bubble_m1 = [single.step(sleepy_batch) for _ in range(4)][1:]
-        torch.save({"resumed": got, "expected": expected, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
+        torch.save({"resumed": got, "expected": expected, "different_states": different_states, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
                     "fp16_trajectory": fp16_trajectory, "fp16_master": fp16_master,
                     "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept,
                     "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded,
@@ -1156,6 +1164,11 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             torch.testing.assert_close(extra["bn_state"]["master"][name], want, rtol=1e-5, atol=1e-6, msg=name)
         for name, want in extra["expected"].items():
             assert torch.equal(extra["resumed"][name], want), f"rank {rank}: resumed {name} differs"
+        # rank 0 alone loaded the state: refused on every rank (the ranks trained on, a mix of two states)
+        assert extra["different_states"] == (
+            f"rank {rank}: the ranks' engines hold different states (versions 0 to 2; this rank's: {2 - 2 * rank}): "
+            "every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this step "
+            "was refused on every rank"), extra["different_states"]
         for schedule, steps in extra["bubbles"].items():  # Note [Bubble across processes]; ideal 1/5 for S=2, M=4
             measured = sorted(b for b, _, _ in steps)[1]
             assert all(ideal == pytest.approx(1 / 5) for _, ideal, _ in steps)
