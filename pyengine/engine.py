@@ -638,22 +638,50 @@ class Engine:
 
     @_under_mutex
     def copy_to(self, model: torch.nn.Module) -> None:
-        """Writes the master weights into ``model``'s parameters and the source replica's buffers into its buffers.
-        Pipeline stages across processes: a collective (Note [Distributed pipeline store])."""
+        """Writes the model the engine trained into ``model``: the master weights into its parameters, the source
+        replica's buffers into its buffers, and the frozen parameters (``requires_grad=False`` at construction) as
+        the engine holds them (under a process group rank 0's: Note [Every rank starts from rank 0's model]; a rank
+        that built its model from another seed exported its own frozen layers). Pipeline stages across processes: a
+        collective (Note [Distributed pipeline store]); a rank holds its own stage's frozen parameters only, and the
+        others' must already equal the engine's (a ValueError names them)."""
         if not isinstance(model, torch.nn.Module):  # a state dict, say: AttributeError 'named_buffers' before
             raise TypeError(f"copy_to: model must be an nn.Module (the engine writes its parameters and buffers); "
                             f"got {type(model).__name__}")
         self._whole_store()
         buffers, named = self.buffers_state_dict(), dict(model.named_buffers())
+        frozen, params = self._held_frozen(), dict(model.named_parameters())
         wrong = [f"{name!r} (the engine's {tuple(value.shape)}; model: "
-                 f"{tuple(named[name].shape) if name in named else 'none'})"
-                 for name, value in buffers.items() if name not in named or named[name].shape != value.shape]
+                 f"{tuple(mine[name].shape) if name in mine else 'none'})"
+                 for values, mine in ((buffers, named), (frozen, params))
+                 for name, value in values.items() if name not in mine or mine[name].shape != value.shape]
         if wrong:  # checked before the weights are written: nothing is written
-            raise ValueError(f"copy_to: the model lacks or reshapes the engine's buffers: {', '.join(wrong)}")
+            raise ValueError(f"copy_to: the model lacks or reshapes the engine's buffers or frozen parameters: "
+                             f"{', '.join(wrong)}")
+        elsewhere = [n for n in self.frozen if n not in frozen]  # another rank's pipeline stage holds them
+        digests = frozen_digests((n, params[n].detach()) for n in elsewhere if n in params)
+        differ = [n for n in elsewhere if digests.get(n) != self.frozen[n]]
+        if differ:
+            raise ValueError(f"copy_to: the model's frozen parameters {differ[:5]} differ from those the engine "
+                             "trained with (rank 0's), which this rank's pipeline stage does not hold: call copy_to "
+                             "on a model built as rank 0's (its frozen parameters), or on the rank of their stage")
         self.store.copy_to(model)
         with torch.no_grad():
-            for name, value in buffers.items():
-                named[name].copy_(value)
+            for values, mine in ((buffers, named), (frozen, params)):
+                for name, value in values.items():
+                    mine[name].copy_(value)
+
+    def _held_frozen(self) -> dict:
+        """name -> each frozen parameter (:attr:`frozen` names them) as this process holds it: the source
+        replica's, or the pipeline's layers (across processes: this rank's stage's only)."""
+        if self.pipeline is None:
+            named = self.workers[self.buffer_source].replica.named_parameters()
+        elif isinstance(self.pipeline, DistributedPipeline):
+            named = self.pipeline.module.named_parameters()
+        elif not self.pipeline.stages:
+            named = ((f"{n}.{p}", t) for n, layer in self.pipeline.layers for p, t in layer.named_parameters())
+        else:
+            named = ((n, t) for row in self.pipeline.stages for n, t in row[0].module.named_parameters())
+        return {n: t.detach() for n, t in named if n in self.frozen}
 
     @_under_mutex
     def buffers_state_dict(self) -> dict:

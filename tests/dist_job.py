@@ -466,6 +466,11 @@ def frozen_rank0(seed, rank, world):
                  **{k: getattr(w.replica[2], k).clone() for k in ("codes", "levels", "levels8")}}
                 for w in engine.workers]
 
+    def exported(engine):  # copy_to into a model of this rank's seed: the model trained, rank 0's frozen layer
+        model = make_frozen_model(seed=rank)
+        engine.copy_to(model)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):
         with pyengine.Engine(make_frozen_model(seed=rank), loss_fn, devices=["cpu"] * 2, pin=False,
@@ -473,12 +478,13 @@ def frozen_rank0(seed, rank, world):
             built = frozen(engine)
             for b in batches:
                 engine.step(b)
-            out[name] = dict(frozen=built + frozen(engine), master=engine.master_state_dict())
+            out[name] = dict(frozen=built + frozen(engine), master=engine.master_state_dict(),
+                             exported=exported(engine))
     pushes = [client_batch(seed, rank, i) for i in range(3)] if rank else []
     with pyengine.Engine(make_frozen_model(seed=rank), loss_fn, devices=["cpu"], mode="async", pin=False,
                          optimizer=pyengine.AdamW(**OPT), max_staleness=0) as engine:
         engine.fit(pushes, steps=2)
-        out["async"] = dict(frozen=frozen(engine), master=engine.master_state_dict())
+        out["async"] = dict(frozen=frozen(engine), master=engine.master_state_dict(), exported=exported(engine))
     return out
 
 

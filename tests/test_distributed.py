@@ -266,6 +266,10 @@ def test_hybrid_and_async_ranks_take_rank_0s_frozen_parameters(tmp_path, seed):
                     ("levels", "levels8") if kind == "async" else ()
                 want = dict(expected, **{k: mine[k] for k in kept})
                 assert held.keys() == want.keys() and all(same(held[n], want[n]) for n in held), (kind, r)
+            # copy_to writes them too: rank 1's export held its own frozen layer, not the one it trained with
+            exported = rank[kind]["exported"]
+            assert exported.keys() == {"0.weight", "0.bias", "2.scale8"}, (kind, r)
+            assert all(same(exported[n], expected[n]) for n in exported), (kind, r)
         assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
 
 

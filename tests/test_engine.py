@@ -2542,10 +2542,39 @@ def test_copy_to_a_model_without_the_engines_buffers_writes_nothing(rng):
         target = make_bn_model(seed=5)
         target[1] = torch.nn.BatchNorm1d(24, track_running_stats=False)  # the same parameters, no statistics
         before = {k: v.clone() for k, v in target.state_dict().items()}
-        with pytest.raises(ValueError, match=r"copy_to: the model lacks or reshapes the engine's buffers: "
-                                             r"'1.running_mean' \(the engine's \(24,\); model: none\)"):
+        with pytest.raises(ValueError, match=r"copy_to: the model lacks or reshapes the engine's buffers or frozen "
+                                             r"parameters: '1.running_mean' \(the engine's \(24,\); model: none\)"):
             engine.copy_to(target)
         assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "pipeline"])
+def test_copy_to_writes_the_frozen_parameters_the_engine_trained_with(rng, mode):
+    """copy_to into a model built from another seed: its frozen layer is the engine's (it kept its own, so the
+    exported model was not the one trained), and a model whose frozen layer has another shape is refused before
+    anything is written."""
+    def model(seed):
+        net = make_model(seed=seed)
+        net[0].requires_grad_(False)
+        return net
+
+    with Engine(model(0), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), mode=mode) as engine:
+        batch = make_batches(rng, 1, 8)[0]
+        engine.step(batch)
+        trained = model(0)
+        engine.copy_to(trained)
+        target = model(5)
+        engine.copy_to(target)
+        for name, value in trained.state_dict().items():
+            assert torch.equal(target.state_dict()[name], value), name
+        assert torch.equal(target[0].weight, model(0)[0].weight)
+        other = model(5)
+        other[0] = torch.nn.Linear(10, 24, bias=False).requires_grad_(False)
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        with pytest.raises(ValueError, match=r"lacks or reshapes the engine's buffers or frozen parameters: '0.bias' "
+                                             r"\(the engine's \(24,\); model: none\)"):
+            engine.copy_to(other)
+        assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
 
 
 def test_hybrid_buffers_come_from_worker_0_and_resume(rng, worker_device):

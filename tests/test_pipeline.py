@@ -1636,7 +1636,16 @@ def _rank0_init_worker(rank, world, init_file, out_dir):
             assert len(tensors) >= 2, len(tensors)  # the store's weights and one flat buffer per dtype at least
             kept = sum(t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() != arena)
             losses = [engine.step(b)["loss"] for b in make_batches(torch.Generator().manual_seed(1), 3, 8)]
-            torch.save({"losses": losses, "state": engine.state_dict(), "kept": kept}, f"{out_dir}/init-{rank}.pt")
+            exported = frozen_bn_model(seed=rank)
+            engine.copy_to(exported)  # a collective: rank 1's stage holds the frozen layer, rank 0 checks its copy
+            refused = None
+            try:
+                engine.copy_to(frozen_bn_model(seed=7))
+            except ValueError as error:
+                refused = str(error)
+            torch.save({"losses": losses, "state": engine.state_dict(), "kept": kept, "refused": refused,
+                        "exported": {n: p for n, p in exported.named_parameters() if not p.requires_grad}},
+                       f"{out_dir}/init-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -1652,9 +1661,18 @@ def test_every_rank_starts_from_rank0s_frozen_parameters_and_buffers(tmp_path):
     with Engine(frozen_bn_model(seed=0), loss_fn, devices=["cpu"] * 2, stages=2, **FROZEN_OPTIONS) as local:
         local_losses = [local.step(b)["loss"] for b in make_batches(torch.Generator().manual_seed(1), 3, 8)]
         want = local.state_dict()
+    frozen = {n: p for n, p in frozen_bn_model(seed=0).named_parameters() if not p.requires_grad}
     for rank in range(2):
         got = torch.load(tmp_path / f"init-{rank}.pt", weights_only=False)
         assert got["kept"] == 0, rank
+        # copy_to: rank 1 (the frozen layer's stage) writes rank 0's frozen layer (it exported its own); rank 0
+        # holds no copy of it, and refuses a model whose frozen layer is not the one trained with
+        assert got["exported"].keys() == frozen.keys() == {"2.weight", "2.bias"}
+        assert all(torch.equal(got["exported"][n], frozen[n]) for n in frozen), rank
+        assert got["refused"] == (None if rank else "copy_to: the model's frozen parameters ['2.weight', '2.bias'] "
+                                  "differ from those the engine trained with (rank 0's), which this rank's pipeline "
+                                  "stage does not hold: call copy_to on a model built as rank 0's (its frozen "
+                                  "parameters), or on the rank of their stage"), got["refused"]
         assert got["losses"] == pytest.approx(local_losses, rel=1e-5), rank
         for part in ("master", "buffers"):
             for name, value in want[part].items():
