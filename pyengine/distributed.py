@@ -174,8 +174,9 @@ def check_same_config(group, config: dict, what: str = _ENGINES_ALIKE,
     at all: a model of other shapes or other buckets makes gloo abort the process with a size mismatch in native code
     (no Python error) and the other ranks blame the wrong one; another mode or ``shard_update`` pairs a collective
     with a different one and every rank hangs until the timeout; another lr, weight decay, clipping or schedule trains
-    on with ranks whose weights drift apart, silently; another seed trains alike but cannot resume alike (the state
-    keeps rank 0's seed, from which every rank's generators are seeded). So the Engine gathers every rank's
+    on with ranks whose weights drift apart, silently; a model in eval mode on one rank (BatchNorm on its running
+    statistics, no dropout) mixes other gradients into every step; another seed trains alike but cannot resume alike
+    (the state keeps rank 0's seed, from which every rank's generators are seeded). So the Engine gathers every rank's
     configuration once, before its first collective, and every rank raises the same error naming what differs and on
     which ranks. A rank that fails its own checks before that point (its devices, say) joins the same exchange with
     its error, so the others name it at once instead of failing in their next collective. What may differ by rank is

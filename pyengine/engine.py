@@ -316,6 +316,7 @@ class Engine:
                 schedule=schedule, balance=balance if isinstance(balance, str) else repr(balance),
                 parameters=[(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
                 buffers=[(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+                modules_in_eval_mode=[n for n, m in model.named_modules() if not m.training],
                 bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, unused=unused, autocast=str(autocast),
                 optimizer=self.optimizer.config(), loss_scale=repr(self.scaler), nonfinite=nonfinite,
                 max_staleness=max_staleness, staleness_lr=staleness_lr, seed=seed, lr_schedule=_samples(lr_schedule),

@@ -1122,6 +1122,7 @@ MISMATCHES = {  # Note [Every rank's engine alike]: what rank 1 changes, one cas
     "shard_update": lambda rank: dict(shard_update=rank == 1),
     "mode": lambda rank: dict(mode="async" if rank == 1 else "hybrid"),
     "seed": lambda rank: dict(seed=rank),
+    "eval": lambda rank: dict(model=make_model().train(rank == 0)),  # rank 1's model in eval mode
     # what may differ, or is alike: accepted by the check
     "microbatches": lambda rank: dict(microbatches=1 + 3 * rank),  # hybrid: a local memory setting
     "nan": lambda rank: dict(bucket_mb=float("nan")),  # alike (NaN equals NaN): the bucket check then refuses it

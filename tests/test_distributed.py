@@ -555,8 +555,9 @@ def test_a_failing_rank_ends_the_run_with_an_error(tmp_path, seed, scenario, wor
 
 @pytest.mark.timeout(90)
 def test_ranks_whose_engines_differ_all_refuse_at_construction(tmp_path, seed):
-    """Note [Every rank's engine alike]: another lr or seed would train on with drifting weights, another shape made
-    gloo abort the process in native code, another mode or shard_update hung until the timeout. Each is one
+    """Note [Every rank's engine alike]: another lr or seed would train on with drifting weights, a model in eval mode
+    on one rank with other gradients, another shape made gloo abort the process in native code, another mode or
+    shard_update hung until the timeout. Each is one
     ValueError on every rank, at once, naming what differs; the group still serves engines built alike."""
     codes, logs, _ = launch("mismatch", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
@@ -566,7 +567,8 @@ def test_ranks_whose_engines_differ_all_refuse_at_construction(tmp_path, seed):
                       "('0.weight', (25, 10), 'torch.float32', True)",
              "shard_update": "shard_update: rank 0 has False, rank 1 True",
              "mode": "mode: rank 0 has 'hybrid', rank 1 'async'",
-             "seed": "seed: rank 0 has 0, rank 1 1"}
+             "seed": "seed: rank 0 has 0, rank 1 1",
+             "eval": "modules_in_eval_mode: rank 0 has 0 entries, rank 1 4 entries"}
     for r, rank in enumerate(ranks):
         for case, text in named.items():
             assert rank["errors"][case] is not None, (r, case)
