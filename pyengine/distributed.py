@@ -552,6 +552,18 @@ def _rank_list(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+def differing_optimizers(rank: int, digests: list[int], optimizer) -> str:
+    """The error of a step whose ranks hold different optimizer settings (``digests``: every rank's, by rank):
+    which ranks agree with which, and this rank's settings (Note [Every rank at the same version])."""
+    groups = {}
+    for r, d in enumerate(digests):
+        groups.setdefault(d, []).append(r)
+    return (f"rank {rank}: the ranks' engine.optimizer settings differ (the ranks with the same settings: "
+            + " | ".join(_rank_list(ranks) for ranks in groups.values())
+            + f"; this rank's: {optimizer!r}): a change between steps must be made on every rank; this step was "
+              "refused on every rank")
+
+
 class _Rendezvous:
     """The keys of one hybrid engine or one async run in the default group's rendezvous store, best effort: what a
     rank that failed says (Note [Naming the rank that failed], Note [A timeout names the rank that hangs]) and which
@@ -790,7 +802,10 @@ class DistributedHybrid(_FailureNaming):
     numbers per rank in place of an allreduce of two: no collective more), and when the versions differ every rank
     refuses the step together with a :class:`DistributedError` naming each rank's version; the group stays in step,
     and usable once every rank has loaded the same state. Two states of one version (two runs' checkpoints of the
-    same step) are not told apart: comparing the weights would cost a pass over them every step.
+    same step) are not told apart: comparing the weights would cost a pass over them every step. The optimizer's
+    settings, which may be changed between steps (``engine.optimizer.lr = ...``), travel the same way as a digest
+    (:meth:`pyengine.AdamW.digest`, ~4 us): a change made on some ranks only (under ``if rank == 0:``) made their
+    weights drift apart for good, silently.
     """
 
     def __init__(self, engine, group, shard_update: bool):
@@ -817,8 +832,9 @@ class DistributedHybrid(_FailureNaming):
             self.reduced = torch.zeros(store.numel)
         # every tensor a step hands to a collective is one of these, kept (no allocation per step); the works are
         # kept too: Note [Gloo's works are released by the thread that waits]
-        self._sizes = torch.zeros(3, dtype=torch.float64)  # this rank's sample count, refusal flag, version
-        self._all_sizes = torch.zeros(self.world, 3, dtype=torch.float64)
+        # this rank's sample count, refusal flag, version and optimizer digest
+        self._sizes = torch.zeros(4, dtype=torch.float64)
+        self._all_sizes = torch.zeros(self.world, 4, dtype=torch.float64)
         self._buffer_packet: BytePacket | None = None  # _share_buffers' bytes
         self._all_sizes_flat = self._all_sizes.view(-1)
         self._loss = torch.zeros(1, dtype=torch.float64)
@@ -852,11 +868,11 @@ class DistributedHybrid(_FailureNaming):
                                                      "shard") for g, s in enumerate(shards)], None
             except ValueError as exc:
                 parts, refused = None, exc
-            # every rank's batch size, whether its shard is too small for its micro-batches, and its version (Note
-            # [Every rank at the same version]): on a refusal every rank refuses this step together, before any
-            # work, and the group stays usable
-            self._sizes.copy_(torch.tensor([float(sum(sizes)), float(refused is not None), float(engine.version)],
-                                           dtype=torch.float64))
+            # every rank's batch size, whether its shard is too small for its micro-batches, its version and its
+            # optimizer's digest (Note [Every rank at the same version]): on a refusal every rank refuses this step
+            # together, before any work, and the group stays usable
+            self._sizes.copy_(torch.tensor([float(sum(sizes)), float(refused is not None), float(engine.version),
+                                            float(engine.optimizer.digest())], dtype=torch.float64))
             counts = self._all_sizes
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
                 self.works.run(_all_gather_flat, self._all_sizes_flat, self._sizes, group=self.group)
@@ -873,6 +889,10 @@ class DistributedHybrid(_FailureNaming):
                 + "; ".join(f"version {v} on {_rank_list(ranks)}" for v, ranks in at.items())
                 + "): every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); "
                   "this step was refused on every rank")
+        digests = [int(d) for d in counts[:, 3].tolist()]
+        if len(set(digests)) > 1:
+            refused = None
+            raise DistributedError(differing_optimizers(self.rank, digests, engine.optimizer))
         refusing = int(counts[:, 1].sum().item())
         if refusing > 0:
             try:

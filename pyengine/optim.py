@@ -8,6 +8,7 @@ same model, so users can move between the two (:meth:`load_torch_state_dict` goe
 from __future__ import annotations
 
 import math
+import zlib
 import numbers
 import warnings
 from dataclasses import asdict, dataclass
@@ -116,6 +117,12 @@ class AdamW:
 
     def config(self) -> dict:
         return asdict(self)
+
+    def digest(self) -> int:
+        """A 32-bit digest of the settings (CRC-32 of the repr: floats print exactly), the same in every process
+        holding the same ones; the ranks of a group compare it at every step (Note [Every rank at the same
+        version])."""
+        return zlib.crc32(repr(self).encode())
 
     def decays(self, name: str) -> bool:
         """Whether the parameter ``name`` gets weight decay (``no_decay`` names none of its parts)."""

@@ -523,7 +523,7 @@ class DistributedPipeline(_FailureNaming):
         flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
         self._gather_views = [(flat[begin:end], self._ranks_of(s, group)) for flat in flats if flat is not None
                               for s, (begin, end) in enumerate(self.ranges)]
-        self._fingerprint = torch.zeros(10, dtype=torch.float64)  # _same_batch
+        self._fingerprint = torch.zeros(12, dtype=torch.float64)  # _same_batch
         # _update: squared norm, non-finite flag, loss sum, busy seconds (summed over the group)
         self._reduced = torch.zeros(4, dtype=torch.float64)
         self._clock = torch.zeros(1, dtype=torch.float64)  # _start_clock, then the schedule's wall (MAX)
@@ -640,15 +640,20 @@ class DistributedPipeline(_FailureNaming):
         self.steps += 1
         self._enter(f"step {self.steps}")  # Note [Naming the stage that failed]
         try:
-            same, versions = self._same_batch(inputs, targets)
+            same, same_version, same_optimizer = self._same_batch(inputs, targets)
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc
-        if versions[0] != versions[1]:  # every rank raises (the same answer everywhere); the group stays usable
+        # every rank raises (the same answers everywhere); the group stays usable
+        if not same_version:
             raise DistributedError(
-                f"rank {self.rank}: the ranks' engines hold different states (versions {versions[0]} to "
-                f"{versions[1]}; this rank's: {engine.version}): every rank must load the same state (load_state_dict "
-                "or checkpoint.load_engine on every rank); this step was refused on every rank")
+                f"rank {self.rank}: the ranks' engines hold different states (this rank's version: {engine.version}): "
+                "every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this "
+                "step was refused on every rank")
+        if not same_optimizer:
+            raise DistributedError(
+                f"rank {self.rank}: the ranks' engine.optimizer settings differ (this rank's: {engine.optimizer!r}): a "
+                "change between steps must be made on every rank; this step was refused on every rank")
         problem = _batch_problem(inputs, targets)
         if problem is not None:  # every rank given this batch raises the same; the group stays usable
             raise ValueError(problem)
@@ -741,9 +746,9 @@ class DistributedPipeline(_FailureNaming):
         return exc
 
     @torch.no_grad()
-    def _same_batch(self, inputs, targets) -> tuple[bool, tuple[int, int]]:
-        """Whether every rank was given the same batch, and the least and greatest version of the ranks' engines (the
-        same answers on every rank; a collective).
+    def _same_batch(self, inputs, targets) -> tuple[bool, bool, bool]:
+        """Whether every rank was given the same batch, whether the ranks' engines are at the same version, and
+        whether their optimizers' settings are the same (the same answers on every rank; a collective).
 
         Note [The same batch on every rank]
         The first rank runs the inputs, the last rank scores the outputs against its targets: with a different batch
@@ -754,14 +759,16 @@ class DistributedPipeline(_FailureNaming):
         floating-point sum: a sum's last bits depend on how many intra-op threads split it, and ranks may run
         different counts. Targets None, and a batch this pipeline cannot run (:func:`_batch_problem`, which step()
         raises after this exchange, so that every rank takes part in it whatever it was given), have fingerprints of
-        their own. The same all-reduce carries the engine's version (Note [Every rank at the same version] in
-        pyengine/distributed.py: a state loaded on rank 0 only trained on, a mix of two states)."""
+        their own. The same all-reduce carries the engine's version and its optimizer's digest (Note [Every rank at
+        the same version] in pyengine/distributed.py: a state loaded on rank 0 only trained on, a mix of two
+        states; an lr changed on one rank only too)."""
         both = self._fingerprint  # Note [Gloo's works are released by the thread that waits]
         (both[0], both[2]), (both[1], both[3]) = _fingerprint(inputs), _fingerprint(targets)
-        both[4] = self.engine.version
-        both[5:] = -both[:5]
+        both[4], both[5] = self.engine.version, self.engine.optimizer.digest()
+        both[6:] = -both[:6]
         self.works.run(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
-        return torch.equal(both[:4], -both[5:9]), (int(-both[9]), int(both[4]))
+        alike = both[:6] == -both[6:]
+        return bool(alike[:4].all()), bool(alike[4]), bool(alike[5])
 
     @torch.no_grad()
     def _share_buffers(self) -> None:

@@ -259,8 +259,17 @@ def load_divergence(seed, rank, world):
             if rank == 1:
                 engine.load_state_dict(state)
             engine.step(batches[1])
+            if rank == 0:  # an lr changed on rank 0 only (under `if rank == 0:`): refused on every rank, then undone
+                engine.optimizer.lr *= 2
+            try:
+                engine.step(batches[2])
+                lr_error = None
+            except distributed.DistributedError as exc:
+                lr_error = str(exc)
+            engine.optimizer.lr = OPT["lr"]
             engine.step(batches[2])
-            out[name] = dict(error=error, version=engine.version, master=engine.master_state_dict())
+            out[name] = dict(error=error, lr_error=lr_error, version=engine.version,
+                             master=engine.master_state_dict())
     return out
 
 

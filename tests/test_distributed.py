@@ -371,7 +371,8 @@ def test_nonfinite_raise_raises_on_every_rank_and_the_engine_trains_on(tmp_path,
 def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed):
     """Note [Every rank at the same version]: rank 0 alone loads an earlier state; the next step raises on every
     rank naming the ranks' versions (before, they trained on with different weights), and once rank 1 loads it too
-    both train on alike: equal to steps on batches 0, 1, 2."""
+    both train on alike: equal to steps on batches 0, 1, 2. An lr changed between steps on rank 0 only is refused
+    likewise."""
     codes, logs, _ = launch("load-divergence", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
@@ -384,6 +385,12 @@ def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed)
                 f"rank {r}: the ranks' engines hold different states (version 1 on rank 0; version 2 on rank 1): "
                 "every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this "
                 "step was refused on every rank"), (kind, rank[kind]["error"])
+            # then an lr changed on rank 0 only: refused on every rank (the ranks' weights drifted apart for good)
+            assert rank[kind]["lr_error"] == (
+                f"rank {r}: the ranks' engine.optimizer settings differ (the ranks with the same settings: rank 0 | "
+                f"rank 1; this rank's: "
+                f"{pyengine.AdamW(**dict(dist_job.OPT, lr=dist_job.OPT['lr'] * (2 - r)))!r}): a change between steps "
+                "must be made on every rank; this step was refused on every rank"), (kind, rank[kind]["lr_error"])
             assert rank[kind]["version"] == 3, kind
         assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
         reference.assert_matches(ranks[0][kind]["master"])

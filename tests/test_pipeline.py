@@ -983,6 +983,14 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
             except DistributedError as error:
                 different_states = str(error)
             second.load_state_dict(state)
+            different_lr = None
+            if rank == 0:  # an lr changed on rank 0 only: refused on every rank too
+                second.optimizer.lr *= 2
+            try:
+                second.step(batches[2])
+            except DistributedError as error:
+                different_lr = str(error)
+            second.optimizer.lr = OPT["lr"]
             second.fit(batches[2:])
             got = second.master_state_dict()
         # bf16 autocast: every stage's forward and the loss under CPU autocast, fp32 master weights
@@ -1023,7 +1031,8 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
         with Engine(sleep_model(2, forward_s=0.008, backward_s=0.016), mse, devices=["cpu"], mode="pipeline",
                     microbatches=1, schedule="gpipe", pin=False) as single:
             bubble_m1 = [single.step(sleepy_batch) for _ in range(4)][1:]
-        torch.save({"resumed": got, "expected": expected, "different_states": different_states, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
+        torch.save({"resumed": got, "expected": expected, "different_states": different_states,
+                    "different_lr": different_lr, "bf16_losses": bf16_losses, "bf16_master": bf16_master,
                     "fp16_trajectory": fp16_trajectory, "fp16_master": fp16_master,
                     "varying_losses": varying_losses, "varying_master": varying_master, "kept": kept,
                     "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded,
@@ -1166,9 +1175,13 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             assert torch.equal(extra["resumed"][name], want), f"rank {rank}: resumed {name} differs"
         # rank 0 alone loaded the state: refused on every rank (the ranks trained on, a mix of two states)
         assert extra["different_states"] == (
-            f"rank {rank}: the ranks' engines hold different states (versions 0 to 2; this rank's: {2 - 2 * rank}): "
-            "every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this step "
-            "was refused on every rank"), extra["different_states"]
+            f"rank {rank}: the ranks' engines hold different states (this rank's version: {2 - 2 * rank}): every "
+            "rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this step was "
+            "refused on every rank"), extra["different_states"]
+        assert extra["different_lr"] == (
+            f"rank {rank}: the ranks' engine.optimizer settings differ (this rank's: "
+            f"{AdamW(**dict(OPT, lr=OPT['lr'] * (2 - rank)), amsgrad=True)!r}): a change between steps must be made on "
+            "every rank; this step was refused on every rank"), extra["different_lr"]
         for schedule, steps in extra["bubbles"].items():  # Note [Bubble across processes]; ideal 1/5 for S=2, M=4
             measured = sorted(b for b, _, _ in steps)[1]
             assert all(ideal == pytest.approx(1 / 5) for _, ideal, _ in steps)
