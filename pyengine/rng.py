@@ -29,11 +29,11 @@ settles with its worker's generator state: the state the region's draws start fr
 move that generator. Setting a settled mark inside a backward makes the thread's routed forwards of that worker
 replay from its state, one after another as the region's forward drew, until the next ``set_rng_state`` (the
 checkpoint's own restore when the recomputation ends). So a layer called outside and inside a region, in several
-regions, or once per micro-batch recomputes each call's own masks. Where no mark applies
-(``preserve_rng_state=False``, a checkpoint inside a routed module's forward, one nested in another's
-recomputation), a recomputation replays the oldest recorded state of that module in this step: right for a module
-called once per micro-batch (in a GPipe stage, M forwards then M backwards in micro-batch order), not for one
-called in several such regions.
+regions, or once per micro-batch recomputes each call's own masks. A checkpoint nested in a region reads its state during the outer recomputation,
+inside the backward: that mark is settled at once, with the state the replay has reached. Where no mark applies
+(``preserve_rng_state=False``, a checkpoint inside a routed module's forward), a recomputation replays the oldest
+recorded state of that module in this step: right for a module called once per micro-batch (in a GPipe stage, M
+forwards then M backwards in micro-batch order), not for one called in several such regions.
 
 Note [Checkpoints beside concurrent workers]
 ``torch.utils.checkpoint`` (with ``preserve_rng_state=True``, its default) reads torch's generator states at the
@@ -124,9 +124,9 @@ def cpu_generator_seed(seed: int, value: int | None = None) -> int:
 
 
 def _swap_lock_of_the_child() -> None:
-    """A forked child's own swap lock (Note [Checkpoints beside concurrent workers])."""
-    global _SWAP
-    _SWAP = threading.RLock()
+    """A forked child's own swap and marks locks (Note [Checkpoints beside concurrent workers])."""
+    global _SWAP, _MARKS_LOCK
+    _SWAP, _MARKS_LOCK = threading.RLock(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_swap_lock_of_the_child)
@@ -163,14 +163,19 @@ class _Mark:
         self.rng = self.state = None
 
 
-def _mark(state: torch.Tensor) -> None:
+def _mark(state: torch.Tensor, settled: list | None = None) -> None:
     """Marks a state tensor read outside any backward, unless inside a routed forward (whose draws are on torch's own
-    generator then, which torch restores itself); the thread's next routed forward settles the mark."""
+    generator then, which torch restores itself); the thread's next routed forward settles the mark. ``settled``:
+    the thread's replay ([WorkerRNG, state]) when read inside a recomputation (a checkpoint nested in the region
+    recomputed): settled at once, with the state the recomputation's next draw starts from."""
     if getattr(_ACTIVE, "rng", None) is not None:
         return
     mark = _Mark()
     with _MARKS_LOCK:
         _MARKS[state] = mark
+    if settled is not None:
+        mark.rng, mark.state = settled
+        return
     pending = _ACTIVE.__dict__.setdefault("pending", [])
     if len(pending) >= 64:  # a thread that reads states and runs no routed forward keeps only the live marks
         pending[:] = [ref for ref in pending if ref() is not None]
@@ -196,6 +201,8 @@ def _guarded(function, role: str | None):
             return result
         with _SWAP:
             result = function(*args, **kwargs)
+        if role == "get" and getattr(_ACTIVE, "replay", None) is not None:  # a checkpoint inside a recomputation
+            _mark(result, settled=_ACTIVE.replay)
         if role == "set":  # a settled mark starts a replay on this thread; any other state ends one
             state = args[0] if args else kwargs.get("new_state")
             with _MARKS_LOCK:
@@ -221,11 +228,16 @@ def _draws(module: torch.nn.Module) -> bool:
 class _Routed:
     """A module's ``forward`` attribute while routed: the class's forward through :meth:`WorkerRNG.run`. It holds the
     module weakly (a strong reference would make every routed module a reference cycle, freed only by the garbage
-    collector, and a dropped engine's replicas with it)."""
+    collector, and a dropped engine's replicas with it). A copy of the module (``copy.deepcopy``, pickling) is not
+    routed: it gets an :class:`_Unrouted` forward. Copied as it was, its forward ran the original module (the weak
+    reference is copied as it is) on a copy of the original's generator: an eval-mode copy still dropped, and the
+    replicas of an engine built from another engine's replica trained the original's weights."""
 
     def __init__(self, rng: "WorkerRNG", module: torch.nn.Module):
         own = module.__dict__.get("forward")  # a forward set on the instance (rare) is kept, strongly
-        self.rng, self.module = rng, weakref.ref(module)
+        if isinstance(own, (_Routed, _Unrouted)):  # routed by another generator, or a copy of a routed module
+            own = own.own
+        self.rng, self.module, self.own = rng, weakref.ref(module), own
         self.forward = type(module).forward if own is None else (lambda _, *args, **kwargs: own(*args, **kwargs))
 
     def __call__(self, *args, **kwargs):
@@ -233,6 +245,26 @@ class _Routed:
         if not _draws(module):
             return self.forward(module, *args, **kwargs)
         return self.rng.run(module, self.forward, *args, **kwargs)
+
+    def __reduce__(self):  # copy.deepcopy and pickle: the copy's module, memoized before its attributes
+        return _Unrouted, (self.module(), self.own)
+
+
+class _Unrouted:
+    """The ``forward`` attribute of a copy of a routed module: the module's own forward, as before it was routed
+    (its module held weakly, as :class:`_Routed` holds it)."""
+
+    def __init__(self, module: torch.nn.Module, own=None):
+        self.module, self.own = weakref.ref(module), own
+
+    def __call__(self, *args, **kwargs):
+        if self.own is not None:
+            return self.own(*args, **kwargs)
+        module = self.module()
+        return type(module).forward(module, *args, **kwargs)
+
+    def __reduce__(self):
+        return _Unrouted, (self.module(), self.own)
 
 
 class WorkerRNG:
@@ -293,8 +325,9 @@ class WorkerRNG:
 
     def install(self, model: torch.nn.Module, classes=()) -> int:
         """Routes the random modules of ``model`` (:data:`RANDOM_MODULES` and ``classes``) through :meth:`run`;
-        returns how many. ``model`` must be this worker's own replica; a module is routed once. ``classes``: a tuple
-        or list of ``nn.Module`` subclasses, checked before any module is routed."""
+        returns how many. ``model`` must be this worker's own replica; a module is routed once by this generator (one
+        routed by another is routed to this one). ``classes``: a tuple or list of ``nn.Module`` subclasses, checked
+        before any module is routed."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"WorkerRNG.install: model must be an nn.Module; got {type(model).__name__}")
         if not isinstance(classes, (tuple, list)) or not all(
@@ -302,8 +335,9 @@ class WorkerRNG:
             raise TypeError(f"WorkerRNG.install: classes must be a tuple of nn.Module subclasses; got {classes!r}")
         count = 0
         for module in model.modules():
-            if isinstance(module, (*RANDOM_MODULES, *classes)) and not isinstance(module.__dict__.get("forward"),
-                                                                                   _Routed):
-                module.forward = _Routed(self, module)
+            routed = module.__dict__.get("forward")
+            if isinstance(module, (*RANDOM_MODULES, *classes)) and not (isinstance(routed, _Routed)
+                                                                        and routed.rng is self):
+                module.forward = _Routed(self, module)  # routed by another generator before: this one now
                 count += 1
         return count

@@ -532,6 +532,32 @@ def test_activation_checkpoints_change_nothing_with_concurrent_workers(rng, work
         assert torch.equal(results[0][name], results[1][name]), name
 
 
+def test_an_engine_built_from_another_engines_replica_trains_its_own_replicas(rng):
+    """The replicas are deep copies of the model; copies of a routed module ran the original's forward (Note [Random
+    numbers of concurrent workers]), so an engine built from another's replica computed with that replica's
+    weights: its own replicas' attention got no gradient and its master weights never moved."""
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(8, 2, dropout=0.1, batch_first=True)
+            self.out = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.out(self.mha(x, x, x, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 3, 8, generator=rng), torch.randint(0, 3, (8,), generator=rng))
+    with Engine(Attention(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as first:
+        first.step(batch)
+        replica = first.workers[0].replica
+    # no weight decay: a parameter moves only with its gradient
+    with Engine(replica, loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**dict(OPT, weight_decay=0.0))) as second:
+        before = second.master_state_dict()
+        second.step(batch)
+        for name, value in second.master_state_dict().items():
+            assert not torch.equal(value, before[name]), f"{name} did not move"
+
+
 def test_random_modules_routes_a_users_random_layer(rng):
     """A layer drawing with torch.rand in its forward is on the shared generator unless listed in random_modules."""
     class Noise(torch.nn.Module):

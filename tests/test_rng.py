@@ -2,6 +2,7 @@
 numbers of concurrent workers]); the default generator is left exactly as it was."""
 import copy
 import gc
+import io
 import os
 import threading
 import weakref
@@ -160,6 +161,64 @@ def test_without_preserved_states_a_layer_called_once_per_micro_batch_recomputes
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_a_nested_checkpoint_recomputes_its_masks_on_every_backward():
+    """A reentrant checkpoint nested in another runs its forward inside the outer recomputation; its state is marked
+    there, settled with the replay's state. It replayed the oldest recorded state and used it up: a second backward
+    (retain_graph) raised "ran inside backward with no forward of this step to replay"."""
+    x = torch.randn(4, 8)
+    grads = []
+    for nested in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4))
+        rng = WorkerRNG(torch.device("cpu"), 0, 0)
+        rng.install(model)
+        rng.begin_step(0)
+        inputs = x.clone().requires_grad_(True)
+        out = checkpoint(lambda u: checkpoint(model, u, use_reentrant=True), inputs, use_reentrant=True) \
+            if nested else model(inputs)
+        loss = out.pow(2).sum()
+        loss.backward(retain_graph=True)
+        first = model[0].weight.grad.clone()
+        loss.backward()
+        assert torch.equal(model[0].weight.grad, 2 * first)
+        grads.append(first)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_a_copy_of_a_routed_module_is_not_routed():
+    """copy.deepcopy copied the routed forward with its weak reference as it was: the copy ran the original module
+    (its gradients went there) on a copy of the original's generator, so an eval-mode copy still dropped and an
+    engine built from another engine's replica trained the original's weights; pickling raised ("cannot pickle
+    'weakref.ReferenceType'"). A copy now runs its own forward on torch's generator, as an unrouted module does,
+    and installing a generator routes it (a module routed by another generator is routed to the new one)."""
+    rng = WorkerRNG(torch.device("cpu"), 0, 0)
+    model = routed_model(rng)
+    x = torch.randn(16, 8)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        copied[0].weight.mul_(2)  # the copy's own weights: its output must follow them
+        expected = copied[4](torch.nn.functional.rrelu(copied[0](x), training=False))  # eval: dropouts draw nothing
+        assert torch.equal(copied.eval()(x), expected) and torch.equal(copied(x), expected)
+    copied.train()
+    for _ in range(2):  # in training mode it draws from torch's default generator, like an unrouted module
+        torch.manual_seed(5)
+        first = copied(x)
+        torch.manual_seed(5)
+        assert torch.equal(copied(x), first)
+    loss = copied(x).sum()
+    loss.backward()
+    assert copied[0].weight.grad is not None and model[0].weight.grad is None, "the gradient reached the original"
+    buffer = io.BytesIO()
+    torch.save(copied, buffer)
+    torch.save(model, io.BytesIO())
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert torch.equal(loaded.eval()(x), copied.eval()(x))
+    other = WorkerRNG(torch.device("cpu"), 0, 1)
+    assert other.install(copied) == 3 and other.install(copied) == 0
+    assert other.install(model) == 3, "routed by another generator: routed to this one"
+    assert all(m.forward.rng is other and m.forward.module() is m for m in model if "forward" in m.__dict__)
 
 
 def test_routing_makes_no_reference_cycle():
