@@ -21,19 +21,19 @@ saved, whatever devices or how many workers it resumes on, on every rank of a pr
 
 An activation checkpoint (``torch.utils.checkpoint``) recomputes its region's forward during backward and restores
 torch's default generator first so that the recomputed masks equal the forward's; a routed module would instead
-draw the worker's generator's next numbers. So the worker's generator is restored the same way, at the same
-moments: the checkpoint reads the CPU generator's state (``torch.get_rng_state``) when its region's forward starts
-and sets that very tensor back (``torch.set_rng_state``) before the recomputation. A state tensor read in a forward
-gets a mark (:class:`_Mark`, kept beside the tensor, not in it), which the next routed forward on that thread
-settles with its worker's generator state: the state the region's draws start from, since only routed forwards
-move that generator. Setting a settled mark inside a backward makes the thread's routed forwards of that worker
-replay from its state, one after another as the region's forward drew, until the next ``set_rng_state`` (the
-checkpoint's own restore when the recomputation ends). So a layer called outside and inside a region, in several
-regions, or once per micro-batch recomputes each call's own masks. A checkpoint nested in a region reads its state during the outer recomputation,
-inside the backward: that mark is settled at once, with the state the replay has reached. Where no mark applies
-(``preserve_rng_state=False``, a checkpoint inside a routed module's forward), a recomputation replays the oldest
-recorded state of that module in this step: right for a module called once per micro-batch (in a GPipe stage, M
-forwards then M backwards in micro-batch order), not for one called in several such regions.
+draw the worker's generator's next numbers. So the worker's generator is restored the same way, at the same moments:
+the checkpoint reads the CPU generator's state (``torch.get_rng_state``) when its region's forward starts and sets
+that very tensor back (``torch.set_rng_state``) before the recomputation. A state tensor read in a forward gets a
+mark (:class:`_Mark`, kept beside the tensor, not in it), which the next routed forward on that thread settles with
+its worker's generator state: the state the region's draws start from, since only routed forwards move that
+generator. Setting a settled mark inside a backward makes the thread's routed forwards of that worker replay from
+its state, one after another as the region's forward drew, until the next ``set_rng_state`` (the checkpoint's own
+restore when the recomputation ends). So a layer called outside and inside a region, in several regions, or once per
+micro-batch recomputes each call's own masks. A checkpoint nested in a region reads its state during the outer
+recomputation, inside the backward: that mark is settled at once, with the state the replay has reached. Where no
+mark applies (``preserve_rng_state=False``, a checkpoint inside a routed module's forward), a recomputation replays
+the oldest recorded state of that module in this step: right for a module called once per micro-batch (in a GPipe
+stage, M forwards then M backwards in micro-batch order), not for one called in several such regions.
 
 Note [Checkpoints beside concurrent workers]
 ``torch.utils.checkpoint`` (with ``preserve_rng_state=True``, its default) reads torch's generator states at the
@@ -268,7 +268,9 @@ class _Unrouted:
 
 
 class WorkerRNG:
-    """The generator of one concurrent worker on ``device``; :meth:`begin_step` seeds it for a step."""
+    """The generator of one concurrent worker on ``device``; :meth:`begin_step` seeds it for a step. Every routed
+    forward keeps the state it started from (~5 KB on the CPU) until the next :meth:`begin_step`, for a
+    recomputation that finds no mark: used outside an Engine, call it once per step."""
 
     def __init__(self, device: torch.device, seed: int, worker: int):
         _guard_generator_functions()  # Note [Checkpoints beside concurrent workers]
