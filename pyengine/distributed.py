@@ -1427,7 +1427,7 @@ class AsyncServer:
                 return
             self._exchange(dist.recv, grad, client, "receive of a gradient from")
             status, staleness, step = self._apply(client, grad, header)
-            if status == _GO:
+            if status == _GO and step:  # applied (a push skipped as non-finite has no Adam step)
                 last_applied = int(header[1].item())
             if self.servers > 1 and self._ends(client, self._send_header(client, status, last_applied, staleness,
                                                                          version=step)):
@@ -1701,9 +1701,9 @@ class _AsyncClient:
         while True:
             status, pulled, scale, decided = self._pull()
             self.newest_pull = max(self.newest_pull, pulled)
-            self.call_back()
             if self.servers == 1:  # rank 0's decision on the last push comes with the pull, a STOP or not
-                decision = self._learn(decided)
+                decision = self._learn(decided, push_id)
+            self.call_back()
             if status == _STOP:
                 self._tell_waiting(_DONE)
                 return
@@ -1725,17 +1725,24 @@ class _AsyncClient:
             header = [_PUSH, push_id, pulled, samples, loss, norm.item(), nonfinite.item(), 0.0, 0.0, scale or 0.0]
             self._send(0, header, gradient=True)
             if self.servers > 1:
-                decision = self._learn(self._decide(header))
+                decision = self._learn(self._decide(header), push_id)
                 self.call_back()
                 if decision == _STOP:
                     return
 
-    def _learn(self, decision: float) -> float:
-        """Rank 0's ``decision`` on this rank's last push, returned; a REFRESH is counted here, as the server
-        counted it when it refused the push, whatever follows (a STOP may come with it: counted only when the next
-        pull said go on, such a refresh was counted by no client)."""
+    def _learn(self, decision: float, push_id: int) -> float:
+        """Rank 0's ``decision`` on this rank's last push ``push_id``, returned; a REFRESH is counted here, as the
+        server counted it when it refused the push, whatever follows (a STOP may come with it: counted only when the
+        next pull said go on, such a refresh was counted by no client). A GO for a push rank 0 did not acknowledge as
+        applied: skipped as non-finite, counted and recorded so (``applied`` False), as a skipped step in one
+        process; the client's history and callbacks had it as applied."""
         if decision == _REFRESH:
             self.engine.count("refreshes")
+        elif decision == _GO and push_id and self.acknowledged != push_id:
+            self.engine.count("skipped_steps")
+            metrics = dict(push_id=push_id, rank=self.rank, applied=False, version_at_pull=self.sent_at, **self.sent)
+            self.engine._record(metrics)
+            self.acknowledgements.append(metrics)  # to the callbacks, as an applied push's
         return decision
 
     def _pull(self) -> tuple[float, int, float | None, float]:
