@@ -1707,11 +1707,14 @@ class _AsyncClient:
             if status == _STOP:
                 self._tell_waiting(_DONE)
                 return
+            if engine.stop_requested or engine._closed:  # Note [Closing a multi-node async run]; before a batch is
+                self._tell_waiting(_DONE)  # taken, which a later fit gets (a generator lost it), as in one process
+                return
             if decision == _GO:  # the previous push (if any) was applied or skipped: next mini-batches
                 if source is None:  # fit's steps: this client's pushes at most
                     source = _BatchSource(batches, epochs, pushes=steps)
                 _, minibatches = source.take(minibatches_per_push(engine, pulled))
-            if not minibatches or engine.stop_requested or engine._closed:  # Note [Closing a multi-node async run]
+            if not minibatches:
                 self._tell_waiting(_DONE)
                 return
             for worker in engine.workers:

@@ -398,7 +398,12 @@ def async_client_callback(seed, rank, world):
     callbacks were never called). Records the pushes each rank's callbacks saw, the pushes rank 0 applied and the
     warnings (rank 0 is given batches too, which a server does not train on)."""
     batches = [client_batch(seed, rank, i % 4) for i in range(50 if rank else 2)]  # the server's are not used
-    seen = []
+    seen, taken = [], []
+
+    def counted():  # the client's batches, counted as fit takes them
+        for b in batches:
+            taken.append(1)
+            yield b
 
     def callback(engine, metrics):
         seen.append(metrics["push_id"] if rank else engine.stats()["pushes"])
@@ -409,9 +414,9 @@ def async_client_callback(seed, rank, world):
                          pin=False) as engine:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # rank 0: its unused batches, and the client stopped before 50 pushes
-            engine.fit(batches, steps=50, callbacks=[callback])
+            engine.fit(counted() if rank else batches, steps=50, callbacks=[callback])
         return {"seen": seen, "pushes": engine.stats()["pushes"], "warnings": [str(w.message) for w in caught],
-                "where": [os.path.basename(w.filename) for w in caught]}
+                "where": [os.path.basename(w.filename) for w in caught], "taken": len(taken)}
 
 
 def async_client_raises(seed, rank, world, how):

@@ -947,6 +947,7 @@ def test_a_multi_node_async_clients_callbacks_see_its_applied_pushes_and_may_sto
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
     assert ranks[1]["seen"] == [1, 2, 3], ranks
+    assert ranks[1]["taken"] == 3, "the client took a batch after its stop() and dropped it (a generator lost it)"
     assert ranks[0]["seen"] == [1, 2, 3] and ranks[0]["pushes"] == 3, ranks
     # the server's own batches are not trained on, and it says so (they were dropped silently)
     assert [where for w, where in zip(ranks[0]["warnings"], ranks[0]["where"]) if w.startswith(
