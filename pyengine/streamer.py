@@ -178,8 +178,8 @@ class GradientStreamer:
             raise ValueError(f"GradientStreamer: the replica's trainable parameters {extra} are not in the store (a "
                              "weight tied in the store's model and not in the replica, or frozen there and not "
                              "here): build the replica like the model the store was made from")
-        sparse = [name for name, m in replica.named_modules()
-                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        sparse = [name for name, m in replica.named_modules()  # a frozen one makes no gradient at all
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
         if sparse:
             raise ValueError(f"GradientStreamer: {sparse} make sparse gradients (sparse=True); the store holds dense "
                              "gradients: build them with sparse=False")

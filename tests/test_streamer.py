@@ -491,6 +491,15 @@ def test_replicas_the_store_cannot_take_are_refused_at_construction():
     sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"\['0'\] make sparse gradients.*sparse=False"):
         pyengine.GradientStreamer(sparse, pyengine.HostStore(sparse, pin=False))
+    # a frozen sparse embedding makes no gradient: accepted (it was refused), and the rest streams
+    sparse[0].requires_grad_(False)
+    store = pyengine.HostStore(sparse, pin=False)
+    with pyengine.GradientStreamer(sparse, store) as streamer:
+        with streamer.backward_pass():
+            sparse(torch.tensor([1, 2, 7])).pow(2).mean().backward()
+        streamer.wait_all()
+        for name, view in store.views(store.grad_slot(0)).items():
+            assert torch.equal(view, dict(sparse.named_parameters())[name].grad), name
 
 
 def test_replica_parameters_the_store_does_not_hold_are_refused():
