@@ -830,10 +830,15 @@ def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
 def _launched() -> tuple[int, int]:
     """(rank, world size) of a torchrun launch (RANK, WORLD_SIZE), else (0, 1)."""
     try:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise UsageError(f"RANK={os.environ.get('RANK')!r} and WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} must "
                          "be integers (set by torchrun)") from None
+    if not 0 <= rank < world:  # RANK=1 left in the environment: a lone process took itself for rank 1 and wrote
+        raise UsageError(f"RANK={rank} is not a rank of WORLD_SIZE={world}"  # nothing, printed nothing
+                         f"{' (unset)' if 'WORLD_SIZE' not in os.environ else ''}: unset RANK for one process, or "
+                         "launch with torchrun, which sets both")
+    return rank, world
 
 
 def _rank_shard(batch, rank: int, world: int):

@@ -539,6 +539,21 @@ def test_a_launch_without_a_rendezvous_is_one_line(tmp_path, monkeypatch, capsys
     assert last.startswith("pyengine train: error: WORLD_SIZE=2: could not join the process group at 127.0.0.1:"), last
 
 
+@pytest.mark.parametrize("rank,world", [("1", None), ("2", "2"), ("-1", "2")])
+def test_a_rank_outside_the_world_is_refused(tmp_path, monkeypatch, capsys, rank, world):
+    """RANK=1 left in the environment with no WORLD_SIZE: the lone process took itself for rank 1, trained, printed
+    nothing, wrote nothing and exited 0."""
+    monkeypatch.setenv("RANK", rank)
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    assert train("--steps", "1", "--out", str(tmp_path / "run"), *SHORT) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: RANK={rank} is not a rank of WORLD_SIZE={world or 1}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag", ["--out", "--trace", "--resume"])
 def test_an_empty_path_is_refused(flag, capsys):
     """``--out "$OUT"`` with OUT unset: refused, not taken for the default (it wrote runs/<time> in the cwd)."""
