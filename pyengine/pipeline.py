@@ -100,7 +100,8 @@ import weakref
 import torch
 
 from .metrics import step_metrics
-from .workers import WorkerError, _map, _tensors, batch_size, split_batch, task_thread_initializer, to_device
+from .workers import (WorkerError, _map, _tensors, batch_size, replica_of, split_batch, task_thread_initializer,
+                      to_device)
 from .workers import autocast as autocast_region
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
@@ -411,7 +412,7 @@ class _Stage:
     def __init__(self, index: int, replica: int, device: torch.device, module: torch.nn.Sequential, store,
                  names: list[str], tied: set[str], rng=None, random_modules=()):
         self.index, self.replica, self.device = index, replica, device
-        self.module = copy.deepcopy(module).to(device)  # deepcopy keeps ties inside the stage
+        self.module = replica_of(module, device)  # deepcopy keeps ties inside the stage, and hooks are kept
         if rng is not None:  # Note [Random numbers of concurrent workers] (pyengine/rng.py)
             rng.install(self.module, random_modules)
         self.params = list(zip(names, (p for p in self.module.parameters() if p.requires_grad), strict=True))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import itertools
 import time
 import warnings
@@ -42,7 +41,7 @@ from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_c
                        check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
                        stage_store_names)
 from .workers import autocast as autocast_region
-from .workers import batch_size
+from .workers import batch_size, replica_of
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
 
@@ -468,7 +467,7 @@ class DistributedPipeline(_FailureNaming):
                        for s, stage_names in enumerate(names)]
         self._pipe_group, self._dp_group = self._subgroups(group)  # the first collective (new_group with replicas)
         self.device = engine.devices[0]
-        self.module = copy.deepcopy(modules[self.stage]).to(self.device)
+        self.module = replica_of(modules[self.stage], self.device)  # Note [Replicas keep the parameters' hooks]
         # each rank its own generator (global index = rank), seeded per step: the data-parallel replicas of a stage
         # draw different masks (Note [Random numbers of concurrent workers] in pyengine/rng.py)
         engine.worker_rng(self.device, 0).install(self.module, engine.random_modules)

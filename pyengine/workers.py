@@ -293,6 +293,28 @@ def deferred_interrupt(what: str, on_escape=None):
         raise KeyboardInterrupt(f"Ctrl-C during {what}: it completed first")
 
 
+def replica_of(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A deep copy of ``model`` on ``device``, with the gradient hooks of its parameters.
+
+    Note [Replicas keep the parameters' hooks]
+    A worker's replica (a pipeline stage's copy) is ``copy.deepcopy`` of the model, and a deep-copied parameter is
+    a new tensor without the hooks registered on the original (``register_hook``, ``register_post_accumulate_grad_
+    hook``): a hook that masks, clips or zeroes a gradient was dropped without a word, and the engine trained what
+    it was there to hold back. So the hooks each parameter has when the engine is built are registered on its copy,
+    in their order, before the gradient streamer's own (a post-accumulate hook that changes ``.grad`` runs before
+    the copy of it). The module hooks (forward, backward) live in the modules' dicts and come with the deep copy;
+    a hook added to the model's parameters later reaches no replica."""
+    replica = copy.deepcopy(model).to(device)
+    for original, copied in zip(model.parameters(), replica.parameters(), strict=True):
+        if not copied.requires_grad:
+            continue
+        for hook in (original._backward_hooks or {}).values():
+            copied.register_hook(hook)
+        for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():
+            copied.register_post_accumulate_grad_hook(hook)
+    return replica
+
+
 class Computed(NamedTuple):
     """What :meth:`Worker.compute` returns: the mean loss (weighted mean with weights), seconds of forward+backward,
     seconds waiting for the last gradient copies after backward, and seconds waiting for the previous update's
@@ -314,7 +336,7 @@ class Worker:
                  random_modules=(), eager_mb: float | None = 1.0):
         self.index = index
         self.device = device
-        self.replica = copy.deepcopy(model).to(device)
+        self.replica = replica_of(model, device)  # Note [Replicas keep the parameters' hooks]
         self.rng = rng
         if rng is not None:  # Note [Random numbers of concurrent workers] (pyengine/rng.py)
             rng.install(self.replica, random_modules)

@@ -558,6 +558,39 @@ def test_an_engine_built_from_another_engines_replica_trains_its_own_replicas(rn
             assert not torch.equal(value, before[name]), f"{name} did not move"
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async", "pipeline"])
+def test_gradient_hooks_on_the_models_parameters_reach_the_replicas(rng, mode):
+    """Note [Replicas keep the parameters' hooks]: the replicas are deep copies, and a deep-copied parameter has
+    none of the original's hooks: a hook that zeroes a gradient (register_hook) or the accumulated .grad
+    (register_post_accumulate_grad_hook) was dropped, and the layers it held still trained. The weights equal
+    torch.optim.AdamW's with the same hooks (float64); the held parameters do not move."""
+    def halve(p):
+        p.grad.mul_(0.5)
+
+    def hooked(model):
+        model[0].weight.register_hook(torch.zeros_like)
+        model[2].bias.register_post_accumulate_grad_hook(halve)
+        return model
+
+    opt = dict(OPT, weight_decay=0.0)
+    model = hooked(make_model())
+    reference = TorchReference(make_model(), **opt)
+    hooked(reference.model)
+    batches = make_batches(rng, 3, 12)
+    with Engine(model, loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**opt),
+                **(dict(max_staleness=0) if mode == "async" else {})) as engine:
+        for b in batches:
+            if mode == "async":
+                engine.fit([b])
+            else:
+                engine.step(b)
+            reference.step([b])
+        master = engine.master_state_dict()
+    assert torch.equal(master["0.weight"], model[0].weight), "a zeroed gradient moved the weight"
+    for name, p in reference.model.named_parameters():
+        torch.testing.assert_close(master[name].double(), p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_random_modules_routes_a_users_random_layer(rng):
     """A layer drawing with torch.rand in its forward is on the shared generator unless listed in random_modules."""
     class Noise(torch.nn.Module):
