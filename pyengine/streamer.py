@@ -145,6 +145,7 @@ class GradientStreamer:
         # Note [Unused parameters and overlap]
         self._prune = False  # set once a step had parameters without a gradient (unused="zero")
         self._said_reached_none = False  # the warning of a step whose backward reached no parameter: said once
+        self._said_unseen = False  # the warning of a .grad no hook saw: said once
         self._unreached: list[int] = []  # this pass: parameters the loss's graph does not reach
         self._presumed = [False] * len(self._params)  # counted ready at the pass's start (in _unreached)
         self._index_of = {id(p): i for i, p in enumerate(self._params)}  # the graph walk's AccumulateGrad variables
@@ -295,6 +296,9 @@ class GradientStreamer:
             if not self._sync:
                 return
             never = [self.store.names[i] for i, fired in enumerate(self._fired) if not fired]
+            # a .grad no hook saw (assigned by hand, torch.autograd.grad's result, say): its slot got zeros
+            unseen = [self.store.names[i] for i, fired in enumerate(self._fired)
+                      if not fired and self._params[i].grad is not None] if never else []
             # Parameters that did not fire in this pass: their accumulated .grad, or zeros if they never fired in
             # the window. Launched in "error" mode too, so that no waiter hangs.
             self._pending = [0] * len(self.buckets)
@@ -314,6 +318,13 @@ class GradientStreamer:
                 f"{len(never)} trainable parameters, so every gradient streamed is zero (a loss computed with another "
                 "module, such as the original model held in a closure instead of the replica that loss_fn is given, "
                 "trains nothing); said once per streamer", RuntimeWarning, stacklevel=2)
+        if unseen and not self._said_unseen:
+            self._said_unseen = True
+            warnings.warn(
+                f"GradientStreamer(worker={self.worker}): {unseen[:10]} hold a .grad that autograd did not accumulate "
+                "in this window (assigned by hand, or left from before it): the streamer takes each gradient as "
+                "backward accumulates it, so their slots hold zeros; let backward compute them (from the loss); said "
+                "once per streamer", RuntimeWarning, stacklevel=2)
         if never and self.unused == "error":
             raise RuntimeError(
                 f"GradientStreamer(worker={self.worker}): {len(never)} parameter(s) received no gradient in this "

@@ -672,6 +672,28 @@ def test_a_zero_tensor_gradient_streams_zeros(device):
                                        atol=1e-6, msg=name)
 
 
+def test_a_grad_no_hook_saw_is_named():
+    """A .grad assigned by hand (gradient surgery in a loss_fn) to a parameter backward does not reach: its slot got
+    zeros, silently. Now a warning names it (once per streamer); a parameter with no .grad at all is the usual unused
+    one and says nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    with pyengine.GradientStreamer(model, pyengine.HostStore(model, pin=False)) as streamer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # unused, no .grad: nothing said
+            with streamer.backward_pass():
+                model[2](torch.tanh(model[0](x)).detach()).pow(2).mean().backward()
+            streamer.wait_all()
+        model.zero_grad(set_to_none=True)
+        model[0].weight.grad = torch.ones_like(model[0].weight)  # by hand; the loss does not reach layer 0
+        with pytest.warns(RuntimeWarning, match=r"\['0.weight'\] hold a .grad that autograd did not accumulate in "
+                                                 r"this window .* their slots hold zeros"):
+            with streamer.backward_pass():
+                model[2](torch.tanh(model[0](x)).detach()).pow(2).mean().backward()
+        streamer.wait_all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_unused_parameter_error_names_it_and_does_not_hang(device):
     model = Net().to(device)
