@@ -381,6 +381,7 @@ class Engine:
                 unused=unused, autocast=autocast)
         self._closed = False
         self._close_done = threading.Event()  # the first close() has stopped everything (a second one waits for it)
+        self._close_cut_short = False  # a close() raised (a Ctrl-C) before it stopped everything: the next redoes it
         self._abandoned = False
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
@@ -1149,7 +1150,11 @@ class Engine:
         if closed:  # closed already, or being closed by another thread: returns once that close() has stopped
             if not inside_run:  # everything, as the first did (it returned while async workers still ran)
                 self._close_done.wait()
-            return
+            with self.mutex:  # a close() cut short (a Ctrl-C in its waits) left the work to the next one: this
+                if not self._close_cut_short:  # one does it (it returned at once, the workers and hooks left)
+                    return
+                self._close_cut_short = False
+                self._close_done.clear()
         try:
             if run is not None and not inside_run:
                 run.finished.wait()
@@ -1160,6 +1165,9 @@ class Engine:
                 for worker in self.workers:
                     worker.close()
             self._restore_threads()  # torch.set_num_threads(self._intra_op_threads): Note [Worker threads' count]
+        except BaseException:
+            self._close_cut_short = True
+            raise
         finally:
             self._close_done.set()
 

@@ -1228,6 +1228,31 @@ def test_async_worker_that_pulls_after_a_stop_takes_no_batch(rng, workers):
         assert engine.version == 3 and taken + 1 <= len(drawn) <= taken + workers
 
 
+def test_a_close_cut_short_by_ctrl_c_is_done_by_the_next(rng, monkeypatch):
+    """A Ctrl-C while close() waits (here: in the pool's shutdown) left the engine marked closed and done: a later
+    close() returned at once, with the pool running and the streamers' hooks on the replicas."""
+    engine = Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT))
+    engine.step(make_batches(rng, 1, 8)[0])
+    shutdown, calls = engine._pool.shutdown, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return shutdown(*args, **kwargs)
+
+    monkeypatch.setattr(engine._pool, "shutdown", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    params = [p for w in engine.workers for p in w.replica.parameters()]
+    assert any(p._post_accumulate_grad_hooks for p in params)
+    engine.close()
+    assert len(calls) == 2 and engine._pool._shutdown
+    assert not any(p._post_accumulate_grad_hooks for p in params), "a hook was left on a replica"
+    engine.close()  # and then idempotent
+    assert len(calls) == 2
+
+
 def test_close_from_a_new_thread_waits_for_workers_whose_thread_ids_came_free(rng):
     """close() tells a callback of the fit (which must not wait for the workers) by its thread's id: a worker thread
     that had ended left its id behind, a new thread often gets the same one, and close() from it returned while the
