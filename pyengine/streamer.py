@@ -88,7 +88,11 @@ class GradientStreamer:
             the slot's dtype; dense gradients: no ``nn.Embedding(sparse=True)``), and no other trainable one. The
             set is fixed here: a parameter unfrozen later (``requires_grad_(True)``) gets ``.grad`` and is never
             streamed, so a schedule that unfreezes layers builds a new store and streamer (a per-step check of
-            the replica's parameters costs ~0.1 ms a step on a 200-parameter model: not made).
+            the replica's parameters costs ~0.1 ms a step on a 200-parameter model: not made). Gradient hooks of
+            the replica's parameters (``register_hook``, ``register_post_accumulate_grad_hook``) are registered
+            before the streamer (an Engine copies the model's onto its replicas first): a post-accumulate hook
+            added after it runs after the streamer's, and a bucket's copy may start from the streamer's hook of
+            the bucket's last parameter, before that parameter's later hooks.
         store: the :class:`~pyengine.HostStore`.
         worker: which gradient slot this replica fills.
         bucket_mb, first_bucket_mb: bucket size caps in MiB of slot bytes (DDP's defaults).
