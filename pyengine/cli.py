@@ -1392,6 +1392,9 @@ def _apply_resume_flags(base: dict, given: dict) -> dict:
                 cfg["epochs"] = None
             if key == "epochs":
                 cfg["steps"] = None
+        elif key == "stages" and cfg["mode"] not in ("pipeline", "all"):  # refused as a new run refuses it (it
+            raise UsageError(f"--stages: pipeline option; --mode {cfg['mode']} has no stages (use --mode "
+                             "pipeline)")  # was skipped when it equalled the workers)
         elif key == "stages" and cfg.get(key) is None and value == pipeline_workers(cfg):
             continue  # saved as None: a stage per worker, the number given
         elif cfg.get(key) != value:

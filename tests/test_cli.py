@@ -1009,6 +1009,12 @@ def test_a_pipeline_resume_takes_the_stages_it_trained_with(tmp_path, capsys):
     capsys.readouterr()
     assert train("--resume", str(run), "--steps", "4", "--stages", "1", "--quiet") == 2
     assert "--stages 1 differs from the resumed run's None (a stage per worker: 2)" in capsys.readouterr().err
+    # a hybrid run has no stages: refused on resume as on a new run (it was taken when it equalled the workers)
+    hybrid = tmp_path / "hybrid"
+    assert train("--steps", "2", "--out", str(hybrid), "--quiet", *SHORT) == 0
+    capsys.readouterr()
+    assert train("--resume", str(hybrid), "--steps", "3", "--stages", "2", "--quiet") == 2
+    assert "--stages: pipeline option; --mode hybrid has no stages" in capsys.readouterr().err
 
 
 def test_summary_line_formats():
