@@ -421,8 +421,13 @@ def check_config(cfg: dict, train_size: int | None = None) -> None:
         if cfg["batch_size"] > train_size:
             raise UsageError(f"--batch-size {cfg['batch_size']} is larger than the {train_size} training samples "
                              f"of --data {cfg['data']}")
-        steps = {m: target_steps(cfg, m, train_size // cfg["batch_size"]) for m in (MODES if mode == "all" else
-                                                                                   (mode,))}
+        per_epoch = train_size // cfg["batch_size"]
+        if (mode in ("async", "all") and cfg["steps"] is None and cfg["epochs"] is not None
+                and cfg["accumulate"] > cfg["epochs"] * per_epoch):  # one push of them all: many more epochs
+            raise UsageError(f"--accumulate {cfg['accumulate']} batches a push is more than the "
+                             f"{cfg['epochs'] * per_epoch} batches of --epochs {cfg['epochs']} (--batch-size "
+                             f"{cfg['batch_size']}): not one push fits")
+        steps = {m: target_steps(cfg, m, per_epoch) for m in (MODES if mode == "all" else (mode,))}
         # cosine only: with a constant lr a run that ends while warming up is valid (a first part, resumed later
         # with more --steps)
         if cfg["lr_schedule"] == "cosine" and cfg["warmup_steps"] > min(steps.values()):

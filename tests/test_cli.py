@@ -1017,6 +1017,15 @@ def test_a_pipeline_resume_takes_the_stages_it_trained_with(tmp_path, capsys):
     assert "--stages: pipeline option; --mode hybrid has no stages" in capsys.readouterr().err
 
 
+def test_more_accumulated_batches_than_the_epochs_hold_is_refused(tmp_path, capsys):
+    """--epochs 1 --accumulate 1000 made one push of 1000 batches: about 22 epochs of the digits, without a word."""
+    assert train("--mode", "async", "--epochs", "1", "--accumulate", "1000", "--out", str(tmp_path / "run"),
+                 "--quiet", *SHORT) == 2
+    err = capsys.readouterr().err
+    assert "--accumulate 1000 batches a push is more than the 44 batches of --epochs 1 (--batch-size 32)" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_summary_line_formats():
     from pyengine.cli import _summarise
     summary = dict(mode="hybrid", steps=3, workers=1, samples_per_s=1234.5, final_loss=3.1e-5, test_accuracy=0.975,
