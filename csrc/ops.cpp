@@ -41,9 +41,33 @@ namespace {
 // nothing), so that a tensor saved for a backward and then updated here makes that backward raise ("modified by an
 // inplace operation") instead of silently using the new values. Registered for ADInplaceOrView, the key torch's
 // in-place ops bump versions at; inference tensors have no version counter.
+//
+// Note [Negative views and the update ops]
+// A tensor with the negative bit (torch._neg_view, or .conj().imag of a complex tensor) reads as the negation of its
+// memory. torch's fallback for such arguments (at the Negative key, below this one) hands an op resolved clones and
+// copies the clones of mutated arguments back through the op's returned tensors; the update ops return nothing, and
+// the fallback failed an internal assert, leaving freed tensors (a crash after it). So this kernel refuses a
+// negative view among the op's tensors before anything runs. Here, not in a kernel at the Negative key: one there
+// cost ~5 us on every call (bench/RESULTS.md). Inference tensors skip this key: a negative view of one still
+// reaches torch's fallback.
 void bump_versions_of_mutated(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
   const size_t start = stack->size() - arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {  // Note [Negative views and the update ops]
+    const c10::IValue& value = (*stack)[start + i];
+    if (value.isTensor()) {
+      TORCH_CHECK_VALUE(!(value.toTensor().defined() && value.toTensor().is_neg()), op.schema().name(), ": ",
+                        arguments[i].name(), " is a negative view (torch._neg_view, .conj().imag); resolve it first "
+                        "(.resolve_neg())");
+    } else if (value.isTensorList()) {
+      const auto list = value.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        const at::Tensor t = list[j];
+        TORCH_CHECK_VALUE(!(t.defined() && t.is_neg()), op.schema().name(), ": ", arguments[i].name(), "[", j,
+                          "] is a negative view (torch._neg_view, .conj().imag); resolve it first (.resolve_neg())");
+      }
+    }
+  }
   std::vector<at::Tensor> mutated;
   for (size_t i = 0; i < arguments.size(); ++i) {
     const c10::AliasInfo* alias = arguments[i].alias_info();
@@ -72,32 +96,6 @@ void bump_versions_of_mutated(const c10::OperatorHandle& op, c10::DispatchKeySet
   }
 }
 
-// Note [Negative views and the update ops]
-// A tensor with the negative bit (torch._neg_view, or .conj().imag of a complex tensor) reads as the negation of its
-// memory. torch's fallback for such arguments hands an op resolved clones and copies the clones of mutated arguments
-// back through the op's returned tensors; the update ops return nothing, and the fallback failed an internal assert,
-// left with freed tensors (a crash after it). So a negative view among an update op's tensors is refused here, at
-// the Negative key, before the kernel runs and before anything is written; the kernels' own checks never see one.
-void refuse_negative_views(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-  const auto& arguments = op.schema().arguments();
-  const size_t start = stack->size() - arguments.size();
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    const c10::IValue& value = (*stack)[start + i];
-    std::vector<at::Tensor> tensors;
-    if (value.isTensor()) {
-      tensors.push_back(value.toTensor());
-    } else if (value.isTensorList()) {
-      for (const at::Tensor& t : value.toTensorList()) tensors.push_back(t);
-    }
-    for (size_t j = 0; j < tensors.size(); ++j) {
-      TORCH_CHECK_VALUE(!(tensors[j].defined() && tensors[j].is_neg()), op.schema().name(), ": ",
-                        arguments[i].name(), value.isTensorList() ? "[" + std::to_string(j) + "]" : "",
-                        " is a negative view (torch._neg_view, .conj().imag); resolve it first (.resolve_neg())");
-    }
-  }
-  TORCH_CHECK(false, op.schema().name(), ": dispatched to the Negative key with no negative view among its tensors");
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pyengine, ADInplaceOrView, m) {
@@ -105,10 +103,6 @@ TORCH_LIBRARY_IMPL(pyengine, ADInplaceOrView, m) {
   m.impl("mean_grad_adamw_multi_", torch::CppFunction::makeFromBoxedFunction<&bump_versions_of_mutated>());
 }
 
-TORCH_LIBRARY_IMPL(pyengine, Negative, m) {  // Note [Negative views and the update ops]
-  m.impl("mean_grad_adamw_", torch::CppFunction::makeFromBoxedFunction<&refuse_negative_views>());
-  m.impl("mean_grad_adamw_multi_", torch::CppFunction::makeFromBoxedFunction<&refuse_negative_views>());
-}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pyengine C++/CUDA extension: fused mean-gradient AdamW ops (torch.ops.pyengine.*)";
