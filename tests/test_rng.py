@@ -69,10 +69,12 @@ def test_workers_draw_the_same_masks_whatever_the_thread_timing():
     assert not torch.equal(first[0][0], first[1][0]), "workers draw different masks"
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_a_checkpoint_recomputes_the_masks_its_forward_drew(reentrant):
+@pytest.mark.parametrize("reentrant,preserve", [(False, True), (True, True), (False, False)])
+def test_a_checkpoint_recomputes_the_masks_its_forward_drew(reentrant, preserve):
     """torch.utils.checkpoint recomputes the region's forward in backward: the routed dropout replays the state its
-    forward started from, so the gradients equal those of the same step without the checkpoint."""
+    forward started from, so the gradients equal those of the same step without the checkpoint. With
+    preserve_rng_state=False torch sets no state before the recomputation, so no mark applies: a layer called once
+    per micro-batch replays its forwards' states in order."""
     x = torch.randn(16, 8)
     grads = []
     for use_checkpoint in (False, True):
@@ -82,7 +84,8 @@ def test_a_checkpoint_recomputes_the_masks_its_forward_drew(reentrant):
         rng.begin_step(3)
         for _ in range(2):  # two micro-batches: forward, backward, forward, backward
             inputs = x.clone().requires_grad_(reentrant)
-            out = checkpoint(model, inputs, use_reentrant=reentrant) if use_checkpoint else model(inputs)
+            out = checkpoint(model, inputs, use_reentrant=reentrant, preserve_rng_state=preserve) if use_checkpoint \
+                else model(inputs)
             out.pow(2).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
@@ -142,25 +145,6 @@ def test_a_layer_called_outside_and_in_two_regions_recomputes_each_calls_masks(r
         for a, b in zip(plain[g], checkpointed[g]):
             assert torch.equal(a, b)
     assert not torch.equal(plain[0][0], plain[1][0]), "the two workers draw different masks"
-
-
-def test_without_preserved_states_a_layer_called_once_per_micro_batch_recomputes_its_masks():
-    """preserve_rng_state=False: torch sets no state before the recomputation, so no mark applies; a routed layer
-    called once per micro-batch replays its forwards' states in order."""
-    x = torch.randn(16, 8)
-    grads = []
-    for regions in (False, True):
-        torch.manual_seed(0)
-        rng = WorkerRNG(torch.device("cpu"), 2, 0)
-        model = routed_model(rng)
-        rng.begin_step(3)
-        for _ in range(2):
-            inputs = x.clone()
-            out = checkpoint(model, inputs, use_reentrant=False, preserve_rng_state=False) if regions else model(inputs)
-            out.pow(2).sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
 
 
 def test_a_nested_checkpoint_recomputes_its_masks_on_every_backward():
