@@ -143,6 +143,9 @@ def test_bench_call_overhead_runs_on_cpu():
     text = _run_bench("bench_call_overhead.py", "--calls", "5", "--rounds", "1")
     rows = [line for line in text.splitlines() if line.startswith("| mean_grad_adamw")]
     assert len(rows) == 2 and all(float(row.split("|")[2]) > 0 for row in rows), text
+    split = [line.split("|") for line in text.splitlines() if line.startswith("| medians of rounds")]
+    assert len(split) == 1 and all(float(split[0][i]) > 0 for i in (2, 3, 5)), text  # raw op, wrapper, add_
+    assert f"pyengine from {os.path.join(os.path.dirname(BENCH), 'pyengine')};" in text, text
 
 
 @pytest.mark.timeout(120)
