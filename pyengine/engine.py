@@ -956,10 +956,6 @@ class Engine:
             self.pipeline._build(split)
         for worker in self.workers:  # the last step's copies back still read the weights written below
             worker.wait_copies_back()
-        if step == 0:  # a state saved before any update: a fresh optimizer
-            for buffer in (self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq):
-                if buffer is not None:
-                    buffer.zero_()
         saved_layout.load_torch_state_dict(self.store, sd["optimizer"], self.param_names, checked_step=step)
         with torch.no_grad():  # values that require grad (a model's parameters, say) must not tie the store to autograd
             for name, value in master.items():

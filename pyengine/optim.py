@@ -175,8 +175,9 @@ class AdamW:
     def load_torch_state_dict(self, store, state_dict: dict, names: list[str], *, checked_step: int | None = None
                               ) -> int:
         """Copies a ``torch.optim.AdamW.state_dict()`` into the store (a store with ``state_ranges`` keeps only its
-        ranges of it); returns its step count. Everything is checked (:meth:`check_torch_state_dict`) before the
-        store is written; ``checked_step``: what that check returned for this very state, when the caller ran it
+        ranges of it); returns its step count (0 for a state saved before any update: the store's moments are zeroed,
+        as a fresh optimizer's). Everything is checked (:meth:`check_torch_state_dict`) before the store is written;
+        ``checked_step``: what that check returned for this very state, when the caller ran it
         already (it reads every value: not twice); without it, hyper-parameters in the groups that differ from this
         AdamW's (:meth:`group_differences`, never read) are warned about."""
         if checked_step is None:
@@ -187,7 +188,9 @@ class AdamW:
                               f"this AdamW's settings drive the update", stacklevel=2)
         else:
             step = checked_step
-        if step == 0:
+        if step == 0:  # a state saved before any update: a fresh optimizer's moments are zeros
+            for flat in self._state_buffers(store).values():
+                flat.zero_()
             return 0
         state = state_dict["state"]
         names = [n for group_names, _ in self.param_groups(names) for n in group_names]  # torch's index order

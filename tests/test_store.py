@@ -651,6 +651,21 @@ def test_load_torch_state_dict_warns_of_group_settings_it_does_not_read():
         assert pyengine.AdamW().load_torch_state_dict(make(model), sd, names) == 1
 
 
+@pytest.mark.parametrize("ranges", [None, [(0, 5), (9, 20)]])
+def test_loading_a_state_saved_before_any_update_zeroes_the_moments(ranges):
+    """A torch optimizer that never stepped has an empty state (step 0): loading it into a used store kept the
+    store's moments, and the next update (step 1) ran on them. As torch's own optimizer would: zeros."""
+    model = OddNet(sizes=[3, 5])
+    names = [n for n, _ in model.named_parameters()]
+    store = make(model, amsgrad=True, state_ranges=ranges)
+    for flat in (store.exp_avg, store.exp_avg_sq, store.max_exp_avg_sq):
+        flat.fill_(5.0)
+    fresh = torch.optim.AdamW(model.parameters(), amsgrad=True).state_dict()
+    assert pyengine.AdamW(amsgrad=True).load_torch_state_dict(store, fresh, names) == 0
+    for flat in (store.exp_avg, store.exp_avg_sq, store.max_exp_avg_sq):
+        assert flat.numel() > 0 and not flat.any()
+
+
 def test_torch_state_dict_holds_step_counts_past_float32s_exact_range():
     """The step was a float32 tensor, exact up to 2**24 only: a state taken after 2**24 + 1 updates read back as
     2**24, and the engine refused its own state ("optimizer step 16777216 does not match the state's version")."""
