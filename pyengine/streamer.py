@@ -670,16 +670,20 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     slots = [store.grad_slot(s.worker) for s in streamers]
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"pipelined_update: betas must be two numbers (beta1, beta2); got {betas!r}")
-    # The ops' own checks, every one before the first wait: a bad value is refused with no bucket updated.
+    if amsgrad and store.max_exp_avg_sq is None:
+        raise ValueError("pipelined_update: amsgrad=True needs a store built with amsgrad=True")
+    # The ops' own checks, every one before the first wait (called before backward, a wait for a call the op would
+    # refuse lasted for good): the wrappers' checks of types, then the op itself on no element, which checks every
+    # value (lr >= 0, betas in [0, 1), weights, grad_scale, ...) and writes nothing.
     try:
         hyper, step = ops._hyper(lr, betas[0], betas[1], eps, weight_decay), ops._step(step)
         flags, weights = ops._flags(adamw, maximize, amsgrad), ops._weights(weights)
         clip = ops._clip_norm(max_grad_norm)
-        _C._check_update_hyper(hyper["lr"], hyper["beta1"], hyper["eps"], hyper["weight_decay"], step)
+        ops._tensors({}, dict(grad_scale=grad_scale, found_inf=found_inf))
+        _update_range(store, slots, 0, 0, hyper, step, flags, amsgrad, grad_scale, found_inf, weights,
+                      torch.zeros((), device=store.param.device) if clip else None, clip)
     except (TypeError, ValueError) as error:
         raise type(error)(f"pipelined_update: {error}") from None
-    if amsgrad and store.max_exp_avg_sq is None:
-        raise ValueError("pipelined_update: amsgrad=True needs a store built with amsgrad=True")
     if copy_back:  # the replicas' flat views, every one checked before the first wait
         destinations = {s.worker: s._destinations(range(len(s.buckets))) for s in streamers}
     norm = None
@@ -694,11 +698,7 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
             s.wait_weights(k)  # the copy back of the previous step still reads bucket k (the Note in transfer.h)
         _C._nvtx_push(f"pyengine/update b{k}")
         try:
-            torch.ops.pyengine.mean_grad_adamw_.default(
-                store.param[b:e], store.exp_avg[b:e], store.exp_avg_sq[b:e], [slot[b:e] for slot in slots],
-                **hyper, step=step, **flags, max_exp_avg_sq=store.max_exp_avg_sq[b:e] if amsgrad else None,
-                grad_scale=grad_scale, found_inf=found_inf, weights=weights,
-                param_out=None if store.shadow is None else store.shadow[b:e], grad_norm=norm, max_grad_norm=clip)
+            _update_range(store, slots, b, e, hyper, step, flags, amsgrad, grad_scale, found_inf, weights, norm, clip)
         finally:
             _C._nvtx_pop()
         for s in streamers:
@@ -707,6 +707,15 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
             else:
                 s._transfer.release(_GRADS, k)
     return norm
+
+
+def _update_range(store, slots, b, e, hyper, step, flags, amsgrad, grad_scale, found_inf, weights, norm, clip):
+    """The fused op on the store's elements [b, e) (none when b == e: the op's checks alone)."""
+    torch.ops.pyengine.mean_grad_adamw_.default(
+        store.param[b:e], store.exp_avg[b:e], store.exp_avg_sq[b:e], [slot[b:e] for slot in slots], **hyper,
+        step=step, **flags, max_exp_avg_sq=store.max_exp_avg_sq[b:e] if amsgrad else None, grad_scale=grad_scale,
+        found_inf=found_inf, weights=weights, param_out=None if store.shadow is None else store.shadow[b:e],
+        grad_norm=norm, max_grad_norm=clip)
 
 
 _POLL_S = 0.05  # how often a host's wait for a gradient bucket (here, the engine's, distributed's) looks whether a

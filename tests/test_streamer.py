@@ -958,6 +958,7 @@ def test_pipelined_update_equals_one_shot(device, shadow_dtype, amsgrad, weights
     assert not torch.equal(ref_store.param, pyengine.HostStore(base, pin=False).param)  # it did train
 
 
+@pytest.mark.timeout(60)  # a value refused only by the op made the call wait for gradients that never come
 def test_pipelined_update_argument_errors():
     model = Net()
     store = pyengine.HostStore(model, workers=2, pin=False)
@@ -980,7 +981,14 @@ def test_pipelined_update_argument_errors():
                                    (dict(adamw=1), TypeError, "adamw must be True or False"),
                                    (dict(weights=["a"]), TypeError, r"weights\[0\] must be a number"),
                                    (dict(max_grad_norm=-1.0), ValueError, "max_grad_norm must be > 0"),
-                                   (dict(lr=1e38), ValueError, r"lr / \(1 - beta1\^step\) = .* float32's range")):
+                                   (dict(lr=1e38), ValueError, r"lr / \(1 - beta1\^step\) = .* float32's range"),
+                                   # values the op refuses (these waited for the gradients, then raised)
+                                   (dict(lr=-1.0), ValueError, "lr must be a finite number >= 0"),
+                                   (dict(betas=(1.0, 0.999)), ValueError, "beta1"),
+                                   (dict(eps=0.0), ValueError, "eps"),
+                                   (dict(weights=[0.5, 0.5]), ValueError, "weights"),
+                                   (dict(grad_scale=torch.ones(1, dtype=torch.float64)), TypeError, "grad_scale"),
+                                   (dict(found_inf=0.0), TypeError, "found_inf must be a tensor or None")):
         with pytest.raises(error, match=f"pipelined_update: {message}"):
             pyengine.pipelined_update([a], store, **{"step": 1, "lr": 1e-3, **kwargs})
     for buckets in ([0, len(a.buckets)], [-1], [0.5]):  # checked before any copy starts: nothing launched
