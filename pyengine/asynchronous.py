@@ -183,6 +183,11 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         so the wall counts the waits for the store's mutex and the computations a refresh discarded (the sum of
         the parts did not: 2 ms reported against 13-22 ms with 3 workers and a 10 ms callback)."""
         start = time.perf_counter()
+        try:  # the optimizer's settings (changed between pushes) and lr_schedule's value: the caller's error, raised
+            # by fit as itself, as sync and hybrid raise it (apply_push asks the same, once more, before it counts)
+            engine.check_update(engine.version + 1)
+        except Exception as exc:
+            raise _AsItself(exc) from exc
         pushed = engine.apply_push(pulled, [worker.index], loss_scale=scale)
         if pushed is None:
             return None
@@ -230,7 +235,10 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
                 worker.rng.begin_step(engine._counters["pushes"])
             worker.pull(wait=True)
-            k = minibatches_per_push(engine, engine.version)
+            try:  # a setting's error, not the worker's: raised by fit as itself, as sync and hybrid raise it
+                k = minibatches_per_push(engine, engine.version)
+            except Exception as exc:
+                raise _AsItself(exc) from exc
             if stopped():  # while this worker waited for the mutex, or by the batch schedule itself
                 return None
             run.generators = engine._global_generators()  # None unless the worker draws from torch's own
@@ -301,9 +309,14 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                                 if metrics is not None:
                                     saved = None
                                     pushed(worker)
-                                    called_back(metrics)
-                                    break
-                                unpushed(saved)  # a refresh: the same mini-batches are computed again
+                                else:
+                                    unpushed(saved)  # a refresh: the same mini-batches are computed again
+                            # the push is whole: the callbacks run outside the deferral, as after a step of sync
+                            # and hybrid (a Ctrl-C in a slow callback raises at once; a second one abandoned the
+                            # engine, its state complete), still under the mutex: no push lands meanwhile
+                            if metrics is not None:
+                                called_back(metrics)
+                                break
                         except BaseException:
                             # Note [The push that ends a run]: the run stops before the mutex is released, so no
                             # other worker's push is applied after this one's error (a callback's, a non-finite

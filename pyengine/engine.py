@@ -525,7 +525,9 @@ class Engine:
         processes: the servers end the run after ``steps`` applied pushes, and a client pushes at most ``steps``
         times). Each callback is called as ``callback(engine, metrics)`` after every step or push; a callback may
         call :meth:`stop` to end training after the current step (async: after the push being applied; the other
-        workers' computations in flight are discarded, their mini-batches not pushed). With ``steps``, no batch is
+        workers' computations in flight are discarded, their mini-batches not pushed). Async callbacks run under
+        :attr:`mutex` on the pushing worker's thread: a callback may read the state itself, but must not wait for
+        another thread that reads it (that thread waits for the mutex). With ``steps``, no batch is
         taken from ``batches`` beyond those the steps use, and no new pass begins for none (a generator keeps the
         rest for a later fit). Returns the metrics of this call's steps (the last ``keep_history`` of them when the
         engine was given a bound).

@@ -287,8 +287,9 @@ def deferred_interrupt(what: str, on_escape=None):
     signal.signal(signal.SIGINT, handler)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    finally:  # a handler the block installed (a callback's, say) stays
+        if signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     if pressed:
         raise KeyboardInterrupt(f"Ctrl-C during {what}: it completed first")
 
