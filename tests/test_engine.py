@@ -400,9 +400,9 @@ def test_lr_schedule_counts_applied_updates_and_reaches_a_state_dict_reload(rng)
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), "0.1", None, True, 10 ** 400, 1e308])
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline", "async"])
 def test_lr_schedule_bad_value_raises_before_anything_changes(rng, bad, mode):
-    """A schedule value that is not a finite number >= 0 is a ValueError naming the step and the value, in every mode
-    (async made it the cause of a WorkerError naming whichever worker pushed); the weights, Adam state, step and every counter are those of the last
-    update, and the engine trains on with a good schedule."""
+    """A schedule value that is not a finite number >= 0 is a ValueError naming the step and the value, in every
+    mode (async made it the cause of a WorkerError naming whichever worker pushed); the weights, Adam state, step
+    and every counter are those of the last update, and the engine trains on with a good schedule."""
     batches = make_batches(rng, 3, 12)
     schedule = lambda step: bad if step == 1 else 1.0  # noqa: E731
     options = dict(stages=2, microbatches=2) if mode == "pipeline" else {}
@@ -1523,9 +1523,9 @@ def test_an_update_the_kernel_refuses_is_not_counted(rng, mode, changes, error, 
     """Hyperparameters changed between steps so that a float32 scalar of the update leaves float32's range (lr
     1e38: lr / (1 - beta1) is 1e39), or to a value AdamW refuses when made (lr -0.1 was counted, then refused by
     the kernel; lr=True trained at 1.0; amsgrad changed sized no buffer): the step is an error naming it (in
-    every mode: async made it the cause of a WorkerError), and nothing counts: the version, the counters, the weights and the Adam state
-    (its step too) are the last update's, and with the value put back the next update is Adam's step 2, as in a
-    run that never saw it."""
+    every mode: async made it the cause of a WorkerError), and nothing counts: the version, the counters, the
+    weights and the Adam state (its step too) are the last update's, and with the value put back the next update
+    is Adam's step 2, as in a run that never saw it."""
     batches = make_batches(rng, 3, 12)
     with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), **TINY_BUCKETS) \
             as engine, Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT),
