@@ -1260,6 +1260,8 @@ class Engine:
         buffers' source as before it (Note [A failed step leaves the buffers alone])."""
         for worker in self.workers:
             worker.streamer.reset()
+            if worker.streamer.changed_in_place():  # Note [Weights changed in place by a step]: the store's back
+                worker.pull(wait=True)
         self._restore_source_buffers(saved)
 
     def _snapshot_source_buffers(self, tasks: dict) -> list | None:

@@ -100,8 +100,8 @@ import weakref
 import torch
 
 from .metrics import step_metrics
-from .workers import (WorkerError, _map, _tensors, batch_size, replica_of, split_batch, task_thread_initializer,
-                      to_device)
+from .workers import (WorkerError, _map, _tensors, batch_size, check_weights_unchanged, replica_of, split_batch,
+                      task_thread_initializer, to_device)
 from .workers import autocast as autocast_region
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
@@ -422,6 +422,7 @@ class _Stage:
         # what the stage pulls: the shadow of a low-precision model (Note [The shadow follows the master weights])
         self._master = store.views(store.param if store.shadow is None else store.shadow)
         self._slot = store.views(store.grad_slot(replica))
+        self._versions = [p._version for _, p in self.params]  # as pull() leaves them
 
     def context(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -432,6 +433,7 @@ class _Stage:
         with self.context():
             for name, p in self.params:
                 p.copy_(self._master[name], non_blocking=True)
+        self._versions = [p._version for _, p in self.params]  # Note [Weights changed in place by a step]
 
     @torch.no_grad()
     def push_grads(self, unused: str) -> dict[str, torch.Tensor | None]:
@@ -440,6 +442,8 @@ class _Stage:
         Tied parameters are not written: their gradients are returned (fp32, on the CPU; None where this stage's copy
         got none) for :meth:`Pipeline.step` to sum across the stages."""
         check_unused(self.params, unused, self.tied)
+        check_weights_unchanged([name for (name, p), v in zip(self.params, self._versions) if p._version != v],
+                                f"stage {self.index} (replica {self.replica})")
         tied = {}
         with self.context():
             for name, p in self.params:

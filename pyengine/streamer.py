@@ -119,6 +119,8 @@ class GradientStreamer:
         worker = store._check_worker(worker, "grad_slot")  # an int in [0, workers): the store says which
         self.store, self.worker, self.unused = store, worker, unused
         self._params = self._replica_params(replica, store)
+        # each parameter's version counter as this streamer last wrote it (Note [Weights changed in place by a step])
+        self._weight_versions = [p._version for p in self._params]
         self.device = self._params[0].device
         self.buckets = make_buckets(store.layout, store.numel, store.grad_dtype, bucket_mb, first_bucket_mb)
         index = {name: i for i, name in enumerate(store.names)}
@@ -571,6 +573,14 @@ class GradientStreamer:
         # as an in-place copy_ would (CUDA's copy does; the CPU copy thread writes bytes): a graph that saved one of
         # these weights now raises in its backward instead of using the new values
         torch.autograd.graph.increment_version(dsts)
+        for i in members:
+            self._weight_versions[i] = self._params[i]._version
+
+    def changed_in_place(self) -> list[str]:
+        """The store names of the replica's parameters written in place since this streamer last copied weights into
+        them (or was built): Note [Weights changed in place by a step] in workers.py. A write through ``.data``
+        shares no version counter and is not seen."""
+        return [self.store.layout[i].name for i, p in enumerate(self._params) if p._version != self._weight_versions[i]]
 
     def wait_weights(self, k: int | None = None) -> None:
         """Order the replica's next work after the weight copies: on CUDA the current stream waits on the events

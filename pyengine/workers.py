@@ -294,6 +294,27 @@ def deferred_interrupt(what: str, on_escape=None):
         raise KeyboardInterrupt(f"Ctrl-C during {what}: it completed first")
 
 
+def check_weights_unchanged(changed: list[str], where: str) -> None:
+    """Note [Weights changed in place by a step]
+    The master weights live in the host store, and every step's copy back (a pipeline stage's pull) overwrites a
+    replica's trainable parameters from it. A forward that writes a weight in place, outside autograd, would see its
+    change dropped without a word: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up (torch keeps
+    that in the parameter; measured here, the engine's rows drifted to norm 2.5 where torch's stay at 1, every
+    mode), as would any ``weight.clamp_()`` under ``torch.no_grad()`` in a forward or loss_fn. So each replica's
+    parameters' version counters are taken when the weights are written into them, and a step whose forward or
+    backward bumped one fails before its update with this ValueError (the step is dropped as a worker's failure
+    is: nothing counts). The next step's copy back puts the store's weights back (hybrid and sync: at the failed
+    step's reset; async: its next pull; the pipeline pulls every step). A write through ``.data`` has a version
+    counter of its own and is not seen. Cost: one ``_version`` read per parameter per step."""
+    if changed:
+        shown = ", ".join(repr(n) for n in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise ValueError(f"{where}: the step wrote the trainable parameter(s) {shown} in place (nn.Embedding with "
+                         "max_norm renormalises the rows it looks up; an in-place op on a weight under "
+                         "torch.no_grad()). The master weights live in the host store and each step copies them "
+                         "over the replicas, so such a change would be lost: not supported (make it a function of "
+                         "the weight inside the forward, or leave the parameter frozen)")
+
+
 def replica_of(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """A deep copy of ``model`` on ``device``, with the gradient hooks of its parameters.
 
@@ -422,6 +443,7 @@ class Worker:
             computed = time.perf_counter()
             self.streamer.wait_all()
             waited = time.perf_counter()
+        check_weights_unchanged(self.streamer.changed_in_place(), f"worker {self.index}'s replica")
         loss = sum(losses) / len(losses) if weights is None else sum(w * x for w, x in zip(weights, losses))
         return Computed(loss, computed - start, waited - computed, start - begun)
 

@@ -1551,6 +1551,44 @@ def test_an_update_the_kernel_refuses_is_not_counted(rng, mode, changes, error, 
             assert torch.equal(a, b), name
 
 
+MODES_ON_CPU = [("hybrid", 2, {}), ("sync", 1, {}), ("async", 2, {}), ("pipeline", 2, dict(stages=2))]
+
+
+@pytest.mark.parametrize("mode,workers,options", MODES_ON_CPU, ids=[m[0] for m in MODES_ON_CPU])
+def test_a_weight_written_in_place_by_a_step_is_refused_not_lost(rng, mode, workers, options):
+    """Note [Weights changed in place by a step]: nn.Embedding(max_norm=...) renormalises the rows it looks up in
+    place; torch keeps that, and the engine's copy back dropped it without a word (rows of norm 2.5 where torch's
+    stay at 1). The step now fails before its update, naming the parameter; a step that wrote a weight once (a
+    loss_fn's stray in-place op) fails alone, and the next trains from the store's weights, as a clean engine."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    batch = (torch.randint(0, 10, (8, 3)), torch.randint(0, 3, (8,)))
+    kwargs = dict(devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT), pin=False, **options)
+    with Engine(model, loss_fn, **kwargs) as engine:
+        with pytest.raises((WorkerError, pyengine.StageError), match=r"parameter\(s\) '0.weight' in place"):
+            engine.fit([batch])
+        assert engine.version == 0 and engine.stats()["pushes" if mode == "async" else "steps"] == 0
+
+    writes = []
+
+    def stray(model, batch):  # writes a weight in place on its first call only
+        if not writes:
+            writes.append(1)
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+        return loss_fn(model, batch)
+
+    batches = make_batches(rng, 2, 8)
+    with Engine(make_model(), stray, **kwargs) as engine, Engine(make_model(), loss_fn, **kwargs) as clean:
+        # (the pipeline calls loss_fn on its last stage: its first parameter is 2.weight)
+        with pytest.raises((WorkerError, pyengine.StageError), match=r"parameter\(s\) '[02].weight' in place"):
+            engine.fit(batches[:1])
+        engine.fit(batches[1:])
+        clean.fit(batches[1:])
+        assert engine.version == clean.version == 1
+        for (name, a), b in zip(engine.state_dict()["master"].items(), clean.state_dict()["master"].values()):
+            assert torch.equal(a, b), name
+
+
 def test_no_trainable_parameters_is_an_error():
     model = make_model()
     for p in model.parameters():
