@@ -201,7 +201,8 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
     full state), rank 0 of the group writes the file and then tells every rank whether it could, so on return the
     file exists for every rank. The file holds every rank's counters (``stats()``), and :func:`load_engine` gives
     each rank of a group of the same size its own (an async client's pushes are not the server's). Returns the
-    checkpoint's path on every rank. When rank 0's write fails (disk full,
+    path rank 0 wrote, on every rank; ranks that pass different steps are refused on every rank (ValueError)
+    before anything is written. When rank 0's write fails (disk full,
     no permission), every rank raises :class:`CheckpointError` naming the file and rank 0's error, and the group
     stays in step: a rank that catches it may train on.
     """
@@ -217,8 +218,13 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
     # pushes and refreshes, a server the pushes it applied), and a client's count seeds its next push's draws; rank
     # 0 writes the file, so every rank's counters travel in it, and load_state_dict takes its own rank's
     with distributed.engine_exchange(engine, f"the exchange of the counters for checkpoint step {step}"):
-        payload["engine"]["ranks"] = distributed.all_gather_object(
-            {k: payload["engine"][k] for k in ("counters", "staleness")}, group, engine.collective_works)
+        gathered = distributed.all_gather_object(
+            ({k: payload["engine"][k] for k in ("counters", "staleness")}, step), group, engine.collective_works)
+    steps = [s for _, s in gathered]
+    if any(s != steps[0] for s in steps):  # on every rank alike (each has the whole list): nothing is written
+        raise ValueError(f"save_engine: every rank of the group must pass the same step; got {steps} (rank i's at "
+                         "index i)")
+    payload["engine"]["ranks"] = [counters for counters, _ in gathered]
 
     path, failure, error = path_for(directory, step), None, None
     if dist.get_rank(group) == 0:
@@ -233,7 +239,7 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
             raise CheckpointError(f"rank 0 could not write checkpoint {written}: {failure}") from error
     finally:  # the frame must not hold its own exception (its traceback holds the frame, and so the engine)
         error = None
-    return path
+    return Path(written)  # rank 0's: another rank's directory may name another place (a relative path, say)
 
 
 def load_engine(path, engine) -> dict:

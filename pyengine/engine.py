@@ -933,8 +933,9 @@ class Engine:
         try:
             if not all(isinstance(k, str) and count(v) for k, v in counters.items()):
                 raise TypeError(f"keys must be str and values ints >= 0; got {counters!r:.200}")
-            if not all(count(v) and not isinstance(k, bool) for k, v in staleness.items()):  # True, 2.9: coerced
-                raise TypeError(f"counts must be ints >= 0; got {staleness!r:.200}")
+            # keys: ints >= 0, or their decimal strings (a state that went through JSON); True, 2.9 and -1 were taken
+            if not all(count(v) and (count(k) or isinstance(k, str) and k.isdecimal()) for k, v in staleness.items()):
+                raise TypeError(f"staleness keys and counts must be ints >= 0; got {staleness!r:.200}")
             staleness = collections.Counter({int(k): v for k, v in staleness.items()})
         except (AttributeError, TypeError, ValueError, OverflowError) as exc:  # int(inf): OverflowError
             raise ValueError(f"the state's counters / staleness are not {{name: count}} / {{staleness: count}} "

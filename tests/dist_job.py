@@ -1115,9 +1115,17 @@ def save_fails(seed, rank, world, out_dir):
             error = None
         except checkpoint.CheckpointError as exc:
             error = str(exc)
+        try:  # each rank another step: refused on every rank, nothing written
+            checkpoint.save_engine(os.path.join(out_dir, "steps"), 1 + rank, eng)
+            steps_error = None
+        except ValueError as exc:
+            steps_error = str(exc)
+        # each rank another directory: every rank returns the file rank 0 wrote
+        returned = checkpoint.save_engine(os.path.join(out_dir, f"dir-of-rank-{rank}"), 1, eng)
         for batch in batches[1:]:
             eng.step(batch)
-        return {"error": error, "version": eng.version, "weights": eng.master_state_dict()}
+        return {"error": error, "version": eng.version, "weights": eng.master_state_dict(), "steps_error": steps_error,
+                "returned": str(returned), "exists": os.path.exists(returned)}
 
 
 def shard_one_rank(seed, rank, world):

@@ -630,7 +630,8 @@ def test_shard_update_on_a_group_of_one_rank_says_so(tmp_path, seed):
 
 def test_a_checkpoint_rank_0_cannot_write_raises_on_every_rank_and_the_group_trains_on(tmp_path, seed):
     """save_engine: rank 0 writes; when it cannot, every rank raises CheckpointError naming rank 0's file and error
-    (the others got a bare gloo error from the barrier rank 0 never reached), and the ranks stay in step."""
+    (the others got a bare gloo error from the barrier rank 0 never reached), and the ranks stay in step. Ranks that
+    pass different steps are refused; every rank returns the path rank 0 wrote."""
     codes, logs, _ = launch("save-fails", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
@@ -640,6 +641,11 @@ def test_a_checkpoint_rank_0_cannot_write_raises_on_every_rank_and_the_group_tra
         assert error is not None and error.startswith(f"rank 0 could not write checkpoint {blocked}"), (r, error)
         assert "NotADirectoryError" in error, (r, error)
         assert rank["version"] == 3, (r, rank["version"])
+        # ranks passing different steps are refused alike; each rank returned the path rank 0 wrote (rank 1 returned
+        # the file of its own directory, which did not exist)
+        assert "every rank of the group must pass the same step; got [1, 2]" in rank["steps_error"], rank
+        assert rank["returned"] == str(tmp_path / "dir-of-rank-0" / "step-00000001.pyeckpt") and rank["exists"], rank
+    assert not (tmp_path / "steps").exists()
     for name, tensor in ranks[0]["weights"].items():
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
 

@@ -2101,7 +2101,10 @@ def _corruptions():
         ("staleness keys not ints", spoil(("staleness",), {"x": 1}), "staleness"),
         ("staleness key infinite", spoil(("staleness",), {float("inf"): 1}), "staleness"),
         ("staleness count not an int", spoil(("staleness",), {"3": 2.9}),
-         r"counts must be ints >= 0; got \{'3': 2.9\}"),
+         r"keys and counts must be ints >= 0; got \{'3': 2.9\}"),
+        ("staleness key a fraction", spoil(("staleness",), {2.9: 3}), r"got \{2.9: 3\}"),  # was taken as 2
+        ("staleness key negative", spoil(("staleness",), {-1: 3}), r"got \{-1: 3\}"),
+        ("staleness key a bool", spoil(("staleness",), {True: 3}), r"got \{True: 3\}"),
         ("a counter negative", spoil(("counters", "steps"), -5), r"values ints >= 0; got \{.*'steps': -5"),
         ("a counter a bool", spoil(("counters", "steps"), True), r"values ints >= 0; got \{.*'steps': True"),
         ("Adam step infinite", spoil(("optimizer", "state", 2, "step"), torch.tensor(float("inf"))), "step"),
