@@ -174,6 +174,10 @@ int64_t check_norm_args(at::TensorList grads, int64_t num_tensors, const std::op
                        " must be float32, bfloat16 or float16; got ", describe(t));
       TORCH_CHECK_VALUE(t.numel() == first.numel(), op_name, ": ", name, " must have ", first.numel(),
                         " elements like grads[0]; got ", describe(t));
+      // The elements are paired by position, as the update pairs them: a transposed gradient made contiguous
+      // ([3, 2] against [2, 3]) would pair the wrong ones without a word (the update refuses it too).
+      TORCH_CHECK_VALUE(t.sizes() == first.sizes(), op_name, ": ", name, " must have the shape of worker 0's gradient ",
+                        first.sizes(), "; got ", describe(t));
       TORCH_CHECK_VALUE(t.is_contiguous(), op_name, ": ", name, " must be contiguous; got ", describe(t));
       TORCH_CHECK_VALUE(aligned(t), op_name, ": ", name, "'s data must start on a multiple of its element size (",
                         t.element_size(), " bytes); got ", describe(t), " at address ", t.data_ptr());

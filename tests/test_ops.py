@@ -335,6 +335,43 @@ def test_mean_grad_norm_reports_nonfinite(rng, device, bad):
     assert nonfinite.item() == 1.0 and not torch.isfinite(norm)
 
 
+@pytest.mark.parametrize("case", ["one element past 1.8e19", "many elements whose squares sum past float32",
+                                  "elements near float32's top"])
+def test_a_finite_gradient_whose_squares_overflow_float32_has_a_finite_norm(rng, device, case):
+    """Note [A finite gradient's squares beyond float32]: the squares were summed in float32 only, so a finite
+    gradient of norm > 1.8e19 had an infinite norm flagged non-finite, and the engine skipped (or raised for) a step
+    torch.optim takes. The norm is now float64's where float32 overflowed, every flag as the elements say; a norm
+    beyond float32's own range is not finite (the update's scalars are float32)."""
+    g = torch.randn(4103, generator=rng)
+    if case == "one element past 1.8e19":
+        g[4100] = 3e20
+    elif case == "many elements whose squares sum past float32":
+        g *= 1e18  # each square < 3.4e38; their sum is ~4e39
+    else:
+        g[:100] = 3e38  # the norm of their mean: 7.5e38
+    grads = [g.to(device), (-0.5 * g).to(device)]  # their mean: g / 4 (finite in float32)
+    expected = (g.double() / 4).norm().item()
+    norm, nonfinite = ops.mean_grad_norm(grads)
+    if expected < torch.finfo(torch.float32).max:
+        assert nonfinite.item() == 0.0 and norm.item() == pytest.approx(expected, rel=1e-5)
+        [multi] = [ops.mean_grad_norm_multi([[grads[0][:100], grads[0][100:]], [grads[1][:100], grads[1][100:]]])]
+        assert multi.nonfinite.item() == 0.0 and multi.norm.item() == pytest.approx(expected, rel=1e-5)
+    else:
+        assert nonfinite.item() == 1.0 and norm.item() == float("inf")
+    grads[1][7] = float("nan")  # a non-finite element is flagged on either path
+    assert ops.mean_grad_norm(grads).nonfinite.item() == 1.0
+
+
+def test_the_norm_ops_refuse_gradients_of_another_shape(device):
+    """The norm pairs elements by position, as the update does: a transposed gradient made contiguous paired the
+    wrong elements without a word (2.050 for 1.643), where the update refuses it."""
+    a = torch.arange(6.0).reshape(2, 3).to(device)
+    with pytest.raises(ValueError, match=r"grads\[1\]\[0\] must have the shape of worker 0's gradient \[2, 3\]"):
+        ops.mean_grad_norm_multi([[a, a], [a.t().contiguous(), a]])
+    with pytest.raises(ValueError, match=r"grads\[1\] must have the shape of worker 0's gradient \[2, 3\]"):
+        ops.mean_grad_norm([a, a.reshape(-1)])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Multi-tensor form
 

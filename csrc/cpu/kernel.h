@@ -54,13 +54,14 @@ struct KernelTable {
   // Updates elements [begin, end) of one tensor. Elements are independent: any split gives bit-identical results.
   void (*update)(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end);
   // Sum of squares of the (weighted) gradient sum over [begin, end), times mult^2: float accumulation in 16 fixed
-  // lanes, so every ISA gives the same bits for the same range.
-  float (*sum_squares)(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end);
+  // lanes, so every ISA gives the same bits for the same range; a range whose float sum overflows is summed again in
+  // double (Note [A finite gradient's squares beyond float32] in kernel_isa.cpp).
+  double (*sum_squares)(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end);
   // update with software prefetching of the memory streams: the same bits (Note [Prefetching the streams] in
   // kernel_isa.cpp); prefetch_streams() (isa.h) says which of the two the ops use.
   void (*update_prefetch)(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64_t end);
   // sum_squares with the same prefetching (and summation groups) as update_prefetch: the same bits.
-  float (*sum_squares_prefetch)(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end);
+  double (*sum_squares_prefetch)(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end);
 };
 
 const KernelTable& kernel_table_avx512();

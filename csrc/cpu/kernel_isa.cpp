@@ -355,8 +355,16 @@ void update(const TensorBuffers& t, const UpdateScalars& s, int64_t begin, int64
 
 // The clip norm's pass: the gradients summed as the update sums them (kPrefetch: with the prefetching form's hints and
 // groups, the same bits), then squared into 16 fixed lanes.
+//
+// Note [A finite gradient's squares beyond float32]
+// The squares are summed in float32: one square overflows for |g| > 1.8e19, and their sum once the range's norm
+// passes that, though every element and the update itself are finite (the update adds (1 - beta2) * g * g in that
+// order: finite up to ~5.8e20). The norm would be inf and its flag would skip (or raise for) a step of finite
+// gradients. So a range whose float32 sum is not finite is summed again in float64 from the same float32 mean
+// gradient: inf or NaN only when an element of it is. The common path keeps its bits; the second pass runs only
+// where the first overflowed.
 template <bool kPrefetch>
-float sum_squares(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end) {
+double sum_squares(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t end) {
   constexpr int kLanes = 16;
   alignas(64) float acc[kTile];
   alignas(64) float lanes[kLanes] = {};
@@ -377,7 +385,17 @@ float sum_squares(const GradSource* grads, int num_grads, float mult, int64_t be
   }
   float total = 0.0f;
   for (int l = 0; l < kLanes; ++l) total += lanes[l];
-  return total;
+  if (__builtin_isfinite(total)) return total;
+  double wide = 0.0;  // Note [A finite gradient's squares beyond float32]
+  for (int64_t tile = begin; tile < end; tile += kTile) {
+    const int64_t n = min_i64(kTile, end - tile);
+    sum_grads<kPrefetch>(grads, num_grads, tile, n, acc);
+    for (int64_t j = 0; j < n; ++j) {
+      const double x = static_cast<double>(acc[j] * mult);
+      wide += x * x;
+    }
+  }
+  return wide;
 }
 
 }  // namespace

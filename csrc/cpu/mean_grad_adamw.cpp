@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor> norm_cpu(at::TensorList grads, int64_t num_te
   std::vector<int64_t> numels(num_tensors);
   for (int64_t i = 0; i < num_tensors; ++i) numels[i] = grads[i].numel();
   const std::vector<Chunk> chunks = split_into_chunks(numels);
-  std::vector<float> partial(chunks.size());
+  std::vector<double> partial(chunks.size());
   const KernelTable& kernels = selected_kernels();
   const auto sum_squares = prefetch_streams() ? kernels.sum_squares_prefetch : kernels.sum_squares;
   for_chunks(static_cast<int64_t>(chunks.size()), [&](int64_t first, int64_t last) {
@@ -141,10 +141,11 @@ std::tuple<at::Tensor, at::Tensor> norm_cpu(at::TensorList grads, int64_t num_te
     }
   });
   double total = 0.0;
-  for (float p : partial) total += static_cast<double>(p);
-  const double norm = std::sqrt(total);
+  for (double p : partial) total += p;
+  // float32 like the update's scalars: a norm past float32's range (elements near its top) is not finite either
+  const float norm = static_cast<float>(std::sqrt(total));
   const auto options = at::TensorOptions().dtype(at::kFloat).device(grads[0].device());
-  at::Tensor norm_t = at::scalar_tensor(static_cast<float>(norm), options);
+  at::Tensor norm_t = at::scalar_tensor(norm, options);
   at::Tensor nonfinite_t = at::scalar_tensor(std::isfinite(norm) ? 0.0f : 1.0f, options);
   return {norm_t, nonfinite_t};
 }

@@ -174,32 +174,52 @@ __device__ T block_sum(T x) {
   return x;  // valid in thread 0
 }
 
-__global__ void __launch_bounds__(kThreads) sum_squares_kernel(LaunchTable tab, float mult, float* partials) {
-  const int t = tensor_of_block(tab);
+// The mean gradient's element i of tensor t, as the update sums it.
+__device__ __forceinline__ float mean_grad(const LaunchTable& tab, int t, int64_t i, float mult) {
   const int G = tab.num_workers;
+  float acc = load_grad(tab.grads[t * G], tab.grad_dtype[t * G], i) * tab.weight[0];
+  for (int g = 1; g < G; ++g) {
+    acc = acc + load_grad(tab.grads[t * G + g], tab.grad_dtype[t * G + g], i) * tab.weight[g];
+  }
+  return acc * mult;
+}
+
+// Note [A finite gradient's squares beyond float32] (csrc/cpu/kernel_isa.cpp): a block whose float32 sum of squares
+// is not finite sums its chunk again in double; the common path keeps its bits.
+__global__ void __launch_bounds__(kThreads) sum_squares_kernel(LaunchTable tab, float mult, double* partials) {
+  const int t = tensor_of_block(tab);
   const int64_t begin = static_cast<int64_t>(blockIdx.x - tab.chunk_begin[t]) * kChunk;
   const int64_t end = min(tab.numel[t], begin + kChunk);
   float sum = 0.0f;
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    float acc = load_grad(tab.grads[t * G], tab.grad_dtype[t * G], i) * tab.weight[0];
-    for (int g = 1; g < G; ++g) {
-      acc = acc + load_grad(tab.grads[t * G + g], tab.grad_dtype[t * G + g], i) * tab.weight[g];
-    }
-    acc = acc * mult;
+    const float acc = mean_grad(tab, t, i, mult);
     sum = sum + acc * acc;
   }
   sum = block_sum(sum);
-  if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+  __shared__ bool overflowed;
+  if (threadIdx.x == 0) overflowed = !isfinite(sum);
+  __syncthreads();  // every thread takes the same branch: block_sum below synchronises the block
+  double total = sum;
+  if (overflowed) {
+    double wide = 0.0;
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+      const double acc = mean_grad(tab, t, i, mult);
+      wide += acc * acc;
+    }
+    total = block_sum(wide);
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-__global__ void __launch_bounds__(kThreads) finish_norm_kernel(const float* partials, int64_t count, float* norm,
+__global__ void __launch_bounds__(kThreads) finish_norm_kernel(const double* partials, int64_t count, float* norm,
                                                                float* nonfinite) {
   double sum = 0.0;
-  for (int64_t i = threadIdx.x; i < count; i += kThreads) sum += static_cast<double>(partials[i]);
+  for (int64_t i = threadIdx.x; i < count; i += kThreads) sum += partials[i];
   sum = block_sum(sum);
   if (threadIdx.x == 0) {
-    const double n = sqrt(sum);
-    *norm = static_cast<float>(n);
+    // float32 like the update's scalars: a norm past float32's range (elements near its top) is not finite either
+    const float n = static_cast<float>(sqrt(sum));
+    *norm = n;
     *nonfinite = isfinite(n) ? 0.0f : 1.0f;
   }
 }
@@ -218,12 +238,12 @@ cudaError_t launch_update(const LaunchTable& table, const UpdateScalars& s, Devi
   return cudaGetLastError();
 }
 
-cudaError_t launch_sum_squares(const LaunchTable& table, float mult, float* partials, cudaStream_t stream) {
+cudaError_t launch_sum_squares(const LaunchTable& table, float mult, double* partials, cudaStream_t stream) {
   sum_squares_kernel<<<table.chunk_begin[table.num_tensors], kThreads, 0, stream>>>(table, mult, partials);
   return cudaGetLastError();
 }
 
-cudaError_t launch_finish_norm(const float* partials, int64_t count, float* norm, float* nonfinite,
+cudaError_t launch_finish_norm(const double* partials, int64_t count, float* norm, float* nonfinite,
                                cudaStream_t stream) {
   finish_norm_kernel<<<1, kThreads, 0, stream>>>(partials, count, norm, nonfinite);
   return cudaGetLastError();

@@ -59,11 +59,12 @@ struct DeviceScalars {
 
 cudaError_t launch_update(const LaunchTable& table, const UpdateScalars& s, DeviceScalars d, cudaStream_t stream);
 
-// partials[b] = sum over block b's chunk of (mult * sum_g w_g grad_g)^2.
-cudaError_t launch_sum_squares(const LaunchTable& table, float mult, float* partials, cudaStream_t stream);
+// partials[b] = sum over block b's chunk of (mult * sum_g w_g grad_g)^2: summed in float, again in double where the
+// float sum overflowed (Note [A finite gradient's squares beyond float32] in csrc/cpu/kernel_isa.cpp).
+cudaError_t launch_sum_squares(const LaunchTable& table, float mult, double* partials, cudaStream_t stream);
 
-// norm = sqrt(sum of partials) accumulated in double in a fixed order; nonfinite = 1 if norm is not finite.
-cudaError_t launch_finish_norm(const float* partials, int64_t count, float* norm, float* nonfinite,
+// norm = sqrt(sum of partials) accumulated in double in a fixed order, as float32; nonfinite = 1 if it is not finite.
+cudaError_t launch_finish_norm(const double* partials, int64_t count, float* norm, float* nonfinite,
                                cudaStream_t stream);
 
 }  // namespace pyengine::cuda

@@ -91,15 +91,15 @@ std::tuple<at::Tensor, at::Tensor> norm_cuda(at::TensorList grads, int64_t num_t
   int64_t total_chunks = 0;
   for (int64_t i = 0; i < num_tensors; ++i) total_chunks += num_chunks(grads[i].numel());
   const auto options = at::TensorOptions().dtype(at::kFloat).device(grads[0].device());
-  at::Tensor partials = at::zeros({std::max<int64_t>(total_chunks, 1)}, options);
+  at::Tensor partials = at::zeros({std::max<int64_t>(total_chunks, 1)}, options.dtype(at::kDouble));
   at::Tensor norm = at::empty({}, options);
   at::Tensor nonfinite = at::empty({}, options);
   const float mult = weights.has_value() ? 1.0f : static_cast<float>(1.0 / static_cast<double>(G));
   auto launch = [&](const LaunchTable& table, int64_t first_chunk) {
-    C10_CUDA_CHECK(launch_sum_squares(table, mult, partials.data_ptr<float>() + first_chunk, stream));
+    C10_CUDA_CHECK(launch_sum_squares(table, mult, partials.data_ptr<double>() + first_chunk, stream));
   };
   for_each_table(grads, num_tensors, summation_weights(weights, G), [](LaunchTable&, int, int64_t) {}, launch);
-  C10_CUDA_CHECK(launch_finish_norm(partials.data_ptr<float>(), partials.numel(), norm.data_ptr<float>(),
+  C10_CUDA_CHECK(launch_finish_norm(partials.data_ptr<double>(), partials.numel(), norm.data_ptr<float>(),
                                     nonfinite.data_ptr<float>(), stream));
   return {norm, nonfinite};
 }

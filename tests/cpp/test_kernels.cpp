@@ -176,10 +176,10 @@ class KernelCase {
     float total = 0.0f;
     int64_t begin = 0;
     for (int64_t end : splits) {
-      total += sum_squares(sources_.data(), c_.G, scalars_.grad_mult, begin, end);
+      total += static_cast<float>(sum_squares(sources_.data(), c_.G, scalars_.grad_mult, begin, end));
       begin = end;
     }
-    return total + sum_squares(sources_.data(), c_.G, scalars_.grad_mult, begin, c_.n);
+    return total + static_cast<float>(sum_squares(sources_.data(), c_.G, scalars_.grad_mult, begin, c_.n));
   }
 
   // The mean gradient in float64 (before grad_mult's sign and 1/G).
