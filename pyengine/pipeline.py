@@ -100,6 +100,7 @@ import weakref
 import torch
 
 from .metrics import step_metrics
+from .streamer import check_dense_gradients
 from .workers import (WorkerError, _map, _tensors, batch_size, check_weights_unchanged, replica_of, split_batch,
                       task_thread_initializer, to_device)
 from .workers import autocast as autocast_region
@@ -566,8 +567,11 @@ class Pipeline:
     def __init__(self, engine, model: torch.nn.Sequential, *, stages: int, microbatches: int, schedule: str,
                  balance, unused: str = "zero", autocast: torch.dtype | None = None):
         devices = engine.devices
+        check_dense_gradients(model, "pipeline")
         if balance == "time":  # the stages are built at the first step: from the model as it was given, not as the
-            model = copy.deepcopy(model)  # caller changes it meanwhile (and neither timing nor a load touches it)
+            # caller changes it meanwhile (and neither timing nor a load touches it); with the parameters' gradient
+            # hooks (Note [Replicas keep the parameters' hooks]: a deep copy dropped them, and the stages with them)
+            model = replica_of(model)
         self.layers = list(model._modules.items())  # named_children() would list a repeated module once
         check_options(len(self.layers), len(devices), stages, microbatches, schedule, balance)
         # Note [No reference cycle through the engine]

@@ -40,6 +40,7 @@ from .distributed import BytePacket, DistributedError, _collective, _FailureNami
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
                        check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
                        stage_store_names)
+from .streamer import check_dense_gradients
 from .workers import autocast as autocast_region
 from .workers import batch_size, replica_of
 
@@ -453,6 +454,7 @@ class DistributedPipeline(_FailureNaming):
         self.microbatches, self.schedule, self.autocast, self.unused = microbatches, schedule, autocast, unused
         self.stages: list = []  # no in-process stages: Engine._replica_buffers reads self.buffers
         # every rank checks every stage, so a bad split is the same ValueError on every rank, before any collective
+        check_dense_gradients(model, "pipeline")
         self.layers = list(model._modules.items())
         self.sizes = _stage_sizes(self.layers, self.num_stages, balance)
         modules = split_layers(self.layers, self.sizes)

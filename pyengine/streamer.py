@@ -79,6 +79,16 @@ def make_buckets(layout: Sequence[LayoutEntry], numel: int, grad_dtype: torch.dt
     return buckets
 
 
+def check_dense_gradients(module: torch.nn.Module, who: str) -> None:
+    """ValueError naming the trainable embeddings of ``module`` that make sparse gradients: the store holds dense
+    ones (the copy into a slot failed inside torch, after a whole forward and backward)."""
+    sparse = [name for name, m in module.named_modules()  # a frozen one makes no gradient at all
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise ValueError(f"{who}: {sparse} make sparse gradients (sparse=True); the store holds dense gradients: build "
+                         "them with sparse=False")
+
+
 class GradientStreamer:
     """Streams one worker's gradients into ``store.grad_slot(worker)`` during backward, bucket by bucket.
 
@@ -185,11 +195,7 @@ class GradientStreamer:
             raise ValueError(f"GradientStreamer: the replica's trainable parameters {extra} are not in the store (a "
                              "weight tied in the store's model and not in the replica, or frozen there and not "
                              "here): build the replica like the model the store was made from")
-        sparse = [name for name, m in replica.named_modules()  # a frozen one makes no gradient at all
-                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
-        if sparse:
-            raise ValueError(f"GradientStreamer: {sparse} make sparse gradients (sparse=True); the store holds dense "
-                             "gradients: build them with sparse=False")
+        check_dense_gradients(replica, "GradientStreamer")
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"GradientStreamer: a replica lives on one device; got {sorted(map(str, devices))}")

@@ -108,7 +108,18 @@ def split_batch(batch, parts: int) -> list:
     n = batch_size(batch)
     if n < parts:
         raise ValueError(f"a batch of {n} samples cannot feed {parts} workers; use a batch of at least {parts}")
-    return [_map(batch, lambda t, i=i: torch.tensor_split(t, parts)[i]) for i in range(parts)]
+    return [_map(batch, lambda t, i=i: _own_counter(torch.tensor_split(t, parts)[i])) for i in range(parts)]
+
+
+def _own_counter(shard: torch.Tensor) -> torch.Tensor:
+    """Note [A shard's own version counter]
+    torch.tensor_split gives views, and every view of a tensor shares its autograd version counter. An in-place
+    first layer (``ReLU(inplace=True)``) of one worker (or of one pipeline micro-batch) bumped the counter that
+    another worker's saved input carried, and that backward failed ("modified by an inplace operation"; hybrid with
+    2 CPU workers, the pipeline's stage 0 with 2 micro-batches), though the shards share no element. Each shard gets
+    a counter of its own: ``.data``, the same memory (no copy) under a new counter. A tensor that requires grad
+    keeps its view (``.data`` would cut it from autograd)."""
+    return shard if shard.requires_grad else shard.data
 
 
 def split_microbatches(batch, parts: int, what: str = "a batch") -> tuple[list, list[float] | None]:
@@ -315,8 +326,8 @@ def check_weights_unchanged(changed: list[str], where: str) -> None:
                          "the weight inside the forward, or leave the parameter frozen)")
 
 
-def replica_of(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """A deep copy of ``model`` on ``device``, with the gradient hooks of its parameters.
+def replica_of(model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
+    """A deep copy of ``model`` on ``device`` (None: where it is), with the gradient hooks of its parameters.
 
     Note [Replicas keep the parameters' hooks]
     A worker's replica (a pipeline stage's copy) is ``copy.deepcopy`` of the model, and a deep-copied parameter is
@@ -326,7 +337,9 @@ def replica_of(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     in their order, before the gradient streamer's own (a post-accumulate hook that changes ``.grad`` runs before
     the copy of it). The module hooks (forward, backward) live in the modules' dicts and come with the deep copy;
     a hook added to the model's parameters later reaches no replica."""
-    replica = copy.deepcopy(model).to(device)
+    replica = copy.deepcopy(model)
+    if device is not None:
+        replica = replica.to(device)
     for original, copied in zip(model.parameters(), replica.parameters(), strict=True):
         if not copied.requires_grad:
             continue

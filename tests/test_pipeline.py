@@ -1977,6 +1977,35 @@ def test_in_place_first_layer_of_a_stage(rng):
         assert_matches(engine, reference)
 
 
+@pytest.mark.parametrize("mode,workers,options", [("hybrid", 2, {}), ("pipeline", 2, dict(stages=2, microbatches=2)),
+                                                  ("pipeline", 4, dict(stages=2, microbatches=1))],
+                         ids=["hybrid-2-workers", "pipeline-2-microbatches", "pipeline-2-replicas"])
+def test_an_in_place_first_layer_of_the_model(rng, mode, workers, options):
+    """Note [A shard's own version counter]: the workers' shards (the micro-batches) are views of one batch, which
+    share its version counter: one shard's in-place ReLU made another's backward fail ("modified by an inplace
+    operation"). Each trains as on one device."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(10, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 3))
+    reference = TorchReference(model)
+    with Engine(model, loss_fn, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT), **options) as engine:
+        for b in make_batches(rng, 3, 12):
+            engine.step((b[0].clone(), b[1]))
+            reference.step(b)
+        assert_matches(engine, reference)
+
+
+@pytest.mark.parametrize("balance", ["params", "time"])
+def test_a_sparse_embedding_is_refused_when_the_engine_is_built(balance):
+    """The store holds dense gradients: hybrid refused nn.Embedding(sparse=True) when built, the pipeline took it and
+    failed every step after the whole forward and backward, inside torch ("copy_() between dense and sparse")."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6, sparse=True), torch.nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=r"pipeline: \['0'\] make sparse gradients \(sparse=True\)"):
+        pipeline(model, ["cpu"] * 2, stages=2, balance=balance)
+    model[0].weight.requires_grad_(False)  # a frozen one makes no gradient
+    pipeline(model, ["cpu"] * 2, stages=2, balance=balance).close()
+
+
 def test_activation_bytes_count_the_micro_batch_not_the_whole_batch():
     """Stage 0 saves its micro-batch of the input (a view of the whole batch): counted by its own bytes."""
     stages, microbatches, batch = 2, 4, 32
