@@ -241,17 +241,27 @@ class HostStore:
         sections += [(name, dtype, self.state_numel) for name, dtype in state]
         if shadow_dtype is not None:
             sections.append(("shadow", shadow_dtype, self.numel))
+        fixed = list(sections)
+
+        def refuse_past_max_bytes(nbytes: int) -> None:
+            if max_bytes is None or nbytes <= max_bytes:
+                return
+            state_note = "" if self.state_ranges is None else f", Adam state {self.state_numel} elements"
+            raise ValueError(
+                f"HostStore: the arena needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB: {self.numel} elements"
+                f"{state_note} x [{', '.join(f'{n} {d}' for n, d, _ in fixed)}, {workers} x grad {grad_dtype}]) but "
+                f"max_bytes is {max_bytes}; lower workers, use a 2-byte grad_dtype, drop the shadow, shard the update, "
+                "or raise max_bytes")
+
+        # first without the staggers (at most one page in all), before a list of `workers` sections is made: a
+        # store of a million gradient slots was refused after seconds, in a message of 25 MB
+        refuse_past_max_bytes(sum(_padded(n, dtype) * dtype.itemsize for _, dtype, n in fixed)
+                              + workers * _padded(self.numel, grad_dtype) * grad_dtype.itemsize)
         sections += [(f"grad{g}", grad_dtype, self.numel) for g in range(workers)]
         sizes = [_padded(n, dtype) * dtype.itemsize for _, dtype, n in sections]
         stagger = section_stagger(sizes)  # Note [Staggered sections]
         self.nbytes = sum(sizes) + stagger * (len(sections) - 1)
-        if max_bytes is not None and self.nbytes > max_bytes:
-            state_note = "" if self.state_ranges is None else f", Adam state {self.state_numel} elements"
-            raise ValueError(
-                f"HostStore: the arena needs {self.nbytes} bytes ({self.nbytes / 2**20:.1f} MiB: {self.numel} "
-                f"elements{state_note} x [{', '.join(f'{n} {d}' for n, d, _ in sections)}]) but max_bytes is "
-                f"{max_bytes}; lower workers, use a 2-byte grad_dtype, drop the shadow, shard the update, or raise "
-                "max_bytes")
+        refuse_past_max_bytes(self.nbytes)
         self._arena, self.pinned = self._allocate(pin)
         views, byte_offset = {}, 0
         for name, dtype, n in sections:  # every section starts on a 64-byte boundary, `stagger` after the last

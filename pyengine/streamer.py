@@ -128,6 +128,7 @@ class GradientStreamer:
         check_options(bucket_mb, first_bucket_mb, unused, eager_mb)
         worker = store._check_worker(worker, "grad_slot")  # an int in [0, workers): the store says which
         self.store, self.worker, self.unused = store, worker, unused
+        self._closed = False
         self._params = self._replica_params(replica, store)
         # each parameter's version counter as this streamer last wrote it (Note [Weights changed in place by a step])
         self._weight_versions = [p._version for p in self._params]
@@ -436,6 +437,7 @@ class GradientStreamer:
         - later work may change ``.grad`` in place: the pass ends ordered after its copies, which read ``.grad``
           (Note [The pass's copies read .grad]; CPU: the host waits for them here).
         """
+        self._check_open("backward_pass")
         unreached = self._unreached_by(loss)
         with self._lock:
             self._unreached = unreached
@@ -467,7 +469,8 @@ class GradientStreamer:
     def accumulate(self, n: int) -> "GradientStreamer":
         """Copy gradients after every ``n``-th backward pass (gradient accumulation; ``param.grad`` accumulates as
         usual in between, so zero it after each step). Returns self."""
-        if not isinstance(n, int) or n < 1:
+        self._check_open("accumulate")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:  # True was taken as 1
             raise ValueError(f"GradientStreamer.accumulate: n must be an int >= 1; got {n!r}")
         with self._lock:
             self._accumulate = n
@@ -497,6 +500,7 @@ class GradientStreamer:
         produces it (which may have failed, or touch no parameter of the bucket until it ends): returns False when
         it ran out, True once the bucket is in the slot. Without a timeout it waits as long as it takes.
         """
+        self._check_open("wait")
         k = self._check_bucket(k, "wait")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
             raise TypeError(f"GradientStreamer.wait: timeout must be a number of seconds >= 0 or None; got "
@@ -504,6 +508,11 @@ class GradientStreamer:
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"GradientStreamer.wait: timeout must be >= 0 seconds or None; got {timeout}")
         return self._transfer.wait(_GRADS, k, True, -1.0 if timeout is None else float(timeout))
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"GradientStreamer.{what}: this streamer is closed (its hooks removed, its transfers "
+                               "shut); build a new one")
 
     def _check_bucket(self, k, what: str) -> int:
         """``k`` as a bucket index (an int, or numpy's, in [0, len(buckets))), or an IndexError naming ``what``."""
@@ -518,6 +527,7 @@ class GradientStreamer:
 
     def wait_all(self) -> None:
         """Block until every bucket's gradients of this step are in the worker's slot."""
+        self._check_open("wait_all")
         self._transfer.wait_all(_GRADS, True)
 
     def copy_back(self, source: torch.Tensor | None = None, buckets: Sequence[int] | None = None) -> None:
@@ -529,6 +539,7 @@ class GradientStreamer:
         CPU the host waits). On CUDA the copies start after the work enqueued so far on the calling thread's current
         stream: call this with the replica's compute stream current when another stream may still read the weights.
         """
+        self._check_open("copy_back")
         source = self._source(source)
         buckets = range(len(self.buckets)) if buckets is None else list(buckets)
         bad = [k for k in buckets if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(self.buckets)]
@@ -600,7 +611,11 @@ class GradientStreamer:
     def reset(self) -> None:
         """Forget a step that did not complete (its worker, or another one, failed): wait for the copies in flight,
         drop the gradient buckets launched but not consumed and the accumulation window, so the next backward starts
-        a fresh step and no wait returns on the failed step's data. Errors of those copies are dropped with them."""
+        a fresh step and no wait returns on the failed step's data. Errors of those copies are dropped with them.
+
+        Call it once this worker's backward has ended (returned or raised; :meth:`backward_pass` resets a backward
+        that raises by itself): the hooks of a backward still running would take its later gradients for a new
+        step's, and the next wait would return on them (the engine resets only after every worker's task ended)."""
         self._resets += 1  # first: a pipelined_update waiting on this step sees it before any next-step delivery
         with self._lock:
             self._in_backward = False
@@ -624,7 +639,9 @@ class GradientStreamer:
             self._transfer.release(_GRADS, k)
 
     def close(self) -> None:
-        """Remove every hook and finish the copies in flight. Idempotent."""
+        """Remove every hook and finish the copies in flight. Idempotent; the streamer's other methods refuse to run
+        after it."""
+        self._closed = True
         handles, self._handles = getattr(self, "_handles", []), []
         for handle in handles:
             handle.remove()
@@ -700,6 +717,8 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
                       torch.zeros((), device=store.param.device) if clip else None, clip)
     except (TypeError, ValueError) as error:
         raise type(error)(f"pipelined_update: {error}") from None
+    if not isinstance(copy_back, bool):  # "no" counted as True
+        raise TypeError(f"pipelined_update: copy_back must be True or False; got {copy_back!r}")
     if copy_back:  # the replicas' flat views, every one checked before the first wait
         destinations = {s.worker: s._destinations(range(len(s.buckets))) for s in streamers}
     norm = None
@@ -750,13 +769,20 @@ def _wait_delivered(streamers: list[GradientStreamer], resets: list[int], k: int
             raise RuntimeError(
                 f"pipelined_update: worker {s.worker}'s step failed (its streamer was reset) before bucket {k} was "
                 f"delivered; " + (f"buckets 0..{updated - 1} were updated and copied back already and stay so"
-                                  if updated else "no bucket was updated"))
+                                  if updated else "no bucket was updated")
+                + "; reset the other workers' streamers once their backward passes have ended")
 
 
 def _check_streamers(streamers: list[GradientStreamer], store: HostStore) -> None:
     if not streamers:
         raise ValueError("pipelined_update: streamers must hold at least one GradientStreamer")
+    if not isinstance(store, HostStore):
+        raise TypeError(f"pipelined_update: store must be a HostStore; got {type(store).__name__}")
     for s in streamers:
+        if not isinstance(s, GradientStreamer):
+            raise TypeError(f"pipelined_update: streamers must be GradientStreamers; got {type(s).__name__}")
+        if s._closed:  # before any bucket is updated (the first copy back failed inside the closed transfer)
+            raise RuntimeError(f"pipelined_update: {s!r} is closed; build a new one")
         if s.store is not store:
             raise ValueError(f"pipelined_update: {s!r} streams into another store")
         if [(b.begin, b.end) for b in s.buckets] != [(b.begin, b.end) for b in streamers[0].buckets]:

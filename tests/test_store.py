@@ -240,6 +240,11 @@ def test_max_bytes_refusal_names_the_bytes():
     assert make(model, workers=2, max_bytes=needed).nbytes == needed
     with pytest.raises(ValueError, match=rf"needs {needed} bytes.*max_bytes is {needed - 1}"):
         make(model, workers=2, max_bytes=needed - 1)
+    # a million gradient slots: refused at once in a short message (it took seconds and ran to 25 MB, a list of
+    # every slot made first)
+    with pytest.raises(ValueError, match=r"x \[param torch.float32, .*, 1000000 x grad torch.float32\]") as refused:
+        make(model, workers=10**6, max_bytes=needed)
+    assert len(str(refused.value)) < 500
     for bad in ("1000", 1e9, -1, True):
         with pytest.raises(ValueError, match=rf"max_bytes must be None or an int >= 0 \(bytes\); got {bad!r}"):
             make(model, workers=2, max_bytes=bad)

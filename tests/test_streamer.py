@@ -958,6 +958,28 @@ def test_pipelined_update_equals_one_shot(device, shadow_dtype, amsgrad, weights
     assert not torch.equal(ref_store.param, pyengine.HostStore(base, pin=False).param)  # it did train
 
 
+def test_a_closed_streamer_refuses_to_run():
+    """After close(), pipelined_update updated bucket 0 of the store, then failed inside the closed transfer (an
+    internal message, the store changed); the streamer's own methods failed inside it too. Each is refused by
+    name, with nothing written."""
+    model = Net()
+    store = pyengine.HostStore(model, workers=1, pin=False)
+    streamer = pyengine.GradientStreamer(model, store, worker=0, bucket_mb=TINY, first_bucket_mb=TINY)
+    with streamer.backward_pass():
+        model(batch()).pow(2).mean().backward()
+    streamer.wait_all()
+    streamer.close()
+    before = store.param.clone()
+    with pytest.raises(RuntimeError, match=r"pipelined_update: GradientStreamer\(worker=0.*is closed"):
+        pyengine.pipelined_update([streamer], store, 1, lr=1e-3)
+    assert torch.equal(store.param, before)
+    for call in (lambda: streamer.backward_pass().__enter__(), lambda: streamer.wait(0), streamer.wait_all,
+                 streamer.copy_back, lambda: streamer.accumulate(2)):
+        with pytest.raises(RuntimeError, match=r"GradientStreamer\.\w+: this streamer is closed"):
+            call()
+    streamer.close()  # still idempotent
+
+
 @pytest.mark.timeout(60)  # a value refused only by the op made the call wait for gradients that never come
 def test_pipelined_update_argument_errors():
     model = Net()
@@ -971,6 +993,14 @@ def test_pipelined_update_argument_errors():
         pyengine.pipelined_update([a], store, 1, lr=1e-3, amsgrad=True)
     with pytest.raises(ValueError, match=r"betas must be two numbers"):
         pyengine.pipelined_update([a], store, 1, lr=1e-3, betas=(0.9, 0.99, 0.1))
+    with pytest.raises(TypeError, match="streamers must be GradientStreamers; got Net"):  # an AttributeError
+        pyengine.pipelined_update([model], store, 1, lr=1e-3)
+    with pytest.raises(TypeError, match="store must be a HostStore; got Net"):
+        pyengine.pipelined_update([a], model, 1, lr=1e-3)
+    with pytest.raises(TypeError, match="copy_back must be True or False; got 'no'"):  # "no" copied back
+        pyengine.pipelined_update([a], store, 1, lr=1e-3, copy_back="no")
+    with pytest.raises(ValueError, match="accumulate: n must be an int >= 1; got True"):  # taken as 1
+        a.accumulate(True)
     # The ops' checks, before any wait (nothing was delivered here: a wait would block): a step that is not an int,
     # a switch that is not a bool ("False" would have counted as True), a weight or bound that is no number, an lr
     # whose float32 step size overflows.
