@@ -773,7 +773,9 @@ class Engine:
         """Everything needed to resume bit-identically: weights, optimizer state, step, RNG, statistics. With
         ``shard_update=True`` a collective that every rank must call (the full Adam state is gathered). Consistent
         while async workers run (taken under the store's mutex, between two pushes), and while a step's workers compute
-        (Note [Reading the state during a step])."""
+        (Note [Reading the state during a step]). During a multi-node async run only rank 0 of a run with one server
+        reads it (its buffers are then the run's start's: the servers take the first client's at the run's end);
+        another rank raises RuntimeError (Note [A state during a multi-node async run])."""
         rng_states = self._rng_states()
         return {
             "format": FORMAT,
@@ -1515,6 +1517,17 @@ class Engine:
             self.pipeline.gather()
         if self.async_naming is not None:
             self.async_naming.check_whole()
+            # Note [A state during a multi-node async run]: the servers' shards meet only at a run's end, a client's
+            # store holds the weights it pulled (its version and Adam state are those of the run's start); rank 0
+            # of one server holds every update as it is applied (its buffers: the run's start's, Engine.state_dict)
+            rank = torch.distributed.get_rank(self.process_group)
+            if self._async_run is not None and (rank != 0 or self.servers > 1):
+                raise RuntimeError(
+                    f"rank {rank}: the state is read during a multi-node async run, where it is not whole: "
+                    + ("a client's store holds the weights it pulled, not the run's version and Adam state"
+                       if rank >= self.servers else f"each of the {self.servers} servers holds its shard's updates, "
+                       "and the shards meet at the run's end") + "; read it after fit returns (rank 0 of a run "
+                    "with one server may read it during the run)")
 
     def _check_process(self) -> None:
         """Note [An engine in a forked process]

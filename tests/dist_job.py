@@ -285,11 +285,20 @@ def asynchronous(seed, rank, world, out_dir):
         return pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="async", optimizer=pyengine.AdamW(**OPT),
                                pin=False, max_staleness=0)
 
+    mid_run = []
+
+    def read_state_once(engine, metrics):  # Note [A state during a multi-node async run]
+        if not mid_run:
+            try:
+                mid_run.append(engine.state_dict()["version"])
+            except RuntimeError as exc:
+                mid_run.append(str(exc))
+
     with make_engine() as engine:
         with warnings.catch_warnings(record=True) as enough:
             warnings.simplefilter("always")
-            engine.fit(batches, steps=ASYNC["pushes"])
-        out = dict(history=[{k: m[k] for k in ("rank", "push_id", "version_at_pull", "applied") +
+            engine.fit(batches, steps=ASYNC["pushes"], callbacks=[read_state_once])
+        out = dict(mid_run=mid_run, history=[{k: m[k] for k in ("rank", "push_id", "version_at_pull", "applied") +
                              (("staleness", "version_at_apply") if rank == 0 else ())} for m in engine.history],
                    stats=engine.stats(), master=engine.master_state_dict())
         path = checkpoint.save_engine(os.path.join(out_dir, "ckpt"), 1, engine)
@@ -868,7 +877,17 @@ def async_sharded(seed, rank, world):
                              no_decay=SHARDED_NO_DECAY if name == "sequential" else ())
         with pyengine.Engine(make_model(), poisoned_loss if name == "sequential" else loss_fn, devices=["cpu"],
                              mode="async", optimizer=opt, pin=False, servers=servers, **options) as engine:
-            engine.fit(data, steps=pushes)
+            mid_run = []
+
+            def read_state_once(engine, metrics):  # Note [A state during a multi-node async run]: refused
+                if not mid_run:
+                    try:
+                        mid_run.append(engine.state_dict()["version"])
+                    except RuntimeError as exc:
+                        mid_run.append(str(exc))
+
+            engine.fit(data, steps=pushes, callbacks=[read_state_once] if name == "sequential" else ())
+            out.setdefault("mid_run", mid_run)
             out[name] = dict(history=_push_record(engine) if rank < servers else engine.history,
                              stats=engine.stats(), master=engine.master_state_dict(),
                              optimizer=engine.optimizer_state_dict())

@@ -494,6 +494,11 @@ def test_async_applies_every_push_exactly_once(tmp_path, seed):
         assert ids == list(range(1, len(ids) + 1)), f"rank {rank}: pushes lost or reordered: {ids}"
         assert [m["push_id"] for m in client["history"]] == ids, f"rank {rank}: acknowledgements differ"
         assert client["stats"]["pushes"] - client["stats"]["refreshes"] in (len(ids), len(ids) + 1)
+    # Note [A state during a multi-node async run]: a client's state read during the run said version 0 with no Adam
+    # state (its store holds the weights it pulled): refused; rank 0 of one server reads the state of its updates
+    assert server["mid_run"] == [1], server["mid_run"]
+    assert all(c["mid_run"][0].startswith(f"rank {r}: the state is read during a multi-node async run")
+               for r, c in enumerate(clients, start=1)), [c["mid_run"] for c in clients]
     # a checkpoint resumes every rank's own counters: a client's pushes are not the server's
     assert [r["resumed_stats"] for r in (server, *clients)] == [r["stats"] for r in (server, *clients)]
     assert server["stats"] != clients[0]["stats"]
@@ -697,6 +702,11 @@ def test_sharded_async_servers_apply_every_push_exactly_once_and_match_sequentia
     codes, logs, _ = launch("async-sharded", world, tmp_path, seed, timeout=120.0)
     assert codes == [0] * world, "\n".join(logs)
     ranks = results(tmp_path, world)
+    # Note [A state during a multi-node async run]: rank 0's state mixed its shard's updates with the other
+    # servers' shards at the run's start (zero Adam moments there): refused on every rank during the run
+    for r, rank in enumerate(ranks):
+        assert rank["mid_run"][0].startswith(f"rank {r}: the state is read during a multi-node async run"), rank
+        assert ("each of the 2 servers holds its shard's updates" in rank["mid_run"][0]) == (r < servers), rank
     for r, rank in enumerate(ranks):
         assert rank["errors"][0].startswith(f"servers={world} leaves no client rank in a process group of {world}")
         assert rank["errors"][1].startswith(f"servers={world + 3} leaves no client rank"), rank["errors"]
