@@ -597,7 +597,10 @@ class GradientStreamer:
         """The store names of the replica's parameters written in place since this streamer last copied weights into
         them (or was built): Note [Weights changed in place by a step] in workers.py. A write through ``.data``
         shares no version counter and is not seen."""
-        return [self.store.layout[i].name for i, p in enumerate(self._params) if p._version != self._weight_versions[i]]
+        now = [p._version for p in self._params]
+        if now == self._weight_versions:  # the common case, in one comparison of the lists
+            return []
+        return [entry.name for entry, a, b in zip(self.store.layout, now, self._weight_versions) if a != b]
 
     def wait_weights(self, k: int | None = None) -> None:
         """Order the replica's next work after the weight copies: on CUDA the current stream waits on the events
