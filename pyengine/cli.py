@@ -122,6 +122,10 @@ def _number(convert, ok, expected: str):
 
 
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+# bounded where a huge value failed inside the set-up with a traceback (a list of 10**11 devices; a model whose
+# storage size overflowed int64 on the meta device): a transformer of d_model 2**20 is ~13 TB, refused in one line
+_hidden = _number(int, lambda v: 1 <= v <= 2 ** 20, "an integer in [1, 2**20]")
+_workers = _number(int, lambda v: 1 <= v <= 4096, "an integer in [1, 4096] (workers of this process)")
 _seed = _number(int, lambda v: 0 <= v < 2 ** 64, "an integer in [0, 2**64) (what torch.manual_seed takes)")
 
 
@@ -180,14 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a transformer throughput workload [digits]")
     g.add_argument("--model", choices=("mlp", "transformer"), default=S,
                    help="mlp for digits, transformer for tokens [chosen by --data]")
-    g.add_argument("--hidden", type=_positive_int, default=S, help="MLP width / transformer d_model [512 / 128]")
+    g.add_argument("--hidden", type=_hidden, default=S, help="MLP width / transformer d_model [512 / 128]")
     g.add_argument("--seed", type=_seed, default=S,
                    help="model init, data order and engine seed, 0 <= seed < 2**64 [0]")
     g = p.add_argument_group("workers")
     g.add_argument("--devices", default=S,
                    help="comma-separated worker devices, e.g. cpu, cuda:0,cuda:1, cuda (every GPU); one entry is "
                         "repeated --workers times (cpu alone: 2 workers) [every GPU, else cpu]")
-    g.add_argument("--workers", type=_positive_int, default=S,
+    g.add_argument("--workers", type=_workers, default=S,
                    help="number of workers (replicas) [one per GPU, else 2 CPU workers]")
     g = p.add_argument_group("schedule")
     length = g.add_mutually_exclusive_group()

@@ -776,7 +776,8 @@ def test_the_printed_resume_command_pastes_into_a_shell(tmp_path, capsys):
     (lambda p: p.update(mode="sync"), "its mode and its config's must be one of"),
     # settings no command line could give: each read back through its flag's parser
     (lambda p: p["config"].update(batch_size="32"), "its batch_size is not a value of --batch-size; got '32'"),
-    (lambda p: p["config"].update(hidden=0), "its hidden is not a value of --hidden (expected a positive integer"),
+    (lambda p: p["config"].update(hidden=0),
+     "its hidden is not a value of --hidden (expected an integer in [1, 2**20]"),
     (lambda p: p["config"].update(lr=-1.0), "its lr is not a value of --lr"),
     (lambda p: p["config"].update(accumulate="x"), "its accumulate is not a value of --accumulate"),
     (lambda p: p["config"].update(data="imagenet"), "its data must be one of digits, tokens; got 'imagenet'"),
@@ -941,7 +942,10 @@ def test_impossible_combination_is_one_line_exit_2(tmp_path, capsys, argv, messa
                                   ["--seed", str(10 ** 23)], ["--seed", str(2 ** 64)], ["--seed", "-1"],
                                   ["--seed", "1.5"], ["--lr", "1e-50"], ["--lr", "1e300"], ["--lr", "0"],
                                   ["--weight-decay", "1e300"], ["--weight-decay", "1e-45"],
-                                  ["--max-grad-norm", "1e39"]])
+                                  ["--max-grad-norm", "1e39"],
+                                  # tracebacks: a model whose size overflowed, a list of 10**11 devices
+                                  ["--hidden", str(2 ** 20 + 1)], ["--hidden", str(10 ** 23)],
+                                  ["--workers", "4097"], ["--workers", str(10 ** 11)]])
 def test_argparse_rejects_unknown_flags_and_values(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         train(*argv)
