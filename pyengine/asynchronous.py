@@ -238,7 +238,8 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             try:  # a setting's error, not the worker's: raised by fit as itself, as sync and hybrid raise it
                 k = minibatches_per_push(engine, engine.version)
             except Exception as exc:
-                raise _AsItself(exc) from exc
+                stop.set()  # before the mutex is released: no other push lands after it (Note [The push that ends
+                raise _AsItself(exc) from exc  # a run])
             if stopped():  # while this worker waited for the mutex, or by the batch schedule itself
                 return None
             run.generators = engine._global_generators()  # None unless the worker draws from torch's own
