@@ -58,8 +58,16 @@ _LEAVES = (torch.Tensor, str, bytes, int, float, bool, type(None), torch.dtype, 
 _CONTAINERS = (dict, list, tuple, collections.OrderedDict, collections.Counter)
 
 
-def _check_payload(value, where: str = "payload") -> None:
-    """ValueError naming the first entry of ``value`` that a checkpoint cannot hold."""
+def _check_payload(value, where: str = "payload", seen: set | None = None) -> None:
+    """ValueError naming the first entry of ``value`` that a checkpoint cannot hold. A container or tensor met again
+    (shared, or a cycle) is checked once, as torch.save writes it once: walked at every reference, a payload of N
+    nested dicts each holding the next twice took 2**N visits (1.8 s for N = 20), and a list holding itself raised
+    RecursionError."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor) or type(value) in _CONTAINERS:
+        if id(value) in seen:  # the payload holds every object walked: no id is reused during the walk
+            return
+        seen.add(id(value))
     if isinstance(value, torch.Tensor):
         if type(value) not in (torch.Tensor, torch.nn.Parameter):  # weights_only=True refuses to rebuild a subclass
             raise ValueError(f"checkpoint: {where} is a {type(value).__qualname__}, a tensor subclass that a "
@@ -68,7 +76,7 @@ def _check_payload(value, where: str = "payload") -> None:
         if value.is_meta:
             raise ValueError(f"checkpoint: {where} is a meta tensor: it has no values to save")
         for name, item in vars(value).items():  # torch.save keeps a tensor's Python attributes: read back too
-            _check_payload(item, f"{where}.{name}")
+            _check_payload(item, f"{where}.{name}", seen)
         return
     if type(value) in _LEAVES:
         return
@@ -76,8 +84,8 @@ def _check_payload(value, where: str = "payload") -> None:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(value, dict):
-                _check_payload(key, f"a key of {where}")
-            _check_payload(item, f"{where}[{key!r}]")
+                _check_payload(key, f"a key of {where}", seen)
+            _check_payload(item, f"{where}[{key!r}]", seen)
         return
     raise ValueError(f"checkpoint: {where} is a {type(value).__qualname__}; a checkpoint holds tensors, numbers, "
                      "strings and dicts, lists and tuples of them (it is read back with weights_only=True)")
