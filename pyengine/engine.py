@@ -1317,22 +1317,24 @@ class Engine:
         return True
 
     def apply_update(self, workers: list[int], weights: list[float] | None, lr_divisor: float = 1.0,
-                     grads: list[torch.Tensor] | None = None, loss_scale: float | None = None) -> bool:
+                     grads: list[torch.Tensor] | None = None, loss_scale: float | None = None,
+                     checked: bool = False) -> bool:
         """One fused update of the whole store from the gradient slots of ``workers``, or from ``grads`` (flat
         buffers of the store's size, e.g. a gradient reduced across processes) when given (Note [One update path]).
         ``loss_scale``: the scale the gradients were computed with (:meth:`loss_scale_now` at the step's start).
+        ``checked``: as :meth:`admit_update`'s.
 
         Returns False when the step was skipped because a gradient was not finite (``nonfinite="skip"``).
         """
         slots = [self.store.grad_slot(g) for g in workers] if grads is None else list(grads)
         norm, nonfinite = ops.mean_grad_norm(slots, weights)
-        if not self.admit_update(nonfinite.item() != 0.0, workers, loss_scale=loss_scale):
+        if not self.admit_update(nonfinite.item() != 0.0, workers, loss_scale=loss_scale, checked=checked):
             return False
         self.update_range(0, self.store.numel, slots, weights, norm, lr_divisor, loss_scale=loss_scale)
         return True
 
     def admit_update(self, nonfinite: bool, workers: list[int], step: int | None = None,
-                     loss_scale: float | None = None, decided: bool = False) -> bool:
+                     loss_scale: float | None = None, decided: bool = False, checked: bool = False) -> bool:
         """Decides whether the step whose mean gradient is (non)finite is applied: raises (``nonfinite="raise"``) or
         counts a skipped step and returns False; otherwise counts the update, advances ``version`` (the step of the
         :meth:`update_range` calls that follow) and returns True. ``step``: the Adam step the update will use when
@@ -1340,7 +1342,9 @@ class Engine:
         scale the gradients were computed with; with a loss scaler a non-finite gradient first backs the scale off
         (skipped, counted), and an applied step counts towards its growth (Note [Loss scaling]). ``decided``: the
         coordinating server already decided (a multi-server async shard): a non-finite gradient is skipped, as
-        there, and the scaler is left alone (the coordinator's decides)."""
+        there, and the scaler is left alone (the coordinator's decides). ``checked``: the caller ran
+        :meth:`check_update` for this update under the same hold of the mutex, with no user code since (an async
+        push: :meth:`apply_push`), so it is not asked again."""
         if decided and nonfinite:
             self._counters["skipped_steps"] += 1
             return False
@@ -1358,7 +1362,8 @@ class Engine:
                                          "keep the last complete update")
             self._counters["skipped_steps"] += 1
             return False
-        self.check_update(self.version + 1 if step is None else step)  # a bad value raises before any count or write
+        if not checked:  # a bad value raises before any count or write
+            self.check_update(self.version + 1 if step is None else step)
         self.version += 1
         self._counters["applied_updates"] += 1
         if self.scaler is not None and not decided:
@@ -1440,9 +1445,9 @@ class Engine:
         self._counters["pushes"] += 1
         self._staleness[staleness] += 1  # before the update, which may raise: the histogram counts every push
         if span is None:
-            applied = self.apply_update(workers, None, divisor, grads=grads, loss_scale=loss_scale)
+            applied = self.apply_update(workers, None, divisor, grads=grads, loss_scale=loss_scale, checked=True)
         else:
-            applied = self.admit_update(norm[1], workers, step, loss_scale=loss_scale, decided=decided)
+            applied = self.admit_update(norm[1], workers, step, loss_scale=loss_scale, decided=decided, checked=True)
             if applied:
                 self.update_range(span[0], span[1], grads, None, norm[0], divisor, step=step, loss_scale=loss_scale,
                                   first=span[0])

@@ -2374,6 +2374,20 @@ def test_a_bad_setting_in_async_is_raised_as_itself(rng, setting):
         assert engine.version == 2 == engine.stats()["applied_updates"]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_async_push_checks_its_update_once(rng, monkeypatch, workers):
+    """A push asks Engine.check_update once, under the mutex, before it counts (a refreshed one too): it was asked
+    again when the update was admitted, with no user code in between (~5-20 us a push)."""
+    calls = []
+    check = Engine.check_update
+    monkeypatch.setattr(Engine, "check_update", lambda self, step: calls.append(step) or check(self, step))
+    with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode="async", optimizer=AdamW(**OPT), pin=False,
+                max_staleness=0) as engine:
+        engine.fit(make_batches(rng, 7, 8))
+        stats = engine.stats()
+    assert stats["pushes"] == 7 and len(calls) == stats["pushes"] + stats["refreshes"], (stats, calls)
+
+
 def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng, python_sigint):
     """A second Ctrl-C while fit waits for the workers to finish their pushes (after the first): fit raises with
     workers still running, so the engine refuses more work as after a second Ctrl-C inside a step (it accepted a new
