@@ -442,12 +442,12 @@ class HostStore:
         pull sends the replicas' dtype]). A writer that forgets leaves the replicas on the old weights with nothing
         to show for it but the loss: the tests pull after each such write and compare the replicas with the master
         weights rounded. No-op without a shadow."""
-        if self.shadow is None:
-            return
         hi = self.numel if hi is None else hi
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= self.numel):
             raise IndexError(f"HostStore.refresh_shadow: expected ints 0 <= lo <= hi <= {self.numel}; got ({lo!r}, "
-                             f"{hi!r})")
+                             f"{hi!r})")  # checked without a shadow too: a caller's bad range shows on every store
+        if self.shadow is None:
+            return
         self.shadow[lo:hi].copy_(self.param[lo:hi])
 
     @torch.no_grad()

@@ -12,6 +12,7 @@ csrc/store/transfer.h for the ordering rules.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import numbers
 import operator
@@ -516,11 +517,8 @@ class GradientStreamer:
 
     def _check_bucket(self, k, what: str) -> int:
         """``k`` as a bucket index (an int, or numpy's, in [0, len(buckets))), or an IndexError naming ``what``."""
-        try:
-            index = None if isinstance(k, bool) else operator.index(k)
-        except TypeError:
-            index = None
-        if index is None or not 0 <= index < len(self.buckets):
+        index = _bucket_index(k, len(self.buckets))
+        if index is None:
             raise IndexError(f"GradientStreamer.{what}: bucket must be an int in [0, {len(self.buckets)}); got "
                              f"{type(k).__name__} {k!r}")
         return index
@@ -542,10 +540,12 @@ class GradientStreamer:
         self._check_open("copy_back")
         source = self._source(source)
         buckets = range(len(self.buckets)) if buckets is None else list(buckets)
-        bad = [k for k in buckets if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(self.buckets)]
+        indices = [_bucket_index(k, len(self.buckets)) for k in buckets]
+        bad = [k for k, index in zip(buckets, indices) if index is None]
         if bad:  # checked before any copy starts
             raise ValueError(f"GradientStreamer.copy_back: buckets must be indices in [0, {len(self.buckets)}); "
                              f"got {bad}")
+        buckets = indices  # numpy's ints as ints, as wait() takes them
         destinations = self._destinations(buckets)  # every bucket checked before the first is released or copied
         for k in buckets:
             self._copy_back_bucket(k, source, destinations[k])
@@ -697,6 +697,9 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
 
     Returns the norm of the mean gradient when clipping, else None.
     """
+    if isinstance(streamers, GradientStreamer) or not isinstance(streamers, collections.abc.Iterable):
+        raise TypeError(f"pipelined_update: streamers must be a list of GradientStreamers (one per worker); got "
+                        f"{type(streamers).__name__} (one streamer: pass [streamer])")
     streamers = list(streamers)
     _check_streamers(streamers, store)
     resets = [s._resets for s in streamers]  # a reset from now on: a failed step (_wait_delivered)
@@ -774,6 +777,15 @@ def _wait_delivered(streamers: list[GradientStreamer], resets: list[int], k: int
                 f"delivered; " + (f"buckets 0..{updated - 1} were updated and copied back already and stay so"
                                   if updated else "no bucket was updated")
                 + "; reset the other workers' streamers once their backward passes have ended")
+
+
+def _bucket_index(k, count: int) -> int | None:
+    """``k`` as an index in [0, count) (an int or numpy's; not a bool), or None."""
+    try:
+        index = None if isinstance(k, bool) else operator.index(k)
+    except TypeError:
+        return None
+    return index if index is not None and 0 <= index < count else None
 
 
 def _check_streamers(streamers: list[GradientStreamer], store: HostStore) -> None:

@@ -211,6 +211,8 @@ def test_refresh_shadow_rewrites_the_range_it_is_given():
     plain = make(OddNet(sizes=[5]))
     plain.refresh_shadow()  # no shadow: nothing to do
     assert plain.shadow is None
+    with pytest.raises(IndexError, match="refresh_shadow"):  # a bad range is refused there too (it returned)
+        plain.refresh_shadow(5, 2)
     with pytest.raises(ValueError, match="shadow_dtype must be None, 'auto' or one of"):
         make(OddNet(sizes=[5]), shadow_dtype="bfloat16")
 

@@ -11,6 +11,7 @@ import time
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -995,6 +996,9 @@ def test_pipelined_update_argument_errors():
         pyengine.pipelined_update([a], store, 1, lr=1e-3, betas=(0.9, 0.99, 0.1))
     with pytest.raises(TypeError, match="streamers must be GradientStreamers; got Net"):  # an AttributeError
         pyengine.pipelined_update([model], store, 1, lr=1e-3)
+    with pytest.raises(TypeError, match=r"streamers must be a list of .*; got GradientStreamer \(one streamer: "
+                                        r"pass \[streamer\]\)"):  # "'GradientStreamer' object is not iterable"
+        pyengine.pipelined_update(a, store, 1, lr=1e-3)
     with pytest.raises(TypeError, match="store must be a HostStore; got Net"):
         pyengine.pipelined_update([a], model, 1, lr=1e-3)
     with pytest.raises(TypeError, match="copy_back must be True or False; got 'no'"):  # "no" copied back
@@ -1027,6 +1031,8 @@ def test_pipelined_update_argument_errors():
     assert not a._transfer.wait(1, 0, True, 0.0), "a refused copy_back launched bucket 0's weights"
     a.copy_back(buckets=[0])  # a valid call still works after the refusals
     a.wait_weights(0)
+    a.copy_back(buckets=[np.int64(0)])  # numpy's ints, as wait() takes them (refused as "not indices")
+    a.wait_weights(np.int64(0))
     c = pyengine.GradientStreamer(copy.deepcopy(model), store, worker=1, bucket_mb=TINY, first_bucket_mb=TINY)
     with pytest.raises(ValueError, match="same buckets"):
         pyengine.pipelined_update([a, c], store, 1, lr=1e-3)
