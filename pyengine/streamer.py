@@ -517,7 +517,7 @@ class GradientStreamer:
 
     def _check_bucket(self, k, what: str) -> int:
         """``k`` as a bucket index (an int, or numpy's, in [0, len(buckets))), or an IndexError naming ``what``."""
-        index = _bucket_index(k, len(self.buckets))
+        index = _index_in(k, len(self.buckets))
         if index is None:
             raise IndexError(f"GradientStreamer.{what}: bucket must be an int in [0, {len(self.buckets)}); got "
                              f"{type(k).__name__} {k!r}")
@@ -540,7 +540,7 @@ class GradientStreamer:
         self._check_open("copy_back")
         source = self._source(source)
         buckets = range(len(self.buckets)) if buckets is None else list(buckets)
-        indices = [_bucket_index(k, len(self.buckets)) for k in buckets]
+        indices = [_index_in(k, len(self.buckets)) for k in buckets]
         bad = [k for k, index in zip(buckets, indices) if index is None]
         if bad:  # checked before any copy starts
             raise ValueError(f"GradientStreamer.copy_back: buckets must be indices in [0, {len(self.buckets)}); "
@@ -664,6 +664,12 @@ class GradientStreamer:
     def __del__(self) -> None:
         self.close()
 
+    @property
+    def resets(self) -> int:
+        """How many times :meth:`reset` ran (``backward_pass`` resets a backward that raised): read before a step's
+        workers start, the ``since`` of :func:`pipelined_update`."""
+        return self._resets
+
     def __repr__(self) -> str:
         return (f"GradientStreamer(worker={self.worker}, device={self.device}, buckets={len(self.buckets)}, "
                 f"unused={self.unused!r})")
@@ -672,7 +678,7 @@ class GradientStreamer:
 def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, step: int, lr: float,
                      betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, adamw: bool = True,
                      amsgrad: bool = False, maximize: bool = False, weights=None, grad_scale=None, found_inf=None,
-                     max_grad_norm=None, copy_back: bool = True):
+                     max_grad_norm=None, copy_back: bool = True, since: Sequence[int] | None = None):
     """One optimizer step over the store, bucket by bucket, overlapped with the transfers.
 
     For bucket k in order: wait until every streamer delivered bucket k (their backward passes may still run), wait
@@ -694,6 +700,10 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
     while this waits for its buckets makes this raise ``RuntimeError`` instead of waiting for good, or for the next
     step's gradients: the error names the buckets already updated (and copied back), which stay so: an update
     applied bucket by bucket cannot be taken back (the engine defers its updates until every worker succeeded).
+    A reset counts from ``since``: each streamer's :attr:`~GradientStreamer.resets` in the order of ``streamers``
+    (default: read by this call). Pass them, read before the step's workers started, when a worker runs on a thread
+    of its own: one that fails before this call is reached was reset already, and without ``since`` this waited
+    for good for its buckets.
 
     Returns the norm of the mean gradient when clipping, else None.
     """
@@ -702,7 +712,7 @@ def pipelined_update(streamers: Sequence[GradientStreamer], store: HostStore, st
                         f"{type(streamers).__name__} (one streamer: pass [streamer])")
     streamers = list(streamers)
     _check_streamers(streamers, store)
-    resets = [s._resets for s in streamers]  # a reset from now on: a failed step (_wait_delivered)
+    resets = _check_since(since, streamers)  # a reset from then on: a failed step (_wait_delivered)
     if store.state_ranges is not None:  # its Adam state is packed: bucket offsets do not index it
         raise ValueError("pipelined_update: the store holds the Adam state of some ranges only (state_ranges, a "
                          "sharded update's store); pipelined_update updates whole stores")
@@ -779,13 +789,28 @@ def _wait_delivered(streamers: list[GradientStreamer], resets: list[int], k: int
                 + "; reset the other workers' streamers once their backward passes have ended")
 
 
-def _bucket_index(k, count: int) -> int | None:
+def _index_in(k, count: int) -> int | None:
     """``k`` as an index in [0, count) (an int or numpy's; not a bool), or None."""
     try:
         index = None if isinstance(k, bool) else operator.index(k)
     except TypeError:
         return None
     return index if index is not None and 0 <= index < count else None
+
+
+def _check_since(since, streamers: list[GradientStreamer]) -> list[int]:
+    """pipelined_update's ``since`` as a list of ints, one per streamer, none beyond its streamer's count."""
+    if since is None:
+        return [s._resets for s in streamers]
+    if isinstance(since, (str, bytes)) or not isinstance(since, collections.abc.Iterable):
+        raise TypeError(f"pipelined_update: since must be a list of ints (each streamer's resets); got "
+                        f"{type(since).__name__}")
+    since = list(since)
+    counts = [_index_in(v, s._resets + 1) for v, s in zip(since, streamers)]
+    if len(since) != len(streamers) or None in counts:
+        raise ValueError(f"pipelined_update: since must hold each streamer's resets as read before the step (ints, "
+                         f"at most {[s._resets for s in streamers]} now); got {since!r}")
+    return counts
 
 
 def _check_streamers(streamers: list[GradientStreamer], store: HostStore) -> None:

@@ -2,6 +2,7 @@
 
 Every comparison is bit for bit: slots against param.grad, the pipelined update against one update over the whole
 store after all gradients arrived, replicas against the store after the copy back."""
+import contextlib
 import copy
 import gc
 import json
@@ -1312,6 +1313,43 @@ def test_pipelined_update_raises_when_a_workers_step_fails(monkeypatch):
     pyengine.ops.mean_grad_adamw_(*left, [store.grad_slot(0).clone()], lr=1e-2, step=2)
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), left, (store.param, store.exp_avg, store.exp_avg_sq)):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_pipelined_update_since_sees_a_failure_before_the_call():
+    """A worker on its own thread whose backward failed (and was reset) before the host reached pipelined_update:
+    the reset was counted from the call, so the update waited for good for that worker's buckets. With ``since``
+    (the streamers' resets read before the workers started) it raises at once and updates nothing; bad values of
+    ``since`` are refused by name."""
+    model = Net()
+    store = pyengine.HostStore(model, workers=2, pin=False)
+    replicas = [copy.deepcopy(model) for _ in range(2)]
+    streamers = [pyengine.GradientStreamer(r, store, worker=g) for g, r in enumerate(replicas)]
+    for bad, error in ((5, TypeError), ([0], ValueError), ([0, 1], ValueError), ([0, -1], ValueError),
+                       ([0, True], ValueError)):
+        with pytest.raises(error, match="pipelined_update: since must"):
+            pyengine.pipelined_update(streamers, store, step=1, lr=1e-3, since=bad)
+    since = [s.resets for s in streamers]
+    before = store.param.clone()
+
+    def work(g):
+        loss = replicas[g](batch()).pow(2).mean()
+        with contextlib.suppress(RuntimeError), streamers[g].backward_pass(loss):
+            if g == 1:
+                raise RuntimeError("worker 1 failed on purpose")
+            loss.backward()
+
+    threads = [threading.Thread(target=work, args=(g,)) for g in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s.resets for s in streamers] == [since[0], since[1] + 1]  # backward_pass reset the failed one
+    with pytest.raises(RuntimeError, match=r"worker 1's step failed .* no bucket was updated"):
+        pyengine.pipelined_update(streamers, store, step=1, lr=1e-3, since=since)
+    assert torch.equal(store.param, before)
+    for s in streamers:
+        s.close()
 
 
 def test_two_streamers_cannot_write_one_slot_and_a_closed_or_dropped_one_gives_it_back():
