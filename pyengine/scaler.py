@@ -27,6 +27,7 @@ import copy
 import math
 import numbers
 import struct
+import warnings
 
 import torch
 
@@ -177,13 +178,22 @@ class LossScaler:
 
     def load_state_dict(self, sd: dict | None) -> None:
         """Restores :meth:`state_dict`; None (a state saved without loss scaling) starts afresh (:meth:`reset`). A
-        static scaler keeps its own scale: the scale is its configuration."""
+        static scaler keeps its own scale: the scale is its configuration. A saved scale below this scaler's
+        ``min_scale`` (saved with a lower one) starts at ``min_scale``, with a warning: below its floor, the first
+        overflow "backed off" to ``min_scale``, up, and left the step to ``nonfinite``."""
         if sd is None:
             self.reset()
             return
         self.check_state_dict(sd)
-        if self.dynamic:
-            self.scale, self.growth_tracker = _f32(sd["scale"]), sd["growth_tracker"]
+        if not self.dynamic:
+            return
+        scale, tracker = _f32(sd["scale"]), sd["growth_tracker"]
+        if scale < self.min_scale:
+            warnings.warn(f"LossScaler.load_state_dict: the state's loss scale {scale} is below this scaler's "
+                          f"min_scale {self.min_scale} (it was saved with a lower one): the scale starts at "
+                          f"{self.min_scale}", RuntimeWarning, stacklevel=2)
+            scale, tracker = self.min_scale, 0
+        self.scale, self.growth_tracker = scale, tracker
 
 
 def make_scaler(loss_scale, autocast) -> LossScaler | None:

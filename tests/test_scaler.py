@@ -156,6 +156,19 @@ def test_growth_stays_in_float32_and_a_loaded_tracker_past_the_interval_grows():
     assert s.scale == 8.0 and s.growth_tracker == 0
 
 
+def test_a_loaded_scale_below_min_scale_starts_at_min_scale():
+    """A state saved with a lower min_scale: its scale was taken below this scaler's floor, and the first overflow
+    "backed off" to min_scale, 512x up, leaving the step to the engine's nonfinite policy."""
+    s = LossScaler(init_scale=4096.0, min_scale=1024.0)
+    with pytest.warns(RuntimeWarning, match=r"loss scale 2.0 is below this scaler's min_scale 1024.0 .* starts at "
+                                            r"1024.0"):
+        s.load_state_dict({"scale": 2.0, "growth_tracker": 7})
+    assert s.scale == 1024.0 and s.growth_tracker == 0
+    s.load_state_dict({"scale": 2048.0, "growth_tracker": 3})  # at or above the floor: as saved, without a word
+    assert s.scale == 2048.0 and s.growth_tracker == 3
+    assert s.overflow(2048.0) and s.scale == 1024.0
+
+
 # ---- the engine against the reference ----
 
 def split(batch, parts):
