@@ -30,7 +30,10 @@ def hybrid_step(engine, batch) -> dict:
     scale = engine.loss_scale_now()  # Note [Loss scaling]: the scale this step computes and divides by
 
     # before any work: a shard too small for the micro-batches is refused here
-    parts = [split_microbatches(s, engine.microbatches, f"worker {g}'s shard") for g, s in enumerate(shards)]
+    whole = "" if min(sizes) >= engine.microbatches else (  # the error's hint, formatted only for it
+        f" (a batch of at least {len(shards) * engine.microbatches} samples gives each of the {len(shards)} workers "
+        f"a shard of {engine.microbatches} or more)")
+    parts = [split_microbatches(s, engine.microbatches, f"worker {g}'s shard", whole) for g, s in enumerate(shards)]
 
     def task(worker, part):
         def run():

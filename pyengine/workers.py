@@ -122,15 +122,16 @@ def _own_counter(shard: torch.Tensor) -> torch.Tensor:
     return shard if shard.requires_grad else shard.data
 
 
-def split_microbatches(batch, parts: int, what: str = "a batch") -> tuple[list, list[float] | None]:
-    """``batch`` (``what``, for the error) as ``parts`` micro-batches and the weight of each one's mean loss in the
-    batch's mean (its share of the samples; None for one part, whose loss is the batch's own)."""
+def split_microbatches(batch, parts: int, what: str = "a batch", hint: str = "") -> tuple[list, list[float] | None]:
+    """``batch`` (``what``, for the error, followed by ``hint``) as ``parts`` micro-batches and the weight of each
+    one's mean loss in the batch's mean (its share of the samples; None for one part, whose loss is the batch's
+    own)."""
     if parts == 1:
         return [batch], None
     n = batch_size(batch)
     if n < parts:
         raise ValueError(f"{what} of {n} samples cannot be split into microbatches={parts}; use at least {parts} "
-                         "samples there")
+                         f"samples there{hint}")
     chunks = split_batch(batch, parts)
     return chunks, [batch_size(c) / n for c in chunks]
 

@@ -253,7 +253,9 @@ def test_microbatches_bad_values_and_a_shard_too_small(rng):
         with pytest.raises(ValueError, match=message):
             Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, microbatches=value)
     with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), microbatches=4) as engine:
-        with pytest.raises(ValueError, match=r"worker 1's shard of 3 samples cannot be split into microbatches=4"):
+        with pytest.raises(ValueError, match=r"worker 1's shard of 3 samples cannot be split into microbatches=4; "
+                                             r"use at least 4 samples there \(a batch of at least 8 samples gives "
+                                             r"each of the 2 workers a shard of 4 or more\)"):
             engine.step(make_batches(rng, 1, 7)[0])
         assert engine.version == 0 and engine.stats()["steps"] == 0
         assert engine.step(make_batches(rng, 1, 8)[0])["applied"] and engine.version == 1
