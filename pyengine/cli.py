@@ -30,6 +30,8 @@ import time
 import warnings
 from pathlib import Path
 
+from .files import replace_file
+
 __all__ = ["main", "build_parser", "UsageError"]
 
 PROG = "pyengine train"
@@ -768,17 +770,13 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
-    """Replaces ``path`` atomically (temporary file, fsync, rename): a crash leaves the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    """Replaces ``path`` atomically (:func:`pyengine.files.replace_file`): a crash leaves the old file or the new
+    one."""
+    def write(tmp: Path) -> None:
         with open(tmp, "w") as f:
             f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # as pyengine.checkpoint.save does: no half file left beside the old one
-        raise
+
+    replace_file(path, write)
 
 
 def _saved_config(cfg: dict) -> dict:
@@ -1125,7 +1123,12 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         if cfg["trace"] is not None and not primary:
             print(f"note: --trace is written by rank 0 only; rank {_launched()[0]} writes none", file=sys.stderr)
         if trace is not None:
-            engine.trace(trace)
+            try:
+                engine.trace(trace)
+            except OSError as exc:  # a diagnostic: the run and its checkpoint stand (and the old trace, if any)
+                print(f"pyengine train: warning: the trace could not be written to {trace} ({type(exc).__name__}: "
+                      f"{exc}); the run is saved in {path}", file=sys.stderr)
+                trace = None
 
         final_model = models.build(cfg["model"], dataset, seed, cfg["hidden"])
         engine.copy_to(models.as_layers(final_model) if pipeline else final_model)

@@ -7,10 +7,10 @@ pyplot's backend and open figures are left alone).
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 from matplotlib.figure import Figure
+
+from .files import replace_file
 
 __all__ = ["plot_loss", "plot_compare", "compare_figure", "mode_colors"]
 
@@ -41,18 +41,9 @@ def _smooth(values, window: int):
 
 
 def _save(fig, path) -> None:
-    """Writes the figure atomically (a temporary file, fsync, rename), as the run's other files: a kill during the
-    write (a resume redraws the plot) left a truncated PNG in place of the good one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the suffix tells savefig the format
-    try:
-        fig.savefig(tmp, dpi=110)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Writes the figure atomically (:func:`pyengine.files.replace_file`), as the run's other files: a kill during
+    the write (a resume redraws the plot) left a truncated PNG in place of the good one."""
+    replace_file(path, lambda tmp: fig.savefig(tmp, dpi=110))
 
 
 def _series(records):

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from .files import replace_file
+
 __all__ = ["PhaseRecorder"]
 
 
@@ -62,5 +64,9 @@ class PhaseRecorder:
         names = {tid: who for who, _, tid, _, _ in spans}
         events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": who}}
                    for tid, who in sorted(names.items())]
-        with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+        def write(tmp) -> None:
+            with open(tmp, "w") as f:
+                json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+        replace_file(path, write)  # a resume rewrites it: a failed write (a full disk) left a truncated trace

@@ -424,6 +424,22 @@ def test_a_relative_trace_path_is_written_to_the_same_place_by_a_resume_from_els
     assert (first / "t.json").exists() and not (other / "t.json").exists()
 
 
+def test_a_trace_that_cannot_be_written_leaves_the_run_complete(tmp_path, capsys, monkeypatch):
+    """The trace is written after the run's last checkpoint: its failure (a full disk) ended a run whose training
+    was saved as "training failed", with no evaluation and no summary. It is a warning; the run completes."""
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pyengine.Engine, "trace", full_disk)
+    run = tmp_path / "run"
+    assert train("--steps", "2", "--out", str(run), "--trace", str(tmp_path / "t.json"), "--quiet", *SHORT) == 0
+    err = capsys.readouterr().err
+    assert "warning: the trace could not be written to" in err and "No space left on device" in err, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["trace"] is None and summary["test_accuracy"] is not None
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_a_copied_or_moved_run_writes_its_trace_in_its_own_folder_and_no_other_runs(tmp_path, capsys):
     """Note [Where a resumed run writes its trace]: a checkpoint copied into a new run directory (as the message
     about set-aside checkpoints suggests) wrote the trace into the first run's folder, over its trace.json; a

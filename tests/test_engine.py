@@ -2608,6 +2608,27 @@ def test_metrics_trace_and_unused_parameters(rng, tmp_path):
     assert any(e.get("name") == "update" for e in events)
 
 
+def test_a_trace_whose_write_fails_leaves_the_previous_one(rng, tmp_path, monkeypatch):
+    """The trace was written in place: a write that failed half way (a full disk) left a truncated file where a
+    good trace was (a resume rewrites it). It is replaced atomically, and nothing is left beside it."""
+    path = tmp_path / "trace.json"
+    with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT), pin=False) as engine:
+        engine.fit(make_batches(rng, 2, 8))
+        engine.trace(path)
+        good = path.read_bytes()
+        engine.fit(make_batches(rng, 2, 8))
+
+        def full_disk(obj, f):
+            f.write(json.dumps(obj)[:100])
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(json, "dump", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            engine.trace(path)
+    assert path.read_bytes() == good and json.loads(good)["traceEvents"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
 def test_copy_back_is_measured(rng, mode):
     """copy_back_s: the seconds a worker waited for the updated weights before computing (hybrid, sync: the copy

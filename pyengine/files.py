@@ -1,0 +1,31 @@
+"""Writing a run's files so that a crash, a kill or a full disk leaves the old file or the new one, never a half.
+
+A resume rewrites its run's files (metrics, summary, plots, the Chrome trace) over the previous good ones, so each
+is written to a temporary file beside it, fsynced and renamed over it (:func:`replace_file`). Checkpoints have a
+writer of their own (:func:`pyengine.checkpoint.save`: unique temporary names for concurrent savers, the folder
+fsynced too).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["replace_file"]
+
+
+def replace_file(path, write: Callable[[Path], None]) -> None:
+    """Replaces the file ``path`` atomically: ``write(tmp)`` writes the new contents to ``tmp``, a temporary file in
+    the same folder (``.<stem>.tmp<suffix>``: the suffix tells writers such as matplotlib's savefig the format),
+    which is then fsynced and renamed over ``path``. If anything fails the temporary file is removed and ``path``
+    is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
