@@ -817,18 +817,24 @@ def _set_aside_later(out: Path, step: int) -> Path | None:
 
 
 def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
+    """The records of ``path`` (metrics.jsonl) up to step ``upto``, up to the first line that is not one: a line
+    cut by a crash, or one that is no record (not UTF-8, not a JSON object with an int ``step``: a resume stopped
+    there with a traceback, an AttributeError or a TypeError, as "training failed")."""
     records = []
     if path.exists():
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
+        with open(path, "rb") as f:
+            for raw in f:
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by a crash: everything after it is redone
-                if upto is not None and rec.get("step", 0) > upto:
+                    line = raw.decode().strip()
+                    rec = json.loads(line) if line else None
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    break  # everything after it is redone
+                if rec is None:
+                    continue
+                step = rec.get("step") if isinstance(rec, dict) else None
+                if isinstance(step, bool) or not isinstance(step, int):
+                    break
+                if upto is not None and step > upto:
                     break
                 records.append(rec)
     return records

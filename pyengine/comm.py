@@ -444,6 +444,8 @@ def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *
     object API): pyplot's backend and open figures are left as they were."""
     from matplotlib.figure import Figure
 
+    from .files import replace_file
+
     check_plot_path(path, "plot_efficiency: path")
     node_counts = _node_counts(node_counts)  # drawn twice (curves, x axis): a generator would be spent after one
     curves = efficiency_curve(node_counts, params, grad_bytes, network, compute_s, servers=servers, overlap=overlap)
@@ -460,5 +462,5 @@ def plot_efficiency(path, node_counts, params, grad_bytes, network, compute_s, *
     ax.grid(True, alpha=0.3)
     ax.legend()
     ax.set_title(title or "gradient exchange: alpha-beta model")
-    fig.savefig(path, dpi=120)
+    replace_file(path, lambda tmp: fig.savefig(tmp, dpi=120))  # atomically, as the run's other files
     return curves

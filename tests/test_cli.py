@@ -353,6 +353,23 @@ def test_resume_after_a_crash_from_the_newest_checkpoint_forks_nothing(tmp_path,
     assert steps == [1, 2, 3, 4] and master(run)["version"] == 4
 
 
+@pytest.mark.parametrize("bad", [b"[1, 2]\n", b'{"step": "x"}\n', b'{"loss": 1.0}\n', b"\xff\xfe\n"])
+def test_resume_stops_reading_metrics_at_a_line_that_is_no_record(tmp_path, capsys, bad):
+    """A line of metrics.jsonl that parses but is no record (a list, a step that is no int, no step) or is not
+    UTF-8 stopped the resume as "training failed" (AttributeError, TypeError, UnicodeDecodeError). It is read as a
+    line cut by a crash: the records before it are kept, the steps after it are redone and logged once."""
+    run = tmp_path / "run"
+    assert train("--steps", "4", "--out", str(run), "--quiet", "--checkpoint-every", "2", *SHORT) == 0
+    for n in (3, 4):
+        ckpt.path_for(run / "checkpoints", n).unlink(missing_ok=True)  # the run died after checkpoint 2
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_bytes(b"".join(lines[:2]) + bad + b"".join(lines[2:]))
+    capsys.readouterr()
+    assert train("--resume", str(run), "--quiet") == 0, capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4] and master(run)["version"] == 4
+
+
 def test_async_resume_applies_every_batch_once_when_pushes_land_out_of_order(tmp_path, monkeypatch):
     """Note [Which batches an async checkpoint holds]: the worker computing batch 0 is slow, so push 1 applies batch
     1 while batch 0 is in flight. The checkpoint after push 1 holds batch 1 only: a resume from it computes batch 0
