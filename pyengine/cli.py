@@ -1498,7 +1498,10 @@ def _summarise(summary: dict) -> str:
     acc, loss = summary["test_accuracy"], summary["final_loss"]
     workers = _plural(summary["workers"], "worker")
     where = workers if summary.get("processes", 1) == 1 else f"{_plural(summary['processes'], 'process')} x {workers}"
-    return (f"[{summary['mode']}] {summary['steps']} steps on {where}: "
+    skipped = (summary.get("engine_stats") or {}).get("skipped_steps") or 0  # a run of skipped steps read as trained
+    steps = f"{summary['steps']} steps ({skipped} skipped: non-finite gradients)" if skipped else \
+        f"{summary['steps']} steps"
+    return (f"[{summary['mode']}] {steps} on {where}: "
             f"{summary['samples_per_s']:,.0f} samples/s, final loss "
             f"{'nan (diverged)' if summary.get('diverged') else 'n/a' if loss is None else format(loss, '.4g')}, "
             f"test accuracy {acc:.2%} ({summary['wall_s']:.1f} s)")

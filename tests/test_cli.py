@@ -1097,6 +1097,8 @@ def test_summary_line_formats():
                                    "accuracy 97.50% (2.0 s)")
     summary.update(workers=2, processes=2, final_loss=0.25)
     assert "on 2 processes x 2 workers: " in _summarise(summary) and "final loss 0.25," in _summarise(summary)
+    summary.update(engine_stats=dict(skipped_steps=3))  # every step skipped read as a run that trained
+    assert _summarise(summary).startswith("[hybrid] 3 steps (3 skipped: non-finite gradients) on 2 processes")
 
 
 def test_resume_is_quiet_only_when_asked(tmp_path, capsys):
