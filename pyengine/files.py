@@ -18,8 +18,8 @@ def replace_file(path, write: Callable[[Path], None]) -> None:
     """Replaces the file ``path`` atomically: ``write(tmp)`` writes the new contents to ``tmp``, a temporary file in
     the same folder (``.<stem>.tmp<suffix>``: the suffix tells writers such as matplotlib's savefig the format),
     which is then fsynced and renamed over ``path``. If anything fails the temporary file is removed and ``path``
-    is left as it was."""
-    path = Path(path)
+    is left as it was. ``path``: a str, bytes or path-like."""
+    path = Path(os.fsdecode(path))
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
         write(tmp)

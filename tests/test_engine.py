@@ -2614,7 +2614,7 @@ def test_a_trace_whose_write_fails_leaves_the_previous_one(rng, tmp_path, monkey
     path = tmp_path / "trace.json"
     with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT), pin=False) as engine:
         engine.fit(make_batches(rng, 2, 8))
-        engine.trace(path)
+        engine.trace(bytes(path))  # a bytes path too, as open() takes it
         good = path.read_bytes()
         engine.fit(make_batches(rng, 2, 8))
 
