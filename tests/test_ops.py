@@ -362,6 +362,83 @@ def test_a_finite_gradient_whose_squares_overflow_float32_has_a_finite_norm(rng,
     assert ops.mean_grad_norm(grads).nonfinite.item() == 1.0
 
 
+def float32_mean_or_wide(grads):
+    """The mean gradient as Note [A finite mean whose float32 sum overflows] defines it, computed with torch: the
+    float32 sum (list order) times float32(1/G) where that sum is finite, else the float64 sum times the same
+    multiplier, rounded to float32 once."""
+    mult = torch.tensor(1 / len(grads), dtype=torch.float32)
+    narrow, wide = grads[0].float().clone(), grads[0].double().clone()
+    for g in grads[1:]:
+        narrow += g.float()
+        wide += g.double()
+    return torch.where(torch.isfinite(narrow), narrow * mult, (wide * mult.double()).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("workers", [2, 3, 5, 9])
+def test_a_finite_mean_whose_float32_sum_overflows_is_summed_again_in_float64(rng, device, dtype, workers):
+    """The G gradients are summed in float32 and divided by G after: finite gradients whose sum passes float32's
+    range gave an inf mean, and the update wrote NaN weights where torch.optim, on the mean, takes a finite step.
+    Such elements are summed again in float64: the update equals, bit for bit, the one-gradient update on the mean
+    computed by torch (float32 where its sum is finite, float64 rounded once where not), and the weights stay
+    finite. Elements in the first tile, across tile edges, in a long tile (G = 5 and 9 fp32 take two summation
+    passes), in the last partial tile; sums that overflow and cancel (mean 0); a NaN and an inf gradient element
+    still give NaN/inf as before."""
+    n = 40_003
+    grads = [on_grid(torch.randn(n, generator=rng)).to(dtype) for _ in range(workers)]
+    big = torch.tensor(3e38).to(dtype).item()
+    for k, g in enumerate(grads):
+        g[[3, 1023, 1024, 17_000, n - 1]] = big  # mean: big
+        g[2000] = big if k % 2 == 0 else -big  # partial sums overflow (G >= 3); an odd G's mean is big / G
+        g[2001] = -big if k < workers - 1 else big  # -big - big = -inf, then + big
+    grads[0][7] = float("nan")
+    grads[1][9] = float("inf")
+    p0 = on_grid(torch.randn(n, generator=rng))
+    mean = float32_mean_or_wide(grads)
+    assert not torch.isfinite(sum(g.float() for g in grads)[[3, 1024, n - 1]]).any(), "the sums must overflow"
+    assert torch.isfinite(mean[[3, 1024, 17_000, n - 1, 2000, 2001]]).all()
+    forms = [(False, True), (True, False), (True, True)] if device.type == "cpu" else [(False, None), (True, None)]
+    for amsgrad, prefetch in forms:  # the CPU's plain and prefetching loops (Note [Prefetching the streams])
+        fused, one = Ours(p0, device, amsgrad=amsgrad), Ours(p0, device, amsgrad=amsgrad)
+        outs = [torch.empty(n, dtype=torch.bfloat16, device=device) for _ in range(2)]
+        previous = ops._C._set_cpu_prefetch(prefetch) if prefetch is not None else None
+        try:
+            for step in range(2):
+                fused.step(grads, param_out=outs[0], **HYPER)
+                one.step([mean], param_out=outs[1], **HYPER)
+        finally:
+            if prefetch is not None:
+                ops._C._set_cpu_prefetch(previous)
+        for name, a, b in [("param", fused.p, one.p), ("exp_avg", fused.m, one.m), ("exp_avg_sq", fused.v, one.v),
+                           ("param_out", *outs)] + ([("max_exp_avg_sq", fused.vmax, one.vmax)] if amsgrad else []):
+            assert torch.equal(a.isnan(), b.isnan()), f"{name}: NaN elements differ"
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name} differs from the update on the mean"
+        finite = torch.ones(n, dtype=torch.bool)
+        finite[[7, 9]] = False
+        assert torch.isfinite(fused.p.cpu()[finite]).all() and torch.isnan(fused.p.cpu()[[7, 9]]).all()
+
+
+def test_clipping_a_finite_mean_whose_float32_sum_overflows_takes_torchs_step(rng, device):
+    """The clip norm of a mean whose float32 sum overflows is finite (it was flagged non-finite, so the step was
+    skipped); the clipped step is torch.optim's (float64, clip_grad_norm_ on the mean), and finite."""
+    n, workers = 5003, 3
+    grads = random_grads(rng, n, workers)
+    for g in grads:
+        g[11] = 2e38  # float32 sum inf, mean 2e38
+        g[4000] = 3e38
+    grads[2][4000] = -3e38  # float32 sum 3e38 + 3e38 = inf, then inf; mean 1e38. The norm, ~2.2e38, fits float32
+    hyper = dict(HYPER, weight_decay=0.0)
+    ref = Reference(on_grid(torch.randn(n, generator=rng)), **hyper)
+    ours = Ours(ref.p.detach(), device)
+    for _ in range(2):
+        expected_norm = ref.step(grads, max_grad_norm=1e10).item()
+        norm = ours.step(grads, max_grad_norm=1e10, **hyper)
+        assert norm.item() == pytest.approx(expected_norm, rel=1e-6)
+        assert torch.isfinite(ours.p).all() and torch.isfinite(ours.v).all()
+    check_state(ref, ours)
+    assert ops.mean_grad_norm([g.to(device) for g in grads]).nonfinite.item() == 0.0
+
+
 def test_the_norm_ops_refuse_gradients_of_another_shape(device):
     """The norm pairs elements by position, as the update does: a transposed gradient made contiguous paired the
     wrong elements without a word (2.050 for 1.643), where the update refuses it."""
@@ -700,17 +777,23 @@ def update_inputs(seed=None, n=100_003):
     gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.empty((), dtype=torch.int64)
                                                                           .random_().item()))
     p0 = torch.randn(n, generator=gen)
-    return p0, [random_grads(gen, n, 3, (torch.float32, torch.bfloat16, torch.float16)) for _ in range(3)]
+    steps = [random_grads(gen, n, 3, (torch.float32, torch.bfloat16, torch.float16)) for _ in range(4)]
+    for k in (0, 1):  # the last step's float32 sum passes float32's range at two elements, their mean does not
+        steps[-1][k][[5, n - 2]] = 3e38
+    return p0, steps
 
 
 def one_update(device, inputs):
+    """Three weighted steps, then an unweighted one whose float32 sum overflows at two elements (Note [A finite mean
+    whose float32 sum overflows]): the weights, moments, bf16 copy, and the norms of the last two steps."""
     p0, steps = inputs
     state = Ours(p0, device, amsgrad=True)
     out = torch.empty(p0.numel(), dtype=torch.bfloat16, device=device)
-    for grads in steps:
-        state.step(grads, param_out=out, weights=[0.2, 0.3, 0.5], **HYPER)
-    norm = ops.mean_grad_norm([g.to(device) for g in steps[-1]]).norm
-    return [state.p, state.m, state.v, state.vmax, out, norm]
+    for k, grads in enumerate(steps):
+        state.step(grads, param_out=out, weights=[0.2, 0.3, 0.5] if k < len(steps) - 1 else None, **HYPER)
+    norm = ops.mean_grad_norm([g.to(device) for g in steps[-2]]).norm
+    wide_norm = ops.mean_grad_norm([g.to(device) for g in steps[-1]]).norm
+    return [state.p, state.m, state.v, state.vmax, out, norm, wide_norm]
 
 
 def test_bit_reproducible_and_thread_count_independent(device):

@@ -141,13 +141,16 @@ constexpr bool kStaged<_Float16> = true;
 // acc[j0..j1) (=|+=) the R (1..8) gradients g0..g(R-1) of one storage type T (fp32: float, bf16: uint16_t; weights
 // w[0..R)) in one pass, in list order: acc = (((acc + w0 g0) + w1 g1) + ...) + w(R-1) g(R-1), each
 // product rounded, then each sum: the bits of adding one gradient at a time, however the list is cut into runs.
-// acc is read and written once per run, not R times. Pointers past R are unused.
-template <bool kFirst, int R, class T>
-inline void accumulate_range(const T* __restrict g0, const T* __restrict g1, const T* __restrict g2,
-                             const T* __restrict g3, const T* __restrict g4, const T* __restrict g5,
-                             const T* __restrict g6, const T* __restrict g7, const float* w, float* __restrict acc,
-                             int64_t j0, int64_t j1) {
+// acc is read and written once per run, not R times. Pointers past R are unused. Returns the largest exponent field
+// (bits & 0x7f800000) of the sums it wrote (kCheck, the last pass; else 0): all ones when one of them is not finite
+// (Note [A finite mean whose float32 sum overflows]).
+template <bool kFirst, bool kCheck, int R, class T>
+inline uint32_t accumulate_range(const T* __restrict g0, const T* __restrict g1, const T* __restrict g2,
+                                 const T* __restrict g3, const T* __restrict g4, const T* __restrict g5,
+                                 const T* __restrict g6, const T* __restrict g7, const float* w,
+                                 float* __restrict acc, int64_t j0, int64_t j1) {
   const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
+  uint32_t top = 0;
   for (int64_t j = j0; j < j1; ++j) {
     float x = kFirst ? load_grad(g0, j) * w0 : acc[j] + load_grad(g0, j) * w0;
     if constexpr (R > 1) x = x + load_grad(g1, j) * w1;
@@ -158,11 +161,20 @@ inline void accumulate_range(const T* __restrict g0, const T* __restrict g1, con
     if constexpr (R > 6) x = x + load_grad(g6, j) * w6;
     if constexpr (R > 7) x = x + load_grad(g7, j) * w7;
     acc[j] = x;
+    if constexpr (kCheck) {
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      const uint32_t e = bits & 0x7f800000u;
+      top = top > e ? top : e;
+    }
   }
+  return top;
 }
 
-template <bool kFirst, int R, bool kPrefetch, class T>
-void accumulate_run(const GradSource* g, int64_t begin, int64_t n, float* __restrict acc) {
+inline uint32_t max_u32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+template <bool kFirst, bool kCheck, int R, bool kPrefetch, class T>
+uint32_t accumulate_run(const GradSource* g, int64_t begin, int64_t n, float* __restrict acc) {
   const T* src[8];
   float w[8];
   for (int k = 0; k < 8; ++k) {
@@ -174,23 +186,28 @@ void accumulate_run(const GradSource* g, int64_t begin, int64_t n, float* __rest
     alignas(64) float stage[R][kPrefetchBlock];
     const float* staged[8];
     for (int k = 0; k < 8; ++k) staged[k] = stage[k < R ? k : 0];
+    uint32_t top = 0;
     for (int64_t j = 0; j < n; j += kPrefetchBlock) {
       const int64_t m = min_i64(kPrefetchBlock, n - j);
       for (int k = 0; k < R; ++k) {
         if constexpr (kPrefetch) prefetch_ahead<0>(src[k] + j);
         widen_fp16(reinterpret_cast<const uint16_t*>(src[k] + j), stage[k], m);
       }
-      accumulate_range<kFirst, R>(staged[0], staged[1], staged[2], staged[3], staged[4], staged[5], staged[6],
-                                  staged[7], w, acc + j, 0, m);
+      top = max_u32(top, accumulate_range<kFirst, kCheck, R>(staged[0], staged[1], staged[2], staged[3], staged[4],
+                                                             staged[5], staged[6], staged[7], w, acc + j, 0, m));
     }
+    return top;
   } else if constexpr (!kPrefetch) {
-    accumulate_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, 0, n);
+    return accumulate_range<kFirst, kCheck, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc,
+                                               0, n);
   } else {
+    uint32_t top = 0;
     for (int64_t j = 0; j < n; j += kPrefetchBlock) {
       for (int k = 0; k < R; ++k) prefetch_ahead<0>(src[k] + j);
-      accumulate_range<kFirst, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], w, acc, j,
-                                  min_i64(j + kPrefetchBlock, n));
+      top = max_u32(top, accumulate_range<kFirst, kCheck, R>(src[0], src[1], src[2], src[3], src[4], src[5], src[6],
+                                                             src[7], w, acc, j, min_i64(j + kPrefetchBlock, n)));
     }
+    return top;
   }
 }
 
@@ -200,45 +217,102 @@ void accumulate_run(const GradSource* g, int64_t begin, int64_t n, float* __rest
 template <bool kPrefetch>
 constexpr int kMaxGroup = kPrefetch ? 8 : 4;
 
-// Adds the r (1..kMaxGroup) gradients of storage type T at g into acc in one pass.
-template <bool kFirst, bool kPrefetch, class T>
-int accumulate_run_of(const GradSource* g, int r, int64_t begin, int64_t n, float* acc) {
+// Adds the r (1..kMaxGroup) gradients of storage type T at g into acc in one pass; *top: the largest exponent field
+// of the sums (accumulate_range).
+template <bool kFirst, bool kCheck, bool kPrefetch, class T>
+int accumulate_run_of_(const GradSource* g, int r, int64_t begin, int64_t n, float* acc, uint32_t* top) {
   if constexpr (kPrefetch) {
     switch (r) {
-      case 8: accumulate_run<kFirst, 8, kPrefetch, T>(g, begin, n, acc); return 8;
-      case 7: accumulate_run<kFirst, 7, kPrefetch, T>(g, begin, n, acc); return 7;
-      case 6: accumulate_run<kFirst, 6, kPrefetch, T>(g, begin, n, acc); return 6;
-      case 5: accumulate_run<kFirst, 5, kPrefetch, T>(g, begin, n, acc); return 5;
+      case 8: *top = accumulate_run<kFirst, kCheck, 8, kPrefetch, T>(g, begin, n, acc); return 8;
+      case 7: *top = accumulate_run<kFirst, kCheck, 7, kPrefetch, T>(g, begin, n, acc); return 7;
+      case 6: *top = accumulate_run<kFirst, kCheck, 6, kPrefetch, T>(g, begin, n, acc); return 6;
+      case 5: *top = accumulate_run<kFirst, kCheck, 5, kPrefetch, T>(g, begin, n, acc); return 5;
       default: break;
     }
   }
   switch (r) {
-    case 4: accumulate_run<kFirst, 4, kPrefetch, T>(g, begin, n, acc); return 4;
-    case 3: accumulate_run<kFirst, 3, kPrefetch, T>(g, begin, n, acc); return 3;
-    case 2: accumulate_run<kFirst, 2, kPrefetch, T>(g, begin, n, acc); return 2;
-    default: accumulate_run<kFirst, 1, kPrefetch, T>(g, begin, n, acc); return 1;
+    case 4: *top = accumulate_run<kFirst, kCheck, 4, kPrefetch, T>(g, begin, n, acc); return 4;
+    case 3: *top = accumulate_run<kFirst, kCheck, 3, kPrefetch, T>(g, begin, n, acc); return 3;
+    case 2: *top = accumulate_run<kFirst, kCheck, 2, kPrefetch, T>(g, begin, n, acc); return 2;
+    default: *top = accumulate_run<kFirst, kCheck, 1, kPrefetch, T>(g, begin, n, acc); return 1;
   }
+}
+
+// The last pass (r == left) takes the check: the sums of earlier passes need none (inf and NaN stay so).
+template <bool kFirst, bool kPrefetch, class T>
+int accumulate_run_of(const GradSource* g, int r, int left, int64_t begin, int64_t n, float* acc, uint32_t* top) {
+  return r == left ? accumulate_run_of_<kFirst, true, kPrefetch, T>(g, r, begin, n, acc, top)
+                   : accumulate_run_of_<kFirst, false, kPrefetch, T>(g, r, begin, n, acc, top);
 }
 
 // Adds the next group of gradients into acc: up to kMaxGroup consecutive ones of the same storage type in one pass
 // (hinted in the prefetching form). Returns how many it consumed.
 template <bool kFirst, bool kPrefetch>
-int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc) {
+int accumulate_group(const GradSource* g, int left, int64_t begin, int64_t n, float* acc, uint32_t* top) {
   const Dtype dtype = g[0].dtype;
   int r = 1;
   while (r < kMaxGroup<kPrefetch> && r < left && g[r].dtype == dtype) ++r;
   switch (dtype) {
-    case Dtype::kFloat32: return accumulate_run_of<kFirst, kPrefetch, float>(g, r, begin, n, acc);
-    case Dtype::kBFloat16: return accumulate_run_of<kFirst, kPrefetch, uint16_t>(g, r, begin, n, acc);
-    case Dtype::kFloat16: return accumulate_run_of<kFirst, kPrefetch, _Float16>(g, r, begin, n, acc);
+    case Dtype::kFloat32: return accumulate_run_of<kFirst, kPrefetch, float>(g, r, left, begin, n, acc, top);
+    case Dtype::kBFloat16: return accumulate_run_of<kFirst, kPrefetch, uint16_t>(g, r, left, begin, n, acc, top);
+    case Dtype::kFloat16: return accumulate_run_of<kFirst, kPrefetch, _Float16>(g, r, left, begin, n, acc, top);
   }
   __builtin_unreachable();
 }
 
+// acc[0..n) = the weighted sum of the gradients' elements begin..begin+n. Returns whether one of the sums is not
+// finite, from the last pass's exponent fields (a sum that was inf or NaN in an earlier pass stays so): taken in
+// the memory-bound summation loop, not in a pass of its own (Note [A finite mean whose float32 sum overflows]).
 template <bool kPrefetch>
-void sum_grads(const GradSource* grads, int num_grads, int64_t begin, int64_t n, float* acc) {
-  int k = accumulate_group<true, kPrefetch>(grads, num_grads, begin, n, acc);
-  while (k < num_grads) k += accumulate_group<false, kPrefetch>(grads + k, num_grads - k, begin, n, acc);
+bool sum_grads(const GradSource* grads, int num_grads, int64_t begin, int64_t n, float* acc) {
+  uint32_t top = 0;
+  int k = accumulate_group<true, kPrefetch>(grads, num_grads, begin, n, acc, &top);
+  while (k < num_grads) k += accumulate_group<false, kPrefetch>(grads + k, num_grads - k, begin, n, acc, &top);
+  return top == 0x7f800000u;
+}
+
+// Note [A finite mean whose float32 sum overflows]
+// The G gradients are summed in float32 and the sum is multiplied by 1/G (grad_mult) after it: finite gradients
+// whose sum passes float32's range (elements near 3.4e38 / G) gave an infinite sum and an inf/NaN update, where
+// torch.optim, on the mean itself, takes a finite step (and the norm flagged such a step non-finite: skipped or
+// raised for). So a tile whose sum holds an element that is not finite is finished by mean_or_wide(): every finite
+// sum is multiplied as the Adam loop would (the same bits), every other element is summed again in double from the
+// gradients, in the same order, and rounded to float32 once, after the multiplier: inf or NaN only where a gradient
+// element is, or where the mean itself is beyond float32. The Adam loop then takes the finished tile with a
+// multiplier of 1 (x * 1 is x). The check is the largest exponent field of the sums, taken in the summation loop
+// itself (a pass of its own over the tile's sum in L1 measured 0.92-0.95x at G = 4: the memory streams stalled
+// meanwhile); the second pass runs only where the first overflowed. The CUDA kernels do the same per element (cuda/kernels.cu).
+
+// A gradient element as a float, any storage type: the rare paths' scalar load.
+inline float grad_element(const GradSource& g, int64_t j) {
+  switch (g.dtype) {
+    case Dtype::kFloat32: return static_cast<const float*>(g.data)[j];
+    case Dtype::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(g.data)[j]);
+    case Dtype::kFloat16: {
+      _Float16 h;
+      std::memcpy(&h, static_cast<const uint16_t*>(g.data) + j, sizeof h);
+      return static_cast<float>(h);
+    }
+  }
+  __builtin_unreachable();
+}
+
+// acc[0..n) (the float32 sums of elements begin..begin+n) becomes the mean gradient: acc * mult where the sum is
+// finite, the sum redone in double and multiplied before one rounding where it is not (Note [A finite mean whose
+// float32 sum overflows]).
+inline void mean_or_wide(const GradSource* grads, int num_grads, float mult, int64_t begin, int64_t n,
+                         float* __restrict acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (__builtin_isfinite(acc[j])) {
+      acc[j] = acc[j] * mult;
+      continue;
+    }
+    double wide = static_cast<double>(grad_element(grads[0], begin + j)) * static_cast<double>(grads[0].weight);
+    for (int k = 1; k < num_grads; ++k) {
+      wide = wide + static_cast<double>(grad_element(grads[k], begin + j)) * static_cast<double>(grads[k].weight);
+    }
+    acc[j] = static_cast<float>(wide * static_cast<double>(mult));
+  }
 }
 
 template <bool kAdamW, bool kAmsgrad>
@@ -316,15 +390,20 @@ void update_tiles(const TensorBuffers& t, const UpdateScalars& s, int64_t begin,
   alignas(64) float acc[kT];
   // One fp32 gradient of weight 1 (G = 1, a plain mean): acc would be 1 * g = g bit for bit, so read g directly.
   const bool direct = t.num_grads == 1 && t.grads[0].dtype == Dtype::kFloat32 && t.grads[0].weight == 1.0f;
+  UpdateScalars finished = s;  // for a tile already multiplied by mean_or_wide()
+  finished.grad_mult = 1.0f;
   for (int64_t tile = begin; tile < end; tile += kT) {
     const int64_t n = min_i64(kT, end - tile);
     const float* g = acc;
+    const UpdateScalars* scalars = &s;
     if (direct) {
       g = static_cast<const float*>(t.grads[0].data) + tile;
-    } else {
-      sum_grads<kPrefetch>(t.grads, t.num_grads, tile, n, acc);
+    } else if (sum_grads<kPrefetch>(t.grads, t.num_grads, tile, n, acc)) [[unlikely]] {
+      // a sum that is not finite: Note [A finite mean whose float32 sum overflows]
+      mean_or_wide(t.grads, t.num_grads, s.grad_mult, tile, n, acc);
+      scalars = &finished;
     }
-    adam_tile<kAdamW, kAmsgrad, kPrefetch>(t, s, tile, n, g, direct);
+    adam_tile<kAdamW, kAmsgrad, kPrefetch>(t, *scalars, tile, n, g, direct);
     if (t.param_out != nullptr) write_param_out(t, tile, n);
   }
 }
@@ -390,8 +469,9 @@ double sum_squares(const GradSource* grads, int num_grads, float mult, int64_t b
   for (int64_t tile = begin; tile < end; tile += kTile) {
     const int64_t n = min_i64(kTile, end - tile);
     sum_grads<kPrefetch>(grads, num_grads, tile, n, acc);
+    mean_or_wide(grads, num_grads, mult, tile, n, acc);  // Note [A finite mean whose float32 sum overflows]
     for (int64_t j = 0; j < n; ++j) {
-      const double x = static_cast<double>(acc[j] * mult);
+      const double x = static_cast<double>(acc[j]);
       wide += x * x;
     }
   }

@@ -77,6 +77,23 @@ __device__ __forceinline__ void adamw(ElementState& e, float g, const UpdateScal
   e.p = e.p - s.step_size * (e.m / denom);
 }
 
+// Note [A finite mean whose float32 sum overflows] (csrc/cpu/kernel_isa.cpp): the mean gradient of element i from its
+// float32 sum acc: acc * mult where acc is finite (the common path, its bits unchanged), else the sum redone in double
+// from the gradients, in the same order, and multiplied before one rounding, as the CPU loops do.
+__device__ __forceinline__ float wide_mean(const void* const* grads, const Dtype* dtypes, const float* weight, int G,
+                                           int64_t i, float mult) {
+  double wide = static_cast<double>(load_grad(grads[0], dtypes[0], i)) * static_cast<double>(weight[0]);
+  for (int g = 1; g < G; ++g) {
+    wide = wide + static_cast<double>(load_grad(grads[g], dtypes[g], i)) * static_cast<double>(weight[g]);
+  }
+  return static_cast<float>(wide * static_cast<double>(mult));
+}
+
+__device__ __forceinline__ float mean_of(float acc, const void* const* grads, const Dtype* dtypes, const float* weight,
+                                         int G, int64_t i, float mult) {
+  return isfinite(acc) ? acc * mult : wide_mean(grads, dtypes, weight, G, i, mult);
+}
+
 // The multiplier of the summed gradient, or false if the step is to be skipped (found_inf, a grad_scale that is not
 // a positive finite number, a clip norm that is not a finite number >= 0).
 __device__ __forceinline__ bool grad_multiplier(const UpdateScalars& s, const DeviceScalars& d, float* mult) {
@@ -114,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) update_kernel(LaunchTable tab, Updat
     float acc = load_grad(grads[0], dtypes[0], i) * tab.weight[0];
     for (int g = 1; g < G; ++g) acc = acc + load_grad(grads[g], dtypes[g], i) * tab.weight[g];
     ElementState e{param[i], exp_avg[i], exp_avg_sq[i], kAmsgrad ? max_sq[i] : 0.0f};
-    adamw<kAdamW, kAmsgrad>(e, acc * mult, s);
+    adamw<kAdamW, kAmsgrad>(e, mean_of(acc, grads, dtypes, tab.weight, G, i, mult), s);
     param[i] = e.p;
     exp_avg[i] = e.m;
     exp_avg_sq[i] = e.v;
@@ -141,13 +158,15 @@ __global__ void __launch_bounds__(kThreads) update_kernel(LaunchTable tab, Updat
       acc[2] = acc[2] + x.z * w;
       acc[3] = acc[3] + x.w * w;
     }
+    // the means before the state is loaded: the rare double path then holds no state in registers
+    for (int k = 0; k < 4; ++k) acc[k] = mean_of(acc[k], grads, dtypes, tab.weight, G, i + k, mult);
     const float4 p4 = reinterpret_cast<const float4*>(param)[i / 4];
     const float4 m4 = reinterpret_cast<const float4*>(exp_avg)[i / 4];
     const float4 v4 = reinterpret_cast<const float4*>(exp_avg_sq)[i / 4];
     const float4 x4 = kAmsgrad ? reinterpret_cast<const float4*>(max_sq)[i / 4] : make_float4(0, 0, 0, 0);
     ElementState e[4] = {{p4.x, m4.x, v4.x, x4.x}, {p4.y, m4.y, v4.y, x4.y},
                          {p4.z, m4.z, v4.z, x4.z}, {p4.w, m4.w, v4.w, x4.w}};
-    for (int k = 0; k < 4; ++k) adamw<kAdamW, kAmsgrad>(e[k], acc[k] * mult, s);
+    for (int k = 0; k < 4; ++k) adamw<kAdamW, kAmsgrad>(e[k], acc[k], s);
     reinterpret_cast<float4*>(param)[i / 4] = make_float4(e[0].p, e[1].p, e[2].p, e[3].p);
     reinterpret_cast<float4*>(exp_avg)[i / 4] = make_float4(e[0].m, e[1].m, e[2].m, e[3].m);
     reinterpret_cast<float4*>(exp_avg_sq)[i / 4] = make_float4(e[0].v, e[1].v, e[2].v, e[3].v);
@@ -177,11 +196,11 @@ __device__ T block_sum(T x) {
 // The mean gradient's element i of tensor t, as the update sums it.
 __device__ __forceinline__ float mean_grad(const LaunchTable& tab, int t, int64_t i, float mult) {
   const int G = tab.num_workers;
-  float acc = load_grad(tab.grads[t * G], tab.grad_dtype[t * G], i) * tab.weight[0];
-  for (int g = 1; g < G; ++g) {
-    acc = acc + load_grad(tab.grads[t * G + g], tab.grad_dtype[t * G + g], i) * tab.weight[g];
-  }
-  return acc * mult;
+  const void* const* grads = tab.grads + t * G;
+  const Dtype* dtypes = tab.grad_dtype + t * G;
+  float acc = load_grad(grads[0], dtypes[0], i) * tab.weight[0];
+  for (int g = 1; g < G; ++g) acc = acc + load_grad(grads[g], dtypes[g], i) * tab.weight[g];
+  return mean_of(acc, grads, dtypes, tab.weight, G, i, mult);
 }
 
 // Note [A finite gradient's squares beyond float32] (csrc/cpu/kernel_isa.cpp): a block whose float32 sum of squares
