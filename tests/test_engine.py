@@ -217,6 +217,32 @@ def test_hybrid_with_clipping(rng, buckets, worker_device):
         assert_matches(engine, reference)
 
 
+def test_hybrid_clips_a_mean_gradient_whose_float32_sum_overflows(worker_device):
+    """Note [A finite mean whose float32 sum overflows] through the engine: each of 3 workers' gradient is 2e38, finite,
+    and so is their mean, but not their float32 sum. The step was skipped as non-finite; it is torch.optim's step on
+    the whole batch (clip_grad_norm_ of the mean, in float64)."""
+    def huge_loss(model, batch):
+        x, _ = batch
+        return model(x).mean() * 2e38  # d loss / d w = 2e38 for every weight (x is all ones), on any share of x
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False)  # norm of the mean gradient: 2e38 * sqrt(2), within float32
+    reference = copy.deepcopy(model).double()
+    opt = torch.optim.AdamW(reference.parameters(), foreach=False, **OPT)
+    batch = (torch.ones(6, 2), torch.zeros(6, dtype=torch.long))
+    with Engine(model, huge_loss, devices=[worker_device] * 3, optimizer=AdamW(**OPT, max_grad_norm=1.0),
+                nonfinite="skip") as engine:
+        for _ in range(3):
+            engine.step(batch)
+            opt.zero_grad()
+            huge_loss(reference, (batch[0].double(), None)).backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            opt.step()
+        assert engine.stats()["applied_updates"] == 3, engine.stats()
+        torch.testing.assert_close(engine.master_state_dict()["weight"].double(), reference.weight.detach(),
+                                   rtol=1e-5, atol=1e-6)
+
+
 # ---- micro-batches within a step (gradient accumulation) ----
 
 @pytest.mark.parametrize("mode,workers,batch", [("hybrid", 3, 37), ("sync", 2, 23)])
