@@ -152,7 +152,7 @@ class GradientStreamer:
         self._lock = threading.Lock()
         self._resets = 0  # reset() calls so far: pipelined_update's sign that a step it waits on failed
         self._accumulate = 1
-        self._no_sync = False
+        self._no_sync = 0  # how many no_sync() contexts are open (they nest, as DDP's)
         self._backward_count = 0
         self._in_backward = False
         self._sync = False
@@ -480,15 +480,18 @@ class GradientStreamer:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside this context only accumulate into ``param.grad``; the next one outside copies."""
+        """Backward passes inside this context only accumulate into ``param.grad``; the next one outside copies.
+        Contexts nest: the passes stay uncopied until the outermost one exits."""
+        self._check_open("no_sync")
         with self._lock:
-            self._no_sync = True
+            self._no_sync += 1
         try:
             yield self
         finally:
             with self._lock:
-                self._no_sync = False
-                self._backward_count = -1 % self._accumulate  # the next backward completes the window
+                self._no_sync -= 1
+                if not self._no_sync:
+                    self._backward_count = -1 % self._accumulate  # the next backward completes the window
 
     def wait(self, k: int, timeout: float | None = None) -> bool:
         """Block until bucket ``k``'s gradients of this step are in the worker's slot (its backward may still run).
@@ -605,7 +608,11 @@ class GradientStreamer:
     def wait_weights(self, k: int | None = None) -> None:
         """Order the replica's next work after the weight copies: on CUDA the current stream waits on the events
         (no host block); on CPU the host waits. With ``k``, the host waits for bucket k's copy back (the store's
-        bucket k may be written again after this)."""
+        bucket k may be written again after this). After :meth:`close` it returns at once: close finished them."""
+        if self._closed:
+            if k is not None:
+                self._check_bucket(k, "wait_weights")
+            return
         if k is None:
             self._transfer.order_current_stream(_WEIGHTS)
         else:
@@ -618,7 +625,10 @@ class GradientStreamer:
 
         Call it once this worker's backward has ended (returned or raised; :meth:`backward_pass` resets a backward
         that raises by itself): the hooks of a backward still running would take its later gradients for a new
-        step's, and the next wait would return on them (the engine resets only after every worker's task ended)."""
+        step's, and the next wait would return on them (the engine resets only after every worker's task ended).
+        After :meth:`close` it does nothing: close finished the copies and nothing is delivered any more."""
+        if self._closed:
+            return
         self._resets += 1  # first: a pipelined_update waiting on this step sees it before any next-step delivery
         with self._lock:
             self._in_backward = False
@@ -642,8 +652,9 @@ class GradientStreamer:
             self._transfer.release(_GRADS, k)
 
     def close(self) -> None:
-        """Remove every hook and finish the copies in flight. Idempotent; the streamer's other methods refuse to run
-        after it."""
+        """Remove every hook and finish the copies in flight. Idempotent. After it the methods that start or wait
+        for a step (backward_pass, accumulate, no_sync, wait, wait_all, copy_back) refuse to run; reset and
+        wait_weights return at once (nothing is in flight), and changed_in_place still answers."""
         self._closed = True
         handles, self._handles = getattr(self, "_handles", []), []
         for handle in handles:

@@ -897,6 +897,27 @@ def test_gradient_accumulation(style, device):
     streamer.close()
 
 
+def test_no_sync_nests():
+    """The inner of two no_sync() contexts turned syncing back on at its exit: a backward still inside the outer one
+    copied its partial gradients into the slot and delivered its buckets (a pipelined_update would have applied
+    them). Passes stay uncopied until the outermost context exits, as DDP's no_sync; the next pass completes the
+    window with every pass's gradients."""
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    streamer = pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY)
+    store.grad_slot(0).fill_(5.0)
+    with streamer.no_sync():
+        with streamer.no_sync():
+            model(batch()).backward()
+        model(batch()).backward()
+        assert not streamer.wait(0, timeout=0.2)
+        assert torch.all(store.grad_slot(0) == 5.0)
+    model(batch()).backward()
+    streamer.wait_all()
+    assert_slots_equal_grads(store, model, 0)
+    streamer.close()
+
+
 def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper):
     """Steps of G workers; returns nothing, leaves the result in store and replicas."""
     for step in range(1, steps + 1):
@@ -976,9 +997,15 @@ def test_a_closed_streamer_refuses_to_run():
         pyengine.pipelined_update([streamer], store, 1, lr=1e-3)
     assert torch.equal(store.param, before)
     for call in (lambda: streamer.backward_pass().__enter__(), lambda: streamer.wait(0), streamer.wait_all,
-                 streamer.copy_back, lambda: streamer.accumulate(2)):
+                 streamer.copy_back, lambda: streamer.accumulate(2), lambda: streamer.no_sync().__enter__()):
         with pytest.raises(RuntimeError, match=r"GradientStreamer\.\w+: this streamer is closed"):
             call()
+    streamer.reset()  # nothing in flight: these return at once (an engine closed mid-step still resets)
+    streamer.wait_weights()
+    streamer.wait_weights(0)
+    with pytest.raises(IndexError, match="wait_weights: bucket must be an int"):
+        streamer.wait_weights(99)
+    assert streamer.changed_in_place() == []
     streamer.close()  # still idempotent
 
 
