@@ -235,7 +235,8 @@ class Engine:
                                                                                                    "tolist"):
                 balance = balance.tolist()  # an array or tensor of layer counts ("is ambiguous" in the checks)
             check_mode_options(mode, stages, microbatches, schedule, balance)
-            check_streamer_options(bucket_mb, first_bucket_mb, unused, eager_mb, who="Engine")
+            bucket_mb, first_bucket_mb, eager_mb = check_streamer_options(bucket_mb, first_bucket_mb, unused, eager_mb,
+                                                                          who="Engine")
             check_pin(pin, who="Engine")
             if mode == "pipeline":
                 model = as_sequential(model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import math
 import numbers
 import operator
 import threading
@@ -40,11 +41,18 @@ class Bucket(NamedTuple):
     end: int
 
 
-def check_options(bucket_mb, first_bucket_mb, unused, eager_mb, who: str = "GradientStreamer") -> None:
+def check_options(bucket_mb, first_bucket_mb, unused, eager_mb, who: str = "GradientStreamer"):
     """ValueError naming the option unless the streamer's options are valid (the Engine checks them before it
-    allocates or seeds anything)."""
+    allocates or seeds anything). Returns (bucket_mb, first_bucket_mb, eager_mb) as Python floats (numpy's numbers
+    are taken, as the bucket and worker indices are; an int past float's range is inf)."""
     def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+    def as_float(value) -> float:
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf
 
     if unused not in ("zero", "error"):
         raise ValueError(f"{who}: unused must be 'zero' or 'error'; got {unused!r}")
@@ -53,13 +61,15 @@ def check_options(bucket_mb, first_bucket_mb, unused, eager_mb, who: str = "Grad
             raise ValueError(f"{who}: {name} must be a number > 0 (MiB); got {value!r}")
     if eager_mb is not None and (not number(eager_mb) or not eager_mb >= 0):
         raise ValueError(f"{who}: eager_mb must be a number >= 0 or None; got {eager_mb!r}")
+    return as_float(bucket_mb), as_float(first_bucket_mb), None if eager_mb is None else as_float(eager_mb)
 
 
 def _copy_source(grad: torch.Tensor) -> torch.Tensor | None:
     """What a gradient's copy into its slot reads: None (a zero-fill) for a ZeroTensor, the storage-less zeros that
     some backward formulas give (torch.sgn's, a custom Function's torch._efficientzerotensor): its data pointer is
-    null, and a copy from it killed the process."""
-    return None if grad._is_zerotensor() else grad.detach().contiguous()
+    null, and a copy from it killed the process. A lazily negated gradient (a custom Function's torch._neg_view) is
+    resolved: the copy reads memory, not the negation bit."""
+    return None if grad._is_zerotensor() else grad.detach().resolve_neg().contiguous()
 
 
 def make_buckets(layout: Sequence[LayoutEntry], numel: int, grad_dtype: torch.dtype, bucket_mb: float,
@@ -126,7 +136,7 @@ class GradientStreamer:
             raise TypeError(f"GradientStreamer: replica must be an nn.Module; got {type(replica).__name__}")
         if not isinstance(store, HostStore):
             raise TypeError(f"GradientStreamer: store must be a HostStore; got {type(store).__name__}")
-        check_options(bucket_mb, first_bucket_mb, unused, eager_mb)
+        bucket_mb, first_bucket_mb, eager_mb = check_options(bucket_mb, first_bucket_mb, unused, eager_mb)
         worker = store._check_worker(worker, "grad_slot")  # an int in [0, workers): the store says which
         self.store, self.worker, self.unused = store, worker, unused
         self._closed = False
@@ -511,7 +521,8 @@ class GradientStreamer:
                             f"{type(timeout).__name__} {timeout!r}")
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"GradientStreamer.wait: timeout must be >= 0 seconds or None; got {timeout}")
-        return self._transfer.wait(_GRADS, k, True, -1.0 if timeout is None else float(timeout))
+        # a timeout past float's range (an int) waits as long as it takes, as None does
+        return self._transfer.wait(_GRADS, k, True, -1.0 if timeout is None or timeout > 1e300 else float(timeout))
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -542,6 +553,9 @@ class GradientStreamer:
         """
         self._check_open("copy_back")
         source = self._source(source)
+        if buckets is not None and not isinstance(buckets, collections.abc.Iterable):
+            raise TypeError(f"GradientStreamer.copy_back: buckets must be a sequence of bucket indices or None; got "
+                            f"{type(buckets).__name__} {buckets!r}")
         buckets = range(len(self.buckets)) if buckets is None else list(buckets)
         indices = [_index_in(k, len(self.buckets)) for k in buckets]
         bad = [k for k, index in zip(buckets, indices) if index is None]
@@ -572,6 +586,9 @@ class GradientStreamer:
     def _source(self, source):
         if source is None:
             source = self.store.shadow if self.store.shadow is not None else self.store.param
+        if not isinstance(source, torch.Tensor):
+            raise TypeError(f"GradientStreamer.copy_back: source must be a flat store buffer (a tensor) or None; got "
+                            f"{type(source).__name__}")
         if source.dim() != 1 or source.numel() != self.store.numel:
             raise ValueError(f"GradientStreamer.copy_back: source must be a flat store buffer of {self.store.numel} "
                              f"elements; got shape {tuple(source.shape)}")

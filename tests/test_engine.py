@@ -1433,6 +1433,23 @@ def test_bad_engine_options(kwargs, message):
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_numpy_bucket_sizes_are_taken(rng):
+    """np.int64 and np.float32 bucket sizes were refused as "bucket_mb must be a number > 0"; they are taken, and
+    make the buckets their Python values make."""
+    import numpy as np
+    batch = make_batches(rng, 1, 8)[0]
+    sizes = dict(bucket_mb=1e-6, first_bucket_mb=1e-6, eager_mb=0.0)
+    numpy_sizes = dict(bucket_mb=np.float32(1e-6), first_bucket_mb=np.float64(1e-6), eager_mb=np.int64(0))
+    buckets = []
+    for options in (sizes, numpy_sizes):
+        with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), pin=False,
+                    **options) as engine:
+            engine.step(batch)
+            buckets.append(engine.workers[0].streamer.buckets)
+    assert buckets[0] == buckets[1] and len(buckets[0]) > 1
+
+
+
 def _shared_batchnorm_stages():
     norm = torch.nn.BatchNorm1d(4)
     return torch.nn.Sequential(torch.nn.Linear(4, 4), norm, torch.nn.Linear(4, 4), norm)

@@ -897,6 +897,45 @@ def test_gradient_accumulation(style, device):
     streamer.close()
 
 
+def test_numpy_numbers_and_a_huge_timeout_are_taken():
+    """bucket_mb / first_bucket_mb / eager_mb of numpy's types were refused as "must be a number > 0" (np.int64(25)
+    is one; worker and bucket indices took numpy's ints); a timeout past float's range (an int) raised
+    OverflowError: it waits as long as it takes, as None does."""
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=np.float32(TINY), first_bucket_mb=np.float64(TINY),
+                                   eager_mb=np.int64(0)) as streamer:
+        assert len(streamer.buckets) == len(store.names)
+        model(batch()).backward()
+        assert streamer.wait(0, timeout=10**400) is True
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
+
+
+def test_a_lazily_negated_gradient_is_streamed_as_its_values():
+    """A custom Function whose backward returns torch._neg_view(g) (torch accepts it; .grad is then a negated
+    view) made the streamer's hook raise an internal "BucketTransfer: pair 0 is a negative view" mid-backward. The
+    slot holds the gradient's values, bit for bit."""
+    class NegatedGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch._neg_view(g.clone())
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(37))
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store) as streamer:
+        with streamer.backward_pass():
+            NegatedGrad.apply(model.w).mul(torch.arange(37.0)).sum().backward()
+        assert model.w.grad.is_neg()
+        streamer.wait_all()
+        assert torch.equal(store.views(store.grad_slot(0))["w"], model.w.grad.resolve_neg())
+
+
 def test_no_sync_nests():
     """The inner of two no_sync() contexts turned syncing back on at its exit: a backward still inside the outer one
     copied its partial gradients into the slot and delivered its buckets (a pipelined_update would have applied
@@ -1442,11 +1481,17 @@ def test_a_numpy_integer_names_a_worker():
     (lambda s: s.wait(0, timeout=float("nan")), ValueError, "timeout must be >= 0 seconds or None; got nan"),
     (lambda s: s.wait_weights("0"), IndexError, r"GradientStreamer.wait_weights: bucket must be an int .*; got str"),
     (lambda s: s.wait_weights(10**6), IndexError, r"wait_weights: bucket must be an int .*; got int 1000000"),
+    (lambda s: s.copy_back(source=5), TypeError, r"copy_back: source must be a flat store buffer \(a tensor\) or None; "
+                                                 r"got int"),
+    (lambda s: s.copy_back(source=np.zeros(3)), TypeError, r"copy_back: source must be .* got ndarray"),
+    (lambda s: s.copy_back(buckets=0), TypeError, r"copy_back: buckets must be a sequence of bucket indices or None; "
+                                                  r"got int 0"),
 ])
 @pytest.mark.timeout(60, method="thread")  # bucket True once waited for bucket 1, which this test never delivers
 def test_waits_name_a_bad_bucket_or_timeout_in_their_own_words(call, error, message):
     """A bucket that is no int met pybind11's "incompatible function arguments" listing the C++ signature; True
-    waited for bucket 1, and timeout=True for a second."""
+    waited for bucket 1, and timeout=True for a second. copy_back's source and buckets of another type were
+    Python's AttributeError ('int' object has no attribute 'dim') and "'int' object is not iterable"."""
     model = Net()
     with pyengine.GradientStreamer(model, pyengine.HostStore(model, pin=False), bucket_mb=TINY,
                                    first_bucket_mb=TINY) as streamer:
