@@ -1299,6 +1299,9 @@ def _saved_setting_error(config: dict) -> str | None:
             return f"its {key} is not a value of --{key.replace('_', '-')}; got {value!r}"
     if config.get("steps") is None and config.get("epochs") is None:
         return "its steps or its epochs must be set; got None for both"
+    for key in ("trace", "trace_anchor"):  # paths, as --trace takes them (trace_anchor: the run directory it was in)
+        if config.get(key) is not None and not (isinstance(config[key], str) and config[key]):
+            return f"its {key} must be a path or null; got {config[key]!r}"
 
     def names(devices) -> bool:
         return isinstance(devices, list) and bool(devices) and all(isinstance(d, str) for d in devices)

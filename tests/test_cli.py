@@ -850,10 +850,13 @@ def test_the_printed_resume_command_pastes_into_a_shell(tmp_path, capsys):
      "its rank_devices must be a list of every rank's devices"),
     (lambda p: p["config"].update(seed=None), "its seed must be set; got None"),
     (lambda p: p["config"].update(steps=None, epochs=None), "its steps or its epochs must be set; got None for both"),
+    # the trace's path was not checked: an int failed later as a TypeError traceback ("training failed")
+    (lambda p: p["config"].update(trace=5), "its trace must be a path or null; got 5"),
+    (lambda p: p["config"].update(trace="t.json", trace_anchor=["x"]), "its trace_anchor must be a path or null"),
 ], ids=["config-list", "no-devices", "step-str", "step-name", "batches-neg", "beyond", "elapsed-nan", "mode",
         "batch-str", "hidden-0", "lr-neg", "accumulate-str", "data", "autocast", "devices-int", "ranks-one",
         "ranks-not-rank-0", "ranks-empty", "seed-none",
-        "no-length"])
+        "no-length", "trace-int", "trace-anchor-list"])
 def test_a_checkpoint_with_an_unusable_payload_is_a_clear_error(finished_run, tmp_path, capsys, edit, message):
     """A checkpoint whose hash is right but whose contents are not those of a train run (another writer, a hand
     edit) is one line "cannot resume", not a traceback or a resume that says one step and trains from another."""
