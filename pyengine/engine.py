@@ -410,6 +410,15 @@ class Engine:
         if not isinstance(saved, dict) or set(saved) != set(mine):
             raise ValueError(f"the state's optimizer_config must be pyengine.AdamW(...).config() with keys "
                              f"{sorted(mine)}; got {saved!r:.200}")
+        def plain(value) -> bool:  # what config() holds: numbers, bools, strings, None, and tuples of them
+            if isinstance(value, (list, tuple)):
+                return all(plain(v) for v in value)
+            return value is None or isinstance(value, (bool, int, float, str))
+
+        for key, value in saved.items():  # a tensor among them raised "Boolean value of Tensor ... is ambiguous"
+            if not plain(value):
+                raise ValueError(f"the state's optimizer_config[{key!r}] must be a number (or a tuple of numbers, as "
+                                 f"AdamW(...).config() gives); got {type(value).__name__} {value!r:.100}")
         if bool(saved["amsgrad"]) != bool(mine["amsgrad"]):
             raise ValueError(f"the state was saved with amsgrad={saved['amsgrad']} and this engine has "
                              f"amsgrad={mine['amsgrad']}: the Adam state differs (max_exp_avg_sq); build the engine "

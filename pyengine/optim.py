@@ -249,13 +249,14 @@ class AdamW:
         for g, (group_names, _) in enumerate(groups):
             params = state_dict["param_groups"][g].get("params") if isinstance(state_dict["param_groups"][g],
                                                                                dict) else None
-            if params is not None and (not isinstance(params, (list, tuple))
+            if params is not None and (not isinstance(params, (list, tuple)) or any(type(i) is not int for i in params)
                                        or list(params) != list(range(start, start + len(group_names)))):
                 raise ValueError(f"param_groups[{g}] holds params {params}; expected {len(group_names)} params from "
                                  f"index {start} ({what})")
             start += len(group_names)
-        if len(groups) == 2 and isinstance(state_dict["param_groups"][1], dict) \
-                and state_dict["param_groups"][1].get("weight_decay", 0.0) != 0.0:
+        decay = state_dict["param_groups"][1].get("weight_decay", 0.0) if len(groups) == 2 and isinstance(
+            state_dict["param_groups"][1], dict) else 0.0
+        if not (isinstance(decay, numbers.Real) and not isinstance(decay, bool) and decay == 0.0):
             raise ValueError(f"param_groups[1] has weight_decay {state_dict['param_groups'][1]['weight_decay']}; "
                              f"expected 0 ({what})")
         names = [n for group_names, _ in groups for n in group_names]  # torch's index order

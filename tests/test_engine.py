@@ -2160,6 +2160,12 @@ def _corruptions():
         ("pipeline_sizes not a list of ints", spoil(("pipeline_sizes",), [3.5]), "pipeline_sizes"),
         ("frozen parameters of another model", spoil(("frozen",), {"0.weight": "0" * 64}), "other frozen parameters"),
         ("frozen not a dict of digests", spoil(("frozen",), ["0.weight"]), "the state's frozen must be"),
+        # a tensor where a number belongs raised RuntimeError "Boolean value of Tensor ... is ambiguous"
+        ("optimizer_config lr a tensor", spoil(("optimizer_config", "lr"), torch.tensor([1e-3, 1e-3])),
+         r"optimizer_config\['lr'\] must be a number .* got Tensor"),
+        ("param_groups params a tensor", spoil(("optimizer", "param_groups", 0, "params"),
+                                               lambda p: [torch.tensor([0, 1])] + list(p)[1:]),
+         r"param_groups\[0\] holds params"),
         # Note [A state's values are checked]: a diverged or damaged state trained on with every loss NaN
         ("master weight NaN", spoil(("master", "2.bias"), lambda t: _with_last(t, float("nan"))),
          r"master weight '2.bias' holds 1 non-finite value\(s\) .* of 3: a diverged or damaged state"),
