@@ -74,10 +74,11 @@ class _BatchSource:
                     else:
                         try:
                             self._it, self._fresh = iter(self._batches), True
-                        except Exception as exc:  # a new epoch's iter() failed: the iterable's own error too
+                        except BaseException as exc:  # noqa: BLE001 - a new epoch's iter() failed: the iterable's own
+                            # error too (SystemExit, KeyboardInterrupt as well: raised by fit as themselves)
                             self._done = True
                             raise _AsItself(exc) from exc
-                except Exception as exc:  # the iterable's own error: fit raises it as itself
+                except BaseException as exc:  # noqa: BLE001 - the iterable's own error: fit raises it as itself
                     self._done = True
                     raise _AsItself(exc) from exc
         return list(range(first, first + len(out))), out
@@ -186,7 +187,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         try:  # the optimizer's settings (changed between pushes) and lr_schedule's value: the caller's error, raised
             # by fit as itself, as sync and hybrid raise it (apply_push would ask it before it counts)
             engine.check_update(engine.version + 1)
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - a SystemExit from lr_schedule too, as in sync and hybrid
             raise _AsItself(exc) from exc
         pushed = engine.apply_push(pulled, [worker.index], loss_scale=scale, checked=True)
         if pushed is None:
@@ -237,7 +238,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             worker.pull(wait=True)
             try:  # a setting's error, not the worker's: raised by fit as itself, as sync and hybrid raise it
                 k = minibatches_per_push(engine, engine.version)
-            except Exception as exc:
+            except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt from batch_schedule too
                 stop.set()  # before the mutex is released: no other push lands after it (Note [The push that ends
                 raise _AsItself(exc) from exc  # a run])
             if stopped():  # while this worker waited for the mutex, or by the batch schedule itself

@@ -145,7 +145,7 @@ class Engine:
             step (non-finite gradient) does not advance it; the schedule is not saved by :meth:`state_dict`: pass
             the same one to the engine that loads it. A value that is not a finite number >= 0 raises
             ``ValueError`` before that step changes anything (async: the push is neither applied nor counted, and
-            the :class:`WorkerError` that stops ``fit`` has the ``ValueError`` as its cause).
+            ``fit`` raises the ``ValueError`` itself, as sync and hybrid do; so does any error the schedule raises).
         seed: seeds torch's RNG before the replicas are made, and the workers' own generators: workers that
             compute at the same time (hybrid and async with more than one worker or a process group, pipeline
             stages) draw dropout masks and the like from a generator each, seeded per step from (seed, worker,

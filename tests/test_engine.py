@@ -1824,20 +1824,22 @@ def test_no_push_is_applied_after_the_one_whose_callback_raised(rng):
             assert (engine.stats()["pushes"], engine.version, seen) == (3, 3, [1, 2, 3])
 
 
+@pytest.mark.parametrize("error", [OSError, SystemExit])
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 1), ("async", 1), ("async", 2)])
-def test_an_error_of_the_batches_iterable_is_raised_as_itself(rng, mode, workers):
+def test_an_error_of_the_batches_iterable_is_raised_as_itself(rng, mode, workers, error):
     """A data loader's error ends fit as itself in every mode (async wrapped it in a WorkerError naming the worker
-    that happened to ask for the next batch: an ``except OSError`` missed it); the batches before it trained."""
+    that happened to ask for the next batch: an ``except OSError`` missed it; with 2 workers a SystemExit, not an
+    Exception, was still wrapped); the batches before it trained."""
     batches = make_batches(rng, 6, 8)
 
     def loader():
         for i, b in enumerate(batches):
             if i == 3:
-                raise OSError("corrupt shard file")
+                raise error("corrupt shard file")
             yield b
 
     with Engine(make_model(), loss_fn, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as engine:
-        with pytest.raises(OSError, match="corrupt shard file"):
+        with pytest.raises(error, match="corrupt shard file"):
             engine.fit(loader())
         # async with 2 workers: the other's computation in flight when the loader failed may be discarded
         assert engine.version == 3 if (mode, workers) != ("async", 2) else engine.version in (2, 3)
@@ -2422,6 +2424,25 @@ def test_a_bad_setting_in_async_is_raised_as_itself(rng, setting):
                 **options) as engine:
         with pytest.raises(ValueError, match=r"lr must be|batch_schedule\(2\) must return"):
             engine.fit(make_batches(rng, 6, 8), callbacks=[bad_lr])
+        assert engine.version == 2 == engine.stats()["applied_updates"]
+
+
+@pytest.mark.parametrize("setting", ["batch_schedule", "lr_schedule"])
+def test_a_setting_that_raises_a_base_exception_in_async_is_raised_as_itself(rng, setting):
+    """batch_schedule raising KeyboardInterrupt, or lr_schedule SystemExit, ended a 2-worker async fit as a
+    WorkerError naming a worker (only Exceptions were carried out as themselves; one worker, sync and hybrid raised
+    them as themselves). The engine trains on after it."""
+    error = KeyboardInterrupt if setting == "batch_schedule" else SystemExit
+
+    def schedule(version):
+        if version == 2:
+            raise error("the schedule says stop")
+        return 1 if setting == "batch_schedule" else 1e-3
+
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT), pin=False,
+                **{setting: schedule}) as engine:
+        with pytest.raises(error, match="the schedule says stop"):
+            engine.fit(make_batches(rng, 6, 8))
         assert engine.version == 2 == engine.stats()["applied_updates"]
 
 
