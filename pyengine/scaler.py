@@ -112,10 +112,12 @@ class LossScaler:
             raise ValueError(f"LossScaler: growth_interval must be an int >= 1; got {growth_interval!r}")
         self.growth_interval = int(growth_interval)
         self.min_scale = _positive("min_scale", min_scale)
-        if self.min_scale > self.init_scale:
-            raise ValueError(f"LossScaler: min_scale ({min_scale!r}) must be <= init_scale ({init_scale!r})")
         if not isinstance(dynamic, bool):
             raise TypeError(f"LossScaler: dynamic must be a bool; got {dynamic!r}")
+        # a static scale never backs off, so its floor does not bound it (LossScaler(0.5, dynamic=False) was
+        # refused by the default min_scale 1.0, though Engine(loss_scale=0.5) builds that scaler)
+        if dynamic and self.min_scale > self.init_scale:
+            raise ValueError(f"LossScaler: min_scale ({min_scale!r}) must be <= init_scale ({init_scale!r})")
         self.dynamic = dynamic
         self.reset()
 

@@ -142,6 +142,12 @@ def test_min_scale_static_scale_and_stale_overflows():
     assert static.scale == 8.0 and static.growth_tracker == 0
     static.load_state_dict({"scale": 2.0, "growth_tracker": 0})
     assert static.scale == 8.0, "a static scale is configuration, not state"
+    # a static scale below the default min_scale (1.0) was refused, though Engine(loss_scale=0.5) builds it; a
+    # dynamic one still is
+    small = LossScaler(init_scale=0.5, dynamic=False)
+    assert small.scale == 0.5 and not small.overflow(0.5) and small.scale == 0.5
+    with pytest.raises(ValueError, match=r"min_scale \(1.0\) must be <= init_scale \(0.5\)"):
+        LossScaler(init_scale=0.5)
 
 
 def test_growth_stays_in_float32_and_a_loaded_tracker_past_the_interval_grows():
