@@ -962,7 +962,7 @@ class Engine:
         if differing:
             warnings.warn(f"load_state_dict: the state was saved with {differing}; this engine's optimizer "
                           f"({ {k: self.optimizer.config()[k] for k in differing} }) is used from here on",
-                          stacklevel=3)  # past _under_mutex
+                          stacklevel=3)  # the caller of load_state_dict
         if edited:
             warnings.warn(f"load_state_dict: the state's optimizer param_groups hold {edited}, which are not read: "
                           f"the engine's optimizer settings drive the update (to change them, set engine.optimizer's "
@@ -1057,7 +1057,7 @@ class Engine:
             warnings.warn(f"load_state_dict: the state was trained with {list(saved)} layers per stage; this "
                           f"pipeline {'splits ' + str(pipeline.sizes) if pipeline.sizes else 'has another shape'} "
                           f"(its dropout draws and the order of its sums differ from the saved run's)",
-                          stacklevel=3)  # past _under_mutex
+                          stacklevel=4)  # the caller of load_state_dict, past _load_state_dict
         return None
 
     def _own_counters(self, sd: dict) -> tuple:

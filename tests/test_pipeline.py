@@ -306,8 +306,9 @@ def test_a_time_balanced_pipeline_resumes_with_the_saved_split(rng):
         assert torch.equal(expected[name], got[name]), name
     with pipeline(make_model(dropout=0.3), ["cpu"] * 2, microbatches=2, balance=[4, 6]) as other:
         with pytest.warns(UserWarning, match=r"trained with \[2, 8\] layers per stage; this pipeline splits "
-                                             r"\[4, 6\]"):
+                                             r"\[4, 6\]") as said:
             other.load_state_dict(state)
+        assert said[0].filename == __file__, said[0].filename  # the caller's line (it named engine.py's)
         assert other.pipeline.sizes == [4, 6]
         with pytest.raises(ValueError, match="pipeline_sizes must be None or a list of positive ints"):
             other.load_state_dict({**state, "pipeline_sizes": [2, "8"]})
