@@ -606,16 +606,33 @@ def _agreed_out(out: Path, rank: int) -> Path:
 _RUN_PLOTS = ("loss.png", "compare.png")  # what a run writes in its folder beside the files _holds_run looks for
 
 
-def _holds_run(directory: Path) -> bool:
-    return directory.is_dir() and any((directory / name).exists() for name in
-                                      ("summary.json", "metrics.jsonl", "checkpoints", ALL_CONFIG, *MODES))
+def _holds_run(directory: Path, depth: int = 1) -> bool:
+    """Whether ``directory`` holds a pyengine train run: its result files or checkpoints, a --mode all run's
+    config.json, or a mode's folder that holds one. A config.json of anything else, or a folder that only shares a
+    mode's name, is not a run (it was taken for one, and --resume, as the refusal advised, then failed too)."""
+    if not directory.is_dir():
+        return False
+    if any((directory / name).exists() for name in ("summary.json", "metrics.jsonl", "checkpoints")):
+        return True
+    if _is_all_config(directory / ALL_CONFIG):
+        return True
+    return depth > 0 and any(_holds_run(directory / mode, depth - 1) for mode in MODES)
+
+
+def _is_all_config(file: Path) -> bool:
+    """``file`` is a --mode all run's config.json (kind pyengine.train, mode all)."""
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("kind") == "pyengine.train" and config.get("mode") == "all"
 
 
 def _saved_nothing(directory: Path) -> bool:
     """A run directory with no checkpoint to resume: one stopped (killed) before its first save."""
     from . import checkpoint as ckpt
 
-    if (directory / ALL_CONFIG).exists() or any((directory / m).is_dir() for m in MODES):
+    if _is_all_config(directory / ALL_CONFIG) or any(_holds_run(directory / m, 0) for m in MODES):
         return False  # a --mode all run: resumable as a whole
     return ckpt.latest(directory / "checkpoints") is None  # none there, or no checkpoints/ at all
 
@@ -1318,15 +1335,20 @@ def _saved_setting_error(config: dict) -> str | None:
 
 
 def _all_config(path: Path) -> dict | None:
-    """The configuration of the --mode all run in ``path`` (its config.json), or None when ``path`` is not one."""
+    """The configuration of the --mode all run in ``path`` (its config.json), or None when ``path`` is not one (a
+    config.json that is no run's beside a one-mode run's checkpoints/ is that folder's own file)."""
     file = path / ALL_CONFIG
     if not (path.is_dir() and file.is_file()):
         return None
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
+        if (path / "checkpoints").is_dir():
+            return None
         raise UsageError(f"--resume {path}: cannot read {file}: {exc}") from None
     if not isinstance(config, dict) or config.get("kind") != "pyengine.train" or config.get("mode") != "all":
+        if (path / "checkpoints").is_dir():  # one mode's run in a folder that held a config.json of its own
+            return None
         raise UsageError(f"--resume {path}: {file} is not the configuration of a --mode all run (expected kind "
                          "pyengine.train and mode all)")
     missing = set(_resolve({"mode": "all"})) - set(NOT_SAVED) - set(config)
@@ -1721,14 +1743,9 @@ def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) 
     """Checks --trace, then creates --out (``out`` None: a new run's from ``cfg``; ``resumed``: ``out`` is the
     resumed run's) and checks both are writable; a failed check leaves neither behind."""
     made = []
-    if cfg["trace"] is not None:
-        if Path(cfg["trace"]).is_dir():
-            raise UsageError(f"--trace {cfg['trace']} is a directory; give a file name (e.g. trace.json)")
-        made = _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
-    try:
-        if resumed:
-            _check_writable(out, "the resumed run directory")
-            return out
+    if cfg["trace"] is not None and Path(cfg["trace"]).is_dir():
+        raise UsageError(f"--trace {cfg['trace']} is a directory; give a file name (e.g. trace.json)")
+    if not resumed:  # before the trace's folder is made: one inside --out would make it look like a run's
         out = out or (Path(cfg["out"]) if cfg["out"] else _default_out(cfg["mode"]))
         if rank == 0 and _holds_run(out):
             if _saved_nothing(out):
@@ -1737,10 +1754,17 @@ def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) 
             raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
                              "another --out")
         if rank == 0:
-            taken = [name for name in _RUN_PLOTS if (out / name).exists()]
-            if taken:  # not a run's folder, but one this run would write over
+            written = _RUN_PLOTS + ((ALL_CONFIG, *MODES) if cfg["mode"] == "all" else ())
+            taken = [name for name in written if (out / name).exists()]
+            if taken:  # not a run's folder, but one this run would write over (or into)
                 raise UsageError(f"--out {out} holds {' and '.join(taken)}, which this run would write over; "
-                                 "choose another --out (or move the file)")
+                                 "choose another --out (or move them)")
+    if cfg["trace"] is not None:
+        made = _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
+    try:
+        if resumed:
+            _check_writable(out, "the resumed run directory")
+            return out
         _check_writable(out, "--out")
     except UsageError:
         _remove_empty(made)

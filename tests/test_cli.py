@@ -1019,6 +1019,29 @@ def test_out_holding_a_run_is_refused(finished_run, capsys):
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
+def test_a_folder_that_only_shares_a_runs_file_names_is_no_run(tmp_path, capsys):
+    """A folder with a config.json of its own, or a folder of its own named sync/, was refused as "already holds a
+    run; continue it with --resume", and that --resume failed too. A one-mode run trains there (and resumes past
+    the foreign config.json); a --mode all run, which would write over them, says so; --trace inside a new --out
+    (its folder made first) made that --out look like a run's."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "config.json").write_text('{"my": "settings"}')
+    (proj / "sync").mkdir()
+    assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(proj), *SHORT) == 2
+    assert "holds config.json and sync, which this run would write over" in capsys.readouterr().err
+    assert train("--steps", "2", "--quiet", "--out", str(proj), *SHORT) == 0
+    assert (proj / "config.json").read_text() == '{"my": "settings"}'
+    assert train("--resume", str(proj), "--steps", "3", "--quiet") == 0
+    assert ckpt.step_of(ckpt.latest(proj / "checkpoints")) == 3
+    fresh = tmp_path / "fresh"
+    assert train("--mode", "all", "--steps", "1", "--quiet", "--out", str(fresh), "--trace",
+                 str(fresh / "hybrid" / "trace.json"), *SHORT) == 0, capsys.readouterr().err
+    assert list((fresh / "hybrid").glob("trace*.json")), sorted((fresh / "hybrid").iterdir())
+    assert train("--steps", "1", "--quiet", "--out", str(tmp_path / "f2"), "--trace",
+                 str(tmp_path / "f2" / "checkpoints" / "trace.json"), *SHORT) == 0, capsys.readouterr().err
+
+
 def test_largest_seed_trains_and_resumes(tmp_path):
     """--seed takes what torch.manual_seed does, 0 <= seed < 2**64 (argparse refuses the rest)."""
     out = tmp_path / "run"
