@@ -210,29 +210,46 @@ def save_engine(directory, step: int, engine, keep: int | None = None, **extra) 
     file exists for every rank. The file holds every rank's counters (``stats()``), and :func:`load_engine` gives
     each rank of a group of the same size its own (an async client's pushes are not the server's). Returns the
     path rank 0 wrote, on every rank; ranks that pass different steps are refused on every rank (ValueError)
-    before anything is written. When rank 0's write fails (disk full,
+    before anything is written, and so are a hybrid or pipeline engine's ranks at different versions (one loaded
+    another state alone: :class:`pyengine.distributed.DistributedError`, Note [A checkpoint of ranks at different
+    versions]). When rank 0's write fails (disk full,
     no permission), every rank raises :class:`CheckpointError` naming the file and rank 0's error, and the group
     stays in step: a rank that catches it may train on.
     """
-    payload = dict(extra, engine=engine.state_dict())
     group = engine.process_group
     if group is None:
-        return save(directory, step, payload, keep=keep)
+        return save(directory, step, dict(extra, engine=engine.state_dict()), keep=keep)
     import torch.distributed as dist
 
     from . import distributed
 
+    # Note [A checkpoint of ranks at different versions]
+    # The step and the version are exchanged before the state is taken. A hybrid or pipeline engine's ranks hold one
+    # state between them (Note [Every rank at the same version] in pyengine/distributed.py); a rank that loaded
+    # another state alone (a resume on rank 0 only) would make the state a mix: a sharded engine's Adam state is
+    # gathered from every rank's slice (rank 0's parts of one state, rank 1's of another, written without a word),
+    # and a distributed pipeline's is gathered from every stage's rank, each holding its own state (its gather even
+    # counts on every rank being at the same version). Refused on every rank alike, as the next step would be,
+    # before anything is gathered or written. An async run's ranks are at different versions by design.
+    with distributed.engine_exchange(engine, f"the exchange of the steps and versions for checkpoint step {step}"):
+        gathered = distributed.all_gather_object((step, engine.version), group, engine.collective_works)
+    steps = [s for s, _ in gathered]
+    if any(s != steps[0] for s in steps):  # on every rank alike (each has the whole list): nothing is written
+        raise ValueError(f"save_engine: every rank of the group must pass the same step; got {steps} (rank i's at "
+                         "index i)")
+    versions = [v for _, v in gathered]
+    if engine.mode != "async" and any(v != versions[0] for v in versions):
+        raise distributed.DistributedError(
+            f"rank {dist.get_rank(group)}: save_engine: the ranks' engines hold different states (versions "
+            f"{versions}, rank i's at index i): every rank must load the same state (load_state_dict or "
+            "checkpoint.load_engine on every rank); nothing was written")
+    payload = dict(extra, engine=engine.state_dict())
     # Note [Every rank resumes its own counters]: an async run's ranks count different things (a client its own
     # pushes and refreshes, a server the pushes it applied), and a client's count seeds its next push's draws; rank
     # 0 writes the file, so every rank's counters travel in it, and load_state_dict takes its own rank's
     with distributed.engine_exchange(engine, f"the exchange of the counters for checkpoint step {step}"):
-        gathered = distributed.all_gather_object(
-            ({k: payload["engine"][k] for k in ("counters", "staleness")}, step), group, engine.collective_works)
-    steps = [s for _, s in gathered]
-    if any(s != steps[0] for s in steps):  # on every rank alike (each has the whole list): nothing is written
-        raise ValueError(f"save_engine: every rank of the group must pass the same step; got {steps} (rank i's at "
-                         "index i)")
-    payload["engine"]["ranks"] = [counters for counters, _ in gathered]
+        payload["engine"]["ranks"] = distributed.all_gather_object(
+            {k: payload["engine"][k] for k in ("counters", "staleness")}, group, engine.collective_works)
 
     path, failure, error = path_for(directory, step), None, None
     if dist.get_rank(group) == 0:

@@ -238,9 +238,10 @@ def nonfinite_raise(seed, rank, world):
     return out
 
 
-def load_divergence(seed, rank, world):
-    """Replicated and sharded: after 2 steps rank 0 alone loads the state of step 1 (a resume on rank 0 only); the
-    next step must fail on every rank. Then rank 1 loads it too, and both train on."""
+def load_divergence(seed, rank, world, out_dir):
+    """Replicated and sharded: after 2 steps rank 0 alone loads the state of step 1 (a resume on rank 0 only); a
+    checkpoint and the next step must fail on every rank (the checkpoint writing nothing). Then rank 1 loads it too,
+    and both train on."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):
@@ -251,6 +252,11 @@ def load_divergence(seed, rank, world):
             engine.step(batches[1])
             if rank == 0:
                 engine.load_state_dict(state)
+            try:  # Note [A checkpoint of ranks at different versions]
+                checkpoint.save_engine(os.path.join(out_dir, f"diverged-{name}"), 2, engine)
+                save_error = None
+            except distributed.DistributedError as exc:
+                save_error = str(exc)
             try:
                 engine.step(batches[1])
                 error = None
@@ -268,8 +274,21 @@ def load_divergence(seed, rank, world):
                 lr_error = str(exc)
             engine.optimizer.lr = OPT["lr"]
             engine.step(batches[2])
-            out[name] = dict(error=error, lr_error=lr_error, version=engine.version,
+            out[name] = dict(error=error, save_error=save_error, lr_error=lr_error, version=engine.version,
                              master=engine.master_state_dict())
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], mode="pipeline", microbatches=2,
+                         optimizer=pyengine.AdamW(**OPT), pin=False) as engine:  # a stage per rank
+        full = global_batches(seed, 2, 8)
+        engine.step(full[0])
+        state = engine.state_dict()
+        engine.step(full[1])
+        if rank == 0:
+            engine.load_state_dict(state)
+        try:
+            checkpoint.save_engine(os.path.join(out_dir, "diverged-pipeline"), 2, engine)
+            out["pipeline"] = dict(save_error=None)
+        except distributed.DistributedError as exc:
+            out["pipeline"] = dict(save_error=str(exc))
     return out
 
 
@@ -1233,7 +1252,7 @@ def main():
                  "shard-one-rank": shard_one_rank,
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
-                    for how in ("exit", "record")}, "load-divergence": load_divergence, "hybrid-fp16": hybrid_fp16,
+                    for how in ("exit", "record")}, "load-divergence": lambda s, r, w: load_divergence(s, r, w, out_dir), "hybrid-fp16": hybrid_fp16,
                  "low-precision": low_precision, "low-precision-async": low_precision_async,
                  "frozen-rank0": frozen_rank0, "async-client-callback": async_client_callback,
                  "async-client-steps": async_client_steps, "async-split": async_split_after_failure,

@@ -371,7 +371,8 @@ def test_nonfinite_raise_raises_on_every_rank_and_the_engine_trains_on(tmp_path,
 def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed):
     """Note [Every rank at the same version]: rank 0 alone loads an earlier state; the next step raises on every
     rank naming the ranks' versions (before, they trained on with different weights), and once rank 1 loads it too
-    both train on alike: equal to steps on batches 0, 1, 2. An lr changed between steps on rank 0 only is refused
+    both train on alike: equal to steps on batches 0, 1, 2. A checkpoint between is refused on every rank (Note [A
+    checkpoint of ranks at different versions]). An lr changed between steps on rank 0 only is refused
     likewise."""
     codes, logs, _ = launch("load-divergence", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
@@ -385,6 +386,13 @@ def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed)
                 f"rank {r}: the ranks' engines hold different states (version 1 on rank 0; version 2 on rank 1): "
                 "every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this "
                 "step was refused on every rank"), (kind, rank[kind]["error"])
+            # a checkpoint of the two states is refused too (a sharded one was a mix of rank 0's and rank 1's
+            # slices of the Adam state, written without a word), and writes nothing
+            assert rank[kind]["save_error"] == (
+                f"rank {r}: save_engine: the ranks' engines hold different states (versions [1, 2], rank i's at "
+                "index i): every rank must load the same state (load_state_dict or checkpoint.load_engine on every "
+                "rank); nothing was written"), (kind, rank[kind]["save_error"])
+            assert not (tmp_path / f"diverged-{kind}").exists() or not any((tmp_path / f"diverged-{kind}").iterdir())
             # then an lr changed on rank 0 only: refused on every rank (the ranks' weights drifted apart for good)
             assert rank[kind]["lr_error"] == (
                 f"rank {r}: the ranks' engine.optimizer settings differ (the ranks with the same settings: rank 0 | "
@@ -394,6 +402,12 @@ def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed)
             assert rank[kind]["version"] == 3, kind
         assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
         reference.assert_matches(ranks[0][kind]["master"])
+    for r, rank in enumerate(ranks):  # a pipeline's checkpoint (each rank a stage): refused alike (written before)
+        assert rank["pipeline"]["save_error"] == (
+            f"rank {r}: save_engine: the ranks' engines hold different states (versions [1, 2], rank i's at index "
+            "i): every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); "
+            "nothing was written"), rank["pipeline"]["save_error"]
+    assert not (tmp_path / "diverged-pipeline").exists() or not any((tmp_path / "diverged-pipeline").iterdir())
 
 
 def owned_elements(buckets, rank, world):
@@ -1086,7 +1100,7 @@ def test_a_hybrid_rank_that_dies_between_steps_is_named_by_the_others(tmp_path, 
     codes, logs, _ = launch(f"death-{kind}-1", 3, tmp_path, seed, timeout=90.0, pg_timeout=60.0, grace=15.0)
     assert codes[1] == 17, logs[1]
     phase = {"replicated": "step 4", "sharded": "the gather of the optimizer state after step 3",
-             "checkpoint": "the exchange of the counters for checkpoint step 3"}[kind]
+             "checkpoint": "the exchange of the steps and versions for checkpoint step 3"}[kind]
     for r in (0, 2) if kind == "checkpoint" else ():  # the group is broken: stepping on is refused at once
         refused = re.search(rf"the next step refused after ([0-9.]+) s: rank {r}: an earlier step failed; the group "
                             "is no longer usable", logs[r])
