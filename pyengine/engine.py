@@ -46,7 +46,7 @@ from .optim import AdamW, check_lr_factor, check_state_values
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
 from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
 from .profiling import PhaseRecorder
-from .rng import WorkerRNG
+from .rng import WorkerRNG, cpu_generator_seed
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
 from .store import HostStore, check_pin, layout_of, replica_shadow_dtype
 from .streamer import _POLL_S, check_options as check_streamer_options
@@ -305,7 +305,9 @@ class Engine:
             self.servers = distributed.check_servers(  # with the store's numel, before the store is allocated
                 servers, group, mode, layout_of(model, grad_dtype, replica_shadow_dtype(model))[1])
             self._generator_before = torch.get_rng_state()  # put back if a later check refuses the engine
-            torch.manual_seed(seed)  # once every option is checked: a refused engine leaves the generator alone
+            # once every option is checked: a refused engine leaves the generator alone; the CPU generator keeps 32
+            # bits of its seed, so seeds that differ above bit 32 (5 and 5 + 2**32) drew the same Dropout masks
+            torch.manual_seed(cpu_generator_seed(seed))
         except Exception as exc:
             distributed.report_failed_config(process_group, exc)
             raise

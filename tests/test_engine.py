@@ -1551,6 +1551,29 @@ def test_bad_optimizer_and_seed_types():
     Engine(make_model(), loss_fn, devices=["cpu"], seed=2 ** 64 - 1).close()
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 1), ("sync", 2), ("async", 1)])
+def test_seeds_that_differ_above_bit_32_draw_their_own_masks(mode, workers):
+    """A lone worker and sync mode draw their Dropout masks from torch's generator, which the engine seeds: the CPU
+    one keeps the low 32 bits of a seed, so seed 5 and 5 + 2**32 trained alike (concurrent workers' generators mix
+    every bit). A seed below 2**32 keeps the masks it always drew: torch.manual_seed(seed)'s."""
+    batches = make_batches(torch.Generator().manual_seed(7), 3, 16)
+
+    def losses(seed):
+        with Engine(make_model(dropout=0.5), loss_fn, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT),
+                    seed=seed, pin=False) as engine:
+            return [m["loss"] for m in engine.fit(batches)]
+
+    small = losses(5)
+    assert losses(5) == small  # the seed decides the masks
+    assert losses(5 + 2 ** 32) != small
+    assert losses(-5) != small and losses(2 ** 64 - 5) != losses(2 ** 32 - 5)
+    if mode == "hybrid":  # a small seed's masks are torch.manual_seed(5)'s: one forward by hand
+        torch.manual_seed(5)
+        model = make_model(dropout=0.5)
+        torch.manual_seed(5)
+        assert loss_fn(model, batches[0]).item() == pytest.approx(small[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
 @pytest.mark.parametrize("changes,error,what", [
     (dict(lr=1e38), ValueError, r"lr / \(1 - beta1\^step\)"),
