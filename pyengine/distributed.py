@@ -308,13 +308,41 @@ def _pickled(obj) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).clone()
 
 
+# Note [Exchanges that pair up wrongly]
+# A collective carries no name. When the ranks make different calls (rank 0 steps once more while rank 1, its data
+# done, saves a checkpoint), the step's all-gather of the batch sizes pairs with the checkpoint's exchange of an
+# object's size, and gloo pairs them byte for byte: rank 0 read rank 1's pickle length as a version and raised that
+# the ranks hold different states (false: nobody had loaded anything), and rank 1 aborted in native code (more
+# bytes came than its output held). So both exchanges send a header of the same size, HEADER_LEN float64s per rank,
+# whose first element names the call (_STEP_TAG, _OBJECT_TAG), into an output zeroed first; a rank that reads
+# another tag (or none) raises, and its DistributedError says which phase each rank is in (Note [Naming a rank that
+# died between steps]: the ranks made different calls). Both sides raise after this one exchange, so neither waits
+# on a collective the other never makes; the group is out of step and refused from then on.
+HEADER_LEN = 5
+_STEP_TAG, _OBJECT_TAG = 5005.0, 7007.0
+
+
+def _check_tags(gathered: torch.Tensor, tag: float) -> None:
+    """Raises RuntimeError (a failed exchange) unless every rank's header in ``gathered`` (world x HEADER_LEN) starts
+    with ``tag`` (Note [Exchanges that pair up wrongly])."""
+    others = [r for r, t in enumerate(gathered[:, 0].tolist()) if t != tag]
+    if others:
+        raise RuntimeError(f"{_rank_list(others)} sent the data of another exchange: the collectives paired up "
+                           "wrongly")
+
+
 def all_gather_object(obj, group, works: KeptWorks = _WORKS) -> list:
     """``torch.distributed.all_gather_object`` whose works are kept (torch's are not: Note [Gloo's works are
-    released by the thread that waits]). Pickles: for the engine's own small dicts between the ranks of one job."""
+    released by the thread that waits]). Pickles: for the engine's own small dicts between the ranks of one job. A
+    rank in another exchange (a step) raises RuntimeError on both sides (Note [Exchanges that pair up wrongly])."""
     world = dist.get_world_size(group)
     data = _pickled(obj)
-    size, sizes = torch.tensor([data.numel()], dtype=torch.int64), torch.zeros(world, dtype=torch.int64)
-    works.run(_all_gather_flat, sizes, size, group=group)
+    header = torch.zeros(HEADER_LEN, dtype=torch.float64)
+    header[0], header[1] = _OBJECT_TAG, float(data.numel())
+    headers = torch.zeros(world, HEADER_LEN, dtype=torch.float64)
+    works.run(_all_gather_flat, headers.view(-1), header, group=group)
+    _check_tags(headers, _OBJECT_TAG)
+    sizes = headers[:, 1].to(torch.int64)
     longest = int(sizes.max())
     mine, everyone = torch.zeros(longest, dtype=torch.uint8), torch.zeros(world * longest, dtype=torch.uint8)
     mine[:data.numel()] = data
@@ -727,8 +755,8 @@ class _FailureNaming:
         if elsewhere:  # as many phases, other calls: the ranks' collectives paired up wrongly
             return ("the ranks made different calls: this rank is in " + self.phase_name + ", while "
                     + "; ".join(f"rank {r} is in {name}" for r, name in elsewhere.items())
-                    + ": every rank must make the same engine calls in the same order (step, fit, and state_dict, "
-                      "master_state_dict or checkpoint.save_engine of a sharded engine: collectives)")
+                    + ": every rank must make the same engine calls in the same order (step, fit, "
+                      "checkpoint.save_engine, and state_dict or master_state_dict of a sharded engine: collectives)")
         if missing:
             one = len(missing) == 1
             return (f"{_rank_list(missing)} never reached {self.phase_name} ({_rank_list(present)} did; this rank "
@@ -832,9 +860,10 @@ class DistributedHybrid(_FailureNaming):
             self.reduced = torch.zeros(store.numel)
         # every tensor a step hands to a collective is one of these, kept (no allocation per step); the works are
         # kept too: Note [Gloo's works are released by the thread that waits]
-        # this rank's sample count, refusal flag, version and optimizer digest
-        self._sizes = torch.zeros(4, dtype=torch.float64)
-        self._all_sizes = torch.zeros(self.world, 4, dtype=torch.float64)
+        # the step's tag (Note [Exchanges that pair up wrongly]), this rank's sample count, refusal flag, version and
+        # optimizer digest
+        self._sizes = torch.zeros(HEADER_LEN, dtype=torch.float64)
+        self._all_sizes = torch.zeros(self.world, HEADER_LEN, dtype=torch.float64)
         self._buffer_packet: BytePacket | None = None  # _share_buffers' bytes
         self._all_sizes_flat = self._all_sizes.view(-1)
         self._loss = torch.zeros(1, dtype=torch.float64)
@@ -871,11 +900,14 @@ class DistributedHybrid(_FailureNaming):
             # every rank's batch size, whether its shard is too small for its micro-batches, its version and its
             # optimizer's digest (Note [Every rank at the same version]): on a refusal every rank refuses this step
             # together, before any work, and the group stays usable
-            self._sizes.copy_(torch.tensor([float(sum(sizes)), float(refused is not None), float(engine.version),
-                                            float(engine.optimizer.digest())], dtype=torch.float64))
-            counts = self._all_sizes
+            self._sizes.copy_(torch.tensor([_STEP_TAG, float(sum(sizes)), float(refused is not None),
+                                            float(engine.version), float(engine.optimizer.digest())],
+                                           dtype=torch.float64))
+            self._all_sizes.zero_()  # a rank whose header did not come reads as no step's
+            counts = self._all_sizes[:, 1:]
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
                 self.works.run(_all_gather_flat, self._all_sizes_flat, self._sizes, group=self.group)
+                _check_tags(self._all_sizes, _STEP_TAG)
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)

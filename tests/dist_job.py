@@ -1166,6 +1166,28 @@ def save_fails(seed, rank, world, out_dir):
                 "returned": str(returned), "exists": os.path.exists(returned)}
 
 
+def uneven_fit(seed, rank, world, shard):
+    """Rank 0 fits 4 batches, rank 1 3 (uneven data), then each saves a checkpoint: rank 0's fourth step meets rank
+    1's checkpoint exchange (Note [Exchanges that pair up wrongly]). Each rank records its error, then whether the
+    next step is refused at once."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4 - rank, 12)]
+    out = {}
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
+                         shard_update=shard) as engine:
+        try:
+            engine.fit(batches)
+            checkpoint.save_engine(tempfile.mkdtemp(), 3, engine)
+            out["error"] = None
+        except distributed.DistributedError as exc:
+            out["error"] = str(exc)
+        try:
+            engine.step(batches[0])
+            out["next"] = None
+        except distributed.DistributedError as exc:
+            out["next"] = str(exc)
+    return out
+
+
 def shard_one_rank(seed, rank, world):
     """A group of 1 rank (torchrun --nproc-per-node 1): shard_update=True with process_group="auto"."""
     try:
@@ -1250,6 +1272,8 @@ def main():
                  "overlap": overlap, "bad-local-batch": bad_local_batch, "reducer-after-failure": reducer_after_failure, "mismatch": mismatch, "dropout-resume": dropout_resume,
                  "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,
                  "shard-one-rank": shard_one_rank,
+                 **{f"uneven-fit-{name}": lambda s, r, w, shard=shard: uneven_fit(s, r, w, shard)
+                    for name, shard in (("replicated", False), ("sharded", True))},
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": lambda s, r, w: load_divergence(s, r, w, out_dir), "hybrid-fp16": hybrid_fp16,

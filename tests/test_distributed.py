@@ -669,6 +669,27 @@ def test_a_checkpoint_rank_0_cannot_write_raises_on_every_rank_and_the_group_tra
         assert torch.equal(tensor, ranks[1]["weights"][name]), name
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["replicated", "sharded"])
+def test_ranks_in_different_calls_are_told_so_on_every_rank(tmp_path, seed, kind):
+    """Note [Exchanges that pair up wrongly]: rank 0's fourth step of a fit meets rank 1's checkpoint (its data ran
+    out a batch earlier). Rank 0 said the ranks hold different states (version 0 on rank 1: the length of rank 1's
+    pickle) and rank 1 aborted in gloo (replicated); sharded, rank 0 aborted. Now each rank raises naming both
+    phases, and the next step is refused at once."""
+    codes, logs, seconds = launch(f"uneven-fit-{kind}", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    phases = ["step 4", "the exchange of the steps and versions for checkpoint step 3"]
+    for r, rank in enumerate(results(tmp_path, 2)):
+        assert rank["error"] is not None and rank["error"].startswith(f"rank {r}: "), rank
+        assert "the collectives paired up wrongly" in rank["error"], rank["error"]
+        assert rank["error"].endswith(
+            f"the ranks made different calls: this rank is in {phases[r]}, while rank {1 - r} is in "
+            f"{phases[1 - r]}: every rank must make the same engine calls in the same order (step, fit, "
+            "checkpoint.save_engine, and state_dict or master_state_dict of a sharded engine: collectives)"), rank["error"]
+        assert rank["next"] == f"rank {r}: an earlier step failed; the group is no longer usable", rank["next"]
+    assert seconds < 30  # no wait for the group's timeout (20 s)
+
+
 def _naming(rank, world, store):
     """A _FailureNaming of ``rank`` over an in-process store (no process group): what _explain reads."""
     naming = distributed._FailureNaming()
