@@ -492,6 +492,11 @@ def _check_pipeline_config(cfg: dict, workers: int) -> None:
         return
     stages = cfg["stages"] or workers
     if workers % stages:
+        if _launched()[1] > 1:  # each process is one stage's worker (--workers 1): the process count is the fix
+            raise UsageError(f"--stages {stages} does not divide the {workers} processes: a pipeline under torchrun "
+                             f"runs stages x replicas processes, one stage each (launch "
+                             f"{stages * max(1, workers // stages)} processes, or use --stages that divides "
+                             f"{workers})")
         raise UsageError(f"--stages {stages} does not divide the {workers} workers: a pipeline needs stages x "
                          f"replicas workers (use --workers {stages * max(1, workers // stages)} or --stages that "
                          f"divides {workers})")

@@ -964,7 +964,8 @@ def test_damaged_checkpoint_is_a_clear_error(finished_run, tmp_path, capsys, dam
     (["--devices", "cpu", "--workers", "2", "--batch-size", "7", "--microbatches", "4"],
      "--microbatches 4: --batch-size 7 leaves a worker fewer samples than micro-batches (use --batch-size >= 8)"),
     (["--mode", "sync", "--batch-size", "3", "--microbatches", "4"], "(use --batch-size >= 4)"),
-    (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--stages", "3"], "--stages 3 does not divide"),
+    (["--mode", "pipeline", "--devices", "cpu", "--workers", "2", "--stages", "3"], "--stages 3 does not divide the 2 "
+     "workers: a pipeline needs stages x replicas workers (use --workers 3 or --stages that divides 2)"),
     (["--mode", "pipeline", "--devices", "cpu", "--workers", "4", "--stages", "2", "--batch-size", "7",
       "--microbatches", "4"], "over 2 pipeline replica(s) cannot feed --microbatches 4"),
     (["--mode", "pipeline", "--devices", "cpu", "--workers", "6"], "--stages 6 is more than the 5 layers"),
@@ -1399,7 +1400,10 @@ def test_under_torchrun_a_pipeline_stage_without_parameters_is_refused_before_an
 @pytest.mark.parametrize("argv,message", [
     (["--mode", "sync"], "under torchrun (WORLD_SIZE=2) the command line trains --mode hybrid or pipeline"),
     (["--mode", "pipeline", "--workers", "2"], "each process runs one stage on one device; got 2 devices"),
-    (["--mode", "pipeline", "--workers", "1", "--stages", "3"], "--stages 3 does not divide the 2 workers"),
+    # the processes are the workers: it advised --workers 3, which is refused under torchrun
+    (["--mode", "pipeline", "--workers", "1", "--stages", "3"], "--stages 3 does not divide the 2 processes: a "
+     "pipeline under torchrun runs stages x replicas processes, one stage each (launch 3 processes, or use --stages "
+     "that divides 2)"),
     (["--mode", "pipeline", "--workers", "1", "--batch-size", "32", "--microbatches", "3"],
      "does not split into --microbatches 3 equal micro-batches per replica"),
     (["--mode", "pipeline", "--workers", "1", "--microbatches", "1"], "--schedule 1f1b with stages in separate "

@@ -685,7 +685,8 @@ def test_ranks_in_different_calls_are_told_so_on_every_rank(tmp_path, seed, kind
         assert rank["error"].endswith(
             f"the ranks made different calls: this rank is in {phases[r]}, while rank {1 - r} is in "
             f"{phases[1 - r]}: every rank must make the same engine calls in the same order (step, fit, "
-            "checkpoint.save_engine, and state_dict or master_state_dict of a sharded engine: collectives)"), rank["error"]
+            "checkpoint.save_engine, and state_dict or master_state_dict of a sharded engine: collectives)"), \
+            rank["error"]
         assert rank["next"] == f"rank {r}: an earlier step failed; the group is no longer usable", rank["next"]
     assert seconds < 30  # no wait for the group's timeout (20 s)
 
