@@ -21,6 +21,10 @@
 // On CUDA a replica's gradient is also busy for the stream that reads it: it is recorded on the copy stream (or, when
 // it is converted to the slot's dtype first, on the conversion stream), so the caching allocator does not hand its
 // memory to the next step before the D2H copy (or the conversion) has read it.
+// A launch is ordered after the stream current on the launching thread (the hook of the bucket's last gradient):
+// the bucket's other gradients must have been accumulated on that stream too. A forward that runs some parameters'
+// ops on a side stream breaks that (autograd accumulates each gradient on its forward op's stream): not supported
+// (README, "Host store and gradient streaming"); an early part is ordered after its own gradient's stream.
 #pragma once
 
 #include <ATen/core/Tensor.h>
