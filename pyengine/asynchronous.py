@@ -135,8 +135,8 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
     finally:
         if run.running:  # left by a second Ctrl-C: the run ends when they do, and close() waits for that
             run.threads.discard(threading.get_ident())  # this thread leaves fit now: no callback of it any more
-            threading.Thread(target=_end_when_stopped, args=(engine, run), name="pyengine-async-end",
-                             daemon=True).start()
+            # not a daemon, as the workers (Note [Async threads are not daemons])
+            threading.Thread(target=_end_when_stopped, args=(engine, run), name="pyengine-async-end").start()
         else:
             _end(engine, run)
 
@@ -356,7 +356,14 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             finally:
                 finished.set()
 
-        threads = [threading.Thread(target=run_worker, args=(w, e), name=f"pyengine-async-{w.index}", daemon=True)
+        # Note [Async threads are not daemons]
+        # fit joins its workers, except after a second Ctrl-C: it raises while they finish their current push (the
+        # stop is set), and a script that lets the KeyboardInterrupt end it exits meanwhile. Daemon threads were
+        # then killed by the interpreter's finalization inside torch's native frames: "terminate called without an
+        # active exception", the process aborted (SIGABRT, a core dump) instead of exiting with 130. As threads of
+        # their own they are joined at exit (threading's shutdown), as the hybrid and sync thread pools' are; the
+        # exit waits at most their current push.
+        threads = [threading.Thread(target=run_worker, args=(w, e), name=f"pyengine-async-{w.index}")
                    for w, e in zip(engine.workers, done)]
         try:
             for t in threads:

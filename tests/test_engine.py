@@ -2532,6 +2532,53 @@ def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng, pytho
     assert engine.stats()["pushes"] == 0  # the computations in flight at the first Ctrl-C were not pushed
 
 
+_EXIT_AFTER_SECOND_CTRL_C = """
+import os, signal, threading, time
+import torch
+import pyengine
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+release = threading.Event()
+def held_loss(m, batch):
+    release.wait(60)
+    return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+engine = pyengine.Engine(model, held_loss, devices=["cpu"] * 2, mode="async", pin=False)
+def interrupt_twice():  # as in test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(t.name == "pyengine-async-1" for t in threading.enumerate()):
+        time.sleep(0.005)
+    os.kill(os.getpid(), signal.SIGINT)
+    while time.monotonic() < deadline and not (engine._async_run is not None and engine._async_run.stop.is_set()):
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+    while time.monotonic() < deadline and not engine._abandoned:
+        time.sleep(0.001)
+    release.set()  # the workers compute their last push while the interpreter exits
+threading.Thread(target=interrupt_twice, daemon=True).start()
+engine.fit([(torch.randn(256, 256), torch.randint(0, 10, (256,)))] * 1000)
+"""
+
+
+def test_a_script_ended_by_a_second_ctrl_c_during_async_fit_exits_cleanly(tmp_path):
+    """Note [Async threads are not daemons]: a script whose async fit is ended by a second Ctrl-C (the workers still
+    finishing their push) and that lets the KeyboardInterrupt end it aborted at exit in 5 of 6 runs ("terminate
+    called without an active exception", SIGABRT): its daemon workers were killed inside torch. It ends by its
+    SIGINT, as hybrid and sync do."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "second_ctrl_c.py"
+    script.write_text(_EXIT_AFTER_SECOND_CTRL_C)
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        # an uncaught KeyboardInterrupt ends Python by SIGINT (a shell's 130); the abort was SIGABRT
+        assert run.returncode == -signal.SIGINT and "terminate called" not in run.stderr, \
+            (run.returncode, run.stderr[-2000:])
+        assert run.stderr.rstrip().endswith("KeyboardInterrupt"), run.stderr[-2000:]
+
+
 def _new_thread_count() -> int:
     """The intra-op thread count a thread started now begins with."""
     seen = []
