@@ -75,7 +75,20 @@ def batch_size(batch) -> int:
     """Size of dim 0, the same for every tensor of a tensor / tuple / list / dict batch. Every leaf of the batch
     is a tensor (or None): anything else (a number, a string, a numpy array, a list of labels) would reach every
     worker whole instead of being split with the tensors, so a loss that reads it saw all the samples' values
-    with G > 1 workers and its own shard's with one (ValueError naming it)."""
+    with G > 1 workers and its own shard's with one (ValueError naming it). Sparse tensors are refused too (hybrid
+    failed in torch.tensor_split, where sync and async took them).
+
+    Note [A batch that requires grad]
+    A batch tensor that requires grad (an input for adversarial training, one made under autograd, or a leaf made
+    to require grad for a reentrant activation checkpoint) was split into views still attached to the caller's
+    graph: each worker's backward sent its own shard's mean-loss gradient into it (hybrid with 2 workers: twice
+    torch's; 3 workers on 7 samples 2.33x and 3.5x by shard; an fp16 loss scale of 65536 never divided out), and a
+    tensor with a history (``sigmoid(leaf)``) failed the second shard's backward ("Trying to backward through the
+    graph a second time"). Only the parameters' gradients are the engine's: in every mode loss_fn gets each such
+    tensor as a leaf of its own that requires grad (the same memory; :func:`_own_counter`, :func:`to_device`), cut
+    from the caller's graph, so a reentrant checkpoint still sees an input that requires grad, nothing is run
+    backward twice, and the caller's tensor gets no ``.grad`` (a gradient with respect to the input is loss_fn's to
+    take: ``torch.autograd.grad(loss, x, retain_graph=True)``)."""
     other = _first_other_leaf(batch, "batch")
     if other is not None:
         where, value = other
@@ -92,6 +105,10 @@ def batch_size(batch) -> int:
         if t.dim() == 0:
             raise ValueError(f"{where} is a 0-dim tensor: every tensor of a batch is split along dim 0 among the "
                              "workers (give it a batch dimension, or keep it out of the batch)")
+        if t.layout != torch.strided:
+            raise ValueError(f"{where} is a {t.layout} tensor: a batch is split along dim 0 into views, which only "
+                             "dense (strided) tensors have; make it dense (tensor.to_dense()) or keep it out of the "
+                             "batch")
     sizes = {t.shape[0] for _, t in named}
     if len(sizes) != 1:
         first = named[0]
@@ -117,9 +134,10 @@ def _own_counter(shard: torch.Tensor) -> torch.Tensor:
     first layer (``ReLU(inplace=True)``) of one worker (or of one pipeline micro-batch) bumped the counter that
     another worker's saved input carried, and that backward failed ("modified by an inplace operation"; hybrid with
     2 CPU workers, the pipeline's stage 0 with 2 micro-batches), though the shards share no element. Each shard gets
-    a counter of its own: ``.data``, the same memory (no copy) under a new counter. A tensor that requires grad
-    keeps its view (``.data`` would cut it from autograd)."""
-    return shard if shard.requires_grad else shard.data
+    a counter of its own: ``.data``, the same memory (no copy) under a new counter; one that required grad is a new
+    leaf that requires grad (Note [A batch that requires grad])."""
+    own = shard.data
+    return own.requires_grad_() if shard.requires_grad else own
 
 
 def split_microbatches(batch, parts: int, what: str = "a batch", hint: str = "") -> tuple[list, list[float] | None]:
@@ -151,7 +169,13 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def to_device(batch, device: torch.device):
-    return _map(batch, lambda t: t.to(device, non_blocking=True))
+    """``batch`` on ``device``; a tensor that requires grad as a leaf of its own (Note [A batch that requires
+    grad]: a copy to the device would carry the caller's graph back to its tensor)."""
+    return _map(batch, lambda t: _own_leaf(t.to(device, non_blocking=True)))
+
+
+def _own_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_() if t.requires_grad else t
 
 
 def _named_tensors(batch, where: str) -> list[tuple[str, torch.Tensor]]:

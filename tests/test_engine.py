@@ -1689,6 +1689,53 @@ def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
         assert engine.version == 0
 
 
+@pytest.mark.parametrize("mode,options", [("hybrid", {}), ("hybrid", dict(microbatches=2)), ("sync", {}),
+                                          ("sync", dict(microbatches=2)), ("async", {}), ("pipeline", {})])
+def test_a_batch_that_requires_grad_trains_as_a_detached_one_and_a_sparse_one_is_refused(rng, mode, options):
+    """Note [A batch that requires grad]: a batch tensor that required grad got each shard's gradient (hybrid with 2
+    workers: 2x torch's; an fp16 loss scale never divided out), and one with a history failed the second shard's
+    backward ("backward through the graph a second time"). Every mode now trains on such a batch exactly as on its
+    detached values (bit for bit), leaving the caller's tensors without a gradient, and loss_fn still gets an input
+    that requires grad (a reentrant checkpoint needs one). A sparse tensor failed hybrid in torch.tensor_split (sync
+    and async took it): every mode refuses it, naming it, before any work."""
+    batches = make_batches(rng, 2, 8)
+    seen = []
+
+    def loss(model, batch):
+        seen.append(batch[0].requires_grad)
+        return loss_fn(model, batch)
+
+    def train(batches):  # async: one worker, whose pushes are in order (two race)
+        with Engine(make_model(), loss, devices=["cpu"] * (1 if mode == "async" else 2), mode=mode,
+                    optimizer=AdamW(**OPT), pin=False, **options) as engine:
+            if mode == "async":
+                engine.fit(batches)
+            else:
+                for b in batches:
+                    engine.step(b)
+            return engine.master_state_dict(), engine
+
+    expected, _ = train(batches)
+    leaf = batches[0][0].clone().requires_grad_()
+    made = torch.nn.Parameter(batches[1][0].clone())
+    history = made * 1.0  # a tensor with a graph behind it
+    seen.clear()
+    got, engine = train([(leaf, batches[0][1]), (history, batches[1][1])])
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    assert leaf.grad is None and made.grad is None
+    assert seen and all(seen) if mode != "pipeline" else True  # the pipeline's loss_fn gets the last activations
+    (x, y), = make_batches(rng, 1, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), pin=False,
+                **options) as engine:
+        with pytest.raises(ValueError, match=r"batch\[1\] is a torch.sparse_coo tensor: a batch is split along dim "
+                                             r"0 into views"):
+            engine.step((x, y.to_sparse())) if mode != "async" else engine.fit([(x, y.to_sparse())])
+        assert engine.version == 0
+        engine.step((x, y)) if mode != "async" else engine.fit([(x, y)])
+        assert engine.version == 1
+
+
 def test_split_batch_shards_and_checks_its_parts():
     from pyengine.workers import split_batch
     x = torch.arange(7)
