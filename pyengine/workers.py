@@ -444,6 +444,10 @@ class Worker:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the mean loss over the batch); got {shape}")
+        if not loss.requires_grad:  # torch's own error named neither loss_fn nor the cause
+            why = "detached, or computed under torch.no_grad()" if loss.is_floating_point() else "not floating point"
+            raise ValueError(f"loss_fn returned a loss that does not require grad ({loss.dtype}: {why}): there is no "
+                             "gradient to train on; return the mean loss computed from the replica loss_fn is given")
         scaled = loss if weight is None else loss * weight
         scaled = scaled if loss_scale is None else scaled * loss_scale  # Note [Loss scaling]
         with self.streamer.backward_pass(scaled):  # a loss that reaches no parameter must still end the pass

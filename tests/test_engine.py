@@ -1678,6 +1678,26 @@ def test_batch_smaller_than_workers_and_non_scalar_loss(rng):
             engine.step(make_batches(rng, 1, 8)[0])
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 1), ("async", 2)])
+def test_a_loss_without_a_gradient_is_named_as_loss_fns(rng, mode, workers):
+    """An int loss, a detached one and a comparison got torch's "element 0 of tensors does not require grad and does
+    not have a grad_fn", naming neither loss_fn nor the cause; each is a ValueError naming both, and the engine
+    trains on."""
+    batch = make_batches(rng, 1, 8)[0]
+    make = {"int64": lambda loss: torch.tensor(3), "detached": lambda loss: loss.detach(),
+            "bool": lambda loss: loss > 0}
+    for kind, bad in make.items():
+        with Engine(make_model(), lambda m, b: bad(loss_fn(m, b)), devices=["cpu"] * workers, mode=mode,
+                    optimizer=AdamW(**OPT), pin=False) as engine:
+            with pytest.raises((WorkerError, ValueError)) as raised:
+                engine.step(batch) if mode != "async" else engine.fit([batch])
+            error = raised.value.__cause__ if isinstance(raised.value, WorkerError) else raised.value
+            assert isinstance(error, ValueError) and str(error).startswith("loss_fn returned a loss that does not "
+                                                                           "require grad"), (kind, error)
+            assert ("not floating point" if kind != "detached" else "detached") in str(error), (kind, error)
+            assert engine.version == 0
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "sync"])
 def test_a_batch_that_cannot_be_split_names_the_tensor(rng, mode):
     x, y = make_batches(rng, 1, 8)[0]
