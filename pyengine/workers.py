@@ -84,8 +84,10 @@ def batch_size(batch) -> int:
     graph: each worker's backward sent its own shard's mean-loss gradient into it (hybrid with 2 workers: twice
     torch's; 3 workers on 7 samples 2.33x and 3.5x by shard; an fp16 loss scale of 65536 never divided out), and a
     tensor with a history (``sigmoid(leaf)``) failed the second shard's backward ("Trying to backward through the
-    graph a second time"). Only the parameters' gradients are the engine's: in every mode loss_fn gets each such
-    tensor as a leaf of its own that requires grad (the same memory; :func:`_own_counter`, :func:`to_device`), cut
+    graph a second time"). Only the parameters' gradients are the engine's: in every mode of one process loss_fn
+    (or a pipeline's first stage) gets each such tensor as a leaf of its own that requires grad (the same memory;
+    :func:`_own_counter`, :func:`to_device`; a pipeline across processes hands its inputs to
+    torch.distributed.pipelining as they are, not covered here), cut
     from the caller's graph, so a reentrant checkpoint still sees an input that requires grad, nothing is run
     backward twice, and the caller's tensor gets no ``.grad`` (a gradient with respect to the input is loss_fn's to
     take: ``torch.autograd.grad(loss, x, retain_graph=True)``)."""
