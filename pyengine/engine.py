@@ -632,6 +632,13 @@ class Engine:
             warnings.warn(f"fit: the batches ran out after {done} of the {steps} steps asked"
                           + (" (a one-shot iterator is not iterated again: pass a list or a DataLoader)" if one_shot
                              else ""), RuntimeWarning, stacklevel=3)
+        elif (steps is None and done == 0 and not self._stop.is_set()
+              and not (self.mode == "async" and self.process_group is not None)):
+            # epochs over no batch (a DataLoader with drop_last and fewer samples than its batch_size, a used-up
+            # generator): nothing trained, which is said (steps asked of no batch are an error: _batches)
+            warnings.warn(f"fit: batches ({type(batches).__name__}) gave no batch: nothing was trained"
+                          + (" (a one-shot iterator, empty or used up)" if one_shot else ""),
+                          RuntimeWarning, stacklevel=3)
         return list(mine)
 
     def stop(self) -> None:

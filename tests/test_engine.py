@@ -808,7 +808,13 @@ def test_steps_from_no_batches_is_an_error(mode):
     with Engine(make_model(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
         with pytest.raises(ValueError, match="batches is empty"):
             engine.fit([], steps=3)
-        assert engine.fit([]) == [] and engine.version == 0
+        # epochs over no batch (a DataLoader with drop_last and fewer samples than a batch) train nothing, as said
+        for source, epochs in (([], None), ([], 2), (iter([]), None)):
+            with pytest.warns(RuntimeWarning, match=r"fit: batches \((list|list_iterator)\) gave no batch: "
+                                                    "nothing was trained") as caught:
+                assert engine.fit(source, epochs=epochs) == []
+            assert caught[0].filename == __file__  # the caller's line
+        assert engine.version == 0
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
