@@ -418,7 +418,7 @@ def owned_state_ranges(model, grad_dtype: torch.dtype, bucket_mb: float, first_b
 def receive_rank0_state(model, held: dict, group, works, buffers: bool = True) -> dict[str, str]:
     """Note [Every rank starts from rank 0's model]
     Ranks may build the model from different seeds (as DDP, rank 0's state wins). The trainable weights come from
-    rank 0 with the host store; this brings rank 0's frozen parameters and persistent buffers (BatchNorm statistics)
+    rank 0 with the host store; this brings rank 0's frozen parameters and buffers (BatchNorm statistics)
     into this rank's tensors ``held[name]`` (a list per name of ``model``: the replicas' copies, a pipeline stage's
     and its CPU copies of other stages' buffers). One broadcast of their bytes in one flat buffer (gloo refuses
     some dtypes, float8 and int16 among them: bytes it takes), in ``model``'s order (the same on every rank:

@@ -48,7 +48,7 @@ from .pipeline_distributed import DistributedPipeline, check_engine_options as c
 from .profiling import PhaseRecorder
 from .rng import WorkerRNG, cpu_generator_seed
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
-from .store import HostStore, check_pin, layout_of, replica_shadow_dtype
+from .store import HostStore, check_initialized, check_pin, layout_of, replica_shadow_dtype
 from .streamer import _POLL_S, check_options as check_streamer_options
 from .sync import sync_step
 from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, task_thread_initializer
@@ -204,7 +204,8 @@ class Engine:
     sync hands them from each worker to the next, like one model trained sequentially; async leaves each replica its
     own and reports worker 0's; pipeline starts every step from replica 0's stages (across processes each stage's
     rank holds its buffers: Note [Buffers of stages across processes]). :meth:`buffers_state_dict`,
-    :meth:`state_dict`, :meth:`copy_to` and :meth:`load_state_dict` use that source.
+    :meth:`state_dict`, :meth:`copy_to` and :meth:`load_state_dict` use that source. Non-persistent buffers follow
+    it too; the state holds the persistent ones only (Note [Buffers that are not saved]).
     """
 
     @_generator_untouched_on_failure
@@ -243,15 +244,22 @@ class Engine:
             if not any(p.requires_grad for p in model.parameters()):
                 raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
             for name, param in model.named_parameters():  # before the host store is allocated
+                check_initialized(name, param, "Engine")
+                if param.requires_grad and param.is_complex():
+                    raise ValueError(f"parameter {name!r} is {param.dtype}: a trainable parameter must be real "
+                                     "(float32, bfloat16 or float16; the master weights are float32); hold its real "
+                                     "and imaginary parts as a real parameter of shape (..., 2) and use "
+                                     "torch.view_as_complex(p) in the forward")
                 if param.requires_grad and param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                     raise ValueError(f"parameter {name!r} is {param.dtype}: a trainable parameter must be float32, "
-                                     "bfloat16 or float16 (the master weights are float32; a pipeline trained a "
-                                     "float64 model at float32's precision); give the engine model.float()")
+                                     "bfloat16 or float16 (the master weights are float32); give the engine "
+                                     "model.float()")
                 if param.requires_grad and not param.is_contiguous():
                     raise ValueError(f"parameter {name!r} is not contiguous (shape {tuple(param.shape)}, strides "
-                                     f"{param.stride()}; channels_last, say): gradients and weights travel as flat "
-                                     "buffers; give the engine the model after "
-                                     "model.to(memory_format=torch.contiguous_format)")
+                                     f"{param.stride()}; channels_last, or a transposed tensor): gradients and weights "
+                                     "travel as flat buffers; give the engine the model after `for p in "
+                                     "model.parameters(): p.data = p.data.contiguous()` (a channels_last model: "
+                                     "model.to(memory_format=torch.contiguous_format))")
             self.devices = parse_devices(devices)
             slots = len(self.devices)
             group = distributed.resolve_group(process_group, shard_update, mode)
@@ -368,7 +376,20 @@ class Engine:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=task_thread_initializer, initargs=(self._task_threads, self.devices, self._intra_op_threads))
-        self.buffer_names = [name for name, _ in model.named_buffers() if name in model.state_dict()]
+        # Note [Buffers that are not saved]
+        # Every buffer follows the schedule's source (shared, handed on, put back after a failed step, copied out
+        # by copy_to), as DDP's broadcast_buffers shares named_buffers(): a non-persistent one that the forward
+        # changes (a counter, an EMA kept out of checkpoints) trains as in torch. A checkpoint holds the persistent
+        # ones only (state_dict's keys: buffers_state_dict, load_state_dict), as torch's does; a non-persistent
+        # buffer loads as the model built it. A constant one (a causal mask) costs what DDP's broadcast costs: its
+        # copies each step (shared to the replicas, kept for a failed step), nothing when a model has none. The
+        # pipeline across processes shares the persistent ones only: its other buffers are each stage's constants
+        # (Note [Buffers of stages across processes]).
+        saved_names = model.state_dict().keys()
+        self.buffer_names = [name for name, _ in model.named_buffers()]  # the shared ones, in named_buffers' order
+        self.saved_buffer_names = [name for name in self.buffer_names if name in saved_names]
+        if mode == "pipeline" and group is not None:
+            self.buffer_names = list(self.saved_buffer_names)
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._buffers_before = None  # Note [A failed step leaves the buffers alone]
         self._buffer_slots, self._buffer_copies = {}, None
@@ -652,8 +673,9 @@ class Engine:
 
     @_under_mutex
     def master_state_dict(self) -> dict:
-        """The fp32 master weights, keys as ``model.state_dict()`` and in its order (trainable parameters only; the
-        store holds them in reverse). Pipeline stages across processes: a collective (Note [Distributed pipeline
+        """The fp32 master weights, keys as ``model.state_dict()`` and in its order (trainable parameters only, a
+        shared one once under its first name, as ``model.named_parameters()`` gives it; the store holds them in
+        reverse). Pipeline stages across processes: a collective (Note [Distributed pipeline
         store])."""
         self._whole_store()
         views = self.store.views(self.store.param)
@@ -671,7 +693,7 @@ class Engine:
             raise TypeError(f"copy_to: model must be an nn.Module (the engine writes its parameters and buffers); "
                             f"got {type(model).__name__}")
         self._whole_store()
-        buffers, named = self.buffers_state_dict(), dict(model.named_buffers())
+        buffers, named = self._source_buffers(), dict(model.named_buffers())
         frozen, params = self._held_frozen(), dict(model.named_parameters())
         wrong = [f"{name!r} (the engine's {tuple(value.shape)}; model: "
                  f"{tuple(mine[name].shape) if name in mine else 'none'})"
@@ -709,7 +731,14 @@ class Engine:
     @_under_mutex
     def buffers_state_dict(self) -> dict:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
-        docstring), on the CPU, keys as ``model.state_dict()``. Pipeline stages across processes: a collective."""
+        docstring), on the CPU, keys as ``model.state_dict()`` (Note [Buffers that are not saved]). Pipeline stages
+        across processes: a collective."""
+        saved = set(self.saved_buffer_names)
+        return {name: t for name, t in self._source_buffers().items() if name in saved}
+
+    def _source_buffers(self) -> dict:
+        """name -> a CPU copy of every shared buffer of the source replica (the persistent and the non-persistent
+        ones: Note [Buffers that are not saved]), as the last complete step left them. Under the mutex."""
         self._whole_store()
         run = self._async_run
         if run is not None and run.buffers is not None:  # the source replica is computing: its last pushed state
@@ -894,7 +923,7 @@ class Engine:
             check_state_values(value, f"master weight {name!r}")  # Note [A state's values are checked]
         buffers = sd.get("buffers", {})  # absent in states written before buffers were saved
         source = self._replica_buffers(self.buffer_source)  # shapes and dtypes only: no gather (a collective)
-        current = {name: source[name] for name in self.buffer_names}
+        current = {name: source[name] for name in self.saved_buffer_names}
         if not isinstance(buffers, dict) or ("buffers" in sd and set(buffers) != set(current)) or any(
                 name not in current for name in buffers):
             found = sorted(buffers, key=repr) if isinstance(buffers, dict) else type(buffers).__name__

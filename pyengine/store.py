@@ -49,6 +49,14 @@ class LayoutEntry(NamedTuple):
     numel: int
 
 
+def check_initialized(name: str, param: torch.Tensor, who: str) -> None:
+    """A lazy module's parameter (``torch.nn.LazyLinear`` before its first forward) has no shape yet to size the
+    store with: refused naming it (torch's own error named neither the parameter nor the fix)."""
+    if torch.nn.parameter.is_lazy(param):
+        raise ValueError(f"{who}: parameter {name!r} is uninitialized (a lazy module, torch.nn.LazyLinear say): run "
+                         "one forward of the model on a sample batch first, so that its parameters have their shapes")
+
+
 def _trainable(model_or_named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, param) of the trainable parameters in registration order, each tensor once (shared ones by first name)."""
     if isinstance(model_or_named_parameters, torch.nn.Module):
@@ -61,6 +69,7 @@ def _trainable(model_or_named_parameters) -> list[tuple[str, torch.nn.Parameter]
             raise TypeError("HostStore: expected an nn.Module or an iterable of (name, tensor) pairs; got an item of "
                             f"type {type(item).__name__}")
         name, param = item
+        check_initialized(name, param, "HostStore")
         if not param.requires_grad or id(param) in seen:
             continue
         if name in names:

@@ -174,6 +174,7 @@ class GradientStreamer:
         self._prune = False  # set once a step had parameters without a gradient (unused="zero")
         self._said_reached_none = False  # the warning of a step whose backward reached no parameter: said once
         self._said_unseen = False  # the warning of a .grad no hook saw: said once
+        self._looked_for_added = False  # the replica's parameters compared with the store's: after the first pass
         self._unreached: list[int] = []  # this pass: parameters the loss's graph does not reach
         self._presumed = [False] * len(self._params)  # counted ready at the pass's start (in _unreached)
         self._index_of = {id(p): i for i, p in enumerate(self._params)}  # the graph walk's AccumulateGrad variables
@@ -313,6 +314,9 @@ class GradientStreamer:
             with self._lock:
                 self._end_deferred = True
             return
+        if not self._looked_for_added:
+            self._looked_for_added = True
+            self._refuse_added()
         with self._lock:
             self._in_backward = False
             self._end_deferred = False
@@ -332,9 +336,10 @@ class GradientStreamer:
         replaced = self._replaced(never)
         if replaced:
             raise RuntimeError(
-                f"GradientStreamer(worker={self.worker}): replica parameter(s) {replaced[:10]} were replaced after the "
-                "streamer was built (a new nn.Parameter assigned): their gradients have no hook and their weights "
-                "no copy back; build the store and the streamer after changing the model")
+                f"GradientStreamer(worker={self.worker}): replica parameter(s) {replaced[:10]} were replaced or "
+                "removed after the streamer was built (a new nn.Parameter assigned, or deleted, say in the forward): "
+                "their gradients have no hook and their weights no copy back; change the model before building the "
+                "store and the streamer (the Engine: before building it)")
         if never and self.unused == "zero" and len(never) == len(self._params) and not self._said_reached_none:
             self._said_reached_none = True
             warnings.warn(
@@ -354,6 +359,27 @@ class GradientStreamer:
                 f"GradientStreamer(worker={self.worker}): {len(never)} parameter(s) received no gradient in this "
                 f"step: {never[:10]}; pass unused='zero' to stream zeros for them, or freeze them "
                 "(requires_grad=False) so the store leaves them out")
+
+    def _refuse_added(self) -> None:
+        """A trainable parameter the store does not hold, created after the streamer was built (by the first
+        forward: a hand-made lazy layer, ``self.w = nn.Parameter(...)`` in forward; or unfrozen since), would get a
+        .grad each step and never be trained or saved, without a word. Looked for once, at the end of the first
+        backward pass (a walk of the replica's parameters: the steps after it pay nothing); the pass then raises,
+        its gradients are dropped as a failed step's. A parameter added in a later step is not seen."""
+        replica = self._replica()
+        if replica is None:
+            return
+        known, held = {id(p) for p in self._params}, set(self.store.names)
+        added = [name for name, p in replica.named_parameters()
+                 if p.requires_grad and id(p) not in known and name not in held]  # a held name: _replaced's
+        if added:
+            self._looked_for_added = False  # the next pass looks again
+            raise RuntimeError(
+                f"GradientStreamer(worker={self.worker}): the replica has trainable parameter(s) {added[:10]} that "
+                "the store does not hold: made after the streamer was built (created in the forward, say) or "
+                "unfrozen since; they would get gradients and never be trained or saved. Create every parameter "
+                "before building the store and the streamer (the Engine: before building it; a lazy module: one "
+                "forward on a sample batch first)")
 
     def _replaced(self, never: list[str]) -> list[str]:
         """Of the parameters that got no gradient, those no longer in the replica under their name (looked up only

@@ -2398,6 +2398,67 @@ def test_a_channels_last_model_is_refused_before_the_store_is_made():
         Engine(model, loss_fn, devices=["cpu"] * 2)
 
 
+def test_a_transposed_parameter_is_refused_with_a_fix_that_works():
+    """The advice was model.to(memory_format=torch.contiguous_format), which converts 4-D and 5-D tensors only: a
+    transposed Linear weight stayed as it was, and the same error came back."""
+    model = make_model()
+    model[0].weight = torch.nn.Parameter(torch.randn(10, 24).t())
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is not contiguous \(shape \(24, 10\), strides "
+                                         r"\(1, 24\); .*`for p in model.parameters\(\): p.data = "
+                                         r"p.data.contiguous\(\)`"):
+        Engine(model, loss_fn, devices=["cpu"] * 2)
+    for p in model.parameters():  # the fix the message gives
+        p.data = p.data.contiguous()
+    with Engine(model, loss_fn, devices=["cpu"] * 2) as engine:
+        assert torch.equal(engine.master_state_dict()["0.weight"], model[0].weight.detach())
+
+
+def test_lazy_and_complex_parameters_are_refused_naming_them():
+    """A lazy module's parameter got torch's 'Attempted to use an uninitialized parameter' (naming neither it nor
+    Engine); a complex one was told to use model.float(), which leaves it complex."""
+    lazy = torch.nn.Sequential(torch.nn.Linear(10, 24), torch.nn.LazyLinear(3))
+    message = r"parameter '1.weight' is uninitialized \(a lazy module.*run one forward of the model on a sample batch"
+    with pytest.raises(ValueError, match="Engine: " + message):
+        Engine(lazy, loss_fn, devices=["cpu"] * 2)
+    with pytest.raises(ValueError, match="HostStore: " + message):
+        pyengine.HostStore(lazy, pin=False)
+    lazy(torch.zeros(1, 10))  # the fix
+    with Engine(lazy, loss_fn, devices=["cpu"] * 2) as engine:
+        assert "1.weight" in engine.master_state_dict()
+    model = make_model()
+    model[2].bias = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"parameter '2.bias' is torch.complex64: a trainable parameter must be real "
+                                         r".*torch.view_as_complex"):
+        Engine(model, loss_fn, devices=["cpu"] * 2)
+
+
+class GrowsInForward(torch.nn.Module):
+    """A hand-made lazy layer: its bias is created by the first forward (after the engine copied the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        if not hasattr(self, "extra"):
+            self.extra = torch.nn.Parameter(torch.zeros(3))
+        return self.net(x) + self.extra
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
+def test_a_parameter_created_in_the_forward_is_refused_not_left_untrained(rng, mode):
+    """It got a .grad each step and was never trained nor saved (torch trains it), without a word. The first
+    step's backward now refuses it, naming it; nothing is updated."""
+    with Engine(GrowsInForward(), loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        before = engine.master_state_dict()
+        with pytest.raises(WorkerError, match=r"the replica has trainable parameter\(s\) \['extra'\] that the store "
+                                              r"does not hold: made after the streamer was built"):
+            engine.fit(make_batches(rng, 2, 8), steps=1) if mode == "async" else engine.step(make_batches(rng, 1, 8)[0])
+        assert engine.version == 0
+        for name, value in engine.master_state_dict().items():
+            assert torch.equal(value, before[name]), name
+
+
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 2), ("hybrid", 1), ("pipeline", 2)])
 def test_ctrl_c_inside_a_step_completes_it_then_raises(rng, mode, workers, python_sigint):
     """Note [Ctrl-C inside a step]: SIGINT arriving in the middle of the update (hybrid: between two buckets) is held
@@ -2957,6 +3018,84 @@ def test_sync_buffers_follow_the_batches_like_sequential_training(rng, worker_de
         copied = make_bn_model(seed=5)
         engine.copy_to(copied)
         assert_buffers_match(dict(copied.named_buffers()), reference.model)
+
+
+class CountingModel(torch.nn.Module):
+    """make_model's layers and a non-persistent buffer the forward changes: a step counter that scales the output
+    (a warm-up factor, say), kept out of the state_dict."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.net = make_model(seed)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.calls += 1
+        return self.net(x) * (1 + self.calls / 4)
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 3), ("async", 1)])
+def test_a_non_persistent_buffer_trains_as_in_torch(rng, mode, workers):
+    """Note [Buffers that are not saved]: a buffer registered with persistent=False was not shared: sync's workers
+    each counted their own steps (the weights off torch's by 2e-2), hybrid's replicas drifted from worker 0's, and
+    copy_to left the model's at its initial value. It follows the source as the persistent ones do; checkpoints
+    hold the persistent ones only, as torch's state_dict does."""
+    model, batches = CountingModel(), make_batches(rng, 5, 12)
+    reference = TorchReference(model, **OPT)
+    with Engine(model, loss_fn, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        for b in batches:
+            engine.step(b) if mode != "async" else engine.fit([b])
+            reference.step([b])
+        assert_matches(engine, reference)
+        assert reference.model.calls.item() == 5
+        copied = CountingModel(seed=5)
+        engine.copy_to(copied)
+        assert copied.calls.item() == 5
+        if mode == "hybrid":  # every step starts from worker 0's: each replica counted every step
+            assert [w.replica.calls.item() for w in engine.workers] == [5, 5]
+        saved = engine.state_dict()
+        assert "calls" not in saved["buffers"] and "calls" not in engine.buffers_state_dict()
+    with Engine(CountingModel(seed=3), loss_fn, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as other:
+        other.load_state_dict(saved)  # the counter is the model's own, as torch's load_state_dict leaves it
+        copied = CountingModel(seed=5)
+        other.copy_to(copied)
+        assert copied.calls.item() == 0
+        for name, value in engine.master_state_dict().items():
+            assert torch.equal(copied.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 1)])
+def test_a_failed_step_puts_back_a_non_persistent_buffer(rng, mode, workers):
+    """A failed step (every worker's forward ran, then a loss raised) counted its batch in a non-persistent buffer
+    of the source replica, and the run went on from there (Note [A failed step leaves the buffers alone] covered the
+    persistent ones only): it now goes on bit-identically to a run that never saw the failed batch."""
+    batches = make_batches(rng, 3, 12)
+    failing = {"on": False}
+
+    def loss_then_fail(model, batch):
+        loss = loss_fn(model, batch)
+        if failing["on"]:
+            raise RuntimeError("after the forward")
+        return loss
+
+    kw = dict(devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT))
+    with Engine(CountingModel(), loss_then_fail, **kw) as engine, Engine(CountingModel(), loss_fn, **kw) as clean:
+        engine.step(batches[0])
+        clean.step(batches[0])
+        failing["on"] = True
+        with pytest.raises((WorkerError, RuntimeError), match="after the forward"):
+            engine.step(batches[1])
+        failing["on"] = False
+        engine.step(batches[2])
+        clean.step(batches[2])
+        for name, value in clean.master_state_dict().items():
+            assert torch.equal(engine.master_state_dict()[name], value), name
+        counted = [CountingModel(), CountingModel()]
+        engine.copy_to(counted[0])
+        clean.copy_to(counted[1])
+        assert counted[0].calls.item() == counted[1].calls.item() == 2
 
 
 def test_copy_to_a_model_without_the_engines_buffers_writes_nothing(rng):
