@@ -189,12 +189,18 @@ def test_resume_is_bit_identical(tmp_path, mode):
     files = ckpt.list_checkpoints(part / "checkpoints")
     assert [f.name for f in files] == ["step-00000015.pyeckpt", "step-00000020.pyeckpt"]  # --keep 2
     files[-1].unlink()  # as if the run had stopped after step 15's checkpoint
+    # the run's clock goes on from the checkpoint's: marked as 1000 s in, the resumed steps are later still
+    payload = ckpt.load(files[0])
+    payload["elapsed_s"] = 1000.0
+    files[0].unlink()
+    ckpt.save(part / "checkpoints", 15, payload)
     assert train("--resume", str(part), "--steps", "20", "--quiet") == 0
     a, b = master(tmp_path / "full"), master(part)
     assert a["version"] == b["version"] == 20
     assert_same_weights_and_adam_state(a, b)
-    steps = [json.loads(line)["step"] for line in (part / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 21))  # steps 16..20 were redone, not duplicated
+    records = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))  # steps 16..20 were redone, not duplicated
+    assert all(r["elapsed_s"] > 1000.0 for r in records[15:]) and all(r["elapsed_s"] < 1000.0 for r in records[:15])
 
 
 def _failing_loss(monkeypatch, at_call: int):

@@ -425,6 +425,25 @@ def test_lr_schedule_counts_applied_updates_and_reaches_a_state_dict_reload(rng)
         assert resumed.step(batches[4])["lr"] == pytest.approx(OPT["lr"] / 5, rel=1e-15)
 
 
+def test_an_lr_changed_after_a_skipped_step_is_the_next_updates(rng, monkeypatch):
+    """The schedule's answer is kept per update: the update a skipped step asked for runs with the next batch.
+    Its lr is optimizer.lr times that answer as of the update, so an lr changed between the two counts (the kept
+    value is keyed by the optimizer's lr too; observed at the kernel's arguments)."""
+    batches = make_batches(rng, 2, 12)
+    poisoned = (batches[0][0].clone(), batches[0][1])
+    poisoned[0][0, 0] = float("nan")
+    seen = []
+    original = AdamW.kernel_kwargs
+    monkeypatch.setattr(AdamW, "kernel_kwargs", lambda self, lr=None: seen.append(lr) or original(self, lr))
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT),
+                lr_schedule=lambda step: 0.5 ** step) as engine:
+        assert engine.step(batches[0])["lr"] == pytest.approx(OPT["lr"])
+        assert engine.step(poisoned)["applied"] is False  # update 2 asked for, skipped
+        engine.optimizer.lr = OPT["lr"] * 10
+        assert engine.step(batches[1])["lr"] == pytest.approx(OPT["lr"] * 10 * 0.5, rel=1e-15)
+    assert seen[-1] == pytest.approx(OPT["lr"] * 10 * 0.5, rel=1e-15)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), "0.1", None, True, 10 ** 400, 1e308])
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "pipeline", "async"])
 def test_lr_schedule_bad_value_raises_before_anything_changes(rng, bad, mode):
@@ -745,6 +764,15 @@ def test_async_inverse_staleness_damps_lr(rng, monkeypatch, scheduled):
         assert lr == pytest.approx(scheduled_lr / (1 + m["staleness"]), rel=1e-12)
         assert m["lr"] == lr
     assert {m["staleness"] for m in history} != {0}, "no push was stale: the damping went untested"
+    # the counters tell the pushes' staleness as their metrics do, and a state carries them on
+    stats = engine.stats()
+    counted = collections.Counter(m["staleness"] for m in history)
+    assert stats["staleness_histogram"] == dict(counted) and stats["staleness_max"] == max(counted)
+    assert stats["staleness_mean"] == pytest.approx(sum(m["staleness"] for m in history) / len(history), rel=1e-12)
+    with Engine(make_model(hidden=8), loss_fn, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT),
+                staleness_lr="inverse", lr_schedule=schedule) as other:
+        other.load_state_dict(engine.state_dict())
+        assert other.stats() == stats
 
 
 def test_nonfinite_gradient_skip_and_raise(rng, worker_device):
