@@ -49,7 +49,7 @@ from .profiling import PhaseRecorder
 from .rng import WorkerRNG, cpu_generator_seed
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
 from .store import HostStore, check_initialized, check_pin, layout_of, replica_shadow_dtype
-from .streamer import _POLL_S, check_options as check_streamer_options
+from .streamer import _POLL_S, check_options as check_streamer_options, refuse_script_module
 from .sync import sync_step
 from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, task_thread_initializer
 
@@ -125,6 +125,7 @@ def _generator_untouched_on_failure(init):
             raise
         self.__dict__.pop("_generator_before", None)
     return wrapper
+
 
 class Engine:
     """Trains ``model`` with G workers; see the module docstring.
@@ -227,6 +228,7 @@ class Engine:
             if mode != "pipeline" and not isinstance(model, torch.nn.Module):  # AttributeError 'parameters' before
                 raise TypeError(f"Engine: model must be an nn.Module (or, for mode='pipeline', a list of layers); "
                                 f"got {type(model).__name__}")
+            refuse_script_module(model, "Engine")
             self._check_options(mode, nonfinite, accumulate, max_staleness, staleness_lr, batch_schedule, autocast,
                                 loss_fn)
             if keep_history is not None and (not isinstance(keep_history, int) or isinstance(keep_history, bool)

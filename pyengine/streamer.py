@@ -41,6 +41,16 @@ class Bucket(NamedTuple):
     end: int
 
 
+def refuse_script_module(model, who: str) -> None:
+    """A TorchScript module (torch.jit.script/trace) is refused naming the fix: it takes no forward pre-hook (the
+    streamer's wait for the weights), and its copies (an engine's replicas) have no leaf parameters to hook the
+    gradients on (torch said 'post accumulate grad hooks cannot be registered on non-leaf tensors')."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(f"{who}: the model is a TorchScript module ({type(model).__name__}): the gradients and "
+                        "weights move by hooks on the module and its parameters, which a TorchScript module cannot "
+                        "have; give the plain nn.Module (torch.compile(model) trains)")
+
+
 def check_options(bucket_mb, first_bucket_mb, unused, eager_mb, who: str = "GradientStreamer"):
     """ValueError naming the option unless the streamer's options are valid (the Engine checks them before it
     allocates or seeds anything). Returns (bucket_mb, first_bucket_mb, eager_mb) as Python floats (numpy's numbers
@@ -134,6 +144,7 @@ class GradientStreamer:
                  first_bucket_mb: float = 1, unused: str = "zero", eager_mb: float | None = 1):
         if not isinstance(replica, torch.nn.Module):
             raise TypeError(f"GradientStreamer: replica must be an nn.Module; got {type(replica).__name__}")
+        refuse_script_module(replica, "GradientStreamer")
         if not isinstance(store, HostStore):
             raise TypeError(f"GradientStreamer: store must be a HostStore; got {type(store).__name__}")
         bucket_mb, first_bucket_mb, eager_mb = check_options(bucket_mb, first_bucket_mb, unused, eager_mb)

@@ -2460,6 +2460,15 @@ def test_lazy_and_complex_parameters_are_refused_naming_them():
         Engine(model, loss_fn, devices=["cpu"] * 2)
 
 
+@pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, torch.zeros(2, 10))],
+                         ids=["script", "trace"])
+def test_a_torchscript_model_is_refused_naming_the_fix(make):
+    """torch said 'post accumulate grad hooks cannot be registered on non-leaf tensors' (the replicas' parameters,
+    copies of a ScriptModule's, are no leaves), naming neither the engine nor the fix."""
+    with pytest.raises(TypeError, match=r"Engine: the model is a TorchScript module .*give the plain nn.Module"):
+        Engine(make(make_model()), loss_fn, devices=["cpu"] * 2)
+
+
 class GrowsInForward(torch.nn.Module):
     """A hand-made lazy layer: its bias is created by the first forward (after the engine copied the model)."""
 

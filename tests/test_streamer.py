@@ -493,6 +493,12 @@ def test_replicas_the_store_cannot_take_are_refused_at_construction():
     sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"\['0'\] make sparse gradients.*sparse=False"):
         pyengine.GradientStreamer(sparse, pyengine.HostStore(sparse, pin=False))
+    # a TorchScript module takes no forward pre-hook, and its copies have no leaf parameters
+    scripted = torch.jit.script(torch.nn.Linear(5, 3))
+    for replica in (scripted, copy.deepcopy(scripted)):
+        with pytest.raises(TypeError, match=r"GradientStreamer: the model is a TorchScript module .*give the plain "
+                                            r"nn.Module"):
+            pyengine.GradientStreamer(replica, pyengine.HostStore(scripted, pin=False))
     # a frozen sparse embedding makes no gradient: accepted (it was refused), and the rest streams
     sparse[0].requires_grad_(False)
     store = pyengine.HostStore(sparse, pin=False)
