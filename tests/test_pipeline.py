@@ -499,11 +499,21 @@ def tied_module(seed=0):
     return torch.nn.Sequential(shared, torch.nn.Tanh(), torch.nn.Linear(5, 5), torch.nn.Tanh(), shared)
 
 
+def tied_thrice(seed=0):
+    """One Linear used three times, in each of three stages (balance [2, 2, 1])."""
+    torch.manual_seed(seed)
+    shared = torch.nn.Linear(5, 5)
+    return torch.nn.Sequential(shared, torch.nn.Tanh(), shared, torch.nn.Tanh(), shared)
+
+
 @pytest.mark.parametrize("case,stages,replicas,balance", [
-    ("embedding", 3, 1, [1, 3, 1]), ("embedding", 2, 2, [2, 3]), ("module", 2, 1, [3, 2])])
+    ("embedding", 3, 1, [1, 3, 1]), ("embedding", 2, 2, [2, 3]), ("module", 2, 1, [3, 2]),
+    ("module", 3, 1, [2, 2, 1])])
 def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, replicas, balance, worker_device):
-    model = tied_lm() if case == "embedding" else tied_module()
+    """A parameter held by several stages gets the sum of their gradients (three stages: every one's)."""
+    model = tied_lm() if case == "embedding" else tied_module() if stages == 2 else tied_thrice()
     tied = ["0.weight"] if case == "embedding" else ["0.weight", "0.bias"]
+    holders = [0, 1, 2] if case == "module" and stages == 3 else [0, stages - 1]
     if case == "embedding":
         batches = [(torch.randint(0, 11, (19, 3), generator=rng), torch.randint(0, 11, (19, 3), generator=rng))
                    for _ in range(5)]
@@ -515,11 +525,11 @@ def test_tied_parameters_across_stages_equal_single_device(rng, case, stages, re
     ref_opt = torch.optim.AdamW(reference.parameters(), foreach=False, **OPT)
     with Engine(model, loss, devices=[worker_device] * (stages * replicas), mode="pipeline", stages=stages,
                 microbatches=3, optimizer=AdamW(**OPT), balance=balance) as engine:
-        assert engine.pipeline.tied == {name: [0, stages - 1] for name in tied}
+        assert engine.pipeline.tied == {name: holders for name in tied}
         for x, y in batches:
             before = engine.master_state_dict()
             metrics = engine.step((x, y))
-            for stage in engine.pipeline.stages[0] + engine.pipeline.stages[-1]:
+            for stage in [s for h in holders for s in engine.pipeline.stages[h]]:
                 for name in tied:
                     held = dict(stage.params)[name]
                     assert torch.equal(held.detach().cpu(), before[name]), "every stage computed with the last update"
@@ -877,6 +887,45 @@ def test_bad_models_and_modes():
     with pytest.raises(ValueError, match=r"buffer '0.running_mean' is shared between stages \[0, 1\]"):
         Engine(torch.nn.Sequential(norm, torch.nn.Linear(4, 4), norm), loss_fn, devices=["cpu"] * 2,
                mode="pipeline", balance=[2, 1])
+
+
+class Gated(torch.nn.Module):
+    """A Linear and a gain used only while GATE is on: a parameter that some steps' backward does not reach."""
+    GATE = {"on": True}
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.gain = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        x = self.linear(x)
+        return x * self.gain if Gated.GATE["on"] else x
+
+
+def test_a_stage_parameter_unused_in_a_step_gets_a_zero_gradient(rng):
+    """unused='zero' (the default): a stage parameter the step's backward does not reach streams zeros, as in the
+    other modes; its slot must not keep the last step's gradient (which would be applied again). Reference:
+    torch's AdamW in float64 with a zero .grad for a parameter that got none."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), Gated(), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 3))
+    reference = TorchReference(model)
+    try:
+        with pipeline(model, ["cpu"] * 2, stages=2, microbatches=2) as engine:
+            for step, batch in enumerate(make_batches(rng, 4, 12)):
+                Gated.GATE["on"] = step == 0
+                engine.step(batch)
+                x, y = batch
+                reference.opt.zero_grad(set_to_none=True)
+                loss_fn(reference.model, (x.double(), y)).backward()
+                for p in reference.model.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                reference.opt.step()
+            assert_matches(engine, reference)
+    finally:
+        Gated.GATE["on"] = True
 
 
 def test_split_layers_keeps_tied_parameters_in_every_stage_holding_them():
