@@ -298,6 +298,36 @@ def norm_model(seed=0):
 NO_DECAY = ("bias", "1.")  # every bias, and the LayerNorm's weight
 
 
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 2), ("async", 1), ("pipeline", 2)])
+@pytest.mark.parametrize("flags", [dict(maximize=True), dict(amsgrad=True), dict(adamw=False, maximize=True)],
+                         ids=["maximize", "amsgrad", "adam-maximize"])
+def test_optimizer_flags_reach_the_update_as_torchs(rng, mode, workers, flags):
+    """AdamW(maximize=, amsgrad=, adamw=) against torch in float64 (the fused kernel's flags are tested in
+    test_ops; this checks the engine hands them to it: a maximize left at False trained downhill unnoticed). A loss
+    to maximize: the negative cross-entropy."""
+    def negative(model, batch):
+        return -loss_fn(model, batch)
+
+    flags = dict(flags)  # the parameter's dict is shared by every mode's case
+    adamw = flags.pop("adamw", True)
+    model = make_model()
+    reference = copy.deepcopy(model).double()
+    kind = torch.optim.AdamW if adamw else torch.optim.Adam  # Adam: L2 weight decay added to the gradient
+    ref_opt = kind(reference.parameters(), foreach=False, **OPT, **flags)
+    extra = dict(microbatches=2) if mode == "pipeline" else {}
+    with Engine(model, negative, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT, **flags, adamw=adamw),
+                **extra) as engine:
+        for x, y in make_batches(rng, 5, 12):
+            engine.step((x, y)) if mode != "async" else engine.fit([(x, y)])
+            ref_opt.zero_grad()
+            negative(reference, (x.double(), y)).backward()
+            ref_opt.step()
+        master = engine.master_state_dict()
+    for name, p in reference.named_parameters():
+        scale = p.detach().abs().max().item()
+        torch.testing.assert_close(master[name].double(), p.detach(), rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
 @pytest.mark.parametrize("mode,workers,options", [
     ("hybrid", 2, TINY_BUCKETS), ("hybrid", 2, {}), ("sync", 2, {}), ("pipeline", 2, dict(microbatches=2))],
     ids=["hybrid-4-buckets", "hybrid-1-bucket", "sync", "pipeline"])
@@ -2303,6 +2333,21 @@ def _corruptions():
         ("exp_avg_sq negative", spoil(("optimizer", "state", 1, "exp_avg_sq"), lambda t: _with_last(t, -1e-12)),
          r"state\[1\]\['exp_avg_sq'\] \(param '0.bias'\) holds 1 negative value\(s\) of 24"),
     ]
+
+
+def test_an_amsgrad_state_with_a_negative_maximum_is_refused(rng):
+    """max_exp_avg_sq is checked as exp_avg_sq is (a negative one would make the update's denominator NaN)."""
+    batches = make_batches(rng, 3, 8)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT, amsgrad=True)) as engine:
+        engine.fit(batches)
+        state = engine.state_dict()
+        state["optimizer"]["state"][1]["max_exp_avg_sq"] = _with_last(state["optimizer"]["state"][1]["max_exp_avg_sq"],
+                                                                      -1e-12)
+        before = engine.master_state_dict()
+        with pytest.raises(ValueError, match=r"state\[1\]\['max_exp_avg_sq'\] \(param '0.bias'\) holds 1 negative"):
+            engine.load_state_dict(state)
+        for name, value in engine.master_state_dict().items():
+            assert torch.equal(value, before[name]), name
 
 
 def _with_last(t: torch.Tensor, value) -> torch.Tensor:
