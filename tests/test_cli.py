@@ -611,6 +611,44 @@ def test_the_first_checkpoint_makes_its_folder_durable(tmp_path, monkeypatch):
     assert synced == [tmp_path / "run" / "checkpoints", tmp_path / "run", tmp_path / "run" / "checkpoints"]
 
 
+def test_checkpoints_past_eight_digits_are_listed_in_step_order(tmp_path):
+    """Names have 8 digits or more: step 10**8 has 9, and lists (by its number, not its name) after 99999999,
+    so latest() and a resume take it and prune() counts it."""
+    folder = tmp_path / "checkpoints"
+    for step in (99999999, 10 ** 8, 7):
+        ckpt.save(folder, step, {"step": step})
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(folder)] == [7, 99999999, 10 ** 8]
+    assert ckpt.latest(folder).name == "step-100000000.pyeckpt" and ckpt.load(ckpt.latest(folder)) == {"step": 10 ** 8}
+    ckpt.prune(folder, 1)
+    assert [p.name for p in folder.iterdir()] == ["step-100000000.pyeckpt"]
+
+
+def test_a_checkpoint_saved_again_replaces_itself_under_keep(tmp_path):
+    """Saving the newest step again with keep=1 (a run's final save after its last periodic one) is no older step:
+    it replaces the file."""
+    folder = tmp_path / "checkpoints"
+    ckpt.save(folder, 5, {"x": 1}, keep=1)
+    ckpt.save(folder, 5, {"x": 2}, keep=1)
+    assert ckpt.load(ckpt.latest(folder)) == {"x": 2} and len(ckpt.list_checkpoints(folder)) == 1
+    with pytest.raises(ValueError, match=r"step 4 is older than the newest 1 kept"):
+        ckpt.save(folder, 4, {"x": 3}, keep=1)
+
+
+def test_a_well_formed_file_that_holds_no_dict_is_a_checkpoint_error(tmp_path):
+    """The hash matches, the payload decodes, but it is a list: CheckpointError naming it (not an AttributeError
+    from the caller that reads it as a state)."""
+    import hashlib
+    import io
+    buffer = io.BytesIO()
+    torch.save([1, 2], buffer)
+    data = buffer.getvalue()
+    path = tmp_path / "step-00000001.pyeckpt"
+    path.write_bytes(ckpt.MAGIC + ckpt._HEADER.pack(ckpt.FORMAT_VERSION, len(data), hashlib.sha256(data).digest())
+                     + data)
+    with pytest.raises(ckpt.CheckpointError, match=r"holds a list, not a pyengine training state"):
+        ckpt.load(path)
+
+
 def _with_attribute(tensor, **attributes):
     for name, value in attributes.items():
         setattr(tensor, name, value)
