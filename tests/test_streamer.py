@@ -963,6 +963,46 @@ def test_no_sync_nests():
     streamer.close()
 
 
+def test_the_accumulation_window_restarts_where_its_api_says():
+    """Where the count of a window's passes starts again: accumulate(n) (the engine calls it every step with the
+    step's mini-batches: a k that changes from 1 to 2 must not copy after the first pass of two), reset() (a
+    failed step's passes do not count towards the next window), and the exit of no_sync() (the next pass outside
+    completes the window, whatever n)."""
+    model = Net()
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, bucket_mb=TINY, first_bucket_mb=TINY) as streamer:
+        def window(passes, check_between=True):
+            model.zero_grad()
+            store.grad_slot(0).fill_(5.0)
+            for i in range(passes):
+                model(batch()).backward()
+                if check_between and i < passes - 1:
+                    assert torch.all(store.grad_slot(0) == 5.0), f"copied after pass {i + 1} of {passes}"
+            streamer.wait_all()
+            assert_slots_equal_grads(store, model, 0)
+            streamer.copy_back()
+            streamer.wait_weights()
+
+        streamer.accumulate(1)
+        window(1)
+        streamer.accumulate(2)
+        window(2)
+        model.zero_grad()
+        model(batch()).backward()  # the first pass of a window that fails
+        streamer.reset()
+        window(2)
+        streamer.accumulate(3)
+        model.zero_grad()
+        store.grad_slot(0).fill_(5.0)
+        with streamer.no_sync():
+            model(batch()).backward()
+            model(batch()).backward()
+        assert torch.all(store.grad_slot(0) == 5.0)
+        model(batch()).backward()  # the first pass outside completes the window
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
+
+
 def run_steps(models, store, streamers, steps, data, pipelined, threaded, hyper):
     """Steps of G workers; returns nothing, leaves the result in store and replicas."""
     for step in range(1, steps + 1):
