@@ -529,6 +529,16 @@ def test_state_ranges_pack_the_adam_state(rng, amsgrad, shadow_dtype, workers):
         store.load_state_from_full(store.exp_avg, torch.zeros(3))
 
 
+def test_state_slice_below_the_first_held_range_is_an_index_error():
+    """Elements below the first held range got a slice of negative start (the last elements of the packed state),
+    not the IndexError the docstring promises."""
+    store = make(OddNet(sizes=[7, 17, 4097]), state_ranges=[(64, 80), (100, 130)])
+    assert store.state_slice(64, 80) == slice(0, 16) and store.state_slice(110, 120) == slice(26, 36)
+    for lo, hi in ((0, 5), (63, 64), (70, 90), (80, 100)):
+        with pytest.raises(IndexError, match="not inside one of the held state ranges"):
+            store.state_slice(lo, hi)
+
+
 def test_state_ranges_update_equals_the_full_store_on_the_held_ranges(rng):
     """The fused update on packed slices gives the same bits as on the full store, range by range."""
     model = OddNet(sizes=[7, 17, 4097])
