@@ -2170,6 +2170,10 @@ def test_load_state_dict_warns_that_the_optimizer_groups_hyper_parameters_are_no
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             engine.load_state_dict(saved)
+            no_base = copy.deepcopy(saved)  # groups without initial_lr: their lr is still a scheduled value
+            for group in no_base["optimizer"]["param_groups"]:
+                del group["initial_lr"]
+            engine.load_state_dict(no_base)
         with pytest.warns(UserWarning, match=r"param_groups hold \{\"param_groups\[0\]\['initial_lr'\]\": 0\.0, "
                                              r"\"param_groups\[0\]\['betas'\]\": \(0\.5, 0\.5\), "
                                              r"\"param_groups\[1\]\['eps'\]\": 1e-08\}, which are not read"):
