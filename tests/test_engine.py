@@ -717,6 +717,31 @@ def test_async_with_one_worker_equals_sync_exactly(rng, worker_device):
         assert torch.equal(expected[name], got[name]), name
 
 
+def test_an_async_push_after_a_skipped_one_draws_new_masks(rng):
+    """Note [Random numbers of concurrent workers]: a worker's draws are keyed by the pushes counted when it pulls,
+    a skipped push too. Keyed by the version (which a skipped push leaves as it was), a worker that pulls again
+    after its skipped push, before any other push lands, drew that push's dropout masks again."""
+    engine = None
+    masks, calls = [], {"worker 0": 0}
+
+    def loss(model, batch):
+        mask = model[2](torch.ones(64)) != 0  # the replica's Dropout, on the worker's generator
+        if model is engine.workers[1].replica:
+            time.sleep(0.3)  # worker 1 pushes after worker 0's second pull
+            return loss_fn(model, batch)
+        masks.append(mask)
+        calls["worker 0"] += 1
+        value = loss_fn(model, batch)
+        return value * float("nan") if calls["worker 0"] == 1 else value  # worker 0's first push is skipped
+
+    engine = Engine(make_model(dropout=0.5), loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT),
+                    nonfinite="skip")
+    with engine:
+        engine.fit(make_batches(rng, 3, 8))
+        assert engine.stats()["skipped_steps"] == 1
+    assert len(masks) >= 2 and not torch.equal(masks[0], masks[1])
+
+
 def test_async_accumulate_sums_minibatch_gradients(rng, worker_device):
     model = make_model()
     reference = TorchReference(model, **OPT)
