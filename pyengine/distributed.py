@@ -1016,10 +1016,10 @@ class DistributedHybrid(_FailureNaming):
     def _share_buffers(self, engine) -> None:
         """DDP's broadcast_buffers across ranks: rank 0's worker 0 buffers go to every replica of every rank, as one
         broadcast of their bytes (Note [Tensors travel as bytes]: an int16 or float8 buffer failed every step)."""
-        if not engine.buffer_names:
+        if not engine.saved_buffer_names:  # the persistent ones (Note [Buffers that are not saved])
             return
         named = dict(engine.workers[0].replica.named_buffers())
-        tensors = [named[name] for name in engine.buffer_names]
+        tensors = [named[name] for name in engine.saved_buffer_names]
         # one packet for every step (the kept works hold the tensors they sent: a new one per step kept a copy of
         # every buffer for each of the last 4096 steps), made again only when a buffer's shape or dtype changed
         if self._buffer_packet is None or not self._buffer_packet.fits(tensors):
@@ -1257,9 +1257,9 @@ def _servers_take_client_buffers(engine, group, servers: int, explain=None) -> N
     client (rank ``servers``) broadcasts its source replica's buffers as bytes; the servers take them into every
     replica of theirs, and the other clients keep their own (each client's statistics are its own, as when the
     engine was built). A collective."""
-    if not engine.buffer_names:
+    if not engine.saved_buffer_names:  # the persistent ones (Note [Buffers that are not saved])
         return
-    rank, names = dist.get_rank(group), engine.buffer_names
+    rank, names = dist.get_rank(group), engine.saved_buffer_names
     source = engine._replica_buffers(engine.buffer_source)
     packet = BytePacket([source[name] for name in names])
     if rank == servers:

@@ -127,6 +127,28 @@ def _generator_untouched_on_failure(init):
     return wrapper
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """A view in which elements share memory (an expanded tensor: a stride 0 over a dimension of size > 1): it
+    cannot be written in place."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+
+
+def _takes_in_place(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether buffer ``target`` can take ``value``'s values by copy_ (Note [Buffers that are not saved])."""
+    return target.shape == value.shape and target.dtype == value.dtype and not _overlaps(target)
+
+
+def _replace_module_buffer(roots, old: torch.Tensor, value: torch.Tensor) -> None:
+    """Every module under ``roots`` (modules) that holds buffer ``old`` holds one copy of ``value``, on ``old``'s
+    device, instead."""
+    new = value.detach().to(old.device, copy=True)
+    for root in roots:
+        for module in root.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is old:
+                    module._buffers[key] = new
+
+
 class Engine:
     """Trains ``model`` with G workers; see the module docstring.
 
@@ -379,14 +401,19 @@ class Engine:
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=task_thread_initializer, initargs=(self._task_threads, self.devices, self._intra_op_threads))
         # Note [Buffers that are not saved]
-        # Every buffer follows the schedule's source (shared, handed on, put back after a failed step, copied out
-        # by copy_to), as DDP's broadcast_buffers shares named_buffers(): a non-persistent one that the forward
-        # changes (a counter, an EMA kept out of checkpoints) trains as in torch. A checkpoint holds the persistent
-        # ones only (state_dict's keys: buffers_state_dict, load_state_dict), as torch's does; a non-persistent
-        # buffer loads as the model built it. A constant one (a causal mask) costs what DDP's broadcast costs: its
-        # copies each step (shared to the replicas, kept for a failed step), nothing when a model has none. The
-        # pipeline across processes shares the persistent ones only: its other buffers are each stage's constants
-        # (Note [Buffers of stages across processes]).
+        # Every buffer follows the schedule's source in the process (shared, handed on, put back after a failed
+        # step, copied out by copy_to), as DDP's broadcast_buffers shares named_buffers(): a non-persistent one
+        # that the forward changes (a counter, an EMA kept out of checkpoints) trains as in torch. A checkpoint
+        # holds the persistent ones only (state_dict's keys: buffers_state_dict, load_state_dict), as torch's
+        # does; load_state_dict leaves a non-persistent buffer as the replicas hold it, as torch's does. A
+        # non-persistent buffer may be a cache the forward replaces at another size (rotary tables) or a view that
+        # overlaps itself (an expanded mask): one that cannot take the source's values in place is replaced by a
+        # copy of them (_follow_buffer), and one that overlaps itself is not written back after a failed step (no
+        # forward wrote into it). A constant one costs what DDP's broadcast costs: its copies each step, nothing
+        # when a model has none. Across processes only the persistent ones travel (their shapes are checked
+        # alike on every rank when the engine is built; a cache's may differ between ranks by then): each rank's
+        # non-persistent ones are its own, and the pipeline across processes takes them for each stage's
+        # constants (Note [Buffers of stages across processes]).
         saved_names = model.state_dict().keys()
         self.buffer_names = [name for name, _ in model.named_buffers()]  # the shared ones, in named_buffers' order
         self.saved_buffer_names = [name for name in self.buffer_names if name in saved_names]
@@ -697,10 +724,12 @@ class Engine:
         self._whole_store()
         buffers, named = self._source_buffers(), dict(model.named_buffers())
         frozen, params = self._held_frozen(), dict(model.named_parameters())
+        saved = set(self.saved_buffer_names)  # a non-persistent buffer of another size is replaced (a cache)
         wrong = [f"{name!r} (the engine's {tuple(value.shape)}; model: "
                  f"{tuple(mine[name].shape) if name in mine else 'none'})"
                  for values, mine in ((buffers, named), (frozen, params))
-                 for name, value in values.items() if name not in mine or mine[name].shape != value.shape]
+                 for name, value in values.items()
+                 if name not in mine or (mine[name].shape != value.shape and (values is frozen or name in saved))]
         if wrong:  # checked before the weights are written: nothing is written
             raise ValueError(f"copy_to: the model lacks or reshapes the engine's buffers or frozen parameters: "
                              f"{', '.join(wrong)}")
@@ -715,7 +744,10 @@ class Engine:
         with torch.no_grad():
             for values, mine in ((buffers, named), (frozen, params)):
                 for name, value in values.items():
-                    mine[name].copy_(value)
+                    if values is buffers and name not in saved and not _takes_in_place(mine[name], value):
+                        _replace_module_buffer([model], mine[name], value)  # Note [Buffers that are not saved]
+                    else:
+                        mine[name].copy_(value)
 
     def _held_frozen(self) -> dict:
         """name -> each frozen parameter (:attr:`frozen` names them) as this process holds it: the source
@@ -781,7 +813,7 @@ class Engine:
         """Copies the buffers of the source replica (``buffer_source``) into the replicas ``targets``."""
         if not self.buffer_names:
             return
-        source = self.buffer_source
+        source, saved = self.buffer_source, set(self.saved_buffer_names)
         named = self._replica_buffers(source)
         with torch.no_grad():
             for t in targets:
@@ -789,7 +821,21 @@ class Engine:
                     continue
                 mine = self._replica_buffers(t)
                 for name in self.buffer_names:
-                    mine[name].copy_(named[name])
+                    if name not in saved and not _takes_in_place(mine[name], named[name]):
+                        self._replace_buffer(t, name, named[name])  # Note [Buffers that are not saved]
+                    else:
+                        mine[name].copy_(named[name])
+
+    def _replace_buffer(self, index: int, name: str, value: torch.Tensor) -> None:
+        """Replica ``index``'s non-persistent buffer ``name`` becomes a copy of ``value`` (Note [Buffers that are
+        not saved]), in every module of the replica that holds it (a buffer tied between modules)."""
+        if self.pipeline is None:
+            roots = [self.workers[index].replica]
+        elif self.pipeline.stages:  # the in-process pipeline (across processes only persistent buffers are shared)
+            roots = [row[index].module for row in self.pipeline.stages]
+        else:
+            roots = [layer for _, layer in self.pipeline.layers]
+        _replace_module_buffer(roots, self._replica_buffers(index)[name], value)
 
     def _num_replicas(self) -> int:
         return self.pipeline.replicas if self.pipeline is not None else len(self.workers)
@@ -1355,7 +1401,8 @@ class Engine:
         sources, copies, slots = saved
         for (module, key), source in zip(slots, sources):  # a forward that assigned a new tensor: the old one back
             module._buffers[key] = source
-        torch._foreach_copy_(sources, copies)
+        kept = [i for i, source in enumerate(sources) if not _overlaps(source)]  # no forward wrote into the others
+        torch._foreach_copy_([sources[i] for i in kept], [copies[i] for i in kept])
 
     def wait_bucket(self, k: int, futures: dict) -> bool:
         """Blocks until bucket ``k`` of every worker in ``futures`` is in its slot; False as soon as one of those

@@ -45,10 +45,15 @@ def refuse_script_module(model, who: str) -> None:
     """A TorchScript module (torch.jit.script/trace) is refused naming the fix: it takes no forward pre-hook (the
     streamer's wait for the weights), and its copies (an engine's replicas) have no leaf parameters to hook the
     gradients on (torch said 'post accumulate grad hooks cannot be registered on non-leaf tensors')."""
-    if isinstance(model, torch.jit.ScriptModule):
-        raise TypeError(f"{who}: the model is a TorchScript module ({type(model).__name__}): the gradients and "
-                        "weights move by hooks on the module and its parameters, which a TorchScript module cannot "
-                        "have; give the plain nn.Module (torch.compile(model) trains)")
+    roots = [("the model", model)] if isinstance(model, torch.nn.Module) else \
+        [(f"layer {i}", layer) for i, layer in enumerate(model)] if isinstance(model, (list, tuple)) else []
+    scripted = [f"{root if not name else repr(name)} ({type(m).__name__})" for root, layer in roots
+                if isinstance(layer, torch.nn.Module) for name, m in layer.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise TypeError(f"{who}: {scripted[0]} is a TorchScript module: the gradients and weights move by hooks on "
+                        "the module and its parameters, which a TorchScript module cannot have; give the plain "
+                        "nn.Module (torch.compile(model) trains)")
 
 
 def check_options(bucket_mb, first_bucket_mb, unused, eager_mb, who: str = "GradientStreamer"):
@@ -325,9 +330,6 @@ class GradientStreamer:
             with self._lock:
                 self._end_deferred = True
             return
-        if not self._looked_for_added:
-            self._looked_for_added = True
-            self._refuse_added()
         with self._lock:
             self._in_backward = False
             self._end_deferred = False
@@ -344,6 +346,9 @@ class GradientStreamer:
             self._launch_ready()
             self._fired = [False] * len(self._params)
             self._prune = self._prune or (bool(never) and self.unused == "zero")
+        if not self._looked_for_added:  # after the pass's launches, as the errors below: no waiter hangs
+            self._looked_for_added = True
+            self._refuse_added()
         replaced = self._replaced(never)
         if replaced:
             raise RuntimeError(

@@ -2539,8 +2539,16 @@ def test_lazy_and_complex_parameters_are_refused_naming_them():
 def test_a_torchscript_model_is_refused_naming_the_fix(make):
     """torch said 'post accumulate grad hooks cannot be registered on non-leaf tensors' (the replicas' parameters,
     copies of a ScriptModule's, are no leaves), naming neither the engine nor the fix."""
-    with pytest.raises(TypeError, match=r"Engine: the model is a TorchScript module .*give the plain nn.Module"):
+    with pytest.raises(TypeError, match=r"Engine: the model \((RecursiveScriptModule|TopLevelTracedModule)\) is a "
+                                        r"TorchScript module: .*give the plain nn.Module"):
         Engine(make(make_model()), loss_fn, devices=["cpu"] * 2)
+    nested = make_model()
+    nested[2] = make(torch.nn.Linear(24, 3)) if make is torch.jit.script else torch.jit.trace(
+        torch.nn.Linear(24, 3), torch.zeros(2, 24))
+    with pytest.raises(TypeError, match=r"Engine: '2' \(.*\) is a TorchScript module"):
+        Engine(nested, loss_fn, devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match=r"Engine: layer 2 \(.*\) is a TorchScript module"):
+        Engine(list(nested), loss_fn, devices=["cpu"] * 2, mode="pipeline", stages=2)
 
 
 class GrowsInForward(torch.nn.Module):
@@ -3173,6 +3181,56 @@ def test_a_non_persistent_buffer_trains_as_in_torch(rng, mode, workers):
         copied = CountingModel(seed=5)
         other.copy_to(copied)
         assert copied.calls.item() == 0
+        for name, value in engine.master_state_dict().items():
+            assert torch.equal(copied.state_dict()[name], value), name
+
+
+class Cached(torch.nn.Module):
+    """make_model's layers with two non-persistent buffers of the kinds that cannot take values in place: a cache
+    the forward replaces at the batch's size (rotary tables, say) and an expanded constant mask."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.net = make_model(seed)
+        self.register_buffer("cache", torch.zeros(1), persistent=False)
+        self.register_buffer("mask", torch.ones(1, 3).expand(4, 3), persistent=False)
+
+    def forward(self, x):
+        if self.cache.numel() < x.shape[0]:
+            self.cache = torch.arange(float(x.shape[0]))
+        return self.net(x) * self.mask[0] + 0 * self.cache[:1]
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 2), ("sync", 1)])
+def test_non_persistent_caches_and_expanded_masks_follow_by_replacement(rng, mode, workers):
+    """A buffer the forward replaced at a new size could not be copied into the other replicas' (sync failed every
+    step after the first: "the size of tensor a (2) must match"), nor an expanded one written (hybrid and sync:
+    "more than one element of the written-to tensor refers to a single memory location"). Such a buffer now
+    takes a copy of the source's; a failed step leaves the expanded one alone; copy_to replaces the model's."""
+    failing = {"on": False}
+
+    def loss(model, batch):
+        value = loss_fn(model, batch)
+        if failing["on"]:
+            raise RuntimeError("after the forward")
+        return value
+
+    model = Cached()
+    reference = TorchReference(model, **OPT)
+    batches = [make_batches(rng, 1, size)[0] for size in (8, 12, 16, 6)]
+    with Engine(model, loss, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as engine:
+        for i, b in enumerate(batches):
+            if i == 2:
+                failing["on"] = True
+                with pytest.raises((WorkerError, RuntimeError), match="after the forward"):
+                    engine.step(b)
+                failing["on"] = False
+            engine.step(b)
+            reference.step([b])
+        assert_matches(engine, reference)
+        copied = Cached(seed=5)
+        engine.copy_to(copied)
+        assert copied.cache.numel() in (8, 16) and torch.equal(copied.mask, torch.ones(4, 3))
         for name, value in engine.master_state_dict().items():
             assert torch.equal(copied.state_dict()[name], value), name
 
