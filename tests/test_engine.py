@@ -3047,6 +3047,16 @@ def make_bn_model(seed=0, d_in=10, hidden=24, d_out=3):
                                torch.nn.Linear(hidden, d_out))
 
 
+def loss_failing_while(failing: dict):
+    """loss_fn that raises RuntimeError("after the forward") after its forward, while ``failing["on"]``."""
+    def loss(model, batch):
+        value = loss_fn(model, batch)
+        if failing["on"]:
+            raise RuntimeError("after the forward")
+        return value
+    return loss
+
+
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 1), ("async", 1)])
 def test_a_failed_step_leaves_the_buffers_alone(rng, mode, workers, worker_device):
     """Note [A failed step leaves the buffers alone]: every worker's forward of step 2 runs (BatchNorm counts its
@@ -3055,12 +3065,7 @@ def test_a_failed_step_leaves_the_buffers_alone(rng, mode, workers, worker_devic
     push) is compared with sync, which one async worker equals."""
     batches = make_batches(rng, 3, 12)
     failing = {"on": False}
-
-    def loss_then_fail(model, batch):
-        loss = loss_fn(model, batch)
-        if failing["on"]:
-            raise RuntimeError("after the forward")
-        return loss
+    loss_then_fail = loss_failing_while(failing)
 
     kw = dict(devices=[worker_device] * workers, optimizer=AdamW(**OPT))
     with Engine(make_bn_model(), loss_then_fail, mode=mode, **kw) as engine, \
@@ -3208,12 +3213,7 @@ def test_non_persistent_caches_and_expanded_masks_follow_by_replacement(rng, mod
     "more than one element of the written-to tensor refers to a single memory location"). Such a buffer now
     takes a copy of the source's; a failed step leaves the expanded one alone; copy_to replaces the model's."""
     failing = {"on": False}
-
-    def loss(model, batch):
-        value = loss_fn(model, batch)
-        if failing["on"]:
-            raise RuntimeError("after the forward")
-        return value
+    loss = loss_failing_while(failing)
 
     model = Cached()
     reference = TorchReference(model, **OPT)
@@ -3242,12 +3242,7 @@ def test_a_failed_step_puts_back_a_non_persistent_buffer(rng, mode, workers):
     persistent ones only): it now goes on bit-identically to a run that never saw the failed batch."""
     batches = make_batches(rng, 3, 12)
     failing = {"on": False}
-
-    def loss_then_fail(model, batch):
-        loss = loss_fn(model, batch)
-        if failing["on"]:
-            raise RuntimeError("after the forward")
-        return loss
+    loss_then_fail = loss_failing_while(failing)
 
     kw = dict(devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT))
     with Engine(CountingModel(), loss_then_fail, **kw) as engine, Engine(CountingModel(), loss_fn, **kw) as clean:
