@@ -408,7 +408,7 @@ class Engine:
         # does; load_state_dict leaves a non-persistent buffer as the replicas hold it, as torch's does. A
         # non-persistent buffer may be a cache the forward replaces at another size (rotary tables) or a view that
         # overlaps itself (an expanded mask): one that cannot take the source's values in place is replaced by a
-        # copy of them (_follow_buffer), and one that overlaps itself is not written back after a failed step (no
+        # copy of them (_replace_module_buffer), and one that overlaps itself is not written back after a failed step (no
         # forward wrote into it). A constant one costs what DDP's broadcast costs: its copies each step, nothing
         # when a model has none. Across processes only the persistent ones travel (their shapes are checked
         # alike on every rank when the engine is built; a cache's may differ between ranks by then): each rank's
@@ -417,6 +417,7 @@ class Engine:
         saved_names = model.state_dict().keys()
         self.buffer_names = [name for name, _ in model.named_buffers()]  # the shared ones, in named_buffers' order
         self.saved_buffer_names = [name for name in self.buffer_names if name in saved_names]
+        self._saved_buffers = frozenset(self.saved_buffer_names)  # the same, for lookups on the step's path
         if mode == "pipeline" and group is not None:
             self.buffer_names = list(self.saved_buffer_names)
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
@@ -724,7 +725,7 @@ class Engine:
         self._whole_store()
         buffers, named = self._source_buffers(), dict(model.named_buffers())
         frozen, params = self._held_frozen(), dict(model.named_parameters())
-        saved = set(self.saved_buffer_names)  # a non-persistent buffer of another size is replaced (a cache)
+        saved = self._saved_buffers  # a non-persistent buffer of another size is replaced (a cache)
         wrong = [f"{name!r} (the engine's {tuple(value.shape)}; model: "
                  f"{tuple(mine[name].shape) if name in mine else 'none'})"
                  for values, mine in ((buffers, named), (frozen, params))
@@ -767,8 +768,7 @@ class Engine:
         """The model's persistent buffers (e.g. BatchNorm running statistics) from the source replica (see the class
         docstring), on the CPU, keys as ``model.state_dict()`` (Note [Buffers that are not saved]). Pipeline stages
         across processes: a collective."""
-        saved = set(self.saved_buffer_names)
-        return {name: t for name, t in self._source_buffers().items() if name in saved}
+        return {name: t for name, t in self._source_buffers().items() if name in self._saved_buffers}
 
     def _source_buffers(self) -> dict:
         """name -> a CPU copy of every shared buffer of the source replica (the persistent and the non-persistent
@@ -813,7 +813,7 @@ class Engine:
         """Copies the buffers of the source replica (``buffer_source``) into the replicas ``targets``."""
         if not self.buffer_names:
             return
-        source, saved = self.buffer_source, set(self.saved_buffer_names)
+        source, saved = self.buffer_source, self._saved_buffers
         named = self._replica_buffers(source)
         with torch.no_grad():
             for t in targets:
