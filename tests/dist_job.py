@@ -335,7 +335,7 @@ def async_close(seed, rank, world, who):
     """Note [Closing a multi-node async run]: rank 0 serves, rank 1 pushes (200 mini-batches, steps=200); ``who``
     closes the engine during fit: "server" (rank 0, from another thread after push 5), "callback" (rank 0's
     callback at push 5) or "client" (rank 1, from another thread after its push 5). Records what fit raised, the
-    pushes counted, and whether close() returned only after fit had ended."""
+    pushes counted, and whether close() returned only after the run had ended (nothing counted or computed after)."""
     batches = [client_batch(seed, rank, i % 4) for i in range(200)] if rank else []
     closing_rank = 1 if who == "client" else 0
     fifth, times = threading.Event(), {}
@@ -363,7 +363,9 @@ def async_close(seed, rank, world, who):
         else:
             fifth.wait(60)
         engine.close()
-        times["closed"] = time.monotonic()
+        # what the run had done as close() returned, and whether it had ended (a time stamp against one the caller
+        # takes after fit is a race: fit raises on its thread just after the run ends, and close() may return first)
+        times["closed"] = (engine.stats()["pushes"], calls[0], engine._async_run is None)
 
     thread = None
     if who != "callback" and rank == closing_rank:
@@ -374,13 +376,13 @@ def async_close(seed, rank, world, who):
         engine.fit(batches, steps=200, callbacks=[counted] if rank == 0 else [])
     except Exception as exc:  # noqa: BLE001 - reported
         error = f"{type(exc).__name__}: {exc}"
-    times["fit"] = time.monotonic()
     if thread is not None:
         thread.join(60)
     pushes = engine.stats()["pushes"]
     engine.close()
+    # close() returned only once the run had ended: nor push counted, nor loss computed after it returned
     return {"error": error, "pushes": pushes,
-            "close_after_fit": times["closed"] >= times["fit"] if "closed" in times else None}
+            "close_after_fit": times["closed"] == (pushes, calls[0], True) if "closed" in times else None}
 
 
 def async_refresh_at_stop(seed, rank, world, servers, out_dir):
