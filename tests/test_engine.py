@@ -722,15 +722,17 @@ def test_an_async_push_after_a_skipped_one_draws_new_masks(rng):
     a skipped push too. Keyed by the version (which a skipped push leaves as it was), a worker that pulls again
     after its skipped push, before any other push lands, drew that push's dropout masks again."""
     engine = None
-    masks, calls = [], {"worker 0": 0}
+    masks, calls, second = [], {"worker 0": 0}, threading.Event()
 
     def loss(model, batch):
         mask = model[2](torch.ones(64)) != 0  # the replica's Dropout, on the worker's generator
         if model is engine.workers[1].replica:
-            time.sleep(0.3)  # worker 1 pushes after worker 0's second pull
+            assert second.wait(30)  # worker 1 pushes after worker 0's second pull (it holds one of the 3 batches)
             return loss_fn(model, batch)
         masks.append(mask)
         calls["worker 0"] += 1
+        if calls["worker 0"] == 2:
+            second.set()
         value = loss_fn(model, batch)
         return value * float("nan") if calls["worker 0"] == 1 else value  # worker 0's first push is skipped
 
@@ -2745,8 +2747,10 @@ def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng, pytho
     import signal
 
     release = threading.Event()  # the workers' computations end only once fit has handled both signals
+    computing = threading.Event()  # a worker is inside its loss: fit then waits for it when the first signal comes
 
     def held_loss(model, batch):
+        computing.set()
         release.wait(60)
         return loss_fn(model, batch)
 
@@ -2755,12 +2759,12 @@ def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng, pytho
     def interrupt_twice():
         # the first once the workers compute, the second once fit handles the first (two signals the main thread
         # has not run between would count as one); the workers are held until fit gave the engine up (with a
-        # computation of a fixed length, a loaded machine let them finish before the second signal came)
+        # computation of a fixed length, a loaded machine let them finish before the second signal came). A worker
+        # thread that merely exists may not compute yet: a first signal then ended fit before any computation, and
+        # the second one came outside fit (it ended the whole test session)
         deadline = time.monotonic() + 60
         try:
-            while time.monotonic() < deadline and not any(t.name == "pyengine-async-1"
-                                                          for t in threading.enumerate()):
-                time.sleep(0.005)
+            computing.wait(60)
             os.kill(os.getpid(), signal.SIGINT)
             while time.monotonic() < deadline and not (engine._async_run is not None
                                                        and engine._async_run.stop.is_set()):
@@ -2792,15 +2796,15 @@ import torch
 import pyengine
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
-release = threading.Event()
+release, computing = threading.Event(), threading.Event()
 def held_loss(m, batch):
+    computing.set()
     release.wait(60)
     return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
 engine = pyengine.Engine(model, held_loss, devices=["cpu"] * 2, mode="async", pin=False)
 def interrupt_twice():  # as in test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(t.name == "pyengine-async-1" for t in threading.enumerate()):
-        time.sleep(0.005)
+    computing.wait(60)
     os.kill(os.getpid(), signal.SIGINT)
     while time.monotonic() < deadline and not (engine._async_run is not None and engine._async_run.stop.is_set()):
         time.sleep(0.001)
