@@ -91,13 +91,28 @@ from .store import layout_of
 from .streamer import _POLL_S, make_buckets
 from .workers import WorkerError, batch_size, split_batch, split_microbatches
 
-__all__ = ["DistributedError", "DistributedHybrid", "init_process_group", "resolve_group", "check_same_config",
-           "report_failed_config", "run_async", "gather_optimizer_state", "shard_ranges", "owned_state_ranges",
-           "check_servers", "shard_spans"]
+__all__ = ["DistributedError", "PeerEndedFit", "DistributedHybrid", "init_process_group", "resolve_group",
+           "check_same_config", "report_failed_config", "run_async", "gather_optimizer_state", "shard_ranges",
+           "owned_state_ranges", "check_servers", "shard_spans"]
 
 
 class DistributedError(RuntimeError):
     """A collective or point-to-point exchange failed: a peer rank died, raised, or timed out."""
+
+
+class PeerEndedFit(DistributedError):
+    """Another rank's :meth:`Engine.fit` ended (Note [Ranks whose fits end at different steps]) while this rank
+    stepped, or it raised while this rank's fit ended too: ``ranks`` are those ranks, ``failed`` whether their fit
+    raised. A step that meets it is refused on every rank before any work, and the group stays usable. Inside fit
+    this rank's fit ends there too (with a warning, or raising this when the other rank's fit raised); a step()
+    called by hand raises it: the ranks made different calls."""
+
+    def __init__(self, message: str, ranks: list[int] = (), failed: bool = False):
+        super().__init__(message)
+        self.ranks, self.failed = list(ranks), failed
+
+    def __reduce__(self):  # pickled (a worker's error sent to another process) with its fields
+        return type(self), (str(self), self.ranks, self.failed)
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a group's longest timeout: far above any checkpoint write (larger ones overflowed
@@ -318,14 +333,16 @@ def _pickled(obj) -> torch.Tensor:
 # another tag (or none) raises, and its DistributedError says which phase each rank is in (Note [Naming a rank that
 # died between steps]: the ranks made different calls). Both sides raise after this one exchange, so neither waits
 # on a collective the other never makes; the group is out of step and refused from then on.
+# A step's header also pairs with another rank's end of fit (_END_TAG: Note [Ranks whose fits end at different
+# steps]), which is no error.
 HEADER_LEN = 5
-_STEP_TAG, _OBJECT_TAG = 5005.0, 7007.0
+_STEP_TAG, _OBJECT_TAG, _END_TAG = 5005.0, 7007.0, 6006.0
 
 
-def _check_tags(gathered: torch.Tensor, tag: float) -> None:
+def _check_tags(gathered: torch.Tensor, tag: float, partner: float | None = None) -> None:
     """Raises RuntimeError (a failed exchange) unless every rank's header in ``gathered`` (world x HEADER_LEN) starts
-    with ``tag`` (Note [Exchanges that pair up wrongly])."""
-    others = [r for r, t in enumerate(gathered[:, 0].tolist()) if t != tag]
+    with ``tag`` or ``partner`` (Note [Exchanges that pair up wrongly])."""
+    others = [r for r, t in enumerate(gathered[:, 0].tolist()) if t != tag and t != partner]
     if others:
         raise RuntimeError(f"{_rank_list(others)} sent the data of another exchange: the collectives paired up "
                            "wrongly")
@@ -703,6 +720,15 @@ def _take_first(errors: list) -> BaseException:
     return first
 
 
+_END_PHASE = "the end of fit"  # Note [Ranks whose fits end at different steps]
+
+
+def _step_meets_end(a: str, b: str) -> bool:
+    """Whether phases ``a`` and ``b`` of two ranks are a step and an end of fit, which pair up (Note [Ranks whose
+    fits end at different steps]): no calls that differ."""
+    return (a == _END_PHASE) != (b == _END_PHASE) and (a.startswith("step ") or b.startswith("step "))
+
+
 class _FailureNaming:
     """What a rank of a multi-process engine (:class:`DistributedHybrid`, the cross-process pipeline) does so that its
     peers name it when it fails (Note [Naming the rank that failed], Note [Naming a rank that died between steps]):
@@ -751,7 +777,8 @@ class _FailureNaming:
         if recorded is not None:
             return recorded
         present = [r for r in range(self.world) if r not in missing]
-        elsewhere = {r: name for r, (n, name) in enumerate(phases) if n == self.phase and name != self.phase_name}
+        elsewhere = {r: name for r, (n, name) in enumerate(phases) if n == self.phase and name != self.phase_name
+                     and not _step_meets_end(name, self.phase_name)}
         if elsewhere:  # as many phases, other calls: the ranks' collectives paired up wrongly
             return ("the ranks made different calls: this rank is in " + self.phase_name + ", while "
                     + "; ".join(f"rank {r} is in {name}" for r, name in elsewhere.items())
@@ -881,6 +908,87 @@ class DistributedHybrid(_FailureNaming):
         for worker in engine.workers:
             worker.pull(wait=True)
 
+    # ---- the end of a fit -------------------------------------------------------------------------------------
+
+    # Note [Ranks whose fits end at different steps]
+    # Engine.fit on every rank runs one step per batch of that rank's own data, and the data may end unevenly (a
+    # sampler that does not pad, an IterableDataset's shards), or one rank may stop() alone: that rank left fit
+    # while the others waited in their next step's first collective until the group's timeout, or paired it with
+    # whatever that rank called next. So a rank's fit that ends without a failed step (its batches ran out, its
+    # steps were done, stop(), or its batches or a callback raised) makes one more exchange of the step's header
+    # size, tagged _END_TAG (end_fit). Every rank's fit ends at the same step that way: when all of them end there,
+    # their end headers meet and nothing else happens (one small all-gather per fit call); a rank still stepping
+    # meets them with its step's header, refuses that step before any work (every rank sees every header: no rank
+    # goes on) and its fit ends too, with a RuntimeWarning naming the ranks whose fit ended, or raising PeerEndedFit
+    # naming their error when their fit raised (its text travels in one exchange more, which every rank makes when
+    # a header says so). A rank whose step fails does not send one: its step raised on every rank (a refusal, a
+    # non-finite gradient under nonfinite="raise") or broke the group (Note [Naming the rank that failed]); one
+    # that raised before its first collective (a schedule value refused, an engine closed) sends one with its error,
+    # as its batches would. A Ctrl-C does not: the peers may be anywhere by then. The group stays usable in every
+    # case above. A step refused by an end is not counted in the phases' names (steps), so they stay alike; an end
+    # and a step at the same phase count are no calls that differ (_explain). Not covered: a step that fails on one
+    # rank after its last collective (its copy back) raises there only, and the others' next step waits for the
+    # group's timeout, as before.
+
+    def end_fit(self, engine, error: BaseException | None = None) -> list[int]:
+        """Tells the other ranks that this rank's :meth:`Engine.fit` ends (``error``: with this exception, which
+        the caller raises next) and returns the ranks that were still stepping: their step was refused and their
+        fit ended here too. Raises PeerEndedFit when another rank's fit raised at the same point. Nothing after a
+        failed step (the group is unusable)."""
+        if self.broken:
+            return []
+        self._enter(_END_PHASE)
+        try:
+            self._sizes.copy_(torch.tensor([_END_TAG, float(error is not None), float(engine.version), 0.0, 0.0],
+                                           dtype=torch.float64))
+            self._all_sizes.zero_()
+            with _collective("all-gather of the end of fit", self.rank, self._explain):
+                self.works.run(_all_gather_flat, self._all_sizes_flat, self._sizes, group=self.group)
+                _check_tags(self._all_sizes, _END_TAG, _STEP_TAG)
+            tags = self._all_sizes[:, 0].tolist()
+            ended = self._ended(self._all_sizes, own=error, stepping=False)
+        except BaseException as exc:
+            self.broken = True
+            self._record_failure(exc)
+            raise
+        if ended is not None and ended.failed and error is None:  # another rank's fit raised: so does this one's
+            try:
+                raise ended
+            finally:  # Note [No reference cycle through the engine]
+                ended = None
+        return [r for r, t in enumerate(tags) if t == _STEP_TAG]
+
+    def _ended(self, gathered: torch.Tensor, own: BaseException | None = None,
+               stepping: bool = True) -> PeerEndedFit | None:
+        """What the other ranks' end-of-fit headers among ``gathered`` say (this rank ``stepping``, or ending its
+        own fit, raising ``own``), None when none sent one; when one says its fit raised, every rank exchanges the
+        errors' texts first (each header tells every rank so)."""
+        tags, flags = gathered[:, 0].tolist(), gathered[:, 1].tolist()
+        raised = [r for r, t in enumerate(tags) if t == _END_TAG and flags[r] > 0]
+        texts = None
+        if raised:  # every rank sees the same headers: all of them make this exchange, or none
+            text = None
+            if own is not None:
+                try:
+                    text = _short_error(own)
+                except Exception:  # noqa: BLE001 - its __str__ raised: this rank must still take part
+                    text = type(own).__name__
+            with _collective("all-gather of the errors that ended fit", self.rank, self._explain):
+                texts = all_gather_object(text, self.group, self.works)
+        ended = [r for r, t in enumerate(tags) if t == _END_TAG and r != self.rank]
+        if not ended:
+            return None
+        failed = [r for r in raised if r != self.rank]
+        if failed:
+            here = "this rank's step was refused and its fit ends here too" if stepping else \
+                "this rank's fit, which ended here too, raises"
+            return PeerEndedFit(f"rank {self.rank}: the fit of {_rank_list(failed)} raised ("
+                                + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+                                + f"): {here}; the group stays usable", failed, True)
+        return PeerEndedFit(f"rank {self.rank}: the fit of {_rank_list(ended)} ended (its batches ran out, its "
+                            "steps were done, or stop()) while this rank had a batch for another step: that step "
+                            "was refused on every rank", ended, False)
+
     # ---- the step ---------------------------------------------------------------------------------------------
 
     def step(self, engine, batch) -> dict:
@@ -907,11 +1015,19 @@ class DistributedHybrid(_FailureNaming):
             counts = self._all_sizes[:, 1:]
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
                 self.works.run(_all_gather_flat, self._all_sizes_flat, self._sizes, group=self.group)
-                _check_tags(self._all_sizes, _STEP_TAG)
+                _check_tags(self._all_sizes, _STEP_TAG, _END_TAG)
+            ended = self._ended(self._all_sizes)
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)
             raise
+        if ended is not None:  # another rank's fit ended here: every rank's step is refused, before any work
+            refused = None
+            self.steps -= 1  # not begun: the phases' names stay as the ended rank's (Note [Ranks whose fits ...])
+            try:
+                raise ended
+            finally:  # the frame must not hold its own exception (Note [No reference cycle through the engine])
+                ended = None
         versions = [int(v) for v in counts[:, 2].tolist()]
         if len(set(versions)) > 1:
             refused = None

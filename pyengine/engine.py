@@ -72,6 +72,14 @@ def _under_mutex(method):
 _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
+class _FitEnd:
+    """How fit's steps ended: how many ran, and the other ranks whose fit's end refused this rank's next step
+    (Note [Ranks whose fits end at different steps], distributed.py), None when none did."""
+
+    def __init__(self, steps: int, peers: list[int] | None):
+        self.steps, self.peers = steps, peers
+
+
 class _InFlight(collections.namedtuple("_InFlight", "generators buffers")):
     """What a running step keeps for readers until its update begins (Note [Reading the state during a step]):
     torch's generators before its work (``Engine._generator_states()``) and the copies of the source replica's
@@ -593,7 +601,10 @@ class Engine:
         another thread that reads it (that thread waits for the mutex). With ``steps``, no batch is
         taken from ``batches`` beyond those the steps use, and no new pass begins for none (a generator keeps the
         rest for a later fit). Returns the metrics of this call's steps (the last ``keep_history`` of them when the
-        engine was given a bound).
+        engine was given a bound). Hybrid across processes: the ranks' fits end at the same step (one rank's batches
+        running out, its ``steps`` done or its stop() end the others' with a RuntimeWarning; its batches or a
+        callback raising make theirs raise :class:`~pyengine.distributed.PeerEndedFit`): Note [Ranks whose fits end
+        at different steps] in distributed.py.
         """
         self._check_process()
         self._check_not_in_step("fit()")
@@ -650,6 +661,8 @@ class Engine:
                           "pass uses it up, so later epochs get no batches; pass a list or a re-iterable (a "
                           "DataLoader)", RuntimeWarning, stacklevel=3)
         if steps == 0:
+            self._end_fit(_FitEnd(0, None))  # an end all the same: the other ranks may step (Note [Ranks whose
+            #                                   fits end at different steps], distributed.py)
             return []
         mine = collections.deque(maxlen=self.keep_history)  # this fit's metrics, the last keep_history of them
         recorded, done = self._recorded, 0
@@ -667,14 +680,15 @@ class Engine:
                 self._fit_records = None
             done = self._recorded - recorded
         else:
-            for batch in _batches(batches, steps, epochs):
-                metrics = self.step(batch)
-                done += 1
-                mine.append(metrics)  # its own: step() may run on other threads meanwhile
-                for callback in callbacks:
-                    callback(self, metrics)
-                if self._stop.is_set():
-                    break
+            ended = self._fit_steps(_batches(batches, steps, epochs), callbacks, mine)
+            done = ended.steps
+            if ended.peers:  # Note [Ranks whose fits end at different steps] (distributed.py)
+                warnings.warn(f"fit: the fit of {distributed._rank_list(ended.peers)} ended (its batches ran out, "
+                              f"its steps were done, or stop()) while this rank had a batch for step {done + 1} of "
+                              "this call: every rank's fit ended there (that batch and any after it were not trained; "
+                              "give every rank as many batches: a sampler that pads, or steps=)", RuntimeWarning,
+                              stacklevel=3)
+                return list(mine)
         # across processes an async client's history holds its own pushes, the servers' the run's (which `steps`
         # counts): a server says when the clients' batches ran out
         client = (self.mode == "async" and self.process_group is not None
@@ -691,6 +705,58 @@ class Engine:
                           + (" (a one-shot iterator, empty or used up)" if one_shot else ""),
                           RuntimeWarning, stacklevel=3)
         return list(mine)
+
+    def _fit_steps(self, batches, callbacks, mine) -> "_FitEnd":
+        """fit's steps (hybrid, sync, pipeline): one per batch, then the callbacks, until the batches end or
+        :meth:`stop`; under a process group (hybrid), the ranks' fits end together (Note [Ranks whose fits end at
+        different steps], distributed.py): a step that meets another rank's end is refused and ends this fit, and
+        this fit's own end, or an error of its batches or callbacks, is told to the other ranks."""
+        ended, iterator = _FitEnd(0, None), iter(batches)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            except Exception as exc:  # this rank's batches raised: the ranks still stepping are told, then it raises
+                self._end_fit(ended, exc)
+                raise
+            phase = self.dist.phase if self.dist is not None else None
+            try:
+                metrics = self.step(batch)
+            except distributed.PeerEndedFit as peer:
+                if peer.failed:
+                    raise
+                ended.peers = peer.ranks
+                return ended
+            except Exception as exc:  # raised before the step's first collective (its schedule value): as its batches
+                if phase is not None and self.dist.phase == phase:
+                    self._end_fit(ended, exc)
+                raise
+            ended.steps += 1
+            mine.append(metrics)  # its own: step() may run on other threads meanwhile
+            try:
+                for callback in callbacks:
+                    callback(self, metrics)
+            except Exception as exc:
+                self._end_fit(ended, exc)
+                raise
+            if self._stop.is_set():
+                break
+        self._end_fit(ended)
+        return ended
+
+    def _end_fit(self, ended: "_FitEnd", error: BaseException | None = None) -> None:
+        """This rank's fit ends (``error``: raising it next): the other ranks of a multi-node hybrid engine are
+        told, and the ranks still stepping then are named in ``ended`` (a warning of this rank's)."""
+        if self.dist is None:
+            return
+        with self._step_lock:  # its collective is never beside a step's, made on another thread
+            stepping = self.dist.end_fit(self, error)
+        if stepping and error is None:
+            warnings.warn(f"fit: this rank's fit ended after {ended.steps} steps (its batches ran out, its steps "
+                          f"were done, or stop()) while {distributed._rank_list(stepping)} had a batch for another: "
+                          "every rank's fit ended here (give every rank as many batches: a sampler that pads, or "
+                          "steps=)", RuntimeWarning, stacklevel=5)
 
     def stop(self) -> None:
         """Ends the running :meth:`fit` after the current step (for callbacks: early stopping, time budgets); async:

@@ -1168,16 +1168,17 @@ def save_fails(seed, rank, world, out_dir):
                 "returned": str(returned), "exists": os.path.exists(returned)}
 
 
-def uneven_fit(seed, rank, world, shard):
-    """Rank 0 fits 4 batches, rank 1 3 (uneven data), then each saves a checkpoint: rank 0's fourth step meets rank
-    1's checkpoint exchange (Note [Exchanges that pair up wrongly]). Each rank records its error, then whether the
-    next step is refused at once."""
+def uneven_steps(seed, rank, world, shard):
+    """Rank 0 steps 4 batches, rank 1 3 (uneven data, stepped by hand), then each saves a checkpoint: rank 0's fourth
+    step meets rank 1's checkpoint exchange (Note [Exchanges that pair up wrongly]). Each rank records its error, then
+    whether the next step is refused at once."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4 - rank, 12)]
     out = {}
     with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
                          shard_update=shard) as engine:
         try:
-            engine.fit(batches)
+            for batch in batches:
+                engine.step(batch)
             checkpoint.save_engine(tempfile.mkdtemp(), 3, engine)
             out["error"] = None
         except distributed.DistributedError as exc:
@@ -1187,6 +1188,63 @@ def uneven_fit(seed, rank, world, shard):
             out["next"] = None
         except distributed.DistributedError as exc:
             out["next"] = str(exc)
+    return out
+
+
+# Note [Ranks whose fits end at different steps]: what the last rank does in fit while the others fit 4 batches
+FIT_ENDS = {
+    "even": lambda engine, batches: engine.fit(batches),  # 4 batches too: no warning anywhere
+    "data": lambda engine, batches: engine.fit(batches[:3]),  # its data ends a batch early
+    "steps": lambda engine, batches: engine.fit(batches, steps=2),
+    "stop": lambda engine, batches: engine.fit(batches, callbacks=[
+        lambda e, m: e.stop() if e.version == 2 else None]),
+    "callback": lambda engine, batches: engine.fit(batches, callbacks=[
+        lambda e, m: (_ for _ in ()).throw(ValueError("the callback's own error")) if e.version == 2 else None]),
+    "iterator": lambda engine, batches: engine.fit(_raising_after(batches, 3)),
+    "empty": lambda engine, batches: engine.fit([], steps=4),
+    "zero": lambda engine, batches: engine.fit(batches, steps=0),
+    # its step 3 raises before its first collective: an lr its own callback set after step 2 is refused
+    "schedule": lambda engine, batches: engine.fit(batches, callbacks=[
+        lambda e, m: setattr(e.optimizer, "lr", float("inf")) if e.version == 2 else None]),
+    "by-hand": None,  # the others step by hand while the last rank's fit over no batch ends at once
+}
+
+
+def _raising_after(batches, n):
+    yield from batches[:n]
+    raise OSError("the loader's own error")
+
+
+def fits_end(seed, rank, world, shard, case):
+    """Every rank but the last fits its 4 batches; the last does FIT_ENDS[case] (by-hand: the others call step()
+    4 times while the last fits []). Each rank records what fit (or its steps) raised and warned, its version,
+    its master weights, and whether the group is usable after: one step more on every rank, then a checkpoint."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4, 12)]
+    last = rank == world - 1
+    out = {"error": None, "type": None}
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
+                         shard_update=shard) as engine:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                if case == "by-hand":
+                    if last:
+                        engine.fit([])
+                    else:
+                        for batch in batches:
+                            engine.step(batch)
+                else:
+                    (FIT_ENDS[case] if last else FIT_ENDS["even"])(engine, batches)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                out["error"], out["type"] = str(exc), type(exc).__name__
+        out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        out["version"] = engine.version
+        out["master"] = engine.master_state_dict()
+        engine.optimizer.lr = OPT["lr"]  # as before the schedule case's callback
+        engine.step(batches[0])  # the group is usable: every rank steps once more
+        out["phase"] = (engine.dist.phase, engine.dist.phase_name)  # alike: a failure would be named right
+        checkpoint.save_engine(tempfile.mkdtemp(), engine.version, engine)
+        out["after"] = engine.version
     return out
 
 
@@ -1274,8 +1332,10 @@ def main():
                  "overlap": overlap, "bad-local-batch": bad_local_batch, "reducer-after-failure": reducer_after_failure, "mismatch": mismatch, "dropout-resume": dropout_resume,
                  "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,
                  "shard-one-rank": shard_one_rank,
-                 **{f"uneven-fit-{name}": lambda s, r, w, shard=shard: uneven_fit(s, r, w, shard)
+                 **{f"uneven-steps-{name}": lambda s, r, w, shard=shard: uneven_steps(s, r, w, shard)
                     for name, shard in (("replicated", False), ("sharded", True))},
+                 **{f"fit-ends-{case}-{name}": lambda s, r, w, shard=shard, case=case: fits_end(s, r, w, shard, case)
+                    for name, shard in (("replicated", False), ("sharded", True)) for case in FIT_ENDS},
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": lambda s, r, w: load_divergence(s, r, w, out_dir), "hybrid-fp16": hybrid_fp16,

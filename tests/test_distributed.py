@@ -491,10 +491,10 @@ def test_sharded_store_holds_one_pth_of_the_state_and_checkpoints_are_full(tmp_p
         assert_state_close(loaded["optimizer"], loaded["single_optimizer"], keys)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_async_applies_every_push_exactly_once(tmp_path, seed):
     world = 3
-    codes, logs, _ = launch("async", world, tmp_path, seed)
+    codes, logs, _ = launch("async", world, tmp_path, seed, timeout=90.0)  # from spawn
     assert codes == [0] * world, "\n".join(logs)
     server, *clients = results(tmp_path, world)
     applied = [(m["rank"], m["push_id"]) for m in server["history"]]
@@ -530,13 +530,13 @@ def test_async_applies_every_push_exactly_once(tmp_path, seed):
     reference.assert_matches(server["master"])
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_async_client_with_workers_accumulates_minibatches_split_unevenly(tmp_path, seed):
     """A client's local workers split each mini-batch its own way (8 samples 4/4, then 3 samples 2/1): a push is the
     sum over its mini-batches of each one's mean gradient, as single-node async's accumulate, and its loss the mean
     of their mean losses. A 1-sample mini-batch (a data set's tail) feeds one worker (it stopped the whole run), and
     a push of 1-sample mini-batches only leaves the other worker's slot, an earlier push's gradient, out."""
-    codes, logs, _ = launch("async-accumulate", 2, tmp_path, seed)
+    codes, logs, _ = launch("async-accumulate", 2, tmp_path, seed, timeout=90.0)  # from spawn
     assert codes == [0, 0], "\n".join(logs)
     server, client = results(tmp_path, 2)
     batches = [dist_job.client_batch(seed, 1, i, size=n) for i, n in enumerate(dist_job.ACCUMULATE["sizes"])]
@@ -673,11 +673,11 @@ def test_a_checkpoint_rank_0_cannot_write_raises_on_every_rank_and_the_group_tra
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["replicated", "sharded"])
 def test_ranks_in_different_calls_are_told_so_on_every_rank(tmp_path, seed, kind):
-    """Note [Exchanges that pair up wrongly]: rank 0's fourth step of a fit meets rank 1's checkpoint (its data ran
-    out a batch earlier). Rank 0 said the ranks hold different states (version 0 on rank 1: the length of rank 1's
-    pickle) and rank 1 aborted in gloo (replicated); sharded, rank 0 aborted. Now each rank raises naming both
-    phases, and the next step is refused at once."""
-    codes, logs, seconds = launch(f"uneven-fit-{kind}", 2, tmp_path, seed)
+    """Note [Exchanges that pair up wrongly]: rank 0's fourth step meets rank 1's checkpoint (its data ran out a
+    batch earlier; both step by hand). Rank 0 said the ranks hold different states (version 0 on rank 1: the length
+    of rank 1's pickle) and rank 1 aborted in gloo (replicated); sharded, rank 0 aborted. Now each rank raises
+    naming both phases, and the next step is refused at once."""
+    codes, logs, seconds = launch(f"uneven-steps-{kind}", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     phases = ["step 4", "the exchange of the steps and versions for checkpoint step 3"]
     for r, rank in enumerate(results(tmp_path, 2)):
@@ -690,6 +690,64 @@ def test_ranks_in_different_calls_are_told_so_on_every_rank(tmp_path, seed, kind
             rank["error"]
         assert rank["next"] == f"rank {r}: an earlier step failed; the group is no longer usable", rank["next"]
     assert seconds < 30  # no wait for the group's timeout (20 s)
+
+
+FIT_END_WARNING = ("fit: this rank's fit ended after {n} steps (its batches ran out, its steps were done, or stop()) "
+                   "while rank 0 had a batch for another: every rank's fit ended here (give every rank as many "
+                   "batches: a sampler that pads, or steps=)")
+PEER_END_WARNING = ("fit: the fit of rank 1 ended (its batches ran out, its steps were done, or stop()) while this "
+                    "rank had a batch for step {next} of this call: every rank's fit ended there (that batch and any "
+                    "after it were not trained; give every rank as many batches: a sampler that pads, or steps=)")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case,kind", [(c, "replicated") for c in dist_job.FIT_ENDS] +
+                         [("data", "sharded"), ("callback", "sharded")])
+def test_ranks_whose_fits_end_at_different_steps_end_together(tmp_path, seed, case, kind):
+    """Note [Ranks whose fits end at different steps]: rank 0 fits 4 batches while rank 1's data end after 3 (or it
+    asks 2 steps, or stops after 2): rank 0 waited in its next step's first collective for the group's timeout. Now
+    both fits end at the same step, each rank warned of the other's end, with the same weights (those of a run of
+    that many steps), and the group usable. When rank 1's fit raises (its callback, its iterator, steps asked of
+    no batch), rank 0's fit raises PeerEndedFit naming that error; rank 0 stepping by hand while rank 1's fit ends
+    gets PeerEndedFit from its step."""
+    codes, logs, seconds = launch(f"fit-ends-{case}-{kind}", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    assert seconds < 30, seconds  # no wait for the group's timeout (20 s)
+    ranks = results(tmp_path, 2)
+    trained = {"even": 4, "data": 3, "steps": 2, "stop": 2, "callback": 2, "iterator": 3, "empty": 0,
+               "by-hand": 0, "zero": 0, "schedule": 2}[case]
+    assert [r["version"] for r in ranks] == [trained, trained], ranks
+    assert [r["after"] for r in ranks] == [trained + 1] * 2  # the group is usable: one more step on every rank
+    # the ranks' phases alike after it (a refused step is not counted: a later failure is not "different calls")
+    assert ranks[0]["phase"] == ranks[1]["phase"] and ranks[0]["phase"][1] == f"step {trained + 1}", ranks
+    assert_identical(ranks[0]["master"], ranks[1]["master"], case)
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, trained, 12):
+        reference.step(batch)
+    reference.assert_matches(ranks[0]["master"])
+    own = {"callback": "ValueError: the callback's own error", "iterator": "OSError: the loader's own error",
+           "empty": "ValueError: batches is empty"}.get(case)
+    if case == "schedule":  # its lr refused by check_update, before its step's first collective
+        assert ranks[1]["type"] == "ValueError" and "lr" in ranks[1]["error"], ranks[1]
+        own = f"ValueError: {ranks[1]['error'].splitlines()[0]}"
+    if case == "even":
+        assert [r["warnings"] for r in ranks] == [[], []] and [r["error"] for r in ranks] == [None, None]
+    elif own is not None:  # rank 1 raised its own error; rank 0's fit raised naming it; nobody warned of an end
+        assert f"{ranks[1]['type']}: {ranks[1]['error']}" == own, ranks[1]
+        assert ranks[0]["type"] == "PeerEndedFit", ranks[0]
+        assert ranks[0]["error"] == (f"rank 0: the fit of rank 1 raised (rank 1: {own}): this rank's step was "
+                                     "refused and its fit ends here too; the group stays usable"), ranks[0]["error"]
+        assert ranks[0]["warnings"] == [] and ranks[1]["warnings"] == [], ranks
+    elif case == "by-hand":  # rank 0's own step() met rank 1's end of fit: raised, not a warning
+        assert ranks[0]["type"] == "PeerEndedFit" and ranks[0]["error"] == (
+            "rank 0: the fit of rank 1 ended (its batches ran out, its steps were done, or stop()) while this rank "
+            "had a batch for another step: that step was refused on every rank"), ranks[0]
+        assert ranks[1]["error"] is None and ranks[1]["warnings"] == [
+            FIT_END_WARNING.format(n=0), "fit: batches (list) gave no batch: nothing was trained"], ranks[1]
+    else:
+        assert [r["error"] for r in ranks] == [None, None], ranks
+        assert ranks[0]["warnings"] == [PEER_END_WARNING.format(next=trained + 1)], ranks[0]
+        assert ranks[1]["warnings"] == [FIT_END_WARNING.format(n=trained)], ranks[1]
 
 
 def _naming(rank, world, store):
