@@ -721,6 +721,7 @@ def _take_first(errors: list) -> BaseException:
 
 
 _END_PHASE = "the end of fit"  # Note [Ranks whose fits end at different steps]
+_ENDED, _RAISED = 1, 2  # a rank's fit ended, or raised (_FailureNaming._peer_end)
 
 
 def _step_meets_end(a: str, b: str) -> bool:
@@ -751,6 +752,37 @@ class _FailureNaming:
         effort: the peers are blocked in a collective, which fails once this process exits or after the timeout."""
         if not isinstance(exc, DistributedError):
             self.rendezvous.record("failed", f"rank {self.rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
+
+    def _peer_end(self, status: list[int], own: BaseException | None = None,
+                  stepping: bool = True) -> PeerEndedFit | None:
+        """What the ranks' ``status`` (each rank's, alike on every rank: 0 stepping, _ENDED its fit ended, _RAISED
+        its fit raised) tells this rank (``stepping``, or ending its own fit, raising ``own``): None when no other
+        rank's fit ended (Note [Ranks whose fits end at different steps]). When one raised, every rank exchanges the
+        errors' texts first."""
+        raised = [r for r, v in enumerate(status) if v == _RAISED]
+        texts = None
+        if raised:  # every rank sees the same status: all of them make this exchange, or none
+            text = None
+            if own is not None:
+                try:
+                    text = _short_error(own)
+                except Exception:  # noqa: BLE001 - its __str__ raised: this rank must still take part
+                    text = type(own).__name__
+            with _collective("all-gather of the errors that ended fit", self.rank, self._explain):
+                texts = all_gather_object(text, self.group, self.works)
+        ended = [r for r, v in enumerate(status) if v and r != self.rank]
+        if not ended:
+            return None
+        failed = [r for r in raised if r != self.rank]
+        if failed:
+            here = "this rank's step was refused and its fit ends here too" if stepping else \
+                "this rank's fit, which ended here too, raises"
+            return PeerEndedFit(f"rank {self.rank}: the fit of {_rank_list(failed)} raised ("
+                                + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+                                + f"): {here}; the group stays usable", failed, True)
+        return PeerEndedFit(f"rank {self.rank}: the fit of {_rank_list(ended)} ended (its batches ran out, its "
+                            "steps were done, or stop()) while this rank had a batch for another step: that step "
+                            "was refused on every rank", ended, False)
 
     def _explain(self) -> str | None:
         """Why a collective of the current phase failed, as far as the rendezvous store tells: the record of the rank
@@ -916,8 +948,10 @@ class DistributedHybrid(_FailureNaming):
     # while the others waited in their next step's first collective until the group's timeout, or paired it with
     # whatever that rank called next. So a rank's fit that ends without a failed step (its batches ran out, its
     # steps were done, stop(), or its batches or a callback raised) makes one more exchange of the step's header
-    # size, tagged _END_TAG (end_fit). Every rank's fit ends at the same step that way: when all of them end there,
-    # their end headers meet and nothing else happens (one small all-gather per fit call); a rank still stepping
+    # size, tagged _END_TAG (end_fit; a pipeline across processes: its step's first all-reduce, with this rank's
+    # slot of the ends set, DistributedPipeline.end_fit). Every rank's fit ends at the same step that way: when all
+    # of them end there, their end headers meet and nothing else happens (one small exchange per fit call); a rank
+    # still stepping
     # meets them with its step's header, refuses that step before any work (every rank sees every header: no rank
     # goes on) and its fit ends too, with a RuntimeWarning naming the ranks whose fit ended, or raising PeerEndedFit
     # naming their error when their fit raised (its text travels in one exchange more, which every rank makes when
@@ -960,34 +994,10 @@ class DistributedHybrid(_FailureNaming):
 
     def _ended(self, gathered: torch.Tensor, own: BaseException | None = None,
                stepping: bool = True) -> PeerEndedFit | None:
-        """What the other ranks' end-of-fit headers among ``gathered`` say (this rank ``stepping``, or ending its
-        own fit, raising ``own``), None when none sent one; when one says its fit raised, every rank exchanges the
-        errors' texts first (each header tells every rank so)."""
+        """What the other ranks' end-of-fit headers among ``gathered`` say (:meth:`_peer_end`)."""
         tags, flags = gathered[:, 0].tolist(), gathered[:, 1].tolist()
-        raised = [r for r, t in enumerate(tags) if t == _END_TAG and flags[r] > 0]
-        texts = None
-        if raised:  # every rank sees the same headers: all of them make this exchange, or none
-            text = None
-            if own is not None:
-                try:
-                    text = _short_error(own)
-                except Exception:  # noqa: BLE001 - its __str__ raised: this rank must still take part
-                    text = type(own).__name__
-            with _collective("all-gather of the errors that ended fit", self.rank, self._explain):
-                texts = all_gather_object(text, self.group, self.works)
-        ended = [r for r, t in enumerate(tags) if t == _END_TAG and r != self.rank]
-        if not ended:
-            return None
-        failed = [r for r in raised if r != self.rank]
-        if failed:
-            here = "this rank's step was refused and its fit ends here too" if stepping else \
-                "this rank's fit, which ended here too, raises"
-            return PeerEndedFit(f"rank {self.rank}: the fit of {_rank_list(failed)} raised ("
-                                + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
-                                + f"): {here}; the group stays usable", failed, True)
-        return PeerEndedFit(f"rank {self.rank}: the fit of {_rank_list(ended)} ended (its batches ran out, its "
-                            "steps were done, or stop()) while this rank had a batch for another step: that step "
-                            "was refused on every rank", ended, False)
+        return self._peer_end([0 if t != _END_TAG else _RAISED if f > 0 else _ENDED for t, f in zip(tags, flags)],
+                              own, stepping)
 
     # ---- the step ---------------------------------------------------------------------------------------------
 

@@ -601,10 +601,10 @@ class Engine:
         another thread that reads it (that thread waits for the mutex). With ``steps``, no batch is
         taken from ``batches`` beyond those the steps use, and no new pass begins for none (a generator keeps the
         rest for a later fit). Returns the metrics of this call's steps (the last ``keep_history`` of them when the
-        engine was given a bound). Hybrid across processes: the ranks' fits end at the same step (one rank's batches
-        running out, its ``steps`` done or its stop() end the others' with a RuntimeWarning; its batches or a
-        callback raising make theirs raise :class:`~pyengine.distributed.PeerEndedFit`): Note [Ranks whose fits end
-        at different steps] in distributed.py.
+        engine was given a bound). Hybrid and pipeline across processes: the ranks' fits end at the same step
+        (one rank's batches running out, its ``steps`` done or its stop() end the others' with a RuntimeWarning;
+        its batches or a callback raising make theirs raise :class:`~pyengine.distributed.PeerEndedFit`): Note
+        [Ranks whose fits end at different steps] in distributed.py.
         """
         self._check_process()
         self._check_not_in_step("fit()")
@@ -708,9 +708,9 @@ class Engine:
 
     def _fit_steps(self, batches, callbacks, mine) -> "_FitEnd":
         """fit's steps (hybrid, sync, pipeline): one per batch, then the callbacks, until the batches end or
-        :meth:`stop`; under a process group (hybrid), the ranks' fits end together (Note [Ranks whose fits end at
-        different steps], distributed.py): a step that meets another rank's end is refused and ends this fit, and
-        this fit's own end, or an error of its batches or callbacks, is told to the other ranks."""
+        :meth:`stop`; under a process group (hybrid, pipeline), the ranks' fits end together (Note [Ranks whose
+        fits end at different steps], distributed.py): a step that meets another rank's end is refused and ends
+        this fit, and this fit's own end, or an error of its batches or callbacks, is told to the other ranks."""
         ended, iterator = _FitEnd(0, None), iter(batches)
         while True:
             try:
@@ -720,7 +720,8 @@ class Engine:
             except Exception as exc:  # this rank's batches raised: the ranks still stepping are told, then it raises
                 self._end_fit(ended, exc)
                 raise
-            phase = self.dist.phase if self.dist is not None else None
+            together = self._fit_together()
+            phase = together.phase if together is not None else None
             try:
                 metrics = self.step(batch)
             except distributed.PeerEndedFit as peer:
@@ -729,7 +730,7 @@ class Engine:
                 ended.peers = peer.ranks
                 return ended
             except Exception as exc:  # raised before the step's first collective (its schedule value): as its batches
-                if phase is not None and self.dist.phase == phase:
+                if phase is not None and together.phase == phase:
                     self._end_fit(ended, exc)
                 raise
             ended.steps += 1
@@ -745,13 +746,22 @@ class Engine:
         self._end_fit(ended)
         return ended
 
+    def _fit_together(self):
+        """What makes this rank's fits end with the other ranks' (Note [Ranks whose fits end at different steps],
+        distributed.py): multi-node hybrid's DistributedHybrid, or a pipeline across processes; None in one
+        process (and in async, whose runs end by their own protocol)."""
+        if self.dist is not None:
+            return self.dist
+        return self.pipeline if isinstance(self.pipeline, DistributedPipeline) else None
+
     def _end_fit(self, ended: "_FitEnd", error: BaseException | None = None) -> None:
-        """This rank's fit ends (``error``: raising it next): the other ranks of a multi-node hybrid engine are
-        told, and the ranks still stepping then are named in ``ended`` (a warning of this rank's)."""
-        if self.dist is None:
+        """This rank's fit ends (``error``: raising it next): the other ranks of a multi-node hybrid or pipeline
+        engine are told, and the ranks still stepping then are named in ``ended`` (a warning of this rank's)."""
+        together = self._fit_together()
+        if together is None:
             return
         with self._step_lock:  # its collective is never beside a step's, made on another thread
-            stepping = self.dist.end_fit(self, error)
+            stepping = together.end_fit(self, error)
         if stepping and error is None:
             warnings.warn(f"fit: this rank's fit ended after {ended.steps} steps (its batches ran out, its steps "
                           f"were done, or stop()) while {distributed._rank_list(stepping)} had a batch for another: "

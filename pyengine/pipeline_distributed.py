@@ -36,7 +36,8 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import BytePacket, DistributedError, _collective, _FailureNaming, as_bytes, receive_rank0_state
+from .distributed import (_END_PHASE, _ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming,
+                          as_bytes, receive_rank0_state)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
                        check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
                        stage_store_names)
@@ -524,7 +525,8 @@ class DistributedPipeline(_FailureNaming):
         flats = [self.store.param, self.store.exp_avg, self.store.exp_avg_sq, self.store.max_exp_avg_sq]
         self._gather_views = [(flat[begin:end], self._ranks_of(s, group)) for flat in flats if flat is not None
                               for s, (begin, end) in enumerate(self.ranges)]
-        self._fingerprint = torch.zeros(12, dtype=torch.float64)  # _same_batch
+        # _same_batch: the fingerprints, version and digest, their negations, then each rank's end of fit
+        self._fingerprint = torch.zeros(12 + self.world, dtype=torch.float64)
         # _update: squared norm, non-finite flag, loss sum, busy seconds (summed over the group)
         self._reduced = torch.zeros(4, dtype=torch.float64)
         self._clock = torch.zeros(1, dtype=torch.float64)  # _start_clock, then the schedule's wall (MAX)
@@ -642,9 +644,16 @@ class DistributedPipeline(_FailureNaming):
         self._enter(f"step {self.steps}")  # Note [Naming the stage that failed]
         try:
             same, same_version, same_optimizer = self._same_batch(inputs, targets)
+            ended = self._peer_end(self._ends())  # Note [Ranks whose fits end at different steps] (distributed.py)
         except BaseException as exc:
             self.broken = True
             raise self._failure(exc) from exc
+        if ended is not None:  # another rank's fit ended here: every rank's step is refused, before any work
+            self.steps -= 1  # not begun: the phases' names stay alike
+            try:
+                raise ended
+            finally:  # Note [No reference cycle through the engine]
+                ended = None
         # every rank raises (the same answers everywhere); the group stays usable
         if not same_version:
             raise DistributedError(
@@ -762,14 +771,47 @@ class DistributedPipeline(_FailureNaming):
         raises after this exchange, so that every rank takes part in it whatever it was given), have fingerprints of
         their own. The same all-reduce carries the engine's version and its optimizer's digest (Note [Every rank at
         the same version] in pyengine/distributed.py: a state loaded on rank 0 only trained on, a mix of two
-        states; an lr changed on one rank only too)."""
+        states; an lr changed on one rank only too), and a slot per rank for its end of fit, zero here (:meth:`end_fit`
+        sets its own: Note [Ranks whose fits end at different steps], ibid.)."""
         both = self._fingerprint  # Note [Gloo's works are released by the thread that waits]
         (both[0], both[2]), (both[1], both[3]) = _fingerprint(inputs), _fingerprint(targets)
         both[4], both[5] = self.engine.version, self.engine.optimizer.digest()
-        both[6:] = -both[:6]
+        both[6:12] = -both[:6]
+        both[12:] = 0  # no end of fit here: :meth:`end_fit` sends this rank's
         self.works.run(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
-        alike = both[:6] == -both[6:]
+        alike = both[:6] == -both[6:12]
         return bool(alike[:4].all()), bool(alike[4]), bool(alike[5])
+
+    def _ends(self) -> list[int]:
+        """Each rank's end of fit as the last :meth:`_same_batch` or :meth:`end_fit` exchange told (0: none)."""
+        return [int(v) for v in self._fingerprint[12:].tolist()]
+
+    def end_fit(self, engine, error: BaseException | None = None) -> list[int]:
+        """This rank's :meth:`Engine.fit` ends (``error``: raising it next), told to the other ranks in the shape of
+        a step's first exchange, which theirs pair with (Note [Ranks whose fits end at different steps] in
+        pyengine/distributed.py); returns the ranks that were stepping (their step refused, their fit ended here).
+        Raises PeerEndedFit when another rank's fit raised at the same point. Nothing after a failed step."""
+        if self.broken:
+            return []
+        self._enter(_END_PHASE)
+        try:
+            both = self._fingerprint
+            both.zero_()  # the fingerprints of no batch: a rank stepping reads the ends first
+            both[12 + self.rank] = _ENDED if error is None else _RAISED
+            with _collective("all-reduce of the end of fit", self.rank, self._explain):
+                self.works.run(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
+            status = self._ends()
+            ended = self._peer_end(status, own=error, stepping=False)
+        except BaseException as exc:
+            self.broken = True
+            self._record_failure(exc)
+            raise
+        if ended is not None and ended.failed and error is None:  # another rank's fit raised: so does this one's
+            try:
+                raise ended
+            finally:  # Note [No reference cycle through the engine]
+                ended = None
+        return [r for r, v in enumerate(status) if not v]
 
     @torch.no_grad()
     def _share_buffers(self) -> None:

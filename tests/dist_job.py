@@ -1215,15 +1215,19 @@ def _raising_after(batches, n):
     raise OSError("the loader's own error")
 
 
-def fits_end(seed, rank, world, shard, case):
+def fits_end(seed, rank, world, kind, case):
     """Every rank but the last fits its 4 batches; the last does FIT_ENDS[case] (by-hand: the others call step()
-    4 times while the last fits []). Each rank records what fit (or its steps) raised and warned, its version,
-    its master weights, and whether the group is usable after: one step more on every rank, then a checkpoint."""
-    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4, 12)]
+    4 times while the last fits []). ``kind``: hybrid "replicated" or "sharded" (each rank its part of each
+    batch), or "pipeline" (a stage per rank, each given the whole batches). Each rank records what fit (or its
+    steps) raised and warned, its version, its master weights, and whether the group is usable after: one step
+    more on every rank, then a checkpoint."""
+    whole = global_batches(seed, 4, 12)
+    batches = whole if kind == "pipeline" else [rank_slice(b, rank, world) for b in whole]
     last = rank == world - 1
     out = {"error": None, "type": None}
+    mode = dict(mode="pipeline", microbatches=2) if kind == "pipeline" else dict(shard_update=kind == "sharded")
     with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
-                         shard_update=shard) as engine:
+                         **mode) as engine:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -1242,7 +1246,8 @@ def fits_end(seed, rank, world, shard, case):
         out["master"] = engine.master_state_dict()
         engine.optimizer.lr = OPT["lr"]  # as before the schedule case's callback
         engine.step(batches[0])  # the group is usable: every rank steps once more
-        out["phase"] = (engine.dist.phase, engine.dist.phase_name)  # alike: a failure would be named right
+        naming = engine.dist if engine.dist is not None else engine.pipeline
+        out["phase"] = (naming.phase, naming.phase_name)  # alike: a failure would be named right
         checkpoint.save_engine(tempfile.mkdtemp(), engine.version, engine)
         out["after"] = engine.version
     return out
@@ -1334,8 +1339,8 @@ def main():
                  "shard-one-rank": shard_one_rank,
                  **{f"uneven-steps-{name}": lambda s, r, w, shard=shard: uneven_steps(s, r, w, shard)
                     for name, shard in (("replicated", False), ("sharded", True))},
-                 **{f"fit-ends-{case}-{name}": lambda s, r, w, shard=shard, case=case: fits_end(s, r, w, shard, case)
-                    for name, shard in (("replicated", False), ("sharded", True)) for case in FIT_ENDS},
+                 **{f"fit-ends-{case}-{kind}": lambda s, r, w, kind=kind, case=case: fits_end(s, r, w, kind, case)
+                    for kind in ("replicated", "sharded", "pipeline") for case in FIT_ENDS},
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": lambda s, r, w: load_divergence(s, r, w, out_dir), "hybrid-fp16": hybrid_fp16,

@@ -702,14 +702,15 @@ PEER_END_WARNING = ("fit: the fit of rank 1 ended (its batches ran out, its step
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case,kind", [(c, "replicated") for c in dist_job.FIT_ENDS] +
-                         [("data", "sharded"), ("callback", "sharded")])
+                         [("data", "sharded"), ("callback", "sharded")] +
+                         [(c, "pipeline") for c in ("data", "stop", "callback", "schedule", "by-hand")])
 def test_ranks_whose_fits_end_at_different_steps_end_together(tmp_path, seed, case, kind):
     """Note [Ranks whose fits end at different steps]: rank 0 fits 4 batches while rank 1's data end after 3 (or it
     asks 2 steps, or stops after 2): rank 0 waited in its next step's first collective for the group's timeout. Now
     both fits end at the same step, each rank warned of the other's end, with the same weights (those of a run of
     that many steps), and the group usable. When rank 1's fit raises (its callback, its iterator, steps asked of
     no batch), rank 0's fit raises PeerEndedFit naming that error; rank 0 stepping by hand while rank 1's fit ends
-    gets PeerEndedFit from its step."""
+    gets PeerEndedFit from its step. The same for a pipeline across processes (a stage per rank)."""
     codes, logs, seconds = launch(f"fit-ends-{case}-{kind}", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     assert seconds < 30, seconds  # no wait for the group's timeout (20 s)
@@ -784,6 +785,13 @@ def test_ranks_in_different_phases_of_one_count_are_told_they_made_different_cal
     late = _naming(0, 2, torch.distributed.HashStore())  # a rank that never checked in is missing, not elsewhere
     late._enter("the construction of the engine")
     assert late._explain().startswith("rank 1 never reached the construction of the engine"), late._explain()
+    # an end of fit and a step pair up (Note [Ranks whose fits end at different steps]): no calls that differ
+    ending = [_naming(r, 2, store) for store in [torch.distributed.HashStore()] for r in (0, 1)]
+    ending[0]._enter("the end of fit")
+    ending[1]._enter("step 4")
+    for naming in ending:
+        assert naming._explain().startswith(f"rank {1 - naming.rank}, the only peer, reached {naming.phase_name} "
+                                            "too"), naming._explain()
 
 
 def applied_ids(history, rank):
