@@ -130,6 +130,12 @@ def test_bench_buffer_share_runs_on_cpu():
     assert "9 buffers (" in text and "per buffer median" in text and "packed is" in text, text
 
 
+def test_bench_fit_end_runs_on_cpu():
+    text = _run_bench("bench_fit_end.py", "--rounds", "2")
+    for kind in ("hybrid", "pipeline"):
+        assert f"{kind}, world 2, 2 rounds: end of fit " in text and "a fit call adds" in text, text
+
+
 def test_bench_async_pull_runs_on_cpu():
     """Both kinds of version: a revision (a temporary worktree, removed after) and a path."""
     text = _run_bench("bench_async_pull.py", "old=rev:HEAD", f"new={os.path.dirname(BENCH)}", "--width", "16",
