@@ -720,6 +720,7 @@ def _take_first(errors: list) -> BaseException:
     return first
 
 
+_TOO_FEW_FOR_WORKERS, _TOO_FEW_FOR_MICROBATCHES = 2.0, 1.0  # why a rank refuses its batch (DistributedHybrid.step)
 _END_PHASE = "the end of fit"  # Note [Ranks whose fits end at different steps]
 _ENDED, _RAISED = 1, 2  # a rank's fit ended, or raised (_FailureNaming._peer_end)
 
@@ -775,7 +776,7 @@ class _FailureNaming:
             return None
         failed = [r for r in raised if r != self.rank]
         if failed:
-            here = "this rank's step was refused and its fit ends here too" if stepping else \
+            here = "this rank's step was refused (inside fit, its fit ends here too)" if stepping else \
                 "this rank's fit, which ended here too, raises"
             return PeerEndedFit(f"rank {self.rank}: the fit of {_rank_list(failed)} raised ("
                                 + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
@@ -1007,20 +1008,26 @@ class DistributedHybrid(_FailureNaming):
         self.steps += 1
         self._enter(f"step {self.steps}")
         start = time.perf_counter()
-        try:  # a bad local batch fails this rank's step like any other error: recorded, and the group is broken
-            shards = split_batch(batch, engine.num_workers)
-            sizes = [batch_size(s) for s in shards]
+        try:  # a batch this rank cannot take otherwise (not a batch) fails its step: recorded, the group broken
+            # a batch with fewer samples than this rank's workers (a data set's uneven tail), or a worker's shard too
+            # small for its micro-batches: refused by every rank together, below (the group stays usable)
+            refusal, refused, sizes = 0.0, None, [0]
             try:
-                parts, refused = [split_microbatches(s, engine.microbatches, f"rank {self.rank}'s worker {g}'s "
-                                                     "shard") for g, s in enumerate(shards)], None
+                shards = split_batch(batch, engine.num_workers)
             except ValueError as exc:
-                parts, refused = None, exc
-            # every rank's batch size, whether its shard is too small for its micro-batches, its version and its
-            # optimizer's digest (Note [Every rank at the same version]): on a refusal every rank refuses this step
-            # together, before any work, and the group stays usable
-            self._sizes.copy_(torch.tensor([_STEP_TAG, float(sum(sizes)), float(refused is not None),
-                                            float(engine.version), float(engine.optimizer.digest())],
-                                           dtype=torch.float64))
+                refusal, refused = _TOO_FEW_FOR_WORKERS, exc
+            if refused is None:
+                sizes = [batch_size(s) for s in shards]
+                try:
+                    parts = [split_microbatches(s, engine.microbatches, f"rank {self.rank}'s worker {g}'s shard")
+                             for g, s in enumerate(shards)]
+                except ValueError as exc:
+                    refusal, refused = _TOO_FEW_FOR_MICROBATCHES, exc
+            # every rank's batch size, whether it refuses its batch (and why), its version and its optimizer's
+            # digest (Note [Every rank at the same version]): on a refusal every rank refuses this step together,
+            # before any work, and the group stays usable
+            self._sizes.copy_(torch.tensor([_STEP_TAG, float(sum(sizes)), refusal, float(engine.version),
+                                            float(engine.optimizer.digest())], dtype=torch.float64))
             self._all_sizes.zero_()  # a rank whose header did not come reads as no step's
             counts = self._all_sizes[:, 1:]
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
@@ -1051,12 +1058,15 @@ class DistributedHybrid(_FailureNaming):
         if len(set(digests)) > 1:
             refused = None
             raise DistributedError(differing_optimizers(self.rank, digests, engine.optimizer))
-        refusing = int(counts[:, 1].sum().item())
-        if refusing > 0:
+        refusals = counts[:, 1].tolist()
+        if any(refusals):
+            kinds = [n for k, n in ((_TOO_FEW_FOR_WORKERS, "a batch with fewer samples than their local workers"),
+                                    (_TOO_FEW_FOR_MICROBATCHES, "a worker's shard too small for "
+                                     f"microbatches={engine.microbatches}")) if k in refusals]
             try:
                 raise refused if refused is not None else ValueError(
-                    f"rank {self.rank}: {refusing} other rank(s) have a worker's shard too small for "
-                    f"microbatches={engine.microbatches}; this step was refused on every rank")
+                    f"rank {self.rank}: {sum(1 for v in refusals if v)} other rank(s) have "
+                    + " or ".join(kinds) + "; this step was refused on every rank")
             finally:  # the frame (and through it the engine) must not hold its own exception: a reference cycle
                 refused = None  # (Note [No reference cycle through the engine])
         total = counts[:, 0].sum().item()

@@ -604,7 +604,8 @@ class Engine:
         engine was given a bound). Hybrid and pipeline across processes: the ranks' fits end at the same step
         (one rank's batches running out, its ``steps`` done or its stop() end the others' with a RuntimeWarning;
         its batches or a callback raising make theirs raise :class:`~pyengine.distributed.PeerEndedFit`): Note
-        [Ranks whose fits end at different steps] in distributed.py.
+        [Ranks whose fits end at different steps] in distributed.py. So every rank calls fit as many times (a fit
+        call's end is an exchange), and a step() loop on one rank does not pair with a fit on another.
         """
         self._check_process()
         self._check_not_in_step("fit()")
@@ -661,8 +662,8 @@ class Engine:
                           "pass uses it up, so later epochs get no batches; pass a list or a re-iterable (a "
                           "DataLoader)", RuntimeWarning, stacklevel=3)
         if steps == 0:
-            self._end_fit(_FitEnd(0, None))  # an end all the same: the other ranks may step (Note [Ranks whose
-            #                                   fits end at different steps], distributed.py)
+            # an end all the same: the other ranks may step (Note [Ranks whose fits end at different steps])
+            self._end_fit(_FitEnd(0, None), stacklevel=4)
             return []
         mine = collections.deque(maxlen=self.keep_history)  # this fit's metrics, the last keep_history of them
         recorded, done = self._recorded, 0
@@ -754,7 +755,7 @@ class Engine:
             return self.dist
         return self.pipeline if isinstance(self.pipeline, DistributedPipeline) else None
 
-    def _end_fit(self, ended: "_FitEnd", error: BaseException | None = None) -> None:
+    def _end_fit(self, ended: "_FitEnd", error: BaseException | None = None, stacklevel: int = 5) -> None:
         """This rank's fit ends (``error``: raising it next): the other ranks of a multi-node hybrid or pipeline
         engine are told, and the ranks still stepping then are named in ``ended`` (a warning of this rank's)."""
         together = self._fit_together()
@@ -766,7 +767,7 @@ class Engine:
             warnings.warn(f"fit: this rank's fit ended after {ended.steps} steps (its batches ran out, its steps "
                           f"were done, or stop()) while {distributed._rank_list(stepping)} had a batch for another: "
                           "every rank's fit ended here (give every rank as many batches: a sampler that pads, or "
-                          "steps=)", RuntimeWarning, stacklevel=5)
+                          "steps=)", RuntimeWarning, stacklevel=stacklevel)
 
     def stop(self) -> None:
         """Ends the running :meth:`fit` after the current step (for callbacks: early stopping, time budgets); async:

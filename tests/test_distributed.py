@@ -737,7 +737,8 @@ def test_ranks_whose_fits_end_at_different_steps_end_together(tmp_path, seed, ca
         assert f"{ranks[1]['type']}: {ranks[1]['error']}" == own, ranks[1]
         assert ranks[0]["type"] == "PeerEndedFit", ranks[0]
         assert ranks[0]["error"] == (f"rank 0: the fit of rank 1 raised (rank 1: {own}): this rank's step was "
-                                     "refused and its fit ends here too; the group stays usable"), ranks[0]["error"]
+                                     "refused (inside fit, its fit ends here too); the group stays usable"), \
+            ranks[0]["error"]
         assert ranks[0]["warnings"] == [] and ranks[1]["warnings"] == [], ranks
     elif case == "by-hand":  # rank 0's own step() met rank 1's end of fit: raised, not a warning
         assert ranks[0]["type"] == "PeerEndedFit" and ranks[0]["error"] == (
@@ -1152,14 +1153,26 @@ def test_a_multi_node_async_clients_own_error_is_raised_as_itself_and_named_at_o
 
 
 @pytest.mark.timeout(120)
-def test_a_bad_local_batch_breaks_the_group_and_is_named(tmp_path, seed):
-    """A rank whose own batch is refused (fewer samples than its workers) fails its step like any other error: the
-    others name its error, and its next step refuses instead of pairing with the others' earlier collectives."""
-    codes, logs, _ = launch("bad-local-batch", 2, tmp_path, seed, timeout=90.0, grace=15.0)
-    assert "rank 1 step 4: ValueError: a batch of 1 samples cannot feed 2 workers" in logs[1], logs[1]
-    assert codes[1] not in (0, None) and "an earlier step failed; the group is no longer usable" in logs[1], logs[1]
-    [(_, error)] = survivor_errors(codes, logs, (0,))
-    assert "rank 1 failed: ValueError: a batch of 1 samples cannot feed 2 workers" in error, error
+def test_a_local_batch_too_small_for_the_workers_is_refused_by_every_rank(tmp_path, seed):
+    """A rank whose own batch has fewer samples than its workers (a data set's uneven tail) failed its step, which
+    broke the group (the others waited in the step's collectives until that rank exited or the group's timeout).
+    Now every rank refuses that step together, as a shard too small for its micro-batches: each raises ValueError
+    (the rank its own, the others naming why), nothing is trained, and the ranks train on alike."""
+    codes, logs, seconds = launch("bad-local-batch", 2, tmp_path, seed, timeout=90.0, grace=15.0)
+    assert codes == [0, 0], "\n".join(logs)
+    assert seconds < 30  # no wait for the group's timeout (20 s)
+    ranks = results(tmp_path, 2)
+    assert ranks[1]["errors"] == [(3, "a batch of 1 samples cannot feed 2 workers; use a batch of at least 2")], \
+        ranks[1]
+    assert ranks[0]["errors"] == [(3, "rank 0: 1 other rank(s) have a batch with fewer samples than their local "
+                                      "workers; this step was refused on every rank")], ranks[0]
+    assert [r["version"] for r in ranks] == [5, 5]
+    assert_identical(ranks[0]["master"], ranks[1]["master"], "after the refused step")
+    reference = Reference()
+    for i, batch in enumerate(dist_job.global_batches(seed, 6, 16)):
+        if i != 3:
+            reference.step(batch)
+    reference.assert_matches(ranks[0]["master"])
 
 
 @pytest.mark.timeout(90)
