@@ -754,6 +754,29 @@ class _FailureNaming:
         if not isinstance(exc, DistributedError):
             self.rendezvous.record("failed", f"rank {self.rank} failed: {_short_error(exc)}"[:_TEXT_BYTES])
 
+    def _end_fit_with(self, exchange, error: BaseException | None) -> list[int]:
+        """An end_fit (Note [Ranks whose fits end at different steps]): checks in for the phase, runs
+        ``exchange()``, which sends this rank's end (``error``: its fit raises it next) and returns every rank's
+        status (:meth:`_peer_end`), and returns the ranks that were stepping (their step refused, their fit ended
+        here too). Raises PeerEndedFit when another rank's fit raised at the same point. Nothing after a failed
+        step (the group is unusable)."""
+        if self.broken:
+            return []
+        self._enter(_END_PHASE)
+        try:
+            status = exchange()
+            ended = self._peer_end(status, own=error, stepping=False)
+        except BaseException as exc:
+            self.broken = True
+            self._record_failure(exc)
+            raise
+        if ended is not None and ended.failed and error is None:  # another rank's fit raised: so does this one's
+            try:
+                raise ended
+            finally:  # Note [No reference cycle through the engine]
+                ended = None
+        return [r for r, v in enumerate(status) if not v]
+
     def _peer_end(self, status: list[int], own: BaseException | None = None,
                   stepping: bool = True) -> PeerEndedFit | None:
         """What the ranks' ``status`` (each rank's, alike on every rank: 0 stepping, _ENDED its fit ended, _RAISED
@@ -970,35 +993,22 @@ class DistributedHybrid(_FailureNaming):
         the caller raises next) and returns the ranks that were still stepping: their step was refused and their
         fit ended here too. Raises PeerEndedFit when another rank's fit raised at the same point. Nothing after a
         failed step (the group is unusable)."""
-        if self.broken:
-            return []
-        self._enter(_END_PHASE)
-        try:
+        def exchange() -> list[int]:
             self._sizes.copy_(torch.tensor([_END_TAG, float(error is not None), float(engine.version), 0.0, 0.0],
                                            dtype=torch.float64))
             self._all_sizes.zero_()
             with _collective("all-gather of the end of fit", self.rank, self._explain):
                 self.works.run(_all_gather_flat, self._all_sizes_flat, self._sizes, group=self.group)
                 _check_tags(self._all_sizes, _END_TAG, _STEP_TAG)
-            tags = self._all_sizes[:, 0].tolist()
-            ended = self._ended(self._all_sizes, own=error, stepping=False)
-        except BaseException as exc:
-            self.broken = True
-            self._record_failure(exc)
-            raise
-        if ended is not None and ended.failed and error is None:  # another rank's fit raised: so does this one's
-            try:
-                raise ended
-            finally:  # Note [No reference cycle through the engine]
-                ended = None
-        return [r for r, t in enumerate(tags) if t == _STEP_TAG]
+            return self._status(self._all_sizes)
 
-    def _ended(self, gathered: torch.Tensor, own: BaseException | None = None,
-               stepping: bool = True) -> PeerEndedFit | None:
-        """What the other ranks' end-of-fit headers among ``gathered`` say (:meth:`_peer_end`)."""
+        return self._end_fit_with(exchange, error)
+
+    @staticmethod
+    def _status(gathered: torch.Tensor) -> list[int]:
+        """Each rank's end of fit (:meth:`_FailureNaming._peer_end`'s status) from the gathered headers."""
         tags, flags = gathered[:, 0].tolist(), gathered[:, 1].tolist()
-        return self._peer_end([0 if t != _END_TAG else _RAISED if f > 0 else _ENDED for t, f in zip(tags, flags)],
-                              own, stepping)
+        return [0 if t != _END_TAG else _RAISED if f > 0 else _ENDED for t, f in zip(tags, flags)]
 
     # ---- the step ---------------------------------------------------------------------------------------------
 
@@ -1033,7 +1043,7 @@ class DistributedHybrid(_FailureNaming):
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
                 self.works.run(_all_gather_flat, self._all_sizes_flat, self._sizes, group=self.group)
                 _check_tags(self._all_sizes, _STEP_TAG, _END_TAG)
-            ended = self._ended(self._all_sizes)
+            ended = self._peer_end(self._status(self._all_sizes))
         except BaseException as exc:
             self.broken = True
             self._record_failure(exc)

@@ -36,8 +36,8 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import (_END_PHASE, _ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming,
-                          as_bytes, receive_rank0_state)
+from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, as_bytes,
+                          receive_rank0_state)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
                        check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
                        stage_store_names)
@@ -791,27 +791,15 @@ class DistributedPipeline(_FailureNaming):
         a step's first exchange, which theirs pair with (Note [Ranks whose fits end at different steps] in
         pyengine/distributed.py); returns the ranks that were stepping (their step refused, their fit ended here).
         Raises PeerEndedFit when another rank's fit raised at the same point. Nothing after a failed step."""
-        if self.broken:
-            return []
-        self._enter(_END_PHASE)
-        try:
+        def exchange() -> list[int]:
             both = self._fingerprint
             both.zero_()  # the fingerprints of no batch: a rank stepping reads the ends first
             both[12 + self.rank] = _ENDED if error is None else _RAISED
             with _collective("all-reduce of the end of fit", self.rank, self._explain):
                 self.works.run(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
-            status = self._ends()
-            ended = self._peer_end(status, own=error, stepping=False)
-        except BaseException as exc:
-            self.broken = True
-            self._record_failure(exc)
-            raise
-        if ended is not None and ended.failed and error is None:  # another rank's fit raised: so does this one's
-            try:
-                raise ended
-            finally:  # Note [No reference cycle through the engine]
-                ended = None
-        return [r for r, v in enumerate(status) if not v]
+            return self._ends()
+
+        return self._end_fit_with(exchange, error)
 
     @torch.no_grad()
     def _share_buffers(self) -> None:
