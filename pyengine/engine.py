@@ -722,18 +722,19 @@ class Engine:
                 self._end_fit(ended, exc)
                 raise
             together = self._fit_together()
-            phase = together.phase if together is not None else None
-            try:
-                metrics = self.step(batch)
-            except distributed.PeerEndedFit as peer:
-                if peer.failed:
+            with self._step_lock:  # whether the step began is read with no step of another thread in between
+                phase = together.phase if together is not None else None
+                try:
+                    metrics = self.step(batch)
+                except distributed.PeerEndedFit as peer:
+                    if peer.failed:
+                        raise
+                    ended.peers = peer.ranks
+                    return ended
+                except Exception as exc:  # raised before the step's first collective (its schedule value): told as
+                    if phase is not None and together.phase == phase:  # an error of its batches is
+                        self._end_fit(ended, exc)
                     raise
-                ended.peers = peer.ranks
-                return ended
-            except Exception as exc:  # raised before the step's first collective (its schedule value): as its batches
-                if phase is not None and together.phase == phase:
-                    self._end_fit(ended, exc)
-                raise
             ended.steps += 1
             mine.append(metrics)  # its own: step() may run on other threads meanwhile
             try:
