@@ -1250,6 +1250,21 @@ def fits_end(seed, rank, world, kind, case):
     return out
 
 
+def fits_end_first(seed, rank, world):
+    """Rank 0's fit takes 2 of its batches, the other ranks' all 4 (replicated): the ranks still stepping (several)
+    end with rank 0. Records what each warned, its version, master weights, and one step more."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4, 12)]
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False) as engine:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.fit(batches[:2] if rank == 0 else batches)
+        out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+               "version": engine.version, "master": engine.master_state_dict()}
+        engine.step(batches[0])
+        out["after"] = engine.version
+    return out
+
+
 def shard_one_rank(seed, rank, world):
     """A group of 1 rank (torchrun --nproc-per-node 1): shard_update=True with process_group="auto"."""
     try:
@@ -1338,6 +1353,7 @@ def main():
                     for name, shard in (("replicated", False), ("sharded", True))},
                  **{f"fit-ends-{case}-{kind}": lambda s, r, w, kind=kind, case=case: fits_end(s, r, w, kind, case)
                     for kind in ("replicated", "sharded", "pipeline") for case in FIT_ENDS},
+                 "fit-ends-first": fits_end_first,
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": lambda s, r, w: load_divergence(s, r, w, out_dir), "hybrid-fp16": hybrid_fp16,

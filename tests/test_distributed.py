@@ -752,6 +752,26 @@ def test_ranks_whose_fits_end_at_different_steps_end_together(tmp_path, seed, ca
         assert ranks[1]["warnings"] == [FIT_END_WARNING.format(n=trained)], ranks[1]
 
 
+@pytest.mark.timeout(90)
+def test_the_first_rank_s_fit_ending_ends_every_other_rank_s(tmp_path, seed):
+    """Note [Ranks whose fits end at different steps] with 3 ranks: rank 0's data end after 2 steps while ranks 1
+    and 2 have 4 batches; every fit ends after step 2 (rank 0 names both ranks it stopped, each of them rank 0),
+    alike and usable."""
+    codes, logs, seconds = launch("fit-ends-first", 3, tmp_path, seed)
+    assert codes == [0, 0, 0], "\n".join(logs)
+    assert seconds < 30, seconds
+    ranks = results(tmp_path, 3)
+    assert [r["version"] for r in ranks] == [2, 2, 2] and [r["after"] for r in ranks] == [3, 3, 3], ranks
+    for r in ranks[1:]:
+        assert_identical(ranks[0]["master"], r["master"], "after the uneven end")
+        assert r["warnings"] == [PEER_END_WARNING.replace("rank 1", "rank 0").format(next=3)], r["warnings"]
+    assert ranks[0]["warnings"] == [FIT_END_WARNING.replace("rank 0", "ranks 1, 2").format(n=2)], ranks[0]
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, 2, 12):
+        reference.step(batch)
+    reference.assert_matches(ranks[0]["master"])
+
+
 def _naming(rank, world, store):
     """A _FailureNaming of ``rank`` over an in-process store (no process group): what _explain reads."""
     naming = distributed._FailureNaming()
