@@ -975,9 +975,8 @@ class DistributedHybrid(_FailureNaming):
     # size, tagged _END_TAG (end_fit; a pipeline across processes: its step's first all-reduce, with this rank's
     # slot of the ends set, DistributedPipeline.end_fit). Every rank's fit ends at the same step that way: when all
     # of them end there, their end headers meet and nothing else happens (one small exchange per fit call); a rank
-    # still stepping
-    # meets them with its step's header, refuses that step before any work (every rank sees every header: no rank
-    # goes on) and its fit ends too, with a RuntimeWarning naming the ranks whose fit ended, or raising PeerEndedFit
+    # still stepping meets them with its step's header, refuses that step before any work (every rank sees every
+    # header: no rank goes on) and its fit ends too, with a RuntimeWarning naming the ranks whose fit ended, or raising PeerEndedFit
     # naming their error when their fit raised (its text travels in one exchange more, which every rank makes when
     # a header says so). A rank whose step fails does not send one: its step raised on every rank (a refusal, a
     # non-finite gradient under nonfinite="raise") or broke the group (Note [Naming the rank that failed]); one
