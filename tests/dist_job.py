@@ -1215,14 +1215,17 @@ def _raising_after(batches, n):
 def fits_end(seed, rank, world, kind, case):
     """Every rank but the last fits its 4 batches; the last does FIT_ENDS[case] (by-hand: the others call step()
     4 times while the last fits []). ``kind``: hybrid "replicated" or "sharded" (each rank its part of each
-    batch), or "pipeline" (a stage per rank, each given the whole batches). Each rank records what fit (or its
-    steps) raised and warned, its version, its master weights, and whether the group is usable after: one step
-    more on every rank, then a checkpoint."""
+    batch), "pipeline" (a stage per rank, each given the whole batches) or "pipeline-replicas" (2 stages x
+    world / 2 replicas, each rank given the whole batches: Note [Replicas of stages across processes]). Each rank
+    records what fit (or its steps) raised and warned, its version, its master weights, and whether the group is
+    usable after: one step more on every rank, then a checkpoint."""
     whole = global_batches(seed, 4, 12)
-    batches = whole if kind == "pipeline" else [rank_slice(b, rank, world) for b in whole]
+    pipeline = kind.startswith("pipeline")
+    batches = whole if pipeline else [rank_slice(b, rank, world) for b in whole]
     last = rank == world - 1
     out = {"error": None, "type": None}
-    mode = dict(mode="pipeline", microbatches=2) if kind == "pipeline" else dict(shard_update=kind == "sharded")
+    mode = (dict(mode="pipeline", microbatches=2, **(dict(stages=2) if kind == "pipeline-replicas" else {}))
+            if pipeline else dict(shard_update=kind == "sharded"))
     with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
                          **mode) as engine:
         with warnings.catch_warnings(record=True) as caught:
@@ -1260,6 +1263,31 @@ def fits_end_first(seed, rank, world):
             engine.fit(batches[:2] if rank == 0 else batches)
         out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
                "version": engine.version, "master": engine.master_state_dict()}
+        engine.step(batches[0])
+        out["after"] = engine.version
+    return out
+
+
+def fits_raise_together(seed, rank, world):
+    """Every rank but rank 0 fits with a callback that raises after step 2 (each its own error), rank 0 fits its 4
+    batches (replicated): rank 0's fit raises PeerEndedFit naming every error, each other rank raises its own.
+    Records what each raised and warned, its version, master weights, and one step more."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4, 12)]
+    out = {"error": None, "type": None}
+
+    def failing(engine, metrics):
+        if engine.version == 2:
+            raise ValueError(f"rank {rank}'s callback error")
+
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False) as engine:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                engine.fit(batches, callbacks=[failing] if rank else [])
+            except Exception as exc:  # noqa: BLE001 - recorded
+                out["error"], out["type"] = str(exc), type(exc).__name__
+        out.update(warnings=[str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+                   version=engine.version, master=engine.master_state_dict())
         engine.step(batches[0])
         out["after"] = engine.version
     return out
@@ -1352,8 +1380,8 @@ def main():
                  **{f"uneven-steps-{name}": lambda s, r, w, shard=shard: uneven_steps(s, r, w, shard)
                     for name, shard in (("replicated", False), ("sharded", True))},
                  **{f"fit-ends-{case}-{kind}": lambda s, r, w, kind=kind, case=case: fits_end(s, r, w, kind, case)
-                    for kind in ("replicated", "sharded", "pipeline") for case in FIT_ENDS},
-                 "fit-ends-first": fits_end_first,
+                    for kind in ("replicated", "sharded", "pipeline", "pipeline-replicas") for case in FIT_ENDS},
+                 "fit-ends-first": fits_end_first, "fits-raise-together": fits_raise_together,
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": lambda s, r, w: load_divergence(s, r, w, out_dir), "hybrid-fp16": hybrid_fp16,

@@ -772,6 +772,65 @@ def test_the_first_rank_s_fit_ending_ends_every_other_rank_s(tmp_path, seed):
     reference.assert_matches(ranks[0]["master"])
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", ["data", "callback"])
+def test_fits_of_pipeline_stages_with_replicas_end_together(tmp_path, seed, case):
+    """Note [Ranks whose fits end at different steps] on a pipeline of 2 stages x 2 replicas (4 ranks: Note
+    [Replicas of stages across processes]): rank 3 (stage 1 of replica 1) alone ends its fit after 3 batches, or its
+    callback raises after step 2; every rank's fit ends at that step (each other rank warned, or raising
+    PeerEndedFit naming rank 3's error), the ranks' weights alike and those of that many steps, the group usable."""
+    codes, logs, seconds = launch(f"fit-ends-{case}-pipeline-replicas", 4, tmp_path, seed, timeout=120)
+    assert codes == [0] * 4, "\n".join(logs)
+    assert seconds < 60, seconds  # no wait for the group's timeout (20 s) at either end
+    ranks = results(tmp_path, 4)
+    trained = {"data": 3, "callback": 2}[case]
+    assert [r["version"] for r in ranks] == [trained] * 4 and [r["after"] for r in ranks] == [trained + 1] * 4
+    for r in ranks[1:]:
+        assert_identical(ranks[0]["master"], r["master"], case)
+    assert len({r["phase"] for r in ranks}) == 1 and ranks[0]["phase"][1] == f"step {trained + 1}", ranks
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, trained, 12):
+        reference.step(batch)
+    reference.assert_matches(ranks[0]["master"])
+    if case == "data":
+        assert [r["error"] for r in ranks] == [None] * 4, ranks
+        for r in ranks[:3]:
+            assert r["warnings"] == [PEER_END_WARNING.replace("rank 1", "rank 3").format(next=trained + 1)], r
+        assert ranks[3]["warnings"] == [FIT_END_WARNING.replace("rank 0", "ranks 0, 1, 2").format(n=trained)]
+    else:
+        assert ranks[3]["type"] == "ValueError" and ranks[3]["error"] == "the callback's own error", ranks[3]
+        for i, r in enumerate(ranks[:3]):
+            assert r["type"] == "PeerEndedFit" and r["error"] == (
+                f"rank {i}: the fit of rank 3 raised (rank 3: ValueError: the callback's own error): this rank's "
+                "step was refused (inside fit, its fit ends here too); the group stays usable"), r
+            assert r["warnings"] == [], r
+
+
+@pytest.mark.timeout(90)
+def test_fits_of_ranks_raising_at_one_step_end_together(tmp_path, seed):
+    """Note [Ranks whose fits end at different steps] with 3 ranks whose ranks 1 and 2 raise at the same step (each
+    its callback's own error): each raises its own, rank 0's fit raises PeerEndedFit naming both ranks and both
+    errors; the weights alike, those of 2 steps, and the group usable."""
+    codes, logs, seconds = launch("fits-raise-together", 3, tmp_path, seed)
+    assert codes == [0, 0, 0], "\n".join(logs)
+    assert seconds < 30, seconds
+    ranks = results(tmp_path, 3)
+    assert [r["version"] for r in ranks] == [2, 2, 2] and [r["after"] for r in ranks] == [3, 3, 3], ranks
+    for r in ranks[1:]:
+        assert_identical(ranks[0]["master"], r["master"], "after the errors")
+    for i in (1, 2):
+        assert ranks[i]["type"] == "ValueError" and ranks[i]["error"] == f"rank {i}'s callback error", ranks[i]
+    assert ranks[0]["type"] == "PeerEndedFit" and ranks[0]["error"] == (
+        "rank 0: the fit of ranks 1, 2 raised (rank 1: ValueError: rank 1's callback error; rank 2: ValueError: "
+        "rank 2's callback error): this rank's step was refused (inside fit, its fit ends here too); the group "
+        "stays usable"), ranks[0]
+    assert [r["warnings"] for r in ranks] == [[], [], []], ranks
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, 2, 12):
+        reference.step(batch)
+    reference.assert_matches(ranks[0]["master"])
+
+
 def _naming(rank, world, store):
     """A _FailureNaming of ``rank`` over an in-process store (no process group): what _explain reads."""
     naming = distributed._FailureNaming()
