@@ -967,25 +967,25 @@ class DistributedHybrid(_FailureNaming):
     # ---- the end of a fit -------------------------------------------------------------------------------------
 
     # Note [Ranks whose fits end at different steps]
-    # Engine.fit on every rank runs one step per batch of that rank's own data, and the data may end unevenly (a
-    # sampler that does not pad, an IterableDataset's shards), or one rank may stop() alone: that rank left fit
-    # while the others waited in their next step's first collective until the group's timeout, or paired it with
-    # whatever that rank called next. So a rank's fit that ends without a failed step (its batches ran out, its
-    # steps were done, stop(), or its batches or a callback raised) makes one more exchange of the step's header
-    # size, tagged _END_TAG (end_fit; a pipeline across processes: its step's first all-reduce, with this rank's
-    # slot of the ends set, DistributedPipeline.end_fit). Every rank's fit ends at the same step that way: when all
-    # of them end there, their end headers meet and nothing else happens (one small exchange per fit call); a rank
-    # still stepping meets them with its step's header, refuses that step before any work (every rank sees every
-    # header: no rank goes on) and its fit ends too, with a RuntimeWarning naming the ranks whose fit ended, or raising PeerEndedFit
-    # naming their error when their fit raised (its text travels in one exchange more, which every rank makes when
-    # a header says so). A rank whose step fails does not send one: its step raised on every rank (a refusal, a
-    # non-finite gradient under nonfinite="raise") or broke the group (Note [Naming the rank that failed]); one
-    # that raised before its first collective (a schedule value refused, an engine closed) sends one with its error,
-    # as its batches would. A Ctrl-C does not: the peers may be anywhere by then. The group stays usable in every
-    # case above. A step refused by an end is not counted in the phases' names (steps), so they stay alike; an end
-    # and a step at the same phase count are no calls that differ (_explain). Not covered: a step that fails on one
-    # rank after its last collective (its copy back) raises there only, and the others' next step waits for the
-    # group's timeout, as before.
+    # Engine.fit on every rank runs one step per batch of that rank's own data, and the data may end unevenly (a sampler
+    # that does not pad, an IterableDataset's shards), or one rank may stop() alone: that rank left fit while the others
+    # waited in their next step's first collective until the group's timeout, or paired it with whatever that rank
+    # called next. So a rank's fit that ends without a failed step (its batches ran out, its steps were done, stop(), or
+    # its batches, a callback or fit's own argument checks raised: a bad ``steps`` on one rank alone) makes one more
+    # exchange of the step's header size, tagged _END_TAG (end_fit; a pipeline across processes: its step's first
+    # all-reduce, with this rank's slot of the ends set, DistributedPipeline.end_fit). Every rank's fit ends at the same
+    # step that way: when all of them end there, their end headers meet and nothing else happens (one small exchange per
+    # fit call); a rank still stepping meets them with its step's header, refuses that step before any work (every rank
+    # sees every header: no rank goes on) and its fit ends too, with a RuntimeWarning naming the ranks whose fit ended,
+    # or raising PeerEndedFit naming their error when their fit raised (its text travels in one exchange more, which
+    # every rank makes when a header says so). A rank whose step fails does not send one: its step raised on every rank
+    # (a refusal, a non-finite gradient under nonfinite="raise") or broke the group (Note [Naming the rank that
+    # failed]); one that raised before its first collective (a schedule value refused, an engine closed) sends one with
+    # its error, as its batches would. A Ctrl-C does not: the peers may be anywhere by then. The group stays usable in
+    # every case above. A step refused by an end is not counted in the phases' names (steps), so they stay alike; an end
+    # and a step at the same phase count are no calls that differ (_explain). Not covered: a step that fails on one rank
+    # after its last collective (its copy back) raises there only, and the others' next step waits for the group's
+    # timeout, as before.
 
     def end_fit(self, engine, error: BaseException | None = None) -> list[int]:
         """Tells the other ranks that this rank's :meth:`Engine.fit` ends (``error``: with this exception, which

@@ -619,8 +619,9 @@ class Engine:
         finally:
             self._fitting = False
 
-    def _fit(self, batches, steps, epochs, callbacks) -> list[dict]:
-        self._check_open()
+    def _fit_arguments(self, batches, steps, epochs, callbacks) -> tuple:
+        """fit's arguments checked (a TypeError or ValueError before anything is taken from ``batches``): ``steps``,
+        ``epochs`` as ints or None and the callbacks as a list."""
         steps, epochs = plain_int(steps), plain_int(epochs)
         if not isinstance(batches, collections.abc.Iterable):
             raise TypeError(f"fit: batches must be an iterable of batches; got {type(batches).__name__}")
@@ -630,7 +631,6 @@ class Engine:
         if isinstance(batches, collections.abc.Mapping):  # its keys would be taken for batches
             raise ValueError(f"fit: batches must be an iterable of batches; got one {type(batches).__name__} with "
                              f"keys {list(batches)[:8]} (a single batch: fit([batch]) or step(batch))")
-        self._stop.clear()
         for name, value, least in (("steps", steps, 0), ("epochs", epochs, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
                 raise ValueError(f"fit: {name} must be an int >= {least} or None; got {value!r}")
@@ -654,6 +654,16 @@ class Engine:
             except TypeError:
                 raise TypeError(f"fit: a callback is called as callback(engine, metrics); {callback!r} takes "
                                 f"{signature}") from None
+        return steps, epochs, callbacks
+
+    def _fit(self, batches, steps, epochs, callbacks) -> list[dict]:
+        self._check_open()
+        try:
+            steps, epochs, callbacks = self._fit_arguments(batches, steps, epochs, callbacks)
+        except Exception as exc:  # on this rank alone, maybe: the others, stepping, are told as of its batches'
+            self._end_fit(_FitEnd(0, None), exc)  # error (Note [Ranks whose fits end at different steps])
+            raise
+        self._stop.clear()
         # A one-shot iterator (a generator, iter(list)) is used up by its first pass: what it cannot give is said,
         # not silently skipped (a list or a DataLoader is iterated again for each epoch).
         one_shot = isinstance(batches, collections.abc.Iterator)

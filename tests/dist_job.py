@@ -1203,6 +1203,8 @@ FIT_ENDS = {
     # its step 3 raises before its first collective: an lr its own callback set after step 2 is refused
     "schedule": lambda engine, batches: engine.fit(batches, callbacks=[
         lambda e, m: setattr(e.optimizer, "lr", float("inf")) if e.version == 2 else None]),
+    "argument": lambda engine, batches: engine.fit(batches, steps=-1),  # refused by fit's checks on that rank alone
+    "everywhere": lambda engine, batches: engine.fit(batches, steps=-1),  # refused by every rank's checks alike
     "by-hand": None,  # the others step by hand while the last rank's fit over no batch ends at once
 }
 
@@ -1238,7 +1240,7 @@ def fits_end(seed, rank, world, kind, case):
                         for batch in batches:
                             engine.step(batch)
                 else:
-                    (FIT_ENDS[case] if last else FIT_ENDS["even"])(engine, batches)
+                    (FIT_ENDS[case] if last or case == "everywhere" else FIT_ENDS["even"])(engine, batches)
             except Exception as exc:  # noqa: BLE001 - recorded
                 out["error"], out["type"] = str(exc), type(exc).__name__
         out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]

@@ -703,20 +703,22 @@ PEER_END_WARNING = ("fit: the fit of rank 1 ended (its batches ran out, its step
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case,kind", [(c, "replicated") for c in dist_job.FIT_ENDS] +
                          [("data", "sharded"), ("callback", "sharded")] +
-                         [(c, "pipeline") for c in ("data", "stop", "callback", "schedule", "by-hand")])
+                         [(c, "pipeline") for c in ("data", "stop", "callback", "schedule", "by-hand", "argument",
+                                                    "everywhere")])
 def test_ranks_whose_fits_end_at_different_steps_end_together(tmp_path, seed, case, kind):
     """Note [Ranks whose fits end at different steps]: rank 0 fits 4 batches while rank 1's data end after 3 (or it
     asks 2 steps, or stops after 2): rank 0 waited in its next step's first collective for the group's timeout. Now
     both fits end at the same step, each rank warned of the other's end, with the same weights (those of a run of
     that many steps), and the group usable. When rank 1's fit raises (its callback, its iterator, steps asked of
-    no batch), rank 0's fit raises PeerEndedFit naming that error; rank 0 stepping by hand while rank 1's fit ends
-    gets PeerEndedFit from its step. The same for a pipeline across processes (a stage per rank)."""
+    no batch, fit's own argument checks on rank 1 alone), rank 0's fit raises PeerEndedFit naming that error; rank 0
+    stepping by hand while rank 1's fit ends gets PeerEndedFit from its step; both ranks refusing their arguments
+    raise their own errors at once. The same for a pipeline across processes (a stage per rank)."""
     codes, logs, seconds = launch(f"fit-ends-{case}-{kind}", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     assert seconds < 30, seconds  # no wait for the group's timeout (20 s)
     ranks = results(tmp_path, 2)
     trained = {"even": 4, "data": 3, "steps": 2, "stop": 2, "callback": 2, "iterator": 3, "empty": 0,
-               "by-hand": 0, "zero": 0, "schedule": 2}[case]
+               "by-hand": 0, "zero": 0, "schedule": 2, "argument": 0, "everywhere": 0}[case]
     assert [r["version"] for r in ranks] == [trained, trained], ranks
     assert [r["after"] for r in ranks] == [trained + 1] * 2  # the group is usable: one more step on every rank
     # the ranks' phases alike after it (a refused step is not counted: a later failure is not "different calls")
@@ -727,12 +729,17 @@ def test_ranks_whose_fits_end_at_different_steps_end_together(tmp_path, seed, ca
         reference.step(batch)
     reference.assert_matches(ranks[0]["master"])
     own = {"callback": "ValueError: the callback's own error", "iterator": "OSError: the loader's own error",
-           "empty": "ValueError: batches is empty"}.get(case)
+           "empty": "ValueError: batches is empty",
+           "argument": "ValueError: fit: steps must be an int >= 0 or None; got -1"}.get(case)
     if case == "schedule":  # its lr refused by check_update, before its step's first collective
         assert ranks[1]["type"] == "ValueError" and "lr" in ranks[1]["error"], ranks[1]
         own = f"ValueError: {ranks[1]['error'].splitlines()[0]}"
     if case == "even":
         assert [r["warnings"] for r in ranks] == [[], []] and [r["error"] for r in ranks] == [None, None]
+    elif case == "everywhere":  # each rank refuses its own arguments, and their ends meet: no wait, no PeerEndedFit
+        assert [(r["type"], r["error"]) for r in ranks] == [
+            ("ValueError", "fit: steps must be an int >= 0 or None; got -1")] * 2, ranks
+        assert [r["warnings"] for r in ranks] == [[], []], ranks
     elif own is not None:  # rank 1 raised its own error; rank 0's fit raised naming it; nobody warned of an end
         assert f"{ranks[1]['type']}: {ranks[1]['error']}" == own, ranks[1]
         assert ranks[0]["type"] == "PeerEndedFit", ranks[0]
