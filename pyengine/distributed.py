@@ -89,7 +89,7 @@ from .metrics import step_metrics
 from .scaler import grad_scale_tensor
 from .store import layout_of
 from .streamer import _POLL_S, make_buckets
-from .workers import WorkerError, batch_size, split_batch, split_microbatches
+from .workers import WorkerError, batch_size, split_batch, split_microbatches, whole_buffers
 
 __all__ = ["DistributedError", "PeerEndedFit", "DistributedHybrid", "init_process_group", "resolve_group",
            "check_same_config", "report_failed_config", "run_async", "gather_optimizer_state", "shard_ranges",
@@ -1174,8 +1174,8 @@ class DistributedHybrid(_FailureNaming):
             packet.pack(tensors)
         with _collective("broadcast of the buffers from rank 0", self.rank, self._explain):
             self.works.run(dist.broadcast, packet.flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-        if self.rank != 0:
-            packet.unpack(tensors)
+        if self.rank != 0:  # into whole tensors: a forward may have assigned an expanded one (replica_of's doc)
+            packet.unpack(whole_buffers(engine.workers[0].replica, tensors))
         engine.share_buffers(range(engine.num_workers))
 
     def _reduce_buckets(self, engine, weights, works, errors, abandoned: threading.Event) -> None:

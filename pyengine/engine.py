@@ -51,7 +51,8 @@ from .scaler import LossScaler, grad_scale_tensor, make_scaler
 from .store import HostStore, check_initialized, check_pin, layout_of, replica_shadow_dtype
 from .streamer import _POLL_S, check_options as check_streamer_options, refuse_script_module
 from .sync import sync_step
-from .workers import Worker, WorkerError, deferred_interrupt, parse_devices, task_thread_initializer
+from .workers import (Worker, WorkerError, deferred_interrupt, overlaps_itself, parse_devices, replace_buffer,
+                      task_thread_initializer)
 
 __all__ = ["Engine", "StageError", "WorkerError"]
 
@@ -135,26 +136,9 @@ def _generator_untouched_on_failure(init):
     return wrapper
 
 
-def _overlaps(t: torch.Tensor) -> bool:
-    """A view in which elements share memory (an expanded tensor: a stride 0 over a dimension of size > 1): it
-    cannot be written in place."""
-    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
-
-
 def _takes_in_place(target: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether buffer ``target`` can take ``value``'s values by copy_ (Note [Buffers that are not saved])."""
-    return target.shape == value.shape and target.dtype == value.dtype and not _overlaps(target)
-
-
-def _replace_module_buffer(roots, old: torch.Tensor, value: torch.Tensor) -> None:
-    """Every module under ``roots`` (modules) that holds buffer ``old`` holds one copy of ``value``, on ``old``'s
-    device, instead."""
-    new = value.detach().to(old.device, copy=True)
-    for root in roots:
-        for module in root.modules():
-            for key, buffer in module._buffers.items():
-                if buffer is old:
-                    module._buffers[key] = new
+    return target.shape == value.shape and target.dtype == value.dtype and not overlaps_itself(target)
 
 
 class Engine:
@@ -409,19 +393,23 @@ class Engine:
             max_workers=max(1, len(self.workers)), thread_name_prefix="pyengine-worker",
             initializer=task_thread_initializer, initargs=(self._task_threads, self.devices, self._intra_op_threads))
         # Note [Buffers that are not saved]
-        # Every buffer follows the schedule's source in the process (shared, handed on, put back after a failed
-        # step, copied out by copy_to), as DDP's broadcast_buffers shares named_buffers(): a non-persistent one
-        # that the forward changes (a counter, an EMA kept out of checkpoints) trains as in torch. A checkpoint
-        # holds the persistent ones only (state_dict's keys: buffers_state_dict, load_state_dict), as torch's
-        # does; load_state_dict leaves a non-persistent buffer as the replicas hold it, as torch's does. A
-        # non-persistent buffer may be a cache the forward replaces at another size (rotary tables) or a view that
-        # overlaps itself (an expanded mask): one that cannot take the source's values in place is replaced by a
-        # copy of them (_replace_module_buffer), and one that overlaps itself is not written back after a failed step (no
-        # forward wrote into it). A constant one costs what DDP's broadcast costs: its copies each step, nothing
-        # when a model has none. Across processes only the persistent ones travel (their shapes are checked
-        # alike on every rank when the engine is built; a cache's may differ between ranks by then): each rank's
-        # non-persistent ones are its own, and the pipeline across processes takes them for each stage's
-        # constants (Note [Buffers of stages across processes]).
+        # Every buffer follows the schedule's source in the process (shared, handed on, put back after a failed step,
+        # copied out by copy_to), as DDP's broadcast_buffers shares named_buffers(): a non-persistent one that the
+        # forward changes (a counter, an EMA kept out of checkpoints) trains as in torch. A checkpoint holds the
+        # persistent ones only (state_dict's keys: buffers_state_dict, load_state_dict), as torch's does;
+        # load_state_dict leaves a non-persistent buffer as the replicas hold it, as torch's does. A buffer (persistent
+        # or not) may be a cache the forward replaces at another size (rotary tables) or a view that overlaps itself (an
+        # expanded mask): one that cannot take the source's values in place is replaced by a copy of them
+        # (replace_buffer; an expanded one is made whole), in share_buffers, load_state_dict and copy_to (whose model's
+        # persistent buffers must have the engine's shapes, as torch's load_state_dict asks), and one that overlaps
+        # itself is not written back after a failed step (no forward wrote into it). Replicas start with such views made
+        # whole (replica_of), and a receive from another rank writes into whole ones (whole_buffers). Persistent ones
+        # failed before (hybrid's every step, from the first: copy_ cannot write into an expanded view; across processes
+        # the engine's construction). A constant one costs what DDP's broadcast costs: its copies each step, nothing
+        # when a model has none. Across processes only the persistent ones travel (their shapes are checked alike on
+        # every rank when the engine is built; a cache's may differ between ranks by then): each rank's non-persistent
+        # ones are its own, and the pipeline across processes takes them for each stage's constants (Note [Buffers of
+        # stages across processes]).
         saved_names = model.state_dict().keys()
         self.buffer_names = [name for name, _ in model.named_buffers()]  # the shared ones, in named_buffers' order
         self.saved_buffer_names = [name for name in self.buffer_names if name in saved_names]
@@ -833,8 +821,8 @@ class Engine:
         with torch.no_grad():
             for values, mine in ((buffers, named), (frozen, params)):
                 for name, value in values.items():
-                    if values is buffers and name not in saved and not _takes_in_place(mine[name], value):
-                        _replace_module_buffer([model], mine[name], value)  # Note [Buffers that are not saved]
+                    if values is buffers and not _takes_in_place(mine[name], value):
+                        replace_buffer([model], mine[name], value)  # Note [Buffers that are not saved]
                     else:
                         mine[name].copy_(value)
 
@@ -901,7 +889,7 @@ class Engine:
         """Copies the buffers of the source replica (``buffer_source``) into the replicas ``targets``."""
         if not self.buffer_names:
             return
-        source, saved = self.buffer_source, self._saved_buffers
+        source = self.buffer_source
         named = self._replica_buffers(source)
         with torch.no_grad():
             for t in targets:
@@ -909,10 +897,12 @@ class Engine:
                     continue
                 mine = self._replica_buffers(t)
                 for name in self.buffer_names:
-                    if name not in saved and not _takes_in_place(mine[name], named[name]):
-                        self._replace_buffer(t, name, named[name])  # Note [Buffers that are not saved]
-                    else:
+                    if mine[name] is named[name]:  # a pipeline across processes: one set of buffers per rank
+                        continue
+                    if _takes_in_place(mine[name], named[name]):
                         mine[name].copy_(named[name])
+                    else:
+                        self._replace_buffer(t, name, named[name])  # Note [Buffers that are not saved]
 
     def _replace_buffer(self, index: int, name: str, value: torch.Tensor) -> None:
         """Replica ``index``'s non-persistent buffer ``name`` becomes a copy of ``value`` (Note [Buffers that are
@@ -923,7 +913,7 @@ class Engine:
             roots = [row[index].module for row in self.pipeline.stages]
         else:
             roots = [layer for _, layer in self.pipeline.layers]
-        _replace_module_buffer(roots, self._replica_buffers(index)[name], value)
+        replace_buffer(roots, self._replica_buffers(index)[name], value)
 
     def _num_replicas(self) -> int:
         return self.pipeline.replicas if self.pipeline is not None else len(self.workers)
@@ -1167,7 +1157,10 @@ class Engine:
             for index in range(self._num_replicas()):
                 mine = self._replica_buffers(index)
                 for name, value in buffers.items():
-                    mine[name].copy_(value)
+                    if _takes_in_place(mine[name], value) or isinstance(self.pipeline, DistributedPipeline):
+                        mine[name].copy_(value)  # across processes every replica's shapes are checked alike
+                    else:  # a replica's cache of another size, an expanded mask (Note [Buffers that are not saved])
+                        self._replace_buffer(index, name, value)
 
     def _counters_of_mode(self, saved_mode: str, counters: dict) -> dict:
         """Note [A state of another mode]
@@ -1489,7 +1482,7 @@ class Engine:
         sources, copies, slots = saved
         for (module, key), source in zip(slots, sources):  # a forward that assigned a new tensor: the old one back
             module._buffers[key] = source
-        kept = [i for i, source in enumerate(sources) if not _overlaps(source)]  # no forward wrote into the others
+        kept = [i for i, source in enumerate(sources) if not overlaps_itself(source)]  # no forward wrote in the rest
         torch._foreach_copy_([sources[i] for i in kept], [copies[i] for i in kept])
 
     def wait_bucket(self, k: int, futures: dict) -> bool:

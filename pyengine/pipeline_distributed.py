@@ -43,7 +43,7 @@ from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_c
                        stage_store_names)
 from .streamer import check_dense_gradients
 from .workers import autocast as autocast_region
-from .workers import batch_size, replica_of
+from .workers import batch_size, replica_of, whole_buffers
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
 
@@ -816,8 +816,8 @@ class DistributedPipeline(_FailureNaming):
         if self.replica == 0:
             self._replica_packet.pack(tensors)
         self.works.run(dist.broadcast, self._replica_packet.flat, src=source, group=self._dp_group)
-        if self.replica != 0:
-            self._replica_packet.unpack(tensors)
+        if self.replica != 0:  # into whole tensors: a forward may have assigned an expanded one (replica_of's doc)
+            self._replica_packet.unpack(whole_buffers(self.module, tensors))
 
     @torch.no_grad()
     def _start_clock(self) -> float:

@@ -353,6 +353,30 @@ def check_weights_unchanged(changed: list[str], where: str) -> None:
                          "the weight inside the forward, or leave the parameter frozen)")
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """A view in which elements share memory (an expanded tensor: a stride 0 over a dimension of size > 1): it
+    cannot be written in place."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+
+
+def replace_buffer(roots, old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Every module under ``roots`` (modules) that holds buffer ``old`` holds one copy of ``value``, on ``old``'s
+    device, instead (a whole tensor: an expanded ``value`` is copied out); returns that copy."""
+    new = value.detach().to(old.device, copy=True)
+    for root in roots:
+        for module in root.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is old:
+                    module._buffers[key] = new
+    return new
+
+
+def whole_buffers(root: torch.nn.Module, tensors: list) -> list:
+    """``tensors`` (buffers of ``root``) ready to receive values in place: each that overlaps itself (a forward that
+    assigned an expanded view) is first replaced under ``root`` by a whole copy, which the list then holds."""
+    return [replace_buffer([root], t, t) if overlaps_itself(t) else t for t in tensors]
+
+
 def replica_of(model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
     """A deep copy of ``model`` on ``device`` (None: where it is), with the gradient hooks of its parameters.
 
@@ -363,10 +387,19 @@ def replica_of(model: torch.nn.Module, device: torch.device | None = None) -> to
     it was there to hold back. So the hooks each parameter has when the engine is built are registered on its copy,
     in their order, before the gradient streamer's own (a post-accumulate hook that changes ``.grad`` runs before
     the copy of it). The module hooks (forward, backward) live in the modules' dicts and come with the deep copy;
-    a hook added to the model's parameters later reaches no replica."""
+    a hook added to the model's parameters later reaches no replica.
+
+    A buffer that overlaps itself (registered expanded: ``torch.ones(1, n).expand(m, n)``) is made whole in the
+    replica (one copy, held by every module that held it): the engine writes into the replicas' buffers (shared
+    from the source replica, received from rank 0, loaded from a state), which copy_ cannot do into such a view
+    (Note [Buffers that are not saved] in engine.py)."""
     replica = copy.deepcopy(model)
     if device is not None:
         replica = replica.to(device)
+    for module in replica.modules():
+        for buffer in list(module._buffers.values()):
+            if buffer is not None and overlaps_itself(buffer):
+                replace_buffer([replica], buffer, buffer)
     for original, copied in zip(model.parameters(), replica.parameters(), strict=True):
         if not copied.requires_grad:
             continue

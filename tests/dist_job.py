@@ -1295,6 +1295,36 @@ def fits_raise_together(seed, rank, world):
     return out
 
 
+class Masked(torch.nn.Module):
+    """Tanh times a persistent buffer registered expanded, which the forward assigns expanded again (a mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(1, HIDDEN).expand(2, HIDDEN))
+
+    def forward(self, x):
+        self.mask = self.mask[:1].expand(2, HIDDEN)
+        return x.tanh() * self.mask[0]
+
+
+def expanded_buffers(seed, rank, world):
+    """make_model with its Tanh as Masked: a replicated hybrid engine (2 local workers) on this rank's part of 3
+    batches, then a pipeline (a stage per rank) on the whole batches. Records each's version, master weights and
+    buffers (Note [Buffers that are not saved]: the construction failed, copy_ into an expanded view)."""
+    out = {}
+    for kind in ("hybrid", "pipeline"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), Masked(), torch.nn.Linear(HIDDEN, CLASSES))
+        whole = global_batches(seed, 3, 12)
+        options = dict(mode="pipeline", microbatches=2) if kind == "pipeline" else dict(devices=["cpu"] * 2)
+        with pyengine.Engine(model, loss_fn, optimizer=pyengine.AdamW(**OPT), pin=False,
+                             **{"devices": ["cpu"], **options}) as engine:
+            engine.fit(whole if kind == "pipeline" else [rank_slice(b, rank, world) for b in whole])
+            out[kind] = dict(version=engine.version, master=engine.master_state_dict(),
+                             buffers=engine.state_dict()["buffers"])
+    return out
+
+
 def shard_one_rank(seed, rank, world):
     """A group of 1 rank (torchrun --nproc-per-node 1): shard_update=True with process_group="auto"."""
     try:
@@ -1384,6 +1414,7 @@ def main():
                  **{f"fit-ends-{case}-{kind}": lambda s, r, w, kind=kind, case=case: fits_end(s, r, w, kind, case)
                     for kind in ("replicated", "sharded", "pipeline", "pipeline-replicas") for case in FIT_ENDS},
                  "fit-ends-first": fits_end_first, "fits-raise-together": fits_raise_together,
+                 "expanded-buffers": expanded_buffers,
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),
                  **{f"async-gone-{how}": lambda s, r, w, how=how: async_gone_before_run(s, r, w, how)
                     for how in ("exit", "record")}, "load-divergence": lambda s, r, w: load_divergence(s, r, w, out_dir), "hybrid-fp16": hybrid_fp16,

@@ -838,6 +838,29 @@ def test_fits_of_ranks_raising_at_one_step_end_together(tmp_path, seed):
     reference.assert_matches(ranks[0]["master"])
 
 
+@pytest.mark.timeout(90)
+def test_a_persistent_buffer_registered_and_assigned_expanded_trains_across_processes(tmp_path, seed):
+    """Note [Buffers that are not saved]: a persistent buffer registered as an expanded view failed the engine's
+    construction on every rank (its broadcast from rank 0 wrote into the view: "more than one element of the
+    written-to tensor refers to a single memory location"); one the forward assigns expanded again failed every
+    step's buffer broadcast. Multi-node hybrid (2 local workers per rank) and a pipeline (a stage per rank) now
+    train on it as on make_model: alike on both ranks and equal to float64 AdamW."""
+    codes, logs, _ = launch("expanded-buffers", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, 3, 12):
+        reference.step(batch)
+    for kind in ("hybrid", "pipeline"):
+        runs = [r[kind] for r in ranks]
+        assert [r["version"] for r in runs] == [3, 3], kind
+        assert_identical(runs[0]["master"], runs[1]["master"], kind)
+        reference.assert_matches(runs[0]["master"])
+        for r in runs:
+            assert list(r["buffers"]) == ["1.mask"] and torch.equal(r["buffers"]["1.mask"],
+                                                                   torch.ones(2, dist_job.HIDDEN)), kind
+
+
 def _naming(rank, world, store):
     """A _FailureNaming of ``rank`` over an in-process store (no process group): what _explain reads."""
     naming = distributed._FailureNaming()

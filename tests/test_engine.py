@@ -3195,14 +3195,14 @@ def test_a_non_persistent_buffer_trains_as_in_torch(rng, mode, workers):
 
 
 class Cached(torch.nn.Module):
-    """make_model's layers with two non-persistent buffers of the kinds that cannot take values in place: a cache
-    the forward replaces at the batch's size (rotary tables, say) and an expanded constant mask."""
+    """make_model's layers with two buffers (non-persistent, or ``persistent``) of the kinds that cannot take values
+    in place: a cache the forward replaces at the batch's size (rotary tables, say) and an expanded constant mask."""
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, persistent=False):
         super().__init__()
         self.net = make_model(seed)
-        self.register_buffer("cache", torch.zeros(1), persistent=False)
-        self.register_buffer("mask", torch.ones(1, 3).expand(4, 3), persistent=False)
+        self.register_buffer("cache", torch.zeros(1), persistent=persistent)
+        self.register_buffer("mask", torch.ones(1, 3).expand(4, 3), persistent=persistent)
 
     def forward(self, x):
         if self.cache.numel() < x.shape[0]:
@@ -3210,16 +3210,19 @@ class Cached(torch.nn.Module):
         return self.net(x) * self.mask[0] + 0 * self.cache[:1]
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["non-persistent", "persistent"])
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 2), ("sync", 1)])
-def test_non_persistent_caches_and_expanded_masks_follow_by_replacement(rng, mode, workers):
+def test_caches_and_expanded_masks_follow_by_replacement(rng, mode, workers, persistent):
     """A buffer the forward replaced at a new size could not be copied into the other replicas' (sync failed every
     step after the first: "the size of tensor a (2) must match"), nor an expanded one written (hybrid and sync:
     "more than one element of the written-to tensor refers to a single memory location"). Such a buffer now
-    takes a copy of the source's; a failed step leaves the expanded one alone; copy_to replaces the model's."""
+    takes a copy of the source's; a failed step leaves the expanded one alone; copy_to replaces the model's.
+    Persistent ones too (they failed every step of hybrid, and copy_to and load_state_dict into an expanded one);
+    a model whose persistent cache has another size is refused by copy_to, as by torch's load_state_dict."""
     failing = {"on": False}
     loss = loss_failing_while(failing)
 
-    model = Cached()
+    model = Cached(persistent=persistent)
     reference = TorchReference(model, **OPT)
     batches = [make_batches(rng, 1, size)[0] for size in (8, 12, 16, 6)]
     with Engine(model, loss, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as engine:
@@ -3232,11 +3235,29 @@ def test_non_persistent_caches_and_expanded_masks_follow_by_replacement(rng, mod
             engine.step(b)
             reference.step([b])
         assert_matches(engine, reference)
-        copied = Cached(seed=5)
+        size = engine.buffers_state_dict()["cache"].numel() if persistent else 1
+        assert size in ((8, 16) if persistent else (1,))
+        copied = Cached(seed=5, persistent=persistent)
+        if persistent:
+            with pytest.raises(ValueError, match=r"reshapes the engine's buffers or frozen parameters: 'cache'"):
+                engine.copy_to(copied)
+            copied.cache = torch.zeros(size)  # a model of the engine's shapes takes them
         engine.copy_to(copied)
         assert copied.cache.numel() in (8, 16) and torch.equal(copied.mask, torch.ones(4, 3))
         for name, value in engine.master_state_dict().items():
             assert torch.equal(copied.state_dict()[name], value), name
+        saved = engine.state_dict()
+        other_model = Cached(seed=3, persistent=persistent)
+        other_model.cache = torch.zeros(size)
+        with Engine(other_model, loss, devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT)) as other:
+            other.load_state_dict(saved)  # into replicas whose mask is expanded
+            if persistent:
+                for name, value in saved["buffers"].items():
+                    assert torch.equal(other.buffers_state_dict()[name], value), name
+            engine.step(batches[0])
+            other.step(batches[0])
+            for name, value in engine.master_state_dict().items():
+                assert torch.equal(other.master_state_dict()[name], value), name
 
 
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("sync", 1)])
