@@ -232,23 +232,26 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         workers run]). None when the run stopped meanwhile (a worker waits here for the mutex while another's push
         ends the run): the worker ends without taking a batch, which a later fit gets."""
         with engine.mutex, engine.phase("pull", worker.index):
-            start = time.perf_counter()
-            if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
-                worker.rng.begin_step(engine._counters["pushes"])
-            worker.pull(wait=True)
-            try:  # a setting's error, not the worker's: raised by fit as itself, as sync and hybrid raise it
-                k = minibatches_per_push(engine, engine.version)
-            except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt from batch_schedule too
+            try:
+                start = time.perf_counter()
+                if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
+                    worker.rng.begin_step(engine._counters["pushes"])
+                worker.pull(wait=True)
+                try:  # a setting's error, not the worker's: raised by fit as itself, as sync and hybrid raise it
+                    k = minibatches_per_push(engine, engine.version)
+                except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt from batch_schedule too
+                    raise _AsItself(exc) from exc
+                if stopped():  # while this worker waited for the mutex, or by the batch schedule itself
+                    return None
+                run.generators = engine._global_generators()  # None unless the worker draws from torch's own
+                saved = None
+                if worker.index == engine.buffer_source:
+                    saved = engine._snapshot_source_buffers({worker.index: None})
+                    run.buffers = None if saved is None else saved[1]
+                return engine.version, engine.loss_scale_now(), time.perf_counter() - start, k, saved
+            except BaseException:
                 stop.set()  # before the mutex is released: no other push lands after it (Note [The push that ends
-                raise _AsItself(exc) from exc  # a run])
-            if stopped():  # while this worker waited for the mutex, or by the batch schedule itself
-                return None
-            run.generators = engine._global_generators()  # None unless the worker draws from torch's own
-            saved = None
-            if worker.index == engine.buffer_source:
-                saved = engine._snapshot_source_buffers({worker.index: None})
-                run.buffers = None if saved is None else saved[1]
-            return engine.version, engine.loss_scale_now(), time.perf_counter() - start, k, saved
+                raise  # a run]), whatever failed here (the batch schedule, the copy of the weights, the snapshot)
 
     def unpushed(saved) -> None:
         """The source replica's computation was not applied: its buffers go back to the copy, and a lone worker's
@@ -321,7 +324,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                                 break
                         except BaseException:
                             # Note [The push that ends a run]: the run stops before the mutex is released, so no
-                            # other worker's push is applied after this one's error (a callback's, a non-finite
+                            # other worker's push is applied after this one's error (a callback's, a pull's, a non-finite
                             # gradient raised, a Ctrl-C held until the push was whole); set after the mutex, a
                             # waiting worker took it in between and applied one more push (1 run in 3, 2 workers)
                             stop.set()
@@ -332,9 +335,14 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                     pulled, scale, copied, _, saved = pulled
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with the worker's index
             stop.set()  # first: no other worker's push is applied once this one failed
-            with engine.mutex:
-                unpushed(saved)
-            errors.append((worker.index, exc, own_thread))
+            errors.append((worker.index, exc, own_thread))  # before anything that may raise: fit raises it
+            try:
+                with engine.mutex:
+                    unpushed(saved)
+            except BaseException as undo:  # noqa: BLE001 - told with the worker's error, which fit raises
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"putting back the buffers of its replica failed too: {type(undo).__name__}: "
+                                 f"{undo} (the state's buffers may count this computation's batch)")
         finally:
             if own_thread:  # a thread started after this one ended may get its id (close() compares ids)
                 run.threads.discard(ident)

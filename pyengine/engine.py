@@ -1466,10 +1466,12 @@ class Engine:
             self._buffer_slots[self.buffer_source] = slots
         sources = [module._buffers[key] for module, key in slots]
         ids = [id(t) for t in sources]
-        if self._buffer_copies is None or self._buffer_copies[0] != ids:
+        copies = self._buffer_copies
+        if copies is None or copies[0] != ids or any(
+                c.shape != t.shape or c.dtype != t.dtype for c, t in zip(copies[1], sources)):  # resized in place
             self._buffer_copies = (ids, [t.detach().clone() for t in sources])
         else:
-            torch._foreach_copy_(self._buffer_copies[1], sources)
+            torch._foreach_copy_(copies[1], sources)
         return [sources, self._buffer_copies[1], slots]
 
     @torch.no_grad()
@@ -1483,6 +1485,9 @@ class Engine:
         for (module, key), source in zip(slots, sources):  # a forward that assigned a new tensor: the old one back
             module._buffers[key] = source
         kept = [i for i, source in enumerate(sources) if not overlaps_itself(source)]  # no forward wrote in the rest
+        for i in kept:  # a forward that resized one in place (a log that grows): its shape back too
+            if sources[i].shape != copies[i].shape:
+                sources[i].resize_(copies[i].shape)
         torch._foreach_copy_([sources[i] for i in kept], [copies[i] for i in kept])
 
     def wait_bucket(self, k: int, futures: dict) -> bool:

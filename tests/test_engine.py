@@ -3091,6 +3091,103 @@ def test_a_failed_step_leaves_the_buffers_alone(rng, mode, workers, worker_devic
             assert torch.equal(engine.buffers_state_dict()[name], value), name
 
 
+class Logging(torch.nn.Module):
+    """make_model's layers and a persistent buffer the forward resizes in place: a log of the batch sizes seen."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.net = make_model(seed)
+        self.register_buffer("log", torch.zeros(2))
+
+    def forward(self, x):
+        n = self.log.numel()
+        with torch.no_grad():
+            self.log.resize_(n + 1)
+            self.log[n] = x.shape[0]
+        return self.net(x)
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 1), ("async", 1)])
+def test_a_failed_step_puts_back_a_buffer_resized_in_place(rng, mode, workers):
+    """Note [A failed step leaves the buffers alone] with a buffer the forward resizes in place: putting it back
+    raised ("the size of tensor a (3) must match the size of tensor b (2)") in place of the worker's error, and
+    async's next pull failed on its copy. The failed step's WorkerError is raised, the buffer is as before it (its
+    shape too), and the run goes on as one that never saw the failed batch."""
+    batches = make_batches(rng, 3, 12)
+    failing = {"on": False}
+    loss_then_fail = loss_failing_while(failing)
+    kw = dict(devices=["cpu"] * workers, optimizer=AdamW(**OPT))
+    with Engine(Logging(), loss_then_fail, mode=mode, **kw) as engine, \
+            Engine(Logging(), loss_fn, mode="sync" if mode == "async" else mode, **kw) as clean:
+        engine.fit(batches[:1])
+        clean.fit(batches[:1])
+        before = engine.buffers_state_dict()["log"].clone()
+        failing["on"] = True
+        with pytest.raises(WorkerError, match="after the forward"):
+            engine.fit(batches[1:2])
+        failing["on"] = False
+        assert torch.equal(engine.buffers_state_dict()["log"], before)
+        engine.fit(batches[2:])
+        clean.fit(batches[2:])
+        assert torch.equal(engine.buffers_state_dict()["log"], clean.buffers_state_dict()["log"])
+        seen = 12 // workers if mode == "hybrid" else 12  # worker 0's shard: the source's log
+        assert engine.buffers_state_dict()["log"].tolist() == [0, 0, seen, seen]
+        for name, value in clean.master_state_dict().items():
+            assert torch.equal(engine.master_state_dict()[name], value), name
+
+
+def test_an_async_worker_whose_buffers_cannot_be_put_back_still_fails_fit(rng, monkeypatch):
+    """An async worker's error was recorded only after its replica's buffers were put back: when that raised too
+    (a sticky CUDA error in its stream's synchronize), the error died on the worker's thread and fit returned as if
+    it had trained, with "gave no batch: nothing was trained". fit raises the worker's error, which says the
+    putting back failed too."""
+    failing = {"on": True}
+    with Engine(make_bn_model(), loss_failing_while(failing), devices=["cpu"] * 2, mode="async",
+                optimizer=AdamW(**OPT)) as engine:
+        def broken(saved):
+            if saved is not None:
+                raise RuntimeError("the device's stream failed")
+        monkeypatch.setattr(engine, "_restore_source_buffers", broken)
+        with pytest.raises(WorkerError, match="after the forward") as caught:
+            engine.fit(make_batches(rng, 6, 12))
+        notes = [n for e in (caught.value, caught.value.__cause__) for n in getattr(e, "__notes__", [])]
+        assert any("putting back the buffers of its replica failed too: RuntimeError: the device's stream failed"
+                   in n for n in notes), notes
+
+
+def test_an_async_pull_that_fails_stops_the_run_before_releasing_the_mutex(rng, monkeypatch):
+    """Note [The push that ends a run]: an error in an async worker's pull (its copy of the buffers, here) stopped
+    the run only after the pull released the mutex, and workers waiting for it applied more pushes after the
+    failure (5-9 of 4 workers' when the release and the stop were 30 ms apart; a profile hook widens that gap
+    here). No push is applied after it."""
+    def slow_loss(model, batch):
+        time.sleep(0.01)
+        return loss_fn(model, batch)
+
+    with Engine(make_bn_model(), slow_loss, devices=["cpu"] * 4, mode="async", optimizer=AdamW(**OPT)) as engine:
+        original, at_failure, calls = engine._snapshot_source_buffers, {}, {"n": 0}
+
+        def snapshot(tasks):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                at_failure["version"] = engine.version
+                raise RuntimeError("the snapshot failed")
+            return original(tasks)
+        monkeypatch.setattr(engine, "_snapshot_source_buffers", snapshot)
+
+        def widen(frame, event, arg):  # the failing pull, leaving: the mutex is released by now
+            if event == "return" and frame.f_code.co_name == "pull" and "at_failure" not in frame.f_locals \
+                    and at_failure and threading.current_thread().name == "pyengine-async-0":
+                time.sleep(0.05)
+        threading.setprofile(widen)
+        try:
+            with pytest.raises(WorkerError, match="the snapshot failed"):
+                engine.fit(make_batches(rng, 40, 12))
+        finally:
+            threading.setprofile(None)
+        assert engine.version == at_failure["version"], (engine.version, at_failure)
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "sync"])
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
 def test_a_step_stopped_on_the_calling_thread_leaves_the_buffers_alone(rng, mode, stop):
