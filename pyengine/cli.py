@@ -819,8 +819,7 @@ def _set_aside_later(out: Path, step: int) -> Path | None:
     if not later:  # the newest checkpoint: no fork; steps logged after it (a crash) are simply run again
         return None
     metrics_path = out / "metrics.jsonl"
-    lines = metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists() else []
-    dropped = lines[len(_read_metrics(metrics_path, upto=step)):]
+    dropped = _split_metrics(metrics_path, upto=step)[2]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = out / f"superseded-{stamp}"
     n = 1
@@ -828,7 +827,7 @@ def _set_aside_later(out: Path, step: int) -> Path | None:
         n += 1
         aside = out / f"superseded-{stamp}-{n}"
     aside.mkdir()
-    with open(aside / "metrics.jsonl", "w") as f:
+    with open(aside / "metrics.jsonl", "wb") as f:
         f.writelines(dropped)
     for path in later:
         path.rename(aside / path.name)
@@ -839,27 +838,37 @@ def _set_aside_later(out: Path, step: int) -> Path | None:
 
 
 def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
-    """The records of ``path`` (metrics.jsonl) up to step ``upto``, up to the first line that is not one: a line
-    cut by a crash, or one that is no record (not UTF-8, not a JSON object with an int ``step``: a resume stopped
-    there with a traceback, an AttributeError or a TypeError, as "training failed")."""
-    records = []
+    """The records of ``path`` (metrics.jsonl) up to step ``upto`` (:func:`_split_metrics`)."""
+    return _split_metrics(path, upto)[0]
+
+
+def _split_metrics(path: Path, upto: int | None = None) -> tuple[list[dict], list[int], list[bytes]]:
+    """``path`` (metrics.jsonl) read up to the first record past step ``upto``: (the records before it, the line
+    numbers (1-based) among them that are no record, the lines from it on). A line that is no record (cut by a
+    crash, not UTF-8, not a JSON object with an int ``step``: a resume stopped there with a traceback, an
+    AttributeError or a TypeError, as "training failed"; then it stopped reading there, and a resume wrote the file
+    back without the records after it, which the steps it redid did not give back) is left out, and the records
+    after it are read on."""
+    records, unreadable, rest = [], [], []
     if path.exists():
-        with open(path, "rb") as f:
-            for raw in f:
-                try:
-                    line = raw.decode().strip()
-                    rec = json.loads(line) if line else None
-                except (UnicodeDecodeError, json.JSONDecodeError):
-                    break  # everything after it is redone
-                if rec is None:
-                    continue
-                step = rec.get("step") if isinstance(rec, dict) else None
-                if isinstance(step, bool) or not isinstance(step, int):
-                    break
-                if upto is not None and step > upto:
-                    break
-                records.append(rec)
-    return records
+        lines = path.read_bytes().splitlines(keepends=True)
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode().strip()
+                rec = json.loads(line) if line else None
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                rec = False
+            if rec is None:
+                continue
+            step = rec.get("step") if isinstance(rec, dict) else None
+            if isinstance(step, bool) or not isinstance(step, int):
+                unreadable.append(number)
+                continue
+            if upto is not None and step > upto:
+                rest = lines[number - 1:]
+                break
+            records.append(rec)
+    return records, unreadable, rest
 
 
 def _launched() -> tuple[int, int]:
@@ -965,7 +974,15 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             if aside is not None:
                 print(f"[{mode}] resuming at step {start_step}, before the run's newest checkpoint: the later "
                       f"checkpoints and metrics were moved to {aside}", file=sys.stderr, flush=True)
-        kept = _read_metrics(metrics_path, upto=start_step) if resume is not None else []
+        kept, unreadable, _ = _split_metrics(metrics_path, upto=start_step) if resume is not None else ([], [], [])
+        if unreadable and primary:
+            print(f"[{mode}] {metrics_path}: line{'s' if len(unreadable) > 1 else ''} "
+                  f"{', '.join(map(str, unreadable[:10]))}{' ...' if len(unreadable) > 10 else ''} before step "
+                  f"{start_step} {'are' if len(unreadable) > 1 else 'is'} no record (cut or damaged): left out, the "
+                  "records around them kept", file=sys.stderr, flush=True)
+        if resume is not None and primary:  # the end of the run it continues: written again at this one's end
+            for name in ("summary.json", *_RUN_PLOTS):
+                (out / name).unlink(missing_ok=True)
         # the samples trained before this run: the checkpoint counts them (its run directory's metrics.jsonl may be
         # another's, or lack lines: a checkpoint copied into a new directory has none); older checkpoints did not
         samples_before = (resume.get("samples_done", sum(r.get("samples", 0) for r in kept)) if resume is not None
@@ -1765,6 +1782,7 @@ def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) 
                 raise UsageError(f"--out {out} holds {' and '.join(taken)}, which this run would write over; "
                                  "choose another --out (or move them)")
     if cfg["trace"] is not None:
+        _check_trace_is_no_run_file(Path(cfg["trace"]), out, cfg["mode"])
         made = _check_writable(Path(cfg["trace"]).parent, "the --trace folder")
     try:
         if resumed:
@@ -1776,6 +1794,25 @@ def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) 
         raise
     cfg["out"] = str(out)
     return out
+
+
+def _check_trace_is_no_run_file(trace: Path, out: Path, mode: str) -> None:
+    """A --trace that names one of the files the run in ``out`` writes (its metrics, summary, plots, a checkpoint;
+    --mode all: each mode's too) was written over them, or they over it, and the run ended with exit code 0 (a
+    final checkpoint overwritten by the trace: the next --resume refused it as no checkpoint). Refused."""
+    from .checkpoint import _NAME
+
+    def ckpt_named(path: Path) -> bool:  # a checkpoint's name in a checkpoints/ folder (other files are let be)
+        return _NAME.fullmatch(path.name) is not None
+
+    out = Path(os.path.abspath(out))
+    every = mode == "all"
+    traces = [Path(os.path.abspath(_trace_path(str(trace), m, every))) for m in (MODES if every else (mode,))]
+    runs = [out] + ([out / m for m in MODES] if every else [])
+    files = {run / name for run in runs for name in ("summary.json", "metrics.jsonl", ALL_CONFIG, *_RUN_PLOTS)}
+    if any(t in files or (t.parent in {run / "checkpoints" for run in runs} and ckpt_named(t)) for t in traces):
+        raise UsageError(f"--trace {trace} names a file the run in {out} writes (its metrics, summary, plots or "
+                         "checkpoints); give another file name (e.g. trace.json)")
 
 
 def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int:

@@ -376,6 +376,56 @@ def test_resume_stops_reading_metrics_at_a_line_that_is_no_record(tmp_path, caps
     assert steps == [1, 2, 3, 4] and master(run)["version"] == 4
 
 
+def test_resume_keeps_the_records_after_a_damaged_metrics_line(tmp_path, capsys):
+    """A damaged line of metrics.jsonl before the checkpoint's step ended the reading there, and the resume wrote
+    the file back without every record after it (steps 3 and 4 of a run resumed at step 4 were gone for good: the
+    steps it redoes begin after 4). The damaged line alone is left out, with a word on stderr."""
+    run = tmp_path / "run"
+    assert train("--steps", "4", "--out", str(run), "--quiet", "--checkpoint-every", "2", *SHORT) == 0
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1][:20] + b"\n"  # step 2's record, cut
+    (run / "metrics.jsonl").write_bytes(b"".join(lines))
+    capsys.readouterr()
+    assert train("--resume", str(run), "--steps", "5", "--quiet") == 0
+    err = capsys.readouterr().err
+    assert f"{run / 'metrics.jsonl'}: line 2 before step 4 is no record (cut or damaged): left out" in err, err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 3, 4, 5] and master(run)["version"] == 5
+
+
+def test_a_failed_resume_of_a_finished_run_leaves_no_summary_of_its_earlier_end(tmp_path, capsys, monkeypatch):
+    """A finished run resumed for more steps that then failed kept the summary.json and loss.png of its earlier
+    end (steps 4 of 4, not interrupted) beside checkpoints and metrics of later steps. A resume removes them when
+    it begins training (it writes its own at its end); the next resume finishes the run and writes them."""
+    run = tmp_path / "run"
+    assert train("--steps", "4", "--out", str(run), "--quiet", "--checkpoint-every", "2", *SHORT) == 0
+    assert (run / "summary.json").exists() and (run / "loss.png").exists()
+    with monkeypatch.context() as patch:
+        _failing_loss(patch, at_call=2)
+        assert train("--resume", str(run), "--steps", "8", "--quiet") == 1
+    capsys.readouterr()
+    assert not (run / "summary.json").exists() and not (run / "loss.png").exists()
+    assert train("--resume", str(run), "--steps", "8", "--quiet") == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8 and (run / "loss.png").exists()
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "loss.png", "checkpoints/step-00000003.pyeckpt"])
+def test_a_trace_that_names_a_file_of_the_run_is_refused(tmp_path, capsys, name):
+    """--trace naming one of the run's own files (its metrics, summary, plot, a checkpoint) was written over it or
+    under it with exit code 0 (a final checkpoint overwritten by the trace: the next --resume refused it as "not a
+    pyengine checkpoint"). Refused before anything is made; a resume given such a --trace too, its files intact."""
+    run = tmp_path / "run"
+    assert train("--steps", "3", "--out", str(run), "--quiet", "--trace", str(run / name), *SHORT) == 2
+    err = capsys.readouterr().err
+    assert f"names a file the run in {run} writes (its metrics, summary, plots or checkpoints)" in err, err
+    assert not run.exists()
+    assert train("--steps", "3", "--out", str(run), "--quiet", "--checkpoint-every", "3", *SHORT) == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert train("--resume", str(run), "--steps", "4", "--quiet", "--trace", str(run / name)) == 2
+    assert "names a file the run in" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_async_resume_applies_every_batch_once_when_pushes_land_out_of_order(tmp_path, monkeypatch):
     """Note [Which batches an async checkpoint holds]: the worker computing batch 0 is slow, so push 1 applies batch
     1 while batch 0 is in flight. The checkpoint after push 1 holds batch 1 only: a resume from it computes batch 0
