@@ -806,13 +806,14 @@ def _saved_config(cfg: dict) -> dict:
     return _json_safe({k: v for k, v in cfg.items() if k not in NOT_SAVED})
 
 
-def _set_aside_later(out: Path, step: int) -> Path | None:
+def _set_aside_later(out: Path, step: int, trace: Path | None = None) -> Path | None:
     """Resuming from a checkpoint older than the run's newest forks the run: the checkpoints after ``step``, the
-    metrics lines after it and the summary and plot of its end belong to the abandoned continuation. They are
-    moved, not deleted, into
-    ``out/superseded-<time>/``, so that a later ``--resume out`` continues this run (not the abandoned one) and
-    nothing is lost. Returns that folder, or None when no checkpoint comes after ``step``: resuming from the newest
-    one (after a crash, say) forks nothing, and the metrics lines of steps after it are redone, bit for bit."""
+    metrics lines after it and the summary, plot and trace of its end belong to the abandoned continuation. They
+    are moved, not deleted, into ``out/superseded-<time>/``, so that a later ``--resume out`` continues this run
+    (not the abandoned one) and nothing is lost (the trace its summary names, when it lies in ``out`` or is the file
+    ``trace`` this resume writes, which wrote over it; the moved summary then names its new place). Returns that
+    folder, or None when no checkpoint comes after ``step``: resuming from the newest one (after a crash, say) forks
+    nothing, and the metrics lines of steps after it are redone, bit for bit."""
     from . import checkpoint as ckpt
 
     later = [p for p in ckpt.list_checkpoints(out / "checkpoints") if ckpt.step_of(p) > step]
@@ -834,7 +835,26 @@ def _set_aside_later(out: Path, step: int) -> Path | None:
     for name in ("summary.json", *_RUN_PLOTS):  # the abandoned continuation's result, if it ended
         if (out / name).exists():
             (out / name).rename(aside / name)
+    _set_aside_trace(aside, out, trace)
     return aside
+
+
+def _set_aside_trace(aside: Path, out: Path, trace: Path | None) -> None:
+    """The trace that the summary set aside in ``aside`` names, moved there too when it lies in ``out`` or is the
+    file ``trace`` (this run's, which would write over it); the summary then names its new place."""
+    try:
+        summary = json.loads((aside / "summary.json").read_text())
+        written = Path(os.path.abspath(summary["trace"]))
+    except (OSError, ValueError, KeyError, TypeError):  # no summary (the continuation never ended), no trace
+        return
+    here = Path(os.path.abspath(out))
+    if not written.is_file() or not (here in written.parents or (trace is not None
+                                                                 and written == Path(os.path.abspath(trace)))):
+        return
+    moved = aside / written.name
+    written.rename(moved)
+    summary["trace"] = str(moved)
+    _write_json(aside / "summary.json", summary)
 
 
 def _read_metrics(path: Path, upto: int | None = None) -> list[dict]:
@@ -970,7 +990,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
             applied_beyond = set(resume.get("batches_beyond", ()))  # absent before async runs recorded them
             elapsed_offset = float(resume["elapsed_s"])
         if resume is not None and primary:
-            aside = _set_aside_later(out, start_step)
+            aside = _set_aside_later(out, start_step, _trace_path(cfg["trace"], mode, cfg["mode"] == "all"))
             if aside is not None:
                 print(f"[{mode}] resuming at step {start_step}, before the run's newest checkpoint: the later "
                       f"checkpoints and metrics were moved to {aside}", file=sys.stderr, flush=True)
@@ -1207,7 +1227,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         batch_size=batch_size, lr=cfg["lr"], lr_schedule=cfg["lr_schedule"], warmup_steps=cfg["warmup_steps"],
         seed=seed, epochs=cfg["epochs"], autocast=cfg["autocast"], loss_scale=cfg["loss_scale"],
         dataset=dataset.info, checkpoint=str(path), resumed_from_step=start_step if resume is not None else None,
-        interrupted=interrupted, trace=str(trace) if trace is not None else None,
+        interrupted=interrupted, trace=os.path.abspath(trace) if trace is not None else None,
         phases_mean_s={k: mean(k) for k in ("wall_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s")},
         overlap_efficiency_mean=mean("overlap_efficiency"), engine_stats=stats)
     if own_microbatches is not None:

@@ -324,19 +324,23 @@ def test_a_run_that_fails_at_its_first_step_says_so_in_one_line(tmp_path, capsys
 
 def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, capsys):
     """Resuming from a checkpoint file older than the run's newest forks the run: the later checkpoints and metrics
-    lines, and the summary and plot of the run's end, move to a superseded-* folder (nothing deleted), and the next
-    `--resume DIR` continues the fork."""
+    lines, and the summary, plot and trace of the run's end (the trace was written over), move to a superseded-*
+    folder (nothing deleted), and the next `--resume DIR` continues the fork."""
     run = tmp_path / "run"
     common = ["--quiet", "--checkpoint-every", "2", *SHORT]
-    assert train("--steps", "6", "--out", str(run), *common) == 0
+    assert train("--steps", "6", "--out", str(run), "--trace", str(run / "trace.json"), *common) == 0
     first = (run / "metrics.jsonl").read_text().splitlines()
-    ended = {name: (run / name).read_bytes() for name in ("summary.json", "loss.png")}
+    ended = {name: (run / name).read_bytes() for name in ("loss.png", "trace.json")}
+    summary = json.loads((run / "summary.json").read_text())
     assert train("--resume", str(ckpt.path_for(run / "checkpoints", 2)), "--steps", "3", "--quiet") == 0
     assert "moved to" in capsys.readouterr().err
     [aside] = run.glob("superseded-*")
     assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(aside)] == [4, 6]
-    for name, content in ended.items():  # the abandoned continuation's summary and plot (were written over)
+    for name, content in ended.items():  # the abandoned continuation's plot and trace (were written over)
         assert (aside / name).read_bytes() == content, name
+    # its summary, naming the trace where it now is
+    assert json.loads((aside / "summary.json").read_text()) == dict(summary, trace=str(aside / "trace.json"))
+    assert (run / "trace.json").read_bytes() != ended["trace.json"]  # the fork's own
     assert (aside / "metrics.jsonl").read_text().splitlines() == first[2:]  # steps 3..6 of the first run, kept
     assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(run / "checkpoints")] == [2, 3]
     assert train("--resume", str(run), "--steps", "5", "--quiet") == 0
