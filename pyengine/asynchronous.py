@@ -111,13 +111,17 @@ def minibatches_per_push(engine, version: int) -> int:
 
 class AsyncRun:
     """The async fit running now, as ``engine._async_run``: its stop flag, an event set once its workers have all
-    ended, the threads that run its workers now (``close()`` from one of them, a callback, must not wait for them),
-    and the source replica's buffers as of its last push while it computes (None otherwise)."""
+    ended, the threads that run its workers now (``close()`` from one of them, a callback, must not wait for them;
+    from the caller's thread, a signal handler's, it waits for the worker threads' own events: ``finished`` is
+    set on that thread after its handler returns), and the source replica's buffers as of its last push while it
+    computes (None otherwise)."""
 
     def __init__(self):
         self.stop = threading.Event()
         self.finished = threading.Event()
-        self.threads = {threading.get_ident()}  # the caller's: a lone CPU worker runs on it
+        self.caller = threading.get_ident()  # the thread that called fit (Engine.close: a signal handler's)
+        self.threads: set[int] = set()  # the caller's too while a lone CPU worker runs on it
+        self.workers_done: list[threading.Event] = []  # each worker thread's, set as its last act
         self.buffers: list | None = None
         # a lone worker's torch generators as of its pull, while it computes (Note [A failed step leaves the
         # generators alone], engine.py): put back when its push is not applied, read by state readers meanwhile
@@ -348,6 +352,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 run.threads.discard(ident)
 
     if engine.inline_worker:  # Note [One CPU worker runs on the calling thread] in engine.py
+        run.threads.add(threading.get_ident())
         loop(engine.workers[0], own_thread=False)
     else:
         # Note [Joining after Ctrl-C]
@@ -356,7 +361,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         # still runs (threading's _wait_for_tstate_lock releases the lock the live thread holds), so a second join
         # returns at once and a worker would be left pushing after fit raised (seen: tests/test_engine.py,
         # test_ctrl_c_during_async_fit_stops_every_worker, under load). Event.wait has no such state.
-        done = [threading.Event() for _ in engine.workers]
+        done = run.workers_done = [threading.Event() for _ in engine.workers]
 
         def run_worker(worker, finished):
             try:

@@ -1335,7 +1335,11 @@ class Engine:
                 self._close_done.clear()
         try:
             if run is not None and not inside_run:
-                run.finished.wait()
+                if threading.get_ident() == run.caller:  # a signal handler on fit's thread, which sets finished
+                    for done in list(run.workers_done):  # after the handler returns: the workers' own events
+                        done.wait()
+                else:
+                    run.finished.wait()
             with self._step_lock:  # a step running on another thread ends first
                 self._pool.shutdown(wait=True)
                 if self.pipeline is not None:

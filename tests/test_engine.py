@@ -3091,6 +3091,35 @@ def test_a_failed_step_leaves_the_buffers_alone(rng, mode, workers, worker_devic
             assert torch.equal(engine.buffers_state_dict()[name], value), name
 
 
+def test_close_from_a_signal_handler_on_the_fit_thread_waits_for_the_async_workers(rng):
+    """close() from a signal handler (a SIGTERM handler's shutdown, say) runs on the thread that called fit, which
+    only waits for its 2 worker threads: it was taken for a close() from inside the run (a callback), waited for
+    nothing, closed the streamers under the computing workers and returned while they ran. It returns once they
+    stopped, as from any other thread, and fit raises that the engine was closed."""
+    import signal
+
+    def slow_loss(model, batch):
+        time.sleep(0.02)
+        return loss_fn(model, batch)
+
+    pushed, seen = threading.Event(), {}
+    with Engine(make_model(), slow_loss, devices=["cpu"] * 2, mode="async", optimizer=AdamW(**OPT)) as engine:
+        def on_signal(signum, frame):
+            engine.close()
+            seen["alive"] = [t.name for t in threading.enumerate() if t.name.startswith("pyengine-async-")]
+
+        previous = signal.signal(signal.SIGUSR1, on_signal)
+        sender = threading.Thread(target=lambda: pushed.wait(30) and os.kill(os.getpid(), signal.SIGUSR1))
+        sender.start()
+        try:
+            with pytest.raises(RuntimeError, match="closed while fit"):
+                engine.fit(make_batches(rng, 200, 8), callbacks=[lambda e, m: pushed.set()])
+        finally:
+            sender.join()
+            signal.signal(signal.SIGUSR1, previous)
+    assert seen == {"alive": []}, seen
+
+
 class Logging(torch.nn.Module):
     """make_model's layers and a persistent buffer the forward resizes in place: a log of the batch sizes seen."""
 
