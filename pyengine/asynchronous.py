@@ -229,7 +229,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         closed; a worker then takes no further batch and applies no further push."""
         return stop.is_set() or engine.stop_requested or engine._closed
 
-    def pull(worker) -> tuple[int, float | None, float, int, list | None] | None:
+    def pull(worker, refresh: bool = False) -> tuple[int, float | None, float, int | None, list | None] | None:
         """Under the mutex: the snapshot of the weights, its version, the loss scale to compute with, the seconds the
         copy of the weights took (the push reports it as its copy back), the mini-batches a push from this version
         takes, and (the buffers' source replica) the copy of its buffers (Note [Reading the state while async
@@ -241,11 +241,14 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
                     worker.rng.begin_step(engine._counters["pushes"])
                 worker.pull(wait=True)
+                if stopped():  # while this worker waited for the mutex: it takes no batch, the schedule is not asked
+                    return None
                 try:  # a setting's error, not the worker's: raised by fit as itself, as sync and hybrid raise it
-                    k = minibatches_per_push(engine, engine.version)
+                    # (a refresh computes the same mini-batches again: the schedule is asked of new ones only)
+                    k = None if refresh else minibatches_per_push(engine, engine.version)
                 except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt from batch_schedule too
                     raise _AsItself(exc) from exc
-                if stopped():  # while this worker waited for the mutex, or by the batch schedule itself
+                if stopped():  # by the batch schedule itself
                     return None
                 run.generators = engine._global_generators()  # None unless the worker draws from torch's own
                 saved = None
@@ -333,7 +336,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                             # waiting worker took it in between and applied one more push (1 run in 3, 2 workers)
                             stop.set()
                             raise
-                    pulled = pull(worker)
+                    pulled = pull(worker, refresh=True)
                     if pulled is None:
                         return
                     pulled, scale, copied, _, saved = pulled

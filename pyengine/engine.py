@@ -189,7 +189,9 @@ class Engine:
             current weights and recomputes the same mini-batches) before pushing.
         staleness_lr: async: ``"none"`` or ``"inverse"`` (lr / (1 + staleness)).
         batch_schedule: async: ``callable(version) -> int`` mini-batches per push, overriding ``accumulate`` (the
-            mini-batch growing during training).
+            mini-batch growing during training). Asked with the version a worker pulls before it takes new
+            mini-batches (not at a refresh, nor once the run stopped); the last pulls may find the batches run out,
+            so it answers any version.
         pin: host store memory: ``"auto"``, True or False (see :class:`pyengine.HostStore`).
         stages: pipeline: S stages (default: one per device); ``devices`` holds S x R entries, stage s replica r
             on ``devices[s * R + r]``.

@@ -3120,6 +3120,29 @@ def test_close_from_a_signal_handler_on_the_fit_thread_waits_for_the_async_worke
     assert seen == {"alive": []}, seen
 
 
+def test_an_async_batch_schedule_is_not_asked_at_a_refresh(rng):
+    """batch_schedule is asked about the version a worker pulls to take new mini-batches; every pull asked it,
+    a refresh's too (which computes the same mini-batches again and ignored the answer): with max_staleness=0 and
+    3 workers, 17 calls for 6 pushes and 8 refreshes. Now a push's pull asks it, and each worker's last pull, which
+    finds the batches run out."""
+    asked = []
+
+    def schedule(version):
+        asked.append(version)
+        return 1
+
+    def slow_loss(model, batch):
+        time.sleep(0.005)
+        return loss_fn(model, batch)
+
+    with Engine(make_model(), slow_loss, devices=["cpu"] * 3, mode="async", optimizer=AdamW(**OPT), max_staleness=0,
+                batch_schedule=schedule) as engine:
+        engine.fit(make_batches(rng, 12, 8))
+        stats = engine.stats()
+    assert stats["pushes"] == 12 and stats["refreshes"] > 3, stats  # the premise: more refreshes than workers
+    assert len(asked) <= stats["pushes"] + 3, (len(asked), stats)
+
+
 class Logging(torch.nn.Module):
     """make_model's layers and a persistent buffer the forward resizes in place: a log of the batch sizes seen."""
 
