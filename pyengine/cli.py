@@ -1851,6 +1851,15 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
     if every and rank == 0:  # the run goes on: its old result files would describe a run that is no longer there
         for stale in ("summary.json", "compare.png"):
             (out / stale).unlink(missing_ok=True)
+    elif resumes and rank == 0 and out.name in MODES and _is_all_config(out.parent / ALL_CONFIG):
+        # one mode of a --mode all run resumed alone: the run's comparison no longer describes this mode
+        stale = [name for name in ("summary.json", "compare.png") if (out.parent / name).exists()]
+        for name in stale:
+            (out.parent / name).unlink()
+        if stale:
+            print(f"pyengine train: note: {out.parent} is a --mode all run whose {' and '.join(stale)} described "
+                  f"{out.name} before this resume: removed (--resume {out.parent} writes them again)",
+                  file=sys.stderr, flush=True)
     with _StopFlag() as stop:
         try:
             for index, mode in enumerate(modes):

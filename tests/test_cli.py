@@ -1791,18 +1791,30 @@ def test_under_torchrun_sigint_to_one_rank_stops_every_rank_at_the_same_step(tmp
     assert ckpt.latest(out / "checkpoints").name == f"step-{summary['steps']:08d}.pyeckpt"
 
 
-def test_mode_all_sub_runs_resume(tmp_path):
+def test_mode_all_sub_runs_resume(tmp_path, capsys):
     """A --mode all run's directories resume (the hybrid/sync/async checkpoints also carry the pipeline defaults of the
-    whole run, which are not flags given to them), each writing its trace where the first run wrote it."""
+    whole run, which are not flags given to them), each writing its trace where the first run wrote it. The first
+    removes the run's summary.json and compare.png, which described it at 2 steps (a word on stderr says so), and a
+    resume of the whole run writes them again, of every mode's 3 steps."""
     out, trace = tmp_path / "all", tmp_path / "t.json"
     assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), "--trace", str(trace), *SHORT) == 0
+    assert (out / "summary.json").exists() and (out / "compare.png").exists()
+    capsys.readouterr()
     for mode in ("hybrid", "sync", "async", "pipeline"):
         (tmp_path / f"t-{mode}.json").unlink()
         assert train("--resume", str(out / mode), "--steps", "3", "--quiet") == 0
         summary = json.loads((out / mode / "summary.json").read_text())
         assert summary["steps"] == 3 and summary["trace"] == str(tmp_path / f"t-{mode}.json")
         assert json.loads((tmp_path / f"t-{mode}.json").read_text())["traceEvents"]
+        assert not (out / "summary.json").exists() and not (out / "compare.png").exists()
+        said = capsys.readouterr().err
+        assert (f"{out} is a --mode all run whose summary.json and compare.png described hybrid before this "
+                f"resume: removed (--resume {out} writes them again)" in said) == (mode == "hybrid"), said
     assert not trace.exists()
+    assert train("--resume", str(out), "--steps", "3", "--quiet") == 0
+    top = json.loads((out / "summary.json").read_text())
+    assert {m: top["runs"][m]["steps"] for m in ("hybrid", "sync", "async", "pipeline")} == dict.fromkeys(
+        ("hybrid", "sync", "async", "pipeline"), 3) and (out / "compare.png").exists(), top
 
 
 def test_non_finite_losses_are_reported_not_fatal(tmp_path, capsys):
