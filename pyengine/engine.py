@@ -51,8 +51,8 @@ from .scaler import LossScaler, grad_scale_tensor, make_scaler
 from .store import HostStore, check_initialized, check_pin, layout_of, replica_shadow_dtype
 from .streamer import _POLL_S, check_options as check_streamer_options, refuse_script_module
 from .sync import sync_step
-from .workers import (Worker, WorkerError, deferred_interrupt, overlaps_itself, parse_devices, replace_buffer,
-                      task_thread_initializer)
+from .workers import (Worker, WorkerError, deferred_interrupt, overlaps_itself, parse_devices, put_back_buffers,
+                      replace_buffer, task_thread_initializer)
 
 __all__ = ["Engine", "StageError", "WorkerError"]
 
@@ -1488,13 +1488,7 @@ class Engine:
         if stream is not None:
             stream.synchronize()  # what the failed task left on the worker's stream has run
         sources, copies, slots = saved
-        for (module, key), source in zip(slots, sources):  # a forward that assigned a new tensor: the old one back
-            module._buffers[key] = source
-        kept = [i for i, source in enumerate(sources) if not overlaps_itself(source)]  # no forward wrote in the rest
-        for i in kept:  # a forward that resized one in place (a log that grows): its shape back too
-            if sources[i].shape != copies[i].shape:
-                sources[i].resize_(copies[i].shape)
-        torch._foreach_copy_([sources[i] for i in kept], [copies[i] for i in kept])
+        put_back_buffers([(module, key, source) for (module, key), source in zip(slots, sources)], copies)
 
     def wait_bucket(self, k: int, futures: dict) -> bool:
         """Blocks until bucket ``k`` of every worker in ``futures`` is in its slot; False as soon as one of those

@@ -101,8 +101,8 @@ import torch
 
 from .metrics import step_metrics
 from .streamer import check_dense_gradients
-from .workers import (WorkerError, _map, _tensors, batch_size, check_weights_unchanged, replica_of, split_batch,
-                      task_thread_initializer, to_device)
+from .workers import (WorkerError, _map, _tensors, batch_size, check_weights_unchanged, put_back_buffers, replica_of,
+                      split_batch, task_thread_initializer, to_device)
 from .workers import autocast as autocast_region
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
@@ -697,9 +697,7 @@ class Pipeline:
         for stage in (st for row in self.stages for st in row):
             if stage.stream is not None:
                 stage.stream.synchronize()
-        for module, key, buffer, copy_ in saved:
-            module._buffers[key] = buffer  # a forward that assigned a new tensor: the old one back
-            buffer.copy_(copy_)
+        put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
 
     def _sum_tied_grads(self, results) -> None:
         """Each tied parameter's gradient in replica r's slot: the sum of its stages' contributions, in stage order

@@ -371,6 +371,29 @@ def replace_buffer(roots, old: torch.Tensor, value: torch.Tensor) -> torch.Tenso
     return new
 
 
+@torch.no_grad()
+def put_back_buffers(held, copies) -> None:
+    """Each ``(module, key, buffer)`` of ``held`` holds ``buffer`` again, with the values of its copy in ``copies``
+    (Note [A failed step leaves the buffers alone] in engine.py): a forward that assigned a new tensor gets the old
+    one back, one that resized it in place its shape back (a log that grows), and one that overlaps itself (an
+    expanded view) is left as it is (no forward wrote into it; copy_ cannot). Nothing raises here for such a buffer:
+    it runs while a failed step's error is on its way."""
+    targets, sources = [], []
+    for (module, key, buffer), copy_ in zip(held, copies):
+        module._buffers[key] = buffer
+        if overlaps_itself(buffer):
+            continue
+        if buffer.shape != copy_.shape:
+            buffer.resize_(copy_.shape)
+        targets.append(buffer)
+        sources.append(copy_)
+    if len({t.device for t in targets}) == 1:
+        torch._foreach_copy_(targets, sources)
+    else:  # a pipeline's stages on several devices (none: nothing to copy)
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+
+
 def whole_buffers(root: torch.nn.Module, tensors: list) -> list:
     """``tensors`` (buffers of ``root``) ready to receive values in place: each that overlaps itself (a forward that
     assigned an expanded view) is first replaced under ``root`` by a whole copy, which the list then holds."""

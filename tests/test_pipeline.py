@@ -2269,6 +2269,72 @@ class _Fails(torch.nn.Module):
         return x
 
 
+class _Log(torch.nn.Module):
+    """A layer whose buffer the forward resizes in place (a log of what it saw)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("log", torch.zeros(0), persistent=False)
+
+    def forward(self, x):
+        n = self.log.numel()
+        self.log.resize_(n + 1)
+        self.log[n] = x.detach().mean()
+        return x
+
+
+class _Mask(torch.nn.Module):
+    """A layer whose forward assigns its buffer an expanded view (a mask cache)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.d = d
+        self.register_buffer("mask", torch.ones(1, d), persistent=False)
+
+    def forward(self, x):
+        self.mask = torch.ones(1, self.d).expand(x.shape[0], self.d)
+        return x * self.mask
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "pipeline"])
+@pytest.mark.parametrize("odd", ["log", "mask", "mask-alone"])
+def test_a_failed_step_puts_back_buffers_resized_in_place_or_expanded(rng, mode, odd):
+    """Note [A failed step leaves the buffers alone] with a buffer the forward resizes in place (a log) or assigns
+    as an expanded view (a mask): putting the buffers back raised ("the size of tensor a (4) must match", "more
+    than one element of the written-to tensor refers to a single memory location"; hybrid with the mask: "Tensor
+    list must have at least one tensor") in place of the step's StageError / WorkerError, and the pipeline left
+    the buffers after that one (the BatchNorm's statistics) as the failed step had them. Now the step's error is
+    raised, the statistics are as before it, and the run goes on bit-identically to one that never saw it
+    ("mask-alone": the mask is the model's only buffer)."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(10, 16), _Log() if odd == "log" else _Mask(16),
+                                   torch.nn.Identity() if odd == "mask-alone" else torch.nn.BatchNorm1d(16),
+                                   _Fails(), torch.nn.Linear(16, 3))
+    options = dict(stages=2, microbatches=2, balance=[2, 3]) if mode == "pipeline" else {}
+    batches = make_batches(rng, 3, 8)
+    kw = dict(devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), **options)
+    _Fails.armed = False
+    with Engine(model(), loss_fn, **kw) as engine, Engine(model(), loss_fn, **kw) as clean:
+        engine.step(batches[0])
+        clean.step(batches[0])
+        before = engine.buffers_state_dict()
+        _Fails.armed = True
+        try:
+            with pytest.raises((StageError, WorkerError), match="failed on purpose"):
+                engine.step(batches[1])
+        finally:
+            _Fails.armed = False
+        for name, value in engine.buffers_state_dict().items():
+            assert torch.equal(value, before[name]), name
+        engine.step(batches[2])
+        clean.step(batches[2])
+        for got, want in ((engine.master_state_dict(), clean.master_state_dict()),
+                          (engine.buffers_state_dict(), clean.buffers_state_dict())):
+            for name, value in want.items():
+                assert torch.equal(got[name], value), name
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "pipeline"])
 def test_a_failed_step_puts_back_a_buffer_updated_by_assignment(rng, mode):
     """Note [A failed step leaves the buffers alone] for a layer that assigns its buffer a new tensor (an EMA): the
