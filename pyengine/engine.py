@@ -819,7 +819,9 @@ class Engine:
             raise ValueError(f"copy_to: the model's frozen parameters {differ[:5]} differ from those the engine "
                              "trained with (rank 0's), which this rank's pipeline stage does not hold: call copy_to "
                              "on a model built as rank 0's (its frozen parameters), or on the rank of their stage")
-        self.store.copy_to(model)
+        # the frozen parameters are written below: the model's may be trainable by now (a layer unfrozen after the
+        # engine was built), which the store, holding the trainable ones only, refused as parameters not its own
+        self.store.copy_to([(name, p) for name, p in model.named_parameters() if name not in self.frozen])
         with torch.no_grad():
             for values, mine in ((buffers, named), (frozen, params)):
                 for name, value in values.items():

@@ -3453,7 +3453,7 @@ def test_copy_to_a_model_without_the_engines_buffers_writes_nothing(rng):
 def test_copy_to_writes_the_frozen_parameters_the_engine_trained_with(rng, mode):
     """copy_to into a model built from another seed: its frozen layer is the engine's (it kept its own, so the
     exported model was not the one trained), and a model whose frozen layer has another shape is refused before
-    anything is written."""
+    anything is written. A model whose frozen layer was made trainable since takes it too (it was refused)."""
     def model(seed):
         net = make_model(seed=seed)
         net[0].requires_grad_(False)
@@ -3476,6 +3476,15 @@ def test_copy_to_writes_the_frozen_parameters_the_engine_trained_with(rng, mode)
                                              r"\(the engine's \(24,\); model: none\)"):
             engine.copy_to(other)
         assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
+        unfrozen = model(5).requires_grad_(True)  # its frozen layer made trainable since (progressive unfreezing):
+        engine.copy_to(unfrozen)  # refused as "trainable parameters the store does not hold"
+        for name, value in trained.state_dict().items():
+            assert torch.equal(unfrozen.state_dict()[name], value), name
+        assert all(p.requires_grad for p in unfrozen.parameters())
+        extra = torch.nn.Sequential(*model(5), torch.nn.Linear(3, 3))  # a trainable layer the engine never had
+        with pytest.raises(ValueError, match=r"trainable parameters the store does not hold: \['3.weight', "
+                                             r"'3.bias'\]"):
+            engine.copy_to(extra)
 
 
 def test_hybrid_buffers_come_from_worker_0_and_resume(rng, worker_device):
