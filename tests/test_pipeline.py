@@ -2269,6 +2269,16 @@ class _Fails(torch.nn.Module):
         return x
 
 
+def _step_failing(engine, batch) -> None:
+    """A step whose _Fails layer raises: its StageError (pipeline) or WorkerError (hybrid); disarmed after."""
+    _Fails.armed = True
+    try:
+        with pytest.raises((StageError, WorkerError), match="failed on purpose"):
+            engine.step(batch)
+    finally:
+        _Fails.armed = False
+
+
 class _Log(torch.nn.Module):
     """A layer whose buffer the forward resizes in place (a log of what it saw)."""
 
@@ -2319,12 +2329,7 @@ def test_a_failed_step_puts_back_buffers_resized_in_place_or_expanded(rng, mode,
         engine.step(batches[0])
         clean.step(batches[0])
         before = engine.buffers_state_dict()
-        _Fails.armed = True
-        try:
-            with pytest.raises((StageError, WorkerError), match="failed on purpose"):
-                engine.step(batches[1])
-        finally:
-            _Fails.armed = False
+        _step_failing(engine, batches[1])
         for name, value in engine.buffers_state_dict().items():
             assert torch.equal(value, before[name]), name
         engine.step(batches[2])
@@ -2348,12 +2353,7 @@ def test_a_failed_step_puts_back_a_buffer_updated_by_assignment(rng, mode):
     with Engine(model, loss_fn, devices=["cpu"] * 2, mode=mode, optimizer=AdamW(**OPT), **options) as engine:
         engine.step(batches[0])
         before = engine.state_dict()
-        _Fails.armed = True
-        try:
-            with pytest.raises((StageError, WorkerError), match="failed on purpose"):
-                engine.step(batches[1])
-        finally:
-            _Fails.armed = False
+        _step_failing(engine, batches[1])
         after = engine.state_dict()
         assert torch.equal(after["buffers"]["1.ema"], before["buffers"]["1.ema"])
         engine.step(batches[1])
