@@ -121,7 +121,8 @@ class AsyncRun:
         self.finished = threading.Event()
         self.caller = threading.get_ident()  # the thread that called fit (Engine.close: a signal handler's)
         self.threads: set[int] = set()  # the caller's too while a lone CPU worker runs on it
-        self.workers_done: list[threading.Event] = []  # each worker thread's, set as its last act
+        self.workers_done: list[tuple[threading.Thread, threading.Event]] = []  # each worker thread and the event
+        # it sets as its last act
         self.buffers: list | None = None
         # a lone worker's torch generators as of its pull, while it computes (Note [A failed step leaves the
         # generators alone], engine.py): put back when its push is not applied, read by state readers meanwhile
@@ -347,8 +348,9 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 with engine.mutex:
                     unpushed(saved)
             except BaseException as undo:  # noqa: BLE001 - told with the worker's error, which fit raises
-                if hasattr(exc, "add_note"):  # Python >= 3.11
-                    exc.add_note(f"putting back the buffers of its replica failed too: {type(undo).__name__}: "
+                told = exc.error if isinstance(exc, _AsItself) else exc  # what fit raises (_raise_first)
+                if hasattr(told, "add_note"):  # Python >= 3.11
+                    told.add_note(f"putting back the buffers of its replica failed too: {type(undo).__name__}: "
                                  f"{undo} (the state's buffers may count this computation's batch)")
         finally:
             if own_thread:  # a thread started after this one ended may get its id (close() compares ids)
@@ -364,7 +366,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         # still runs (threading's _wait_for_tstate_lock releases the lock the live thread holds), so a second join
         # returns at once and a worker would be left pushing after fit raised (seen: tests/test_engine.py,
         # test_ctrl_c_during_async_fit_stops_every_worker, under load). Event.wait has no such state.
-        done = run.workers_done = [threading.Event() for _ in engine.workers]
+        done = [threading.Event() for _ in engine.workers]
 
         def run_worker(worker, finished):
             try:
@@ -381,6 +383,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         # exit waits at most their current push.
         threads = [threading.Thread(target=run_worker, args=(w, e), name=f"pyengine-async-{w.index}")
                    for w, e in zip(engine.workers, done)]
+        run.workers_done = list(zip(threads, done))
         try:
             for t in threads:
                 t.start()

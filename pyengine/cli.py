@@ -23,6 +23,7 @@ import math
 import os
 import shlex
 import signal
+import shutil
 import sys
 import tempfile
 import threading
@@ -806,6 +807,18 @@ def _saved_config(cfg: dict) -> dict:
     return _json_safe({k: v for k, v in cfg.items() if k not in NOT_SAVED})
 
 
+def _drop_all_results(out: Path) -> None:
+    """One mode of a --mode all run (``out``, its folder) resumed alone, its state loaded: the run's summary.json
+    and compare.png no longer describe that mode, so they are removed, with a word on stderr."""
+    stale = [name for name in ("summary.json", "compare.png") if (out.parent / name).exists()]
+    for name in stale:
+        (out.parent / name).unlink()
+    if stale:
+        print(f"pyengine train: note: {out.parent} is a --mode all run whose {' and '.join(stale)} described "
+              f"{out.name} before this resume: removed (a resume of the whole run, --resume {out.parent} with the "
+              "--steps its modes reached, writes them again)", file=sys.stderr, flush=True)
+
+
 def _set_aside_later(out: Path, step: int, trace: Path | None = None) -> Path | None:
     """Resuming from a checkpoint older than the run's newest forks the run: the checkpoints after ``step``, the
     metrics lines after it and the summary, plot and trace of its end belong to the abandoned continuation. They
@@ -852,7 +865,13 @@ def _set_aside_trace(aside: Path, out: Path, trace: Path | None) -> None:
                                                                  and written == Path(os.path.abspath(trace)))):
         return
     moved = aside / written.name
-    written.rename(moved)
+    try:
+        shutil.move(written, moved)  # another file system than the run's (--trace on /dev/shm): copied, then removed
+    except OSError as exc:
+        print(f"pyengine train: warning: the set-aside continuation's trace {written} could not be moved to "
+              f"{aside} ({type(exc).__name__}: {exc}); this run writes its own trace over it", file=sys.stderr,
+              flush=True)
+        return
     summary["trace"] = str(moved)
     _write_json(aside / "summary.json", summary)
 
@@ -1003,6 +1022,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         if resume is not None and primary:  # the end of the run it continues: written again at this one's end
             for name in ("summary.json", *_RUN_PLOTS):
                 (out / name).unlink(missing_ok=True)
+            if cfg["mode"] != "all" and out.name in MODES and _is_all_config(out.parent / ALL_CONFIG):
+                _drop_all_results(out)
         # the samples trained before this run: the checkpoint counts them (its run directory's metrics.jsonl may be
         # another's, or lack lines: a checkpoint copied into a new directory has none); older checkpoints did not
         samples_before = (resume.get("samples_done", sum(r.get("samples", 0) for r in kept)) if resume is not None
@@ -1851,15 +1872,6 @@ def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int
     if every and rank == 0:  # the run goes on: its old result files would describe a run that is no longer there
         for stale in ("summary.json", "compare.png"):
             (out / stale).unlink(missing_ok=True)
-    elif resumes and rank == 0 and out.name in MODES and _is_all_config(out.parent / ALL_CONFIG):
-        # one mode of a --mode all run resumed alone: the run's comparison no longer describes this mode
-        stale = [name for name in ("summary.json", "compare.png") if (out.parent / name).exists()]
-        for name in stale:
-            (out.parent / name).unlink()
-        if stale:
-            print(f"pyengine train: note: {out.parent} is a --mode all run whose {' and '.join(stale)} described "
-                  f"{out.name} before this resume: removed (--resume {out.parent} writes them again)",
-                  file=sys.stderr, flush=True)
     with _StopFlag() as stop:
         try:
             for index, mode in enumerate(modes):

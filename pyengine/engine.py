@@ -33,6 +33,7 @@ import inspect
 import numbers
 import os
 import threading
+import time
 import warnings
 import weakref
 
@@ -827,8 +828,10 @@ class Engine:
         with torch.no_grad():
             for values, mine in ((buffers, named), (frozen, params)):
                 for name, value in values.items():
-                    if values is buffers and not _takes_in_place(mine[name], value):
-                        replace_buffer([model], mine[name], value)  # Note [Buffers that are not saved]
+                    if values is buffers and (mine[name].shape != value.shape or overlaps_itself(mine[name])):
+                        # Note [Buffers that are not saved]; in the model's dtype, as copy_ converts (a .double()
+                        # model's statistics stay float64)
+                        replace_buffer([model], mine[name], value.to(mine[name].dtype))
                     else:
                         mine[name].copy_(value)
 
@@ -1350,8 +1353,12 @@ class Engine:
         try:
             if run is not None and not inside_run:
                 if threading.get_ident() == run.caller:  # a signal handler on fit's thread, which sets finished
-                    for done in list(run.workers_done):  # after the handler returns: the workers' own events
-                        done.wait()
+                    # after the handler returns: the workers' own events, of the threads started (fit's start()
+                    # loop may be what the handler interrupted: the others start after it, see the stop and end),
+                    # polled (the handler may have interrupted a wait on one of them, holding its lock)
+                    for thread, done in list(run.workers_done):
+                        while thread.ident is not None and not done.is_set():
+                            time.sleep(0.005)
                 else:
                     run.finished.wait()
             with self._step_lock:  # a step running on another thread ends first

@@ -376,8 +376,8 @@ def put_back_buffers(held, copies) -> None:
     """Each ``(module, key, buffer)`` of ``held`` holds ``buffer`` again, with the values of its copy in ``copies``
     (Note [A failed step leaves the buffers alone] in engine.py): a forward that assigned a new tensor gets the old
     one back, one that resized it in place its shape back (a log that grows), and one that overlaps itself (an
-    expanded view) is left as it is (no forward wrote into it; copy_ cannot). Nothing raises here for such a buffer:
-    it runs while a failed step's error is on its way."""
+    expanded view) is left as it is (no forward wrote into it; copy_ cannot), so that such a buffer raises nothing
+    here, while a failed step's error is on its way (a storage that cannot grow back still does)."""
     targets, sources = [], []
     for (module, key, buffer), copy_ in zip(held, copies):
         module._buffers[key] = buffer

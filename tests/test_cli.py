@@ -350,6 +350,28 @@ def test_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, cap
     assert len(list(run.glob("superseded-*"))) == 1  # resuming from the newest checkpoint sets nothing aside
 
 
+def test_a_fork_whose_trace_cannot_be_moved_still_resumes(tmp_path, capsys, monkeypatch):
+    """The abandoned continuation's trace on another file system than the run (--trace on /dev/shm): its move
+    raised EXDEV half way through setting the continuation aside ("training failed: OSError"). It is moved by
+    copy where rename cannot, and when even that fails the resume goes on with a warning."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert train("--steps", "4", "--out", str(run), "--trace", str(run / "trace.json"), "--quiet",
+                 "--checkpoint-every", "2", *SHORT) == 0
+
+    def refused(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(shutil, "move", refused)
+    capsys.readouterr()
+    assert train("--resume", str(ckpt.path_for(run / "checkpoints", 2)), "--steps", "3", "--quiet") == 0
+    err = capsys.readouterr().err
+    assert f"warning: the set-aside continuation's trace {run / 'trace.json'} could not be moved" in err, err
+    [aside] = run.glob("superseded-*")
+    assert json.loads((aside / "summary.json").read_text())["trace"] == str(run / "trace.json")
+    assert master(run)["version"] == 3
+
+
 def test_resume_after_a_crash_from_the_newest_checkpoint_forks_nothing(tmp_path, capsys):
     """A run that died after its newest checkpoint (here: steps 3 and 4 logged, checkpoint 4 lost) resumes from it
     with no superseded-* folder and no word of a fork; the steps after it are redone and logged once."""
@@ -1799,6 +1821,8 @@ def test_mode_all_sub_runs_resume(tmp_path, capsys):
     out, trace = tmp_path / "all", tmp_path / "t.json"
     assert train("--mode", "all", "--steps", "2", "--quiet", "--out", str(out), "--trace", str(trace), *SHORT) == 0
     assert (out / "summary.json").exists() and (out / "compare.png").exists()
+    assert train("--resume", str(out / "hybrid"), "--steps", "1", "--quiet") == 2  # refused: nothing removed
+    assert (out / "summary.json").exists() and (out / "compare.png").exists()
     capsys.readouterr()
     for mode in ("hybrid", "sync", "async", "pipeline"):
         (tmp_path / f"t-{mode}.json").unlink()
@@ -1809,7 +1833,8 @@ def test_mode_all_sub_runs_resume(tmp_path, capsys):
         assert not (out / "summary.json").exists() and not (out / "compare.png").exists()
         said = capsys.readouterr().err
         assert (f"{out} is a --mode all run whose summary.json and compare.png described hybrid before this "
-                f"resume: removed (--resume {out} writes them again)" in said) == (mode == "hybrid"), said
+                f"resume: removed (a resume of the whole run, --resume {out} with the --steps its modes reached, "
+                "writes them again)" in said) == (mode == "hybrid"), said
     assert not trace.exists()
     assert train("--resume", str(out), "--steps", "3", "--quiet") == 0
     top = json.loads((out / "summary.json").read_text())

@@ -3188,19 +3188,28 @@ def test_a_failed_step_puts_back_a_buffer_resized_in_place(rng, mode, workers):
             assert torch.equal(engine.master_state_dict()[name], value), name
 
 
-def test_an_async_worker_whose_buffers_cannot_be_put_back_still_fails_fit(rng, monkeypatch):
+@pytest.mark.parametrize("whose", ["worker", "schedule"])
+def test_an_async_worker_whose_buffers_cannot_be_put_back_still_fails_fit(rng, monkeypatch, whose):
     """An async worker's error was recorded only after its replica's buffers were put back: when that raised too
     (a sticky CUDA error in its stream's synchronize), the error died on the worker's thread and fit returned as if
-    it had trained, with "gave no batch: nothing was trained". fit raises the worker's error, which says the
-    putting back failed too."""
-    failing = {"on": True}
-    with Engine(make_bn_model(), loss_failing_while(failing), devices=["cpu"] * 2, mode="async",
-                optimizer=AdamW(**OPT)) as engine:
+    it had trained, with "gave no batch: nothing was trained". fit raises the worker's error (its loss's, or an
+    lr_schedule's, raised as itself), which says the putting back failed too."""
+    failing = {"on": whose == "worker"}
+
+    def schedule(step):
+        if step >= 1:
+            raise ValueError("the schedule says no")
+        return 1.0
+
+    # the schedule's error: on a lone worker, the buffers' source (whose buffers are put back)
+    with Engine(make_bn_model(), loss_failing_while(failing), devices=["cpu"] * (2 if whose == "worker" else 1),
+                mode="async", optimizer=AdamW(**OPT), lr_schedule=schedule if whose == "schedule" else None) as engine:
         def broken(saved):
             if saved is not None:
                 raise RuntimeError("the device's stream failed")
         monkeypatch.setattr(engine, "_restore_source_buffers", broken)
-        with pytest.raises(WorkerError, match="after the forward") as caught:
+        with pytest.raises(WorkerError if whose == "worker" else ValueError,
+                           match="after the forward" if whose == "worker" else "the schedule says no") as caught:
             engine.fit(make_batches(rng, 6, 12))
         notes = [n for e in (caught.value, caught.value.__cause__) for n in getattr(e, "__notes__", [])]
         assert any("putting back the buffers of its replica failed too: RuntimeError: the device's stream failed"
@@ -3485,6 +3494,20 @@ def test_copy_to_writes_the_frozen_parameters_the_engine_trained_with(rng, mode)
         with pytest.raises(ValueError, match=r"trainable parameters the store does not hold: \['3.weight', "
                                              r"'3.bias'\]"):
             engine.copy_to(extra)
+
+
+def test_copy_to_keeps_the_model_s_dtypes(rng):
+    """copy_to into a float64 copy of the model: its BatchNorm statistics were replaced by float32 copies (the
+    parameters converted), so its forward failed ("expected scalar type Double but found Float"). Each takes the
+    engine's values in its own dtype."""
+    with Engine(make_bn_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.step(make_batches(rng, 1, 8)[0])
+        doubled = make_bn_model(seed=5).double()
+        engine.copy_to(doubled)
+        assert all(v.dtype == torch.float64 for v in doubled.state_dict().values() if v.is_floating_point())
+        for name, value in engine.buffers_state_dict().items():
+            assert torch.equal(doubled.state_dict()[name], value.to(doubled.state_dict()[name].dtype)), name
+        doubled.eval()(make_batches(rng, 1, 4)[0][0].double())
 
 
 def test_hybrid_buffers_come_from_worker_0_and_resume(rng, worker_device):
