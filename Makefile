@@ -15,7 +15,8 @@ $(DEPS): requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-# Incremental: rebuilds only the sources that changed (pip install -e rebuilds everything).
+# Incremental: compiles only the sources that changed (setup.py keeps every build's objects in build/temp.*, so the
+# first one, pip's, is not compiled twice).
 build: $(DEPS)
 	$(PY) setup.py -q build_ext --inplace
 

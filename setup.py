@@ -8,6 +8,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
@@ -30,6 +31,10 @@ ISA_FLAGS = {
 if platform.machine() not in ("x86_64", "AMD64"):
     ISA_FLAGS = {"default": []}
 KERNEL_SOURCE = "csrc/cpu/kernel_isa.cpp"
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# The folder of the objects, whoever builds: `pip install -e .` would compile everything in a fresh temporary folder,
+# and `make build` (build_ext --inplace, this folder) would then compile it all again.
+BUILD_TEMP = os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
 
 
 def links_shared_libstdcxx(cxx):
@@ -79,8 +84,27 @@ def cuda_wanted():
     return home is not None and os.path.exists(os.path.join(home, "bin", "nvcc"))
 
 
+def up_to_date(obj, flags):
+    """Whether obj was compiled with these flags from sources none of which changed since (its -MMD depfile)."""
+    try:
+        with open(obj + ".flags") as f:
+            if f.read() != repr(flags):
+                return False
+        with open(os.path.splitext(obj)[0] + ".d") as f:
+            deps = f.read().replace("\\\n", " ").split(":", 1)[1].split()
+        built = os.path.getmtime(obj)
+        return all(os.path.getmtime(dep) <= built for dep in deps)
+    except (OSError, IndexError):
+        return False
+
+
 class BuildExt(cpp_extension.BuildExtension):
-    """Compiles KERNEL_SOURCE once per ISA with its own flags (cpp_extension has no per-file flags)."""
+    """Compiles KERNEL_SOURCE once per ISA with its own flags (cpp_extension has no per-file flags), each only when
+    it or a header it includes changed (distutils' compile() always compiles), all in BUILD_TEMP."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = BUILD_TEMP
 
     def build_extensions(self):
         if TOOLCHAIN:  # every source is C++: compile and link with the chosen CXX, whatever sysconfig says
@@ -91,11 +115,17 @@ class BuildExt(cpp_extension.BuildExtension):
                     setattr(self.compiler, attr, [TOOLCHAIN[1]] + list(command[1:]))
         for ext in self.extensions:
             for isa, flags in ISA_FLAGS.items():
-                ext.extra_objects += self.compiler.compile(
-                    [KERNEL_SOURCE], output_dir=os.path.join(self.build_temp, "isa", isa),
-                    macros=[("PYENGINE_ISA", isa)],
-                    extra_postargs=CXX_FLAGS + ["-fPIC", "-ffp-contract=off", "-fno-trapping-math",
-                                                   "-Wno-maybe-uninitialized"] + flags)
+                output_dir = os.path.join(self.build_temp, "isa", isa)
+                postargs = CXX_FLAGS + ["-fPIC", "-ffp-contract=off", "-fno-trapping-math",
+                                        "-Wno-maybe-uninitialized", "-MMD"] + flags
+                obj = self.compiler.object_filenames([KERNEL_SOURCE], output_dir=output_dir)[0]
+                stamp = (self.compiler.compiler_so, postargs)
+                if not up_to_date(obj, stamp):
+                    self.compiler.compile([KERNEL_SOURCE], output_dir=output_dir, macros=[("PYENGINE_ISA", isa)],
+                                          extra_postargs=postargs)
+                    with open(obj + ".flags", "w") as f:
+                        f.write(repr(stamp))
+                ext.extra_objects.append(obj)
         super().build_extensions()
         for ext in self.extensions:
             check_linked(self.get_ext_fullpath(ext.name))
