@@ -32,6 +32,7 @@ import hashlib
 import inspect
 import numbers
 import os
+import sys
 import threading
 import time
 import warnings
@@ -45,7 +46,6 @@ from .hybrid import hybrid_step
 from .metrics import step_counter
 from .optim import AdamW, check_lr_factor, check_state_values
 from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, check_options as check_pipeline
-from .pipeline_distributed import DistributedPipeline, check_engine_options as check_distributed_pipeline
 from .profiling import PhaseRecorder
 from .rng import WorkerRNG, cpu_generator_seed
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
@@ -59,6 +59,25 @@ __all__ = ["Engine", "StageError", "WorkerError"]
 
 MODES = ("hybrid", "sync", "async", "pipeline")
 FORMAT = "pyengine.engine/1"
+
+
+# Note [Importing the distributed pipeline]
+# pyengine.pipeline_distributed imports torch.distributed.pipelining, and with it torch._dynamo: ~3 s, as long as
+# torch's own import, so a process that trains alone does not import it. But torch._dynamo imported while a process
+# group exists keeps that group alive past torch.distributed.destroy_process_group() (torch 2.14: references held
+# outside Python; its gloo threads then end at interpreter shutdown, Note [No reference cycle through the engine] in
+# pyengine/pipeline.py). So it is imported before any group: here in a process launched as a rank (WORLD_SIZE set,
+# as torchrun does), and by pyengine.distributed.init_process_group. A group made otherwise (init_method=, no
+# WORLD_SIZE) before the first pipeline across processes outlives its destroy_process_group() until exit.
+if "WORLD_SIZE" in os.environ:
+    from . import pipeline_distributed  # noqa: F401
+
+
+def _across_processes(pipeline) -> bool:
+    """Whether ``pipeline`` is a :class:`pyengine.pipeline_distributed.DistributedPipeline` (Note [Importing the
+    distributed pipeline]: until that module is imported no pipeline can be one)."""
+    module = sys.modules.get("pyengine.pipeline_distributed")
+    return module is not None and isinstance(pipeline, module.DistributedPipeline)
 
 
 def _under_mutex(method):
@@ -289,6 +308,7 @@ class Engine:
             if group is not None:
                 distributed.keep_through_exit(self)
             if mode == "pipeline" and group is not None:  # rank s runs stage s (pyengine.pipeline_distributed)
+                from .pipeline_distributed import check_engine_options as check_distributed_pipeline
                 stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
                                                             balance, group), 1
             elif mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
@@ -427,6 +447,7 @@ class Engine:
         self._stop = threading.Event()
         self._fitting = False  # fit() is running (one at a time)
         if mode == "pipeline" and group is not None:
+            from .pipeline_distributed import DistributedPipeline
             self.pipeline = DistributedPipeline(self, model, stages=stages, microbatches=microbatches,
                                                 schedule=schedule, balance=balance, unused=unused, autocast=autocast,
                                                 group=group)
@@ -757,7 +778,7 @@ class Engine:
         process (and in async, whose runs end by their own protocol)."""
         if self.dist is not None:
             return self.dist
-        return self.pipeline if isinstance(self.pipeline, DistributedPipeline) else None
+        return self.pipeline if _across_processes(self.pipeline) else None
 
     def _end_fit(self, ended: "_FitEnd", error: BaseException | None = None, stacklevel: int = 5) -> None:
         """This rank's fit ends (``error``: raising it next): the other ranks of a multi-node hybrid or pipeline
@@ -840,7 +861,7 @@ class Engine:
         replica's, or the pipeline's layers (across processes: this rank's stage's only)."""
         if self.pipeline is None:
             named = self.workers[self.buffer_source].replica.named_parameters()
-        elif isinstance(self.pipeline, DistributedPipeline):
+        elif _across_processes(self.pipeline):
             named = self.pipeline.module.named_parameters()
         elif not self.pipeline.stages:
             named = ((f"{n}.{p}", t) for n, layer in self.pipeline.layers for p, t in layer.named_parameters())
@@ -940,7 +961,7 @@ class Engine:
         replica ``index`` together (before the stages are built, the layers they will be copied from)."""
         if self.pipeline is None:
             return dict(self.workers[index].replica.named_buffers())
-        if isinstance(self.pipeline, DistributedPipeline):  # Note [Buffers of stages across processes]
+        if _across_processes(self.pipeline):  # Note [Buffers of stages across processes]
             return self.pipeline.buffers
         if not self.pipeline.stages:
             return {f"{name}.{b}": t for name, layer in self.pipeline.layers for b, t in layer.named_buffers()}
@@ -1174,7 +1195,7 @@ class Engine:
             for index in range(self._num_replicas()):
                 mine = self._replica_buffers(index)
                 for name, value in buffers.items():
-                    if _takes_in_place(mine[name], value) or isinstance(self.pipeline, DistributedPipeline):
+                    if _takes_in_place(mine[name], value) or _across_processes(self.pipeline):
                         mine[name].copy_(value)  # across processes every replica's shapes are checked alike
                     else:  # a replica's cache of another size, an expanded mask (Note [Buffers that are not saved])
                         self._replace_buffer(index, name, value)
@@ -1721,7 +1742,7 @@ class Engine:
         """Makes this rank's store whole before it is read: a pipeline's stages across processes are gathered (a
         collective); a multi-node async store that a failed run of several servers left split is refused (Note [A
         failed run of several servers] in :mod:`pyengine.distributed`)."""
-        if isinstance(self.pipeline, DistributedPipeline):
+        if _across_processes(self.pipeline):
             self.pipeline.gather()
         if self.async_naming is not None:
             self.async_naming.check_whole()
