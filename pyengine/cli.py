@@ -544,10 +544,10 @@ def check_pipeline_layers(cfg: dict, model_layers) -> None:
     if cfg["mode"] == "pipeline" and _launched()[1] > 1 and stages <= layers and sizes != "time":  # time: refused
         # across processes a stage without trainable parameters is refused (pipeline_distributed): said before any
         # work, as one line (it was "training failed" on every rank after the set-up)
+        from .engine import distributed_pipeline
         from .pipeline import _param_costs
-        from .pipeline_distributed import _stage_sizes
 
-        sizes = _stage_sizes(model_layers, stages, sizes)  # the split the processes will make
+        sizes = distributed_pipeline()._stage_sizes(model_layers, stages, sizes)  # the split the processes will make
         costs = _param_costs([layer for _, layer in model_layers])
         bounds = [sum(sizes[:s]) for s in range(stages + 1)]
         empty = [s for s in range(stages) if not sum(costs[bounds[s]:bounds[s + 1]])]

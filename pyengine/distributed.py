@@ -83,6 +83,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - before any group: Note [Importing the distributed pipeline]
 
 from . import ops
 from .metrics import step_metrics
@@ -128,7 +129,6 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 60.0, **kwargs)
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"init_process_group: timeout_s must be a number of seconds > 0 and at most {MAX_TIMEOUT_S} "
                          f"(a week); got {timeout_s!r}")
-    from . import pipeline_distributed  # noqa: F401 - before the group: Note [Importing the distributed pipeline]
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
 

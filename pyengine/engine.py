@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import inspect
 import numbers
@@ -63,19 +64,31 @@ FORMAT = "pyengine.engine/1"
 
 # Note [Importing the distributed pipeline]
 # pyengine.pipeline_distributed imports torch.distributed.pipelining, and with it torch._dynamo: ~3 s, as long as
-# torch's own import, so a process that trains alone does not import it. But torch._dynamo imported while a process
-# group exists keeps that group alive past torch.distributed.destroy_process_group() (torch 2.14: references held
-# outside Python; its gloo threads then end at interpreter shutdown, Note [No reference cycle through the engine] in
-# pyengine/pipeline.py). So it is imported before any group: here in a process launched as a rank (WORLD_SIZE set,
-# as torchrun does), and by pyengine.distributed.init_process_group. A group made otherwise (init_method=, no
-# WORLD_SIZE) before the first pipeline across processes outlives its destroy_process_group() until exit.
-if "WORLD_SIZE" in os.environ:
-    from . import pipeline_distributed  # noqa: F401
+# torch's own import, so it is imported only where a pipeline across processes is built (distributed_pipeline()).
+# Two things that import does would keep what the importer holds (an Engine under construction, its process group)
+# alive after the caller dropped it:
+# - torch.distributed.nn.functional's functions take ``group=group.WORLD`` as a default argument: imported while a
+#   process group exists, they keep that group past torch.distributed.destroy_process_group() (its gloo threads
+#   then end at interpreter shutdown, Note [No reference cycle through the engine] in pyengine/pipeline.py).
+#   pyengine.distributed imports that module at once, before any group can exist (milliseconds).
+# - torch.fx.wrap, run by module code during the import, keeps its own frame in a local: a cycle, which holds every
+#   frame of the importing stack (Engine.__init__'s, with its locals) until the garbage collector runs (never, with
+#   gc disabled). distributed_pipeline() collects right after the import.
+
+
+def distributed_pipeline():
+    """The module :mod:`pyengine.pipeline_distributed`, imported at the first call (Note [Importing the distributed
+    pipeline])."""
+    module = sys.modules.get("pyengine.pipeline_distributed")
+    if module is None:
+        from . import pipeline_distributed as module
+        gc.collect()
+    return module
 
 
 def _across_processes(pipeline) -> bool:
-    """Whether ``pipeline`` is a :class:`pyengine.pipeline_distributed.DistributedPipeline` (Note [Importing the
-    distributed pipeline]: until that module is imported no pipeline can be one)."""
+    """Whether ``pipeline`` is a :class:`pyengine.pipeline_distributed.DistributedPipeline` (no pipeline can be one
+    before that module is imported)."""
     module = sys.modules.get("pyengine.pipeline_distributed")
     return module is not None and isinstance(pipeline, module.DistributedPipeline)
 
@@ -308,9 +321,8 @@ class Engine:
             if group is not None:
                 distributed.keep_through_exit(self)
             if mode == "pipeline" and group is not None:  # rank s runs stage s (pyengine.pipeline_distributed)
-                from .pipeline_distributed import check_engine_options as check_distributed_pipeline
-                stages, slots = check_distributed_pipeline(model, self.devices, stages, microbatches, schedule,
-                                                            balance, group), 1
+                stages, slots = distributed_pipeline().check_engine_options(
+                    model, self.devices, stages, microbatches, schedule, balance, group), 1
             elif mode == "pipeline":  # one gradient slot per data-parallel replica (Note [Pipeline update path])
                 if stages is None and len(self.devices) > len(model):  # the default: one stage per device
                     raise ValueError(f"mode='pipeline': stages defaults to one per device, {len(self.devices)}, more "
@@ -447,10 +459,9 @@ class Engine:
         self._stop = threading.Event()
         self._fitting = False  # fit() is running (one at a time)
         if mode == "pipeline" and group is not None:
-            from .pipeline_distributed import DistributedPipeline
-            self.pipeline = DistributedPipeline(self, model, stages=stages, microbatches=microbatches,
-                                                schedule=schedule, balance=balance, unused=unused, autocast=autocast,
-                                                group=group)
+            self.pipeline = distributed_pipeline().DistributedPipeline(
+                self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance,
+                unused=unused, autocast=autocast, group=group)
         else:
             self.pipeline = None if mode != "pipeline" else Pipeline(
                 self, model, stages=stages, microbatches=microbatches, schedule=schedule, balance=balance,

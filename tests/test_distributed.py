@@ -101,45 +101,37 @@ def assert_identical(a, b, what):
 
 
 _IMPORTS = """
-import os, sys, weakref
+import sys, weakref
+import torch
 import torch.distributed as dist
 import pyengine
 from pyengine import distributed
-print("pipeline module at import:", "pyengine.pipeline_distributed" in sys.modules, "torch._dynamo" in sys.modules)
-if len(sys.argv) > 1:
-    distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
-    group = weakref.ref(dist.group.WORLD)
-    import torch
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    with pyengine.Engine(model, lambda m, b: m(b[0]).square().mean(), devices=["cpu"], mode="pipeline",
-                         process_group=dist.group.WORLD) as engine:
-        engine.step((torch.randn(4, 3), torch.zeros(4)))
-    del engine
-    dist.destroy_process_group()
-    print("group after destroy:", "alive" if group() is not None else "freed")
+print("imported:", "pyengine.pipeline_distributed" in sys.modules, "torch._dynamo" in sys.modules)
+init = distributed.init_process_group if sys.argv[1] == "pyengine" else dist.init_process_group
+init("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+group = weakref.ref(dist.group.WORLD)
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+with pyengine.Engine(model, lambda m, b: m(b[0]).square().mean(), devices=["cpu"], mode="pipeline",
+                     process_group=dist.group.WORLD) as engine:
+    engine.step((torch.randn(4, 3), torch.zeros(4)))
+del engine
+dist.destroy_process_group()
+print("group after destroy:", "alive" if group() is not None else "freed")
 """
 
 
 @pytest.mark.timeout(120)
-def test_a_process_alone_imports_no_distributed_pipeline_and_a_group_made_by_init_process_group_is_freed(tmp_path):
-    """Note [Importing the distributed pipeline]: `import pyengine` in a process that is no rank leaves
-    torch.distributed.pipelining (and torch._dynamo, seconds) unimported; launched as a rank (WORLD_SIZE) it imports
-    them at once, and pyengine.distributed.init_process_group before it makes the group, so that a pipeline across
-    processes built on the group leaves it freed by destroy_process_group() (torch._dynamo imported after the group
-    exists keeps it alive)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-
-    def run(*args, **extra):
-        done = subprocess.run([sys.executable, "-c", _IMPORTS, *args], env=dict(env, **extra), capture_output=True,
-                              text=True, timeout=100)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    assert "pipeline module at import: False False" in run()
-    assert "pipeline module at import: True True" in run(WORLD_SIZE="1")
-    ended = run(str(free_port()))
-    assert "pipeline module at import: False False" in ended and "group after destroy: freed" in ended, ended
+@pytest.mark.parametrize("init", ["pyengine", "torch"])
+def test_import_pyengine_leaves_the_distributed_pipeline_unimported_and_its_import_keeps_no_group(tmp_path, init):
+    """Note [Importing the distributed pipeline]: `import pyengine` leaves torch.distributed.pipelining (and
+    torch._dynamo: seconds) unimported; a pipeline across processes built on a group that exists (made by
+    pyengine's init_process_group or torch's) imports them then, and the group is still freed by
+    destroy_process_group() (torch.distributed.nn.functional imported after the group would keep it alive)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _IMPORTS, init, str(free_port())], env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert "imported: False False" in done.stdout and "group after destroy: freed" in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(90)
