@@ -1710,7 +1710,7 @@ import pyengine.checkpoint, pyengine.cli
 save = pyengine.checkpoint.save
 def slow(folder, step, *args, **kwargs):
     if step == int(os.environ["SLOW_STEP"]):
-        time.sleep(30)
+        time.sleep(20)
     return save(folder, step, *args, **kwargs)
 pyengine.checkpoint.save = slow
 sys.exit(pyengine.cli.main(sys.argv[1:]))
@@ -1730,17 +1730,17 @@ def test_under_torchrun_the_group_timeout_bounds_rank_0s_checkpoint_writes(tmp_p
         return _two_ranks(tmp_path, [argv, argv], script=_SLOW_SAVE, PYENGINE_DIST_TIMEOUT_S=timeout_s,
                           SLOW_STEP="4")[0], folder / "checkpoints"
 
-    # the write of step 4 takes 30 s, twice the group's timeout (15 s: every collective before it has that long)
+    # the write of step 4 takes 20 s, longer than the group's timeout (15 s: every collective before it has that long)
     ((code0, err0), (code1, err1)), folder = run("15", "--keep", "1")
     step2, step4 = (folder / f"step-0000000{n}.pyeckpt" for n in (2, 4))
     assert code1 == 1 and "rank 1: the agreement after step 4 whether to stop failed" in err1, err1
     assert "rank 0 wrote the checkpoint of step 4 before it: a write longer than the group's timeout" in err1, err1
     assert (f"the last checkpoint is in {step2} (or {step4}, which rank 0 was writing when the run failed, if that "
             "write completed)") in err1, err1
-    assert code0 == 1 and "this rank's write of the checkpoint of step 4 took 3" in err0, err0
+    assert code0 == 1 and "this rank's write of the checkpoint of step 4 took 2" in err0, err0
     assert f"step 4, the last complete one, is saved in {step4}" in err0, err0
     assert step2.exists() and step4.exists()
-    ended, folder = run("90", "--keep", "1")
+    ended, folder = run("60", "--keep", "1")
     assert [code for code, _ in ended] == [0, 0], ended
     assert [p.name for p in ckpt.list_checkpoints(folder)] == ["step-00000006.pyeckpt"]
     for value in ("soon", "1e20"):
