@@ -88,7 +88,8 @@ def main(argv=None) -> int:
                          "update_prefetch; the first is the reference")
     ap.add_argument("--n", type=int, default=32 << 20)
     ap.add_argument("--g", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], nargs="+", default=["fp32"],
+                    help="gradient dtypes, each timed with the same build")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--chunk", type=int, default=16 * 1024, help="elements per update() call (kChunk)")
     ap.add_argument("--isa", default="avx512")
@@ -102,12 +103,13 @@ def main(argv=None) -> int:
         versions = {label: materialise(spec.removesuffix("@prefetch"), workdir) for label, spec in pairs}
         exe = build(versions, entries, args.isa, workdir)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        for g in args.g:
-            rc = subprocess.run([exe, str(args.n), str(g), args.dtype, str(args.rounds), str(args.chunk)]
-                                + (["huge"] if args.huge_pages else []),
-                                env=env).returncode
-            if rc != 0:
-                return rc
+        for dtype in args.dtype:
+            for g in args.g:
+                rc = subprocess.run([exe, str(args.n), str(g), dtype, str(args.rounds), str(args.chunk)]
+                                    + (["huge"] if args.huge_pages else []),
+                                    env=env).returncode
+                if rc != 0:
+                    return rc
     return 0
 
 
