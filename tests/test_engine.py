@@ -1169,9 +1169,10 @@ def test_state_dict_from_another_thread_during_async_fit_is_consistent_and_loads
 
     with Engine(make_bn_model(), loss_after_a_look, devices=["cpu"] * 3, mode="async",
                 optimizer=AdamW(**OPT)) as engine:
-        def monitor():
+        def monitor():  # a look every millisecond (unpaused, its thousands of looks starved the workers)
             while not done.is_set():
                 states.append(engine.state_dict())
+                time.sleep(0.001)
 
         thread = threading.Thread(target=monitor)
         thread.start()
