@@ -156,6 +156,40 @@ def launch(scenario, world, tmp_path, seed, timeout=70.0, pg_timeout=20.0, grace
     return codes, logs, seconds
 
 
+@pytest.mark.timeout(120)
+def test_a_forked_rank_runs_and_exits_as_a_fresh_interpreter_would(tmp_path, monkeypatch):
+    """tests/zygote.py: a rank gets its own argv, environment and log, a non-daemon thread is joined and atexit runs
+    at its end, and its exit code is Popen's: sys.exit(n) -> n, an uncaught exception -> 1 (its traceback logged),
+    killed -> -SIGKILL."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import atexit, os, sys, threading, time\n"
+        "print('argv', sys.argv[1:], 'env', os.environ.get('JOB_VALUE'), 'stale', os.environ.get('JOB_STALE'))\n"
+        "print('path0', sys.path[0] == os.path.dirname(os.path.abspath(__file__)), 'main', __name__, flush=True)\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread joined', flush=True))).start()\n"
+        "how = sys.argv[1]\n"
+        "if how == 'raise': raise ValueError('from the job')\n"
+        "if how == 'sleep': time.sleep(600)\n"
+        "sys.exit(int(how))\n")
+    monkeypatch.setenv("JOB_STALE", "the zygote's")  # its own environment: not the rank's
+    zygote = _Zygote()
+    env = {k: v for k, v in os.environ.items() if k != "JOB_STALE"}
+    ranks = {how: zygote.start([str(script), how], dict(env, JOB_VALUE=how), tmp_path / f"{how}.log")
+             for how in ("0", "3", "raise", "sleep")}
+    assert [ranks[how].wait(timeout=60) for how in ("0", "3", "raise")] == [0, 3, 1]
+    assert ranks["sleep"].poll() is None
+    ranks["sleep"].kill()
+    assert ranks["sleep"].wait(timeout=30) == -signal.SIGKILL
+    for how in ("0", "3", "raise"):
+        log = (tmp_path / f"{how}.log").read_text()
+        assert f"argv ['{how}'] env {how} stale None" in log and "path0 True main __main__" in log, log
+        assert "thread joined" in log and "atexit ran" in log, log
+    assert "ValueError: from the job" in (tmp_path / "raise.log").read_text()
+    zygote.proc.stdin.close()  # its end of input ends it
+    assert zygote.proc.wait(timeout=30) == 0
+
+
 def results(tmp_path, world):
     """Each rank's result; also checks that its process group was freed at destroy_process_group()."""
     for r in range(world):
