@@ -20,8 +20,8 @@ $(DEPS): requirements-dev.txt
 build: $(DEPS)
 	$(PY) setup.py -q build_ext --inplace
 
-pytest: build
-	$(PY) -m pytest tests -q
+pytest: build  # the 25 slowest tests listed at the end: where the suite's time goes
+	$(PY) -m pytest tests -q --durations=25
 
 ctest: $(DEPS)
 	PYTHON=$(PY) tests/cpp/run_ctest.sh
