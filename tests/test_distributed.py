@@ -129,7 +129,18 @@ def start_rank(argv, env, log_path):
 def launch(scenario, world, tmp_path, seed, timeout=70.0, pg_timeout=20.0, grace=15.0, main=0, hung=()):
     """Runs ``world`` ranks of ``scenario``. Waits up to ``timeout`` s for rank ``main``, then up to ``grace`` s more
     for the others but the ``hung`` ranks (which never end by themselves), and kills whatever still runs. Returns
-    ([returncode, None if killed], [log], seconds until rank ``main`` ended)."""
+    ([returncode, None if killed], [log], seconds until rank ``main`` ended). A launch whose port was taken between
+    free_port() and rank 0's bind (another process got it meanwhile) is run again once on another port."""
+    for attempt in range(2):
+        if attempt:  # the ranks' start barrier (dist_job.main) of the first attempt: the rest is written anew
+            (tmp_path / "started").unlink(missing_ok=True)
+        codes, logs, seconds = _launch(scenario, world, tmp_path, seed, timeout, pg_timeout, grace, main, hung)
+        if not any("EADDRINUSE" in log for log in logs):
+            break
+    return codes, logs, seconds
+
+
+def _launch(scenario, world, tmp_path, seed, timeout, pg_timeout, grace, main, hung):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYENGINE_TEST_PG_TIMEOUT=str(pg_timeout))
     procs, paths = [], [tmp_path / f"rank{rank}.log" for rank in range(world)]
@@ -805,6 +816,22 @@ def test_option_errors():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
+def test_a_launch_whose_port_was_taken_meanwhile_runs_again_on_another(tmp_path, seed, monkeypatch):
+    """launch(): free_port() closes its port before rank 0 binds it; a port taken in between (EADDRINUSE) gets a
+    second launch on a fresh port instead of a failed test."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = free_port
+    monkeypatch.setattr(sys.modules[__name__], "free_port", lambda: ports.pop(0) if ports else real())
+    with taken:
+        codes, logs, _ = launch("shard-one-rank", 1, tmp_path, seed)
+    assert not ports and codes == [0], logs[0]
+    assert "EADDRINUSE" not in logs[0] and results(tmp_path, 1)[0]["error"] is not None
+
+
 def test_shard_update_on_a_group_of_one_rank_says_so(tmp_path, seed):
     """torchrun with 1 rank: "auto" runs the process alone, and shard_update=True says why it cannot shard (not that
     the process should run under torchrun, which it does)."""
