@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import pyengine
+import zygote
 from pyengine import checkpoint as ckpt
 from pyengine.cli import main
 
@@ -1592,17 +1593,20 @@ def _two_ranks(tmp_path, argvs, script=None, timeout=90, **extra_env):
     instead of ``-m pyengine``. Returns [(returncode, stderr)] and the seconds until both ended."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), WORLD_SIZE="2", **extra_env)
-    command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "pyengine"]
-    procs = [subprocess.Popen([*command, "train", *argvs[rank]], cwd=tmp_path, env=dict(env, RANK=str(rank)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    command = ["-c", script] if script else ["-m", "pyengine"]
+    logs = [(tmp_path / f"rank{rank}.stdout", tmp_path / f"rank{rank}.stderr") for rank in (0, 1)]
     start = time.monotonic()
+    procs = [zygote.start([*command, "train", *argvs[rank]], dict(env, RANK=str(rank)), *logs[rank], cwd=tmp_path)
+             for rank in (0, 1)]  # forked from one process that imported torch and pyengine (tests/zygote.py)
     try:
-        results = [p.communicate(timeout=timeout)[1] for p in procs]
+        codes = [p.wait(timeout=max(0.1, start + timeout - time.monotonic())) for p in procs]
         seconds = time.monotonic() - start
     finally:
         for p in procs:
-            p.kill()
-    return [(p.returncode, err) for p, err in zip(procs, results)], seconds
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return [(code, err.read_text()) for code, (_, err) in zip(codes, logs)], seconds
 
 
 def _refused_by_both(ended, text):

@@ -2,10 +2,8 @@
 torchrun-like environment, bounds their time, and checks what they wrote against an independent reference
 (torch.optim in float64 on the concatenated batches) and against each other (bit for bit)."""
 import copy
-import json
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
@@ -18,112 +16,18 @@ import torch
 
 import dist_job
 import pyengine
+import zygote
 from conftest import fresh_seed
 from pyengine import checkpoint, cli, distributed
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "dist_job.py"
-ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _Zygote:
-    """The test's face of tests/zygote.py: one process that imported torch and pyengine and forks a rank per
-    request (seconds of imports saved per rank). ``PYENGINE_TEST_ZYGOTE=0`` starts every rank as a fresh interpreter
-    instead (the same launch otherwise), to tell a failure of the forked ranks from one of the code."""
-
-    def __init__(self):
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env)
-        self.codes, self.pending = {}, b""
-        assert self._line(120.0) == "ready", "tests/zygote.py did not start (its stderr is in the test's output)"
-
-    def _line(self, timeout):
-        """The next reply line, or None after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.pending:
-            remaining = max(0.0, deadline - time.monotonic())
-            if not select.select([self.proc.stdout], [], [], remaining)[0]:
-                return None
-            data = os.read(self.proc.stdout.fileno(), 1 << 16)
-            if not data:
-                raise RuntimeError(f"tests/zygote.py ended (exit {self.proc.wait()})")
-            self.pending += data
-        line, self.pending = self.pending.split(b"\n", 1)
-        return line.decode()
-
-    def pump(self, timeout):
-        """Waits up to ``timeout`` s for a reply, then records every exit code that has arrived."""
-        line = self._line(timeout)
-        while line is not None:
-            what, pid, code = line.split()
-            assert what == "exited", line
-            self.codes[int(pid)] = int(code)
-            line = self._line(0.0)
-
-    def start(self, argv, env, log):
-        self.proc.stdin.write((json.dumps(dict(argv=argv, env=env, log=str(log))) + "\n").encode())
-        self.proc.stdin.flush()
-        while True:
-            line = self._line(60.0)
-            assert line is not None, "tests/zygote.py does not answer"
-            if line.startswith("started "):
-                return _ForkedRank(self, int(line.split()[1]))
-            what, pid, code = line.split()
-            self.codes[int(pid)] = int(code)
-
-    _one = None
-
-    @classmethod
-    def get(cls):
-        if cls._one is None or cls._one.proc.poll() is not None:
-            cls._one = cls()
-        return cls._one
-
-
-class _ForkedRank:
-    """A rank forked by the zygote, with the part of subprocess.Popen's face launch() uses."""
-
-    def __init__(self, zygote, pid):
-        self.zygote, self.pid = zygote, pid
-
-    @property
-    def returncode(self):
-        return self.zygote.codes.get(self.pid)
-
-    def poll(self):
-        self.zygote.pump(0.0)
-        return self.returncode
-
-    def wait(self, timeout):
-        deadline = time.monotonic() + timeout
-        while self.returncode is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
-            self.zygote.pump(remaining)
-        return self.returncode
-
-    def kill(self):
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def start_rank(argv, env, log_path):
-    """One rank: forked by the zygote, or (``PYENGINE_TEST_ZYGOTE=0``) a fresh ``python`` process."""
-    if os.environ.get("PYENGINE_TEST_ZYGOTE", "1") == "0":
-        with open(log_path, "w") as log:
-            return subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
-    return _Zygote.get().start(argv, env, log_path)
 
 
 def launch(scenario, world, tmp_path, seed, timeout=70.0, pg_timeout=20.0, grace=15.0, main=0, hung=()):
@@ -146,7 +50,7 @@ def _launch(scenario, world, tmp_path, seed, timeout, pg_timeout, grace, main, h
     procs, paths = [], [tmp_path / f"rank{rank}.log" for rank in range(world)]
     start = time.monotonic()
     for rank, path in enumerate(paths):
-        procs.append(start_rank([str(JOB), scenario, str(tmp_path), str(seed)], dict(env, RANK=str(rank)), path))
+        procs.append(zygote.start([str(JOB), scenario, str(tmp_path), str(seed)], dict(env, RANK=str(rank)), path))
     codes, seconds = [None] * world, None
     try:
         for rank in [main] + [r for r in range(world) if r != main and r not in hung] + list(hung):
@@ -168,37 +72,47 @@ def _launch(scenario, world, tmp_path, seed, timeout, pg_timeout, grace, main, h
 
 
 @pytest.mark.timeout(120)
-def test_a_forked_rank_runs_and_exits_as_a_fresh_interpreter_would(tmp_path, monkeypatch):
-    """tests/zygote.py: a rank gets its own argv, environment and log, a non-daemon thread is joined and atexit runs
-    at its end, and its exit code is Popen's: sys.exit(n) -> n, an uncaught exception -> 1 (its traceback logged),
-    killed -> -SIGKILL."""
-    script = tmp_path / "job.py"
-    script.write_text(
-        "import atexit, os, sys, threading, time\n"
-        "print('argv', sys.argv[1:], 'env', os.environ.get('JOB_VALUE'), 'stale', os.environ.get('JOB_STALE'))\n"
-        "print('path0', sys.path[0] == os.path.dirname(os.path.abspath(__file__)), 'main', __name__, flush=True)\n"
-        "atexit.register(lambda: print('atexit ran', flush=True))\n"
-        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread joined', flush=True))).start()\n"
-        "how = sys.argv[1]\n"
-        "if how == 'raise': raise ValueError('from the job')\n"
-        "if how == 'sleep': time.sleep(600)\n"
-        "sys.exit(int(how))\n")
-    monkeypatch.setenv("JOB_STALE", "the zygote's")  # its own environment: not the rank's
-    zygote = _Zygote()
+def test_a_forked_process_runs_and_exits_as_a_fresh_interpreter_would(tmp_path, monkeypatch):
+    """tests/zygote.py: a script, ``-m module`` or ``-c code`` gets its own argv, sys.path[0], environment, working
+    directory and stdout/stderr files, a non-daemon thread is joined and atexit runs at its end, and its exit code
+    is Popen's: sys.exit(n) -> n, an uncaught exception -> 1 (its traceback on stderr), killed -> -SIGKILL."""
+    body = ("import atexit, os, sys, threading, time\n"
+            "print('argv', sys.argv[1:], 'env', os.environ.get('JOB_VALUE'), 'stale', os.environ.get('JOB_STALE'))\n"
+            "print('path0', repr(sys.path[0]), 'main', __name__, 'cwd', os.getcwd(), flush=True)\n"
+            "atexit.register(lambda: print('atexit ran', flush=True))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread joined', flush=True))).start()\n"
+            "how = sys.argv[1]\n"
+            "if how == 'raise': raise ValueError('from the job')\n"
+            "if how == 'sleep': time.sleep(600)\n"
+            "sys.exit(int(how))\n")
+    (tmp_path / "job.py").write_text(body)
+    work, lib = tmp_path / "work", tmp_path / "lib"
+    work.mkdir()
+    lib.mkdir()
+    (lib / "jobmodule.py").write_text(body)  # found on the child's PYTHONPATH
+    monkeypatch.setenv("JOB_STALE", "the server's")  # the server's own environment: not the child's
+    server = zygote._Server()
     env = {k: v for k, v in os.environ.items() if k != "JOB_STALE"}
-    ranks = {how: zygote.start([str(script), how], dict(env, JOB_VALUE=how), tmp_path / f"{how}.log")
-             for how in ("0", "3", "raise", "sleep")}
-    assert [ranks[how].wait(timeout=60) for how in ("0", "3", "raise")] == [0, 3, 1]
-    assert ranks["sleep"].poll() is None
-    ranks["sleep"].kill()
-    assert ranks["sleep"].wait(timeout=30) == -signal.SIGKILL
-    for how in ("0", "3", "raise"):
-        log = (tmp_path / f"{how}.log").read_text()
-        assert f"argv ['{how}'] env {how} stale None" in log and "path0 True main __main__" in log, log
-        assert "thread joined" in log and "atexit ran" in log, log
-    assert "ValueError: from the job" in (tmp_path / "raise.log").read_text()
-    zygote.proc.stdin.close()  # its end of input ends it
-    assert zygote.proc.wait(timeout=30) == 0
+    kinds = {"script": ([str(tmp_path / "job.py")], repr(str(tmp_path))),
+             "module": (["-m", "jobmodule"], repr(str(work))), "code": (["-c", body], repr(""))}
+    started = {}
+    for kind, (argv, _) in kinds.items():
+        for how in ("0", "3", "raise"):
+            started[kind, how] = server.start([*argv, how], dict(env, JOB_VALUE=how, PYTHONPATH=f"{lib}:{REPO}"),
+                                              tmp_path / f"{kind}-{how}.out", tmp_path / f"{kind}-{how}.err", work)
+    sleeper = server.start([str(tmp_path / "job.py"), "sleep"], env, tmp_path / "sleep.out", tmp_path / "sleep.out")
+    assert {key: p.wait(timeout=60) for key, p in started.items()} == {
+        (kind, how): {"0": 0, "3": 3, "raise": 1}[how] for kind, how in started}
+    assert sleeper.poll() is None
+    sleeper.kill()
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    for (kind, how) in started:
+        out, err = (tmp_path / f"{kind}-{how}.out").read_text(), (tmp_path / f"{kind}-{how}.err").read_text()
+        assert f"argv ['{how}'] env {how} stale None" in out, out
+        assert f"path0 {kinds[kind][1]} main __main__ cwd {work}" in out, out
+        assert "thread joined" in out and "atexit ran" in out, out
+        assert ("ValueError: from the job" in err) == (how == "raise"), err
+    assert server.close() == 0  # its end of input ends it
 
 
 def results(tmp_path, world):
