@@ -1596,8 +1596,8 @@ def _two_ranks(tmp_path, argvs, script=None, timeout=90, **extra_env):
     command = ["-c", script] if script else ["-m", "pyengine"]
     logs = [(tmp_path / f"rank{rank}.stdout", tmp_path / f"rank{rank}.stderr") for rank in (0, 1)]
     start = time.monotonic()
-    procs = [zygote.start([*command, "train", *argvs[rank]], dict(env, RANK=str(rank)), *logs[rank], cwd=tmp_path)
-             for rank in (0, 1)]  # forked from one process that imported torch and pyengine (tests/zygote.py)
+    procs = [zygote.start([*command, "train", *argvs[rank]], dict(env, RANK=str(rank)), *logs[rank], cwd=tmp_path,
+                          rank=rank) for rank in (0, 1)]  # forked from one process that imported torch and pyengine (tests/zygote.py)
     try:
         codes = [p.wait(timeout=max(0.1, start + timeout - time.monotonic())) for p in procs]
         seconds = time.monotonic() - start

@@ -50,7 +50,8 @@ def _launch(scenario, world, tmp_path, seed, timeout, pg_timeout, grace, main, h
     procs, paths = [], [tmp_path / f"rank{rank}.log" for rank in range(world)]
     start = time.monotonic()
     for rank, path in enumerate(paths):
-        procs.append(zygote.start([str(JOB), scenario, str(tmp_path), str(seed)], dict(env, RANK=str(rank)), path))
+        procs.append(zygote.start([str(JOB), scenario, str(tmp_path), str(seed)], dict(env, RANK=str(rank)), path,
+                                  rank=rank))
     codes, seconds = [None] * world, None
     try:
         for rank in [main] + [r for r in range(world) if r != main and r not in hung] + list(hung):
@@ -113,6 +114,14 @@ def test_a_forked_process_runs_and_exits_as_a_fresh_interpreter_would(tmp_path, 
         assert "thread joined" in out and "atexit ran" in out, out
         assert ("ValueError: from the job" in err) == (how == "raise"), err
     assert server.close() == 0  # its end of input ends it
+    # ranks are forked from servers of their own: their string hashes differ as separate processes' do
+    if "PYTHONHASHSEED" not in os.environ:
+        hashes = []
+        for rank in (0, 1):
+            out = tmp_path / f"hash{rank}.out"
+            assert zygote.start(["-c", "print(hash('pyengine'))"], env, out, rank=rank).wait(timeout=60) == 0
+            hashes.append(out.read_text())
+        assert hashes[0] != hashes[1], hashes
 
 
 def results(tmp_path, world):

@@ -6,8 +6,8 @@ argv, ``sys.path[0]``, environment, working directory, stdout and stderr (files)
 that process would (an uncaught exception prints its traceback and exits 1, ``sys.exit(n)`` exits n, interpreter
 shutdown joins its threads and runs its atexit handlers).
 
-Run as a script it is the server; imported, :func:`start` is the tests' face of it (one server per test process,
-started at the first call). ``PYENGINE_TEST_ZYGOTE=0`` makes :func:`start` run a fresh interpreter instead (the same
+Run as a script it is the server; imported, :func:`start` is the tests' face of it (one server per rank index in a
+test process, started at its first use). ``PYENGINE_TEST_ZYGOTE=0`` makes :func:`start` run a fresh interpreter instead (the same
 process otherwise), to tell a failure of the forked processes from one of the code.
 
 Protocol (one line each, stdin and stdout of the server):
@@ -84,13 +84,13 @@ class _Server:
         self.proc.stdin.close()
         return self.proc.wait(timeout=30)
 
-    _one = None
+    _running = {}
 
     @classmethod
-    def get(cls):
-        if cls._one is None or cls._one.proc.poll() is not None:
-            cls._one = cls()
-        return cls._one
+    def get(cls, key):
+        if key not in cls._running or cls._running[key].proc.poll() is not None:
+            cls._running[key] = cls()
+        return cls._running[key]
 
 
 class Forked:
@@ -124,10 +124,14 @@ class Forked:
                 pass
 
 
-def start(argv, env, stdout, stderr=None, cwd=None):
+def start(argv, env, stdout, stderr=None, cwd=None, rank=0):
     """``python *argv`` with ``env`` in ``cwd``, its stdout written to the file ``stdout`` and its stderr to
-    ``stderr`` (None: the same file): forked by the server, or (``PYENGINE_TEST_ZYGOTE=0``) a fresh interpreter.
-    Returns a Popen or a :class:`Forked` (``wait(timeout)``, ``poll()``, ``kill()``, ``returncode``)."""
+    ``stderr`` (None: the same file): forked by the server of ``rank``, or (``PYENGINE_TEST_ZYGOTE=0``) a fresh
+    interpreter. Returns a Popen or a :class:`Forked` (``wait(timeout)``, ``poll()``, ``kill()``, ``returncode``).
+
+    Each rank has a server of its own: the children of one server share its string hash seed (PYTHONHASHSEED is
+    drawn at an interpreter's start), so ranks forked from one would iterate a set of names in the same order where
+    separate processes need not, and a test could not catch an engine that relies on it."""
     if os.environ.get("PYENGINE_TEST_ZYGOTE", "1") == "0":
         with open(stdout, "w") as out:
             if stderr is None:
@@ -135,7 +139,7 @@ def start(argv, env, stdout, stderr=None, cwd=None):
                                         stderr=subprocess.STDOUT)
             with open(stderr, "w") as err:
                 return subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=out, stderr=err)
-    return _Server.get().start(argv, env, stdout, stdout if stderr is None else stderr, cwd)
+    return _Server.get(rank).start(argv, env, stdout, stdout if stderr is None else stderr, cwd)
 
 
 # ---- the server ---------------------------------------------------------------------------------------------------
