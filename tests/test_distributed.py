@@ -96,17 +96,22 @@ def test_a_forked_process_runs_and_exits_as_a_fresh_interpreter_would(tmp_path, 
     env = {k: v for k, v in os.environ.items() if k != "JOB_STALE"}
     kinds = {"script": ([str(tmp_path / "job.py")], repr(str(tmp_path))),
              "module": (["-m", "jobmodule"], repr(str(work))), "code": (["-c", body], repr(""))}
-    started = {}
-    for kind, (argv, _) in kinds.items():
-        for how in ("0", "3", "raise"):
-            started[kind, how] = server.start([*argv, how], dict(env, JOB_VALUE=how, PYTHONPATH=f"{lib}:{REPO}"),
-                                              tmp_path / f"{kind}-{how}.out", tmp_path / f"{kind}-{how}.err", work)
-    sleeper = server.start([str(tmp_path / "job.py"), "sleep"], env, tmp_path / "sleep.out", tmp_path / "sleep.out")
-    assert {key: p.wait(timeout=60) for key, p in started.items()} == {
-        (kind, how): {"0": 0, "3": 3, "raise": 1}[how] for kind, how in started}
-    assert sleeper.poll() is None
-    sleeper.kill()
-    assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    started, sleeper = {}, None
+    try:
+        for kind, (argv, _) in kinds.items():
+            for how in ("0", "3", "raise"):
+                started[kind, how] = server.start([*argv, how], dict(env, JOB_VALUE=how, PYTHONPATH=f"{lib}:{REPO}"),
+                                                  tmp_path / f"{kind}-{how}.out", tmp_path / f"{kind}-{how}.err", work)
+        sleeper = server.start([str(tmp_path / "job.py"), "sleep"], env, tmp_path / "sleep.out")
+        assert {key: p.wait(timeout=60) for key, p in started.items()} == {
+            (kind, how): {"0": 0, "3": 3, "raise": 1}[how] for kind, how in started}
+        assert sleeper.poll() is None
+        sleeper.kill()
+        assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    finally:  # none left running when an assertion failed
+        for p in [*started.values(), sleeper]:
+            if p is not None:
+                p.kill()
     for (kind, how) in started:
         out, err = (tmp_path / f"{kind}-{how}.out").read_text(), (tmp_path / f"{kind}-{how}.err").read_text()
         assert f"argv ['{how}'] env {how} stale None" in out, out

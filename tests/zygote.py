@@ -68,8 +68,8 @@ class _Server:
             self._exited(line)
             line = self._line(0.0)
 
-    def start(self, argv, env, stdout, stderr, cwd=None):
-        request = dict(argv=list(argv), env=dict(env), stdout=str(stdout), stderr=str(stderr),
+    def start(self, argv, env, stdout, stderr=None, cwd=None):
+        request = dict(argv=list(argv), env=dict(env), stdout=str(stdout), stderr=str(stderr or stdout),
                        cwd=None if cwd is None else str(cwd))
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
@@ -139,7 +139,7 @@ def start(argv, env, stdout, stderr=None, cwd=None, rank=0):
                                         stderr=subprocess.STDOUT)
             with open(stderr, "w") as err:
                 return subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=out, stderr=err)
-    return _Server.get(rank).start(argv, env, stdout, stdout if stderr is None else stderr, cwd)
+    return _Server.get(rank).start(argv, env, stdout, stderr, cwd)
 
 
 # ---- the server ---------------------------------------------------------------------------------------------------
