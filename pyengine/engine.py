@@ -470,6 +470,7 @@ class Engine:
         self._close_done = threading.Event()  # the first close() has stopped everything (a second one waits for it)
         self._close_cut_short = False  # a close() raised (a Ctrl-C) before it stopped everything: the next redoes it
         self._abandoned = False
+        self._update_failed: str | None = None  # Note [A step that fails inside its update]
         self.dist = distributed.DistributedHybrid(self, group, shard_update) if group is not None and \
             mode == "hybrid" else None
         # multi-node async: the ranks' check-ins between runs, so a rank gone before a run is named
@@ -568,11 +569,16 @@ class Engine:
         if self.mode == "async":
             raise ValueError("step() is for mode='hybrid', 'sync' or 'pipeline'; async workers pull batches: use "
                              "fit(batches)")
+        if self._update_failed is not None:
+            raise RuntimeError(f"{self._update_failed}: the master weights may be partly updated and the replicas "
+                               "may not hold them (Note [A step that fails inside its update]); load a state to go on "
+                               "(load_state_dict, checkpoint.load_engine) or build a new Engine")
         # A bad schedule value raises before any work or count. Every rank of a process group asks the same (its
         # version is the same on all), so all raise here and none leaves the others inside a collective.
         self.check_update(self.version + 1)
         self.begin_rng_step(self._counters["steps"])  # the step's number: restored on resume, skipped steps too
         steps, generators = self._counters["steps"], self._global_generators()
+        raised = self._counters["raised_steps"]
         # Note [Reading the state during a step]: the generators as the step found them (taken here also when the
         # workers have their own: a random module's forward swaps those into torch's for a while)
         self._in_flight = _InFlight(self._generator_states() if generators is None else generators, None)
@@ -585,9 +591,20 @@ class Engine:
                     return self._record(self.dist.step(self, batch) if self.dist is not None else
                                         hybrid_step(self, batch))
                 return self._record(sync_step(self, batch))
-            except BaseException:
-                if self._counters["steps"] == steps and generators is not None:  # a failed step, not a counted one
-                    self._set_global_generators(generators)
+            except BaseException as exc:
+                if self._counters["steps"] == steps:  # a failed step, not a counted one
+                    if generators is not None:
+                        self._set_global_generators(generators)
+                elif self._counters["raised_steps"] == raised:  # not nonfinite="raise" (a counted step, state whole)
+                    # Note [A step that fails inside its update]
+                    # The step counted (begin_update) and then failed: in the update itself, or in a copy of the new
+                    # weights into a replica (hybrid updates and copies back bucket by bucket, overlapped). Some
+                    # buckets may be updated and others not, and a replica may hold the old weights: a next step
+                    # computed its gradients on them and trained on silently (seen with a copy back that raised: the
+                    # step after it differed from an uninterrupted run's). Nothing rolls back a half update, so the
+                    # engine refuses its next steps until a state is loaded; the state can still be read.
+                    self._update_failed = (f"step {steps + 1} failed inside its update "
+                                           f"({type(exc).__name__}: {str(exc)[:200]})")
                 raise
             finally:
                 self._in_flight = None
@@ -1048,6 +1065,7 @@ class Engine:
                 raise RuntimeError(self._LOAD_IN_STEP)
             with self.mutex:
                 self._load_state_dict(sd)
+                self._update_failed = None  # the weights and the replicas are the loaded state's, whole
         finally:
             self._step_lock.release()
 

@@ -3975,3 +3975,48 @@ def test_a_state_of_another_mode_goes_on_counting(rng):
             with pytest.raises(ValueError, match=r"the state's mode must be one of \('hybrid', 'sync', 'async', "):
                 engine.load_state_dict({**before, "mode": bad})
         assert engine.stats()["steps"] == 6 and engine.version == 6
+
+
+@pytest.mark.parametrize("mode,workers", [("hybrid", 1), ("hybrid", 2), ("sync", 2)])
+def test_a_step_failing_inside_its_update_refuses_the_next_until_a_state_is_loaded(rng, mode, workers):
+    """Note [A step that fails inside its update]: hybrid copies each bucket back as soon as it is updated; a copy
+    back that raised left the later buckets un-updated and a replica with old weights, and the next step trained on
+    them silently (it differed from an uninterrupted run's). Now the next step (and fit) is refused, naming the
+    error; once a state saved before is loaded, training goes on and equals the uninterrupted run bit for bit."""
+    batches = make_batches(rng, 3, 16)
+    options = dict(devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT), pin=False, **TINY_BUCKETS)
+    with Engine(make_model(), loss_fn, **options) as clean:
+        for b in batches:
+            clean.step(b)
+        want = clean.master_state_dict()
+    with Engine(make_model(), loss_fn, **options) as engine:
+        assert len(engine.workers[0].streamer.buckets) >= 3
+        engine.step(batches[0])
+        saved = engine.state_dict()
+        # the second bucket's copy back (hybrid), or the update itself (sync: one call; its copy back is the next
+        # step's pull)
+        owner, name, fail_at = ((engine.workers[-1].streamer, "copy_back", 2) if mode == "hybrid" else
+                                (engine, "update_range", 1))
+        real, calls = getattr(owner, name), []
+
+        def failing(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == fail_at:
+                raise RuntimeError("the copy failed")
+            return real(*args, **kwargs)
+
+        setattr(owner, name, failing)
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            engine.step(batches[1])
+        setattr(owner, name, real)
+        refused = r"step 2 failed inside its update \(RuntimeError: the copy failed\): .*load a state to go on"
+        with pytest.raises(RuntimeError, match=refused):
+            engine.step(batches[1])
+        with pytest.raises(RuntimeError, match=refused):
+            engine.fit([batches[1]])
+        assert engine.stats()["steps"] == 2 and engine.state_dict()["version"] == 2  # readable, as it is
+        engine.load_state_dict(saved)
+        for b in batches[1:]:
+            engine.step(b)
+        got = engine.master_state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
