@@ -985,8 +985,9 @@ class DistributedHybrid(_FailureNaming):
     # its error, as its batches would. A Ctrl-C does not: the peers may be anywhere by then. The group stays usable in
     # every case above. A step refused by an end is not counted in the phases' names (steps), so they stay alike; an end
     # and a step at the same phase count are no calls that differ (_explain). Not covered: a step that fails on one rank
-    # after its last collective (its copy back) raises there only, and the others' next step waits for the group's
-    # timeout, as before.
+    # after its last collective (its copy back) raises there only (that rank refuses its next steps: Note [A step
+    # that fails inside its update] in engine.py), and the others' next step waits for the group's timeout, or for
+    # that rank's process to end.
 
     def end_fit(self, engine, error: BaseException | None = None) -> list[int]:
         """Tells the other ranks that this rank's :meth:`Engine.fit` ends (``error``: with this exception, which
