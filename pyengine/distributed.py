@@ -741,11 +741,15 @@ class _FailureNaming:
     def _start_naming(self, group, kind: str) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.broken = False  # a step failed: the group is no longer usable by this rank
+        # the last step raised after its last collective, on this rank alone: the group is still in step (Note [A
+        # step that fails on one rank after its last collective])
+        self.failed_alone = False
         self.rendezvous = _Rendezvous(group, kind)
         self.phase = 0  # phases entered (_enter)
 
     def _enter(self, phase: str) -> None:
         """Checks this rank in for ``phase`` before the phase's first collective."""
+        self.failed_alone = False
         self.phase, self.phase_name, self.phase_start = self.phase + 1, phase, time.monotonic()
         self.rendezvous.check_in(self.rank, self.phase, phase)
 
@@ -982,12 +986,21 @@ class DistributedHybrid(_FailureNaming):
     # every rank makes when a header says so). A rank whose step fails does not send one: its step raised on every rank
     # (a refusal, a non-finite gradient under nonfinite="raise") or broke the group (Note [Naming the rank that
     # failed]); one that raised before its first collective (a schedule value refused, an engine closed) sends one with
-    # its error, as its batches would. A Ctrl-C does not: the peers may be anywhere by then. The group stays usable in
-    # every case above. A step refused by an end is not counted in the phases' names (steps), so they stay alike; an end
-    # and a step at the same phase count are no calls that differ (_explain). Not covered: a step that fails on one rank
-    # after its last collective (its copy back) raises there only (that rank refuses its next steps: Note [A step
-    # that fails inside its update] in engine.py), and the others' next step waits for the group's timeout, or for
-    # that rank's process to end.
+    # its error, as its batches would, and so does one that failed after its last collective (Note [A step that fails
+    # on one rank after its last collective]). A Ctrl-C does not: the peers may be anywhere by then. The group stays
+    # usable in every case above. A step refused by an end is not counted in the phases' names (steps), so they stay
+    # alike; an end and a step at the same phase count are no calls that differ (_explain).
+
+    # Note [A step that fails on one rank after its last collective]
+    # The local tail of a step: hybrid's update of the reduced gradient (not sharded: no collective in it) and its
+    # copy back into the replicas; a pipeline stage's update of its range once the norm and flag are all-reduced.
+    # When that raises on one rank, its peers have finished the step and go on to their next step's header exchange
+    # (or their end of fit). That rank's engine refuses its next steps (Note [A step that fails inside its update] in
+    # engine.py), and until its fit sent nothing the peers waited for the group's timeout. The step now marks
+    # ``failed_alone`` (not ``broken``: every collective of the step was made on every rank, the group is in step), and
+    # fit sends an end of fit with the error, as for an error of its batches: the peers' next step meets it and their
+    # fits raise PeerEndedFit naming it at once. Every rank loading the same state makes the group step again. A
+    # step() called outside fit sends nothing (what the peers call next is theirs to say): they wait as before.
 
     def end_fit(self, engine, error: BaseException | None = None) -> list[int]:
         """Tells the other ranks that this rank's :meth:`Engine.fit` ends (``error``: with this exception, which
@@ -1145,12 +1158,19 @@ class DistributedHybrid(_FailureNaming):
                 worker.streamer.reset()
             raise
         except BaseException as exc:
-            self.broken = True
-            self._record_failure(exc)
+            if self.shard_update:  # its collectives may be half made
+                self.broken = True
+                self._record_failure(exc)
+            else:  # Note [A step that fails on one rank after its last collective]
+                self.failed_alone = True
             raise
         updated = time.perf_counter()
         with engine.phase("copy_back"):
-            engine.run_workers({w.index: w.pull for w in engine.workers})
+            try:
+                engine.run_workers({w.index: w.pull for w in engine.workers})
+            except BaseException:
+                self.failed_alone = True  # Note [A step that fails on one rank after its last collective]
+                raise
         end = time.perf_counter()
         return step_metrics(engine, loss=loss.item() / total, samples=int(total), wall=end - start,
                             compute=max(r[1] for r in results.values()), update=updated - reduced,

@@ -783,8 +783,10 @@ class Engine:
                         raise
                     ended.peers = peer.ranks
                     return ended
-                except Exception as exc:  # raised before the step's first collective (its schedule value): told as
-                    if phase is not None and together.phase == phase:  # an error of its batches is
+                except Exception as exc:  # raised before the step's first collective (its schedule value), or after
+                    # its last on this rank alone (Note [A step that fails on one rank after its last collective],
+                    # distributed.py): told as an error of its batches is
+                    if phase is not None and (together.phase == phase or together.failed_alone):
                         self._end_fit(ended, exc)
                     raise
             ended.steps += 1

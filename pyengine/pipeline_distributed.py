@@ -718,6 +718,8 @@ class DistributedPipeline(_FailureNaming):
             # refused)
             raise
         except BaseException as exc:
+            if self.failed_alone:  # Note [A step that fails on one rank after its last collective] (distributed.py)
+                raise
             self.broken = True
             raise self._failure(exc) from exc
         end = time.perf_counter()
@@ -869,8 +871,12 @@ class DistributedPipeline(_FailureNaming):
         if not self.engine.admit_update(reduced[1].item() != 0.0, [], loss_scale=scale):
             return False, float(reduced[2]), bubble, wall
         norm = reduced[0].sqrt().float().reshape(())
-        for first, last in [(begin, end)] + self._tied_ranges:  # Note [Parameters tied across processes]
-            self.engine.update_range(first, last, [slot], None, norm, loss_scale=scale)
+        try:
+            for first, last in [(begin, end)] + self._tied_ranges:  # Note [Parameters tied across processes]
+                self.engine.update_range(first, last, [slot], None, norm, loss_scale=scale)
+        except BaseException:
+            self.failed_alone = True  # Note [A step that fails on one rank after its last collective] (distributed.py)
+            raise
         return True, float(reduced[2]), bubble, wall
 
     def gather(self) -> None:

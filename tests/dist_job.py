@@ -1255,6 +1255,55 @@ def fits_end(seed, rank, world, kind, case):
     return out
 
 
+def fails_alone(seed, rank, world, kind, where):
+    """Note [A step that fails on one rank after its last collective]: every rank fits its 4 batches; the last rank's
+    step 3 raises after its last collective (``where``: its copy back into the replica, or its update of the reduced
+    gradient; a pipeline stage's update of its range). ``kind`` as fits_end's. Each rank records what fit raised
+    and its version; the failing rank what its next step() raised (the others do not step: that is a collective).
+    Then every rank loads the state its callback saved after step 2, the failure gone, and fits batches 3 and 4:
+    its version and master weights."""
+    whole = global_batches(seed, 4, 12)
+    pipeline = kind == "pipeline"
+    batches = whole if pipeline else [rank_slice(b, rank, world) for b in whole]
+    last = rank == world - 1
+    out = {"error": None, "type": None, "refused": None}
+    mode = dict(mode="pipeline", microbatches=2) if pipeline else dict(shard_update=kind == "sharded")
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
+                         **mode) as engine:
+        saved = {}
+
+        def keep(e, metrics):
+            if e.version == 2:
+                saved["state"] = e.state_dict()
+
+        def failing(original, what):
+            def call(*args, **kwargs):
+                if engine.version == 3:  # step 3 counted (its update began)
+                    raise RuntimeError(f"rank {rank}'s {what} error")
+                return original(*args, **kwargs)
+            return call
+
+        target, name = (engine.workers[0], "pull") if where == "copy-back" else (engine, "update_range")
+        if last:
+            setattr(target, name, failing(getattr(target, name), where.replace("-", " ")))
+        try:
+            engine.fit(batches, callbacks=[keep])
+        except Exception as exc:  # noqa: BLE001 - recorded
+            out["error"], out["type"] = str(exc), type(exc).__name__
+        out["version"] = engine.version
+        if last:
+            try:
+                engine.step(batches[0])
+            except RuntimeError as exc:
+                out["refused"] = str(exc)
+            delattr(target, name)  # the instance's failing method: the class's again
+        engine.load_state_dict(saved["state"])
+        engine.fit(batches[2:])
+        out["after"] = engine.version
+        out["master"] = engine.master_state_dict()
+    return out
+
+
 def fits_end_first(seed, rank, world):
     """Rank 0's fit takes 2 of its batches, the other ranks' all 4 (replicated): the ranks still stepping (several)
     end with rank 0. Records what each warned, its version, master weights, and one step more."""
@@ -1413,6 +1462,10 @@ def main():
                     for name, shard in (("replicated", False), ("sharded", True))},
                  **{f"fit-ends-{case}-{kind}": lambda s, r, w, kind=kind, case=case: fits_end(s, r, w, kind, case)
                     for kind in ("replicated", "sharded", "pipeline", "pipeline-replicas") for case in FIT_ENDS},
+                 **{f"fails-alone-{where}-{kind}": lambda s, r, w, kind=kind, where=where: fails_alone(s, r, w, kind,
+                                                                                                     where)
+                    for kind, where in (("replicated", "copy-back"), ("sharded", "copy-back"),
+                                        ("replicated", "update"), ("pipeline", "update"))},
                  "fit-ends-first": fits_end_first, "fits-raise-together": fits_raise_together,
                  "expanded-buffers": expanded_buffers,
                  "save-fails": lambda s, r, w: save_fails(s, r, w, out_dir),

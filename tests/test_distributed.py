@@ -18,16 +18,11 @@ import dist_job
 import pyengine
 import zygote
 from conftest import fresh_seed
+from zygote import free_port
 from pyengine import checkpoint, cli, distributed
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "dist_job.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(scenario, world, tmp_path, seed, timeout=70.0, pg_timeout=20.0, grace=15.0, main=0, hung=()):
@@ -879,6 +874,36 @@ def test_ranks_whose_fits_end_at_different_steps_end_together(tmp_path, seed, ca
         assert [r["error"] for r in ranks] == [None, None], ranks
         assert ranks[0]["warnings"] == [PEER_END_WARNING.format(next=trained + 1)], ranks[0]
         assert ranks[1]["warnings"] == [FIT_END_WARNING.format(n=trained)], ranks[1]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind,where", [("replicated", "copy-back"), ("sharded", "copy-back"),
+                                        ("replicated", "update"), ("pipeline", "update")])
+def test_a_step_failing_on_one_rank_after_its_last_collective_ends_every_fit(tmp_path, seed, kind, where):
+    """Note [A step that fails on one rank after its last collective]: rank 1's step 3 raises in its copy back
+    (hybrid, replicated or sharded) or its update (hybrid replicated; a pipeline stage's range): rank 0's fit waited
+    in step 4 for the group's timeout (20 s). Now rank 1's fit raises its error and tells rank 0, whose fit raises
+    PeerEndedFit naming it at once; rank 1's engine refuses its next step; every rank loading the state of step 2
+    trains on, as an uninterrupted run of 4 steps."""
+    codes, logs, seconds = launch(f"fails-alone-{where}-{kind}", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    assert seconds < 15, seconds  # no wait for the group's timeout (20 s)
+    ranks = results(tmp_path, 2)
+    own = f"RuntimeError: rank 1's {where.replace('-', ' ')} error"
+    if where == "copy-back":  # on the worker's thread
+        own = f"WorkerError: worker 0 (cpu) failed: {own}"
+    assert f"{ranks[1]['type']}: {ranks[1]['error']}" == own, ranks[1]
+    assert ranks[0]["type"] == "PeerEndedFit" and ranks[0]["error"] == (
+        f"rank 0: the fit of rank 1 raised (rank 1: {own}): this rank's step was refused (inside fit, its fit ends "
+        "here too); the group stays usable"), ranks[0]
+    assert [r["version"] for r in ranks] == [3, 3], ranks
+    assert ranks[1]["refused"].startswith(f"step 3 failed inside its update ({own})"), ranks[1]["refused"]
+    assert [r["after"] for r in ranks] == [4, 4], ranks
+    assert_identical(ranks[0]["master"], ranks[1]["master"], "after the state was loaded")
+    reference = Reference()
+    for batch in dist_job.global_batches(seed, 4, 12):
+        reference.step(batch)
+    reference.assert_matches(ranks[0]["master"])
 
 
 @pytest.mark.timeout(90)

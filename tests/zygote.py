@@ -25,6 +25,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -140,6 +141,14 @@ def start(argv, env, stdout, stderr=None, cwd=None, rank=0):
             with open(stderr, "w") as err:
                 return subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=out, stderr=err)
     return _Server.get(rank).start(argv, env, stdout, stderr, cwd)
+
+
+def free_port() -> int:
+    """A local TCP port free a moment ago, for MASTER_PORT. Another process may take it before rank 0 binds it: a
+    launcher whose rank 0 then said EADDRINUSE runs its ranks again on another port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # ---- the server ---------------------------------------------------------------------------------------------------
