@@ -247,15 +247,20 @@ class AdamW:
             raise ValueError(f"expected a torch.optim state_dict with keys 'state' and 'param_groups' and {what}")
         start = 0
         for g, (group_names, _) in enumerate(groups):
-            params = state_dict["param_groups"][g].get("params") if isinstance(state_dict["param_groups"][g],
-                                                                               dict) else None
-            if params is not None and (not isinstance(params, (list, tuple)) or any(type(i) is not int for i in params)
-                                       or list(params) != list(range(start, start + len(group_names)))):
+            group = state_dict["param_groups"][g]
+            # a group as torch.optim saves it: a dict with its params' indices (torch refuses one without them;
+            # 5, {} or {"params": None} loaded here without a word)
+            if not isinstance(group, dict) or "params" not in group:
+                raise ValueError(f"param_groups[{g}] must be a dict with the indices of its params, as "
+                                 f"torch.optim.AdamW.state_dict() saves it ({what}); got {type(group).__name__} "
+                                 f"{group!r:.100}")
+            params = group["params"]
+            if (not isinstance(params, (list, tuple)) or any(type(i) is not int for i in params)
+                    or list(params) != list(range(start, start + len(group_names)))):
                 raise ValueError(f"param_groups[{g}] holds params {params}; expected {len(group_names)} params from "
                                  f"index {start} ({what})")
             start += len(group_names)
-        decay = state_dict["param_groups"][1].get("weight_decay", 0.0) if len(groups) == 2 and isinstance(
-            state_dict["param_groups"][1], dict) else 0.0
+        decay = state_dict["param_groups"][1].get("weight_decay", 0.0) if len(groups) == 2 else 0.0
         if not (isinstance(decay, numbers.Real) and not isinstance(decay, bool) and decay == 0.0):
             raise ValueError(f"param_groups[1] has weight_decay {state_dict['param_groups'][1]['weight_decay']}; "
                              f"expected 0 ({what})")

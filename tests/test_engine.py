@@ -2355,6 +2355,12 @@ def _corruptions():
         ("param_groups params a tensor", spoil(("optimizer", "param_groups", 0, "params"),
                                                lambda p: [torch.tensor([0, 1])] + list(p)[1:]),
          r"param_groups\[0\] holds params"),
+        # torch.optim refuses each of these; they loaded without a word
+        *[(f"param_groups[0] {what}", spoil(("optimizer", "param_groups", 0), value),
+           r"param_groups\[0\] must be a dict with the indices of its params")
+          for what, value in (("a number", 5), ("an empty dict", {}), ("a string", "garbage"))],
+        ("param_groups params None", spoil(("optimizer", "param_groups", 0, "params"), None),
+         r"param_groups\[0\] holds params None"),
         # Note [A state's values are checked]: a diverged or damaged state trained on with every loss NaN
         ("master weight NaN", spoil(("master", "2.bias"), lambda t: _with_last(t, float("nan"))),
          r"master weight '2.bias' holds 1 non-finite value\(s\) .* of 3: a diverged or damaged state"),
