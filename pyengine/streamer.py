@@ -108,7 +108,7 @@ def make_buckets(layout: Sequence[LayoutEntry], numel: int, grad_dtype: torch.dt
 def check_dense_gradients(module: torch.nn.Module, who: str) -> None:
     """ValueError naming the trainable embeddings of ``module`` that make sparse gradients: the store holds dense
     ones (the copy into a slot failed inside torch, after a whole forward and backward)."""
-    sparse = [name for name, m in module.named_modules()  # a frozen one makes no gradient at all
+    sparse = [f"{name}.weight" if name else "weight" for name, m in module.named_modules()  # a frozen one: none
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
         raise ValueError(f"{who}: {sparse} make sparse gradients (sparse=True); the store holds dense gradients: build "

@@ -1756,8 +1756,38 @@ def test_no_trainable_parameters_is_an_error():
     model = make_model()
     for p in model.parameters():
         p.requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameters"):
+    with pytest.raises(ValueError, match=r"no trainable parameters \(every parameter has requires_grad=False\)"):
         Engine(model, loss_fn, devices=["cpu"])
+    with pytest.raises(ValueError, match="^the model has no parameters$"):  # not "every parameter is frozen"
+        Engine(torch.nn.ReLU(), loss_fn, devices=["cpu"])
+
+
+class _Overlapping(torch.nn.Module):
+    """Two parameters over overlapping memory: elements 2 and 3 of ``base`` are in both."""
+
+    def __init__(self, frozen: bool = False, apart: bool = False):
+        super().__init__()
+        base = torch.randn(8)
+        self.a = torch.nn.Parameter(base[:4])
+        self.b = torch.nn.Parameter(base[4:7] if apart else base[2:5], requires_grad=not frozen)
+
+    def forward(self, x):
+        return x @ self.a[:3] + x @ self.b
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_parameters_that_overlap_in_memory_are_refused(frozen):
+    """Parameter(base[:4]) and Parameter(base[2:5]): the engine trained them as two, the replicas no longer shared
+    the elements and copy_to wrote both into them (the last write winning: the model other than
+    master_state_dict()). Refused when built, naming both, also when one of them is frozen (the trainable one would
+    change it); views that do not overlap, and a parameter used twice, train."""
+    loss = lambda m, x: m(x).square().mean()
+    with pytest.raises(ValueError, match=r"parameters 'a' and 'b' overlap in memory \(views of one tensor\)"):
+        Engine(_Overlapping(frozen=frozen), loss, devices=["cpu"], pin=False)
+    x = torch.randn(6, 3)
+    with Engine(_Overlapping(apart=True), loss, devices=["cpu"], pin=False) as engine:
+        engine.step(x)
+        assert engine.version == 1
 
 
 def test_batch_smaller_than_workers_and_non_scalar_loss(rng):

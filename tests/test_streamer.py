@@ -491,8 +491,11 @@ def test_replicas_the_store_cannot_take_are_refused_at_construction():
     with pytest.raises(ValueError, match=r"'(weight|bias)' must be float32, bfloat16 or float16.*got torch\.float64"):
         pyengine.GradientStreamer(double, pyengine.HostStore(double, pin=False))
     sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"\['0'\] make sparse gradients.*sparse=False"):
+    with pytest.raises(ValueError, match=r"\['0.weight'\] make sparse gradients.*sparse=False"):
         pyengine.GradientStreamer(sparse, pyengine.HostStore(sparse, pin=False))
+    alone = torch.nn.Embedding(10, 4, sparse=True)  # the root module: its parameter by its own name, not ''
+    with pytest.raises(ValueError, match=r"\['weight'\] make sparse gradients"):
+        pyengine.GradientStreamer(alone, pyengine.HostStore(alone, pin=False))
     # a TorchScript module takes no forward pre-hook, and its copies have no leaf parameters
     scripted = torch.jit.script(torch.nn.Linear(5, 3))
     for replica in (scripted, copy.deepcopy(scripted)):
