@@ -50,7 +50,8 @@ from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, c
 from .profiling import PhaseRecorder
 from .rng import WorkerRNG, cpu_generator_seed
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
-from .store import HostStore, check_initialized, check_pin, layout_of, replica_shadow_dtype
+from .store import (HostStore, check_initialized, check_no_partial_overlap, check_pin, layout_of,
+                    replica_shadow_dtype)
 from .streamer import _POLL_S, check_options as check_streamer_options, refuse_script_module
 from .sync import sync_step
 from .workers import (Worker, WorkerError, deferred_interrupt, overlaps_itself, parse_devices, put_back_buffers,
@@ -1962,31 +1963,6 @@ def _describe(value) -> str:
         return type(value).__name__
     layout = "" if value.layout == torch.strided else f" ({value.layout})"
     return f"{value.dtype} {tuple(value.shape)}{layout}{' on the meta device' if value.is_meta else ''}"
-
-
-def check_no_partial_overlap(named_parameters) -> None:
-    """ValueError naming two parameters (one of them trainable) that are different tensors over overlapping memory
-    (views of one tensor: ``Parameter(base[:4])`` and ``Parameter(base[2:5])``). The store gives every parameter
-    its own master weights, so the replicas no longer shared those elements and copy_to wrote both into them, the
-    last write winning: the model ended up other than master_state_dict() without a word. A tied parameter (the
-    same tensor twice) is one parameter and is fine."""
-    spans = {}  # storage -> [(first byte, end byte, name, trainable)]
-    for name, param in named_parameters:  # tied ones come once
-        if param.is_meta or param.numel() == 0:
-            continue
-        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(param.shape, param.stride()))
-        first = param.storage_offset() * param.element_size()
-        spans.setdefault(param.untyped_storage().data_ptr(), []).append(
-            (first, first + extent * param.element_size(), name, param.requires_grad))
-    for held in spans.values():  # one parameter per storage, nearly always
-        for i, (a0, a1, a, a_trained) in enumerate(held):
-            for b0, b1, b, b_trained in held[i + 1:]:
-                if not (b0 < a1 and a0 < b1 and (a_trained or b_trained)):
-                    continue
-                raise ValueError(f"parameters {a!r} and {b!r} overlap in memory (views of one tensor); the "
-                                 "engine holds each parameter's weights apart, so their shared elements would train "
-                                 "as two: make them separate tensors (p.data = p.data.clone()), or one parameter "
-                                 "used twice")
 
 
 def _batches(batches, steps, epochs):

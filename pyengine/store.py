@@ -49,6 +49,31 @@ class LayoutEntry(NamedTuple):
     numel: int
 
 
+def check_no_partial_overlap(named_parameters) -> None:
+    """ValueError naming two parameters (one of them trainable) that are different tensors over overlapping memory
+    (views of one tensor: ``Parameter(base[:4])`` and ``Parameter(base[2:5])``). The store gives every parameter
+    its own master weights, so the replicas no longer shared those elements and copy_to wrote both into them, the
+    last write winning: the model ended up other than master_state_dict() without a word. A tied parameter (the
+    same tensor twice) is one parameter and is fine."""
+    spans = {}  # storage -> [(first byte, end byte, name, trainable)]
+    for name, param in named_parameters:  # tied ones come once
+        if param.is_meta or param.numel() == 0:
+            continue
+        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(param.shape, param.stride()))
+        first = param.storage_offset() * param.element_size()
+        spans.setdefault(param.untyped_storage().data_ptr(), []).append(
+            (first, first + extent * param.element_size(), name, param.requires_grad))
+    for held in spans.values():  # one parameter per storage, nearly always
+        for i, (a0, a1, a, a_trained) in enumerate(held):
+            for b0, b1, b, b_trained in held[i + 1:]:
+                if not (b0 < a1 and a0 < b1 and (a_trained or b_trained)):
+                    continue
+                raise ValueError(f"parameters {a!r} and {b!r} overlap in memory (views of one tensor); the "
+                                 "engine holds each parameter's weights apart, so their shared elements would train "
+                                 "as two: make them separate tensors (p.data = p.data.clone()), or one parameter "
+                                 "used twice")
+
+
 def check_initialized(name: str, param: torch.Tensor, who: str) -> None:
     """A lazy module's parameter (``torch.nn.LazyLinear`` before its first forward) has no shape yet to size the
     store with: refused naming it (torch's own error named neither the parameter nor the fix)."""
@@ -235,6 +260,7 @@ class HostStore:
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
             raise ValueError(f"HostStore: max_bytes must be None or an int >= 0 (bytes); got {max_bytes!r}")
         named = _trainable(model_or_named_parameters)
+        check_no_partial_overlap(named)
         if isinstance(shadow_dtype, str):
             shadow_dtype = replica_shadow_dtype(named)
         self.workers = workers

@@ -699,3 +699,14 @@ def test_torch_state_dict_refuses_a_step_that_is_no_count(step):
     model = OddNet(sizes=[3])
     with pytest.raises(ValueError, match="torch_state_dict: step must be an int >= 0"):
         pyengine.AdamW().torch_state_dict(make(model), step, [n for n, _ in model.named_parameters()])
+
+
+def test_a_store_of_parameters_that_overlap_in_memory_is_refused():
+    """Two parameters over shared elements (views of one tensor) would get master weights apart: refused naming
+    both (the engine checks its frozen parameters too); views apart are fine."""
+    base = torch.randn(8)
+    a, b = torch.nn.Parameter(base[:4]), torch.nn.Parameter(base[3:6])
+    with pytest.raises(ValueError, match=r"parameters 'a' and 'b' overlap in memory"):
+        pyengine.HostStore([("a", a), ("b", b)], pin=False)
+    store = pyengine.HostStore([("a", a), ("b", torch.nn.Parameter(base[4:8]))], pin=False)
+    assert sorted(store.names) == ["a", "b"]  # held in reverse
