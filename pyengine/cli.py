@@ -1208,7 +1208,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         trace = _trace_path(cfg["trace"], mode, cfg["mode"] == "all") if primary else None
         if cfg["trace"] is not None and not primary:
             print(f"note: --trace is written by rank 0 only; rank {_launched()[0]} writes none", file=sys.stderr)
-        if trace is not None:
+        if trace is not None and len(records) == len(kept) and os.path.exists(trace):
+            pass  # a resume of a run already done trained nothing: the run's trace stays (an empty one replaced it)
+        elif trace is not None:
             try:
                 engine.trace(trace)
             except OSError as exc:  # a diagnostic: the run and its checkpoint stand (and the old trace, if any)
@@ -1223,7 +1225,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     finally:
         engine.close()
 
-    this_run = records[len(kept):]
+    # the phases' means are this invocation's; a resume of a run already done (no step) keeps the run's, over all
+    # its records (they were written as None over the numbers the run had)
+    this_run = records[len(kept):] or records
     samples = state["samples"]
     train_total = records[-1]["elapsed_s"] if records else 0.0
     tail = [r["loss"] for r in records[-10:] if r["loss"] is not None]

@@ -524,6 +524,22 @@ def test_a_relative_trace_path_is_written_to_the_same_place_by_a_resume_from_els
     assert (first / "t.json").exists() and not (other / "t.json").exists()
 
 
+def test_a_resume_of_a_run_already_done_keeps_its_trace_and_its_phase_means(tmp_path):
+    """A resume that trains nothing (the run had its steps) replaced the run's trace by an empty one and wrote every
+    phase mean of summary.json as null; both stay now. A resume that trains writes its own trace, as before."""
+    run, trace = tmp_path / "run", tmp_path / "t.json"
+    assert train("--steps", "3", "--out", str(run), "--trace", str(trace), "--quiet", *SHORT) == 0
+    written, before = trace.read_bytes(), json.loads((run / "summary.json").read_text())
+    assert json.loads(written)["traceEvents"] and before["phases_mean_s"]["update_s"] is not None
+    assert train("--resume", str(run), "--quiet") == 0  # at step 3 of 3
+    after = json.loads((run / "summary.json").read_text())
+    assert trace.read_bytes() == written and after["trace"] == str(trace)
+    assert after["phases_mean_s"] == before["phases_mean_s"], after["phases_mean_s"]
+    assert after["overlap_efficiency_mean"] == before["overlap_efficiency_mean"] is not None
+    assert train("--resume", str(run), "--steps", "4", "--quiet") == 0
+    assert trace.read_bytes() != written and json.loads(trace.read_bytes())["traceEvents"]
+
+
 def test_a_trace_that_cannot_be_written_leaves_the_run_complete(tmp_path, capsys, monkeypatch):
     """The trace is written after the run's last checkpoint: its failure (a full disk) ended a run whose training
     was saved as "training failed", with no evaluation and no summary. It is a warning; the run completes."""
