@@ -707,9 +707,11 @@ class Progress:
                             ncols=None if sized else 120, nrows=None if sized else 40, file=sys.stdout,
                             mininterval=0.2)
 
-    def rate(self) -> float:
+    def rate(self, rec: dict | None = None) -> float:
+        """samples/s over the window; with one step in it (the first after a start or a resume), that step's own
+        (``rec``'s samples / wall: 0 was shown)."""
         if len(self.window) < 2:
-            return 0.0
+            return float((rec or {}).get("samples_per_s") or 0.0)
         (t0, s0), (t1, s1) = self.window[0], self.window[-1]
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
 
@@ -719,7 +721,7 @@ class Progress:
         with self.lock:
             self.samples += rec["samples"]
             self.window.append((rec["elapsed_s"], self.samples))
-            fields = {"loss": _loss_text(rec["loss"]), "samples/s": f"{self.rate():,.0f}"}
+            fields = {"loss": _loss_text(rec["loss"]), "samples/s": f"{self.rate(rec):,.0f}"}
             if "staleness" in rec:
                 fields["staleness"] = rec["staleness"]
             if "bubble_fraction" in rec:
@@ -730,7 +732,7 @@ class Progress:
             elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
                 extra = "".join(f"  {k} {v}" for k, v in fields.items() if k in ("staleness", "bubble"))
                 print(f"[{self.mode}] step {rec['step']}/{self.total}  loss {_loss_text(rec['loss'])}  "
-                      f"samples/s {self.rate():,.0f}{extra}  ({rec['elapsed_s']:.1f} s)", flush=True)
+                      f"samples/s {fields['samples/s']}{extra}  ({rec['elapsed_s']:.1f} s)", flush=True)
 
     def write(self, message: str, force: bool = False) -> None:
         if self.quiet and not force:

@@ -540,6 +540,18 @@ def test_a_resume_of_a_run_already_done_keeps_its_trace_and_its_phase_means(tmp_
     assert trace.read_bytes() != written and json.loads(trace.read_bytes())["traceEvents"]
 
 
+def test_the_progress_line_of_a_first_step_shows_its_own_rate(capsys):
+    """Progress showed samples/s 0 for the first step after a start or a resume (a window of one step); it shows
+    that step's own rate, then the window's."""
+    from pyengine.cli import Progress
+
+    progress = Progress("hybrid", total=3, initial=0, quiet=False, log_every=1)
+    progress.update({"step": 1, "loss": 1.0, "samples": 64, "elapsed_s": 0.5, "samples_per_s": 1280.0})
+    progress.update({"step": 2, "loss": 1.0, "samples": 64, "elapsed_s": 1.0, "samples_per_s": 999.0})
+    lines = capsys.readouterr().out.splitlines()
+    assert "samples/s 1,280" in lines[0] and "samples/s 128 " in lines[1], lines  # 64 samples in 0.5 s
+
+
 def test_a_trace_that_cannot_be_written_leaves_the_run_complete(tmp_path, capsys, monkeypatch):
     """The trace is written after the run's last checkpoint: its failure (a full disk) ended a run whose training
     was saved as "training failed", with no evaluation and no summary. It is a warning; the run completes."""
