@@ -1211,7 +1211,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         if cfg["trace"] is not None and not primary:
             print(f"note: --trace is written by rank 0 only; rank {_launched()[0]} writes none", file=sys.stderr)
         if trace is not None and len(records) == len(kept) and os.path.exists(trace):
-            pass  # a resume of a run already done trained nothing: the run's trace stays (an empty one replaced it)
+            pass  # a resume of a run already done trained nothing: no span to write, the run's trace stays
         elif trace is not None:
             try:
                 engine.trace(trace)
@@ -1227,9 +1227,9 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     finally:
         engine.close()
 
-    # the phases' means are this invocation's; a resume of a run already done (no step) keeps the run's, over all
-    # its records (they were written as None over the numbers the run had)
-    this_run = records[len(kept):] or records
+    # the phases' means are this invocation's; a resume of a run already done (no step) gives the run's, over all
+    # its records (not None over the numbers the run had)
+    measured = records[len(kept):] or records
     samples = state["samples"]
     train_total = records[-1]["elapsed_s"] if records else 0.0
     tail = [r["loss"] for r in records[-10:] if r["loss"] is not None]
@@ -1238,7 +1238,7 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
     diverged = bool(records) and records[-1]["loss"] is None
 
     def mean(key):
-        values = [r[key] for r in this_run if r.get(key) is not None]
+        values = [r[key] for r in measured if r.get(key) is not None]
         return sum(values) / len(values) if values else None
 
     summary = dict(

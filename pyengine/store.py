@@ -66,12 +66,11 @@ def check_no_partial_overlap(named_parameters) -> None:
     for held in spans.values():  # one parameter per storage, nearly always
         for i, (a0, a1, a, a_trained) in enumerate(held):
             for b0, b1, b, b_trained in held[i + 1:]:
-                if not (b0 < a1 and a0 < b1 and (a_trained or b_trained)):
-                    continue
-                raise ValueError(f"parameters {a!r} and {b!r} overlap in memory (views of one tensor); the "
-                                 "engine holds each parameter's weights apart, so their shared elements would train "
-                                 "as two: make them separate tensors (p.data = p.data.clone()), or one parameter "
-                                 "used twice")
+                if b0 < a1 and a0 < b1 and (a_trained or b_trained):
+                    raise ValueError(f"parameters {a!r} and {b!r} overlap in memory (views of one tensor); the "
+                                     "engine holds each parameter's weights apart, so their shared elements would "
+                                     "train as two: make them separate tensors (p.data = p.data.clone()), or one "
+                                     "parameter used twice")
 
 
 def check_initialized(name: str, param: torch.Tensor, who: str) -> None:
