@@ -718,10 +718,7 @@ class Pipeline:
         return autocast_region(device, self.autocast)  # Note [Autocast without its cast cache] (pyengine.workers)
 
     def _split(self, batch):
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ValueError("mode='pipeline' needs each batch as (inputs, targets): inputs feed the first stage, "
-                             "targets go with the last stage's output to loss_fn(last_stage, (activations, "
-                             f"targets)); got {type(batch).__name__}")
+        check_pair(batch)
         n = batch_size(batch)
         per_replica = n // self.replicas
         if per_replica < self.microbatches:
@@ -854,6 +851,17 @@ def check_options(layers: int, devices: int, stages, microbatches, schedule, bal
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     if balance not in ("params", "time"):
         _check_sizes(balance, layers, stages)
+
+
+def check_pair(batch) -> None:
+    """Refuses a pipeline batch that is not a pair ``(inputs, targets)`` (a tuple or a list of two), naming what it
+    is: one check for the stages in one process and across processes."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        got = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else \
+            type(batch).__name__
+        raise ValueError("mode='pipeline' needs each batch as (inputs, targets): inputs feed the first stage, "
+                         "targets go with the last stage's output to loss_fn(last_stage, (activations, "
+                         f"targets)); got {got}")
 
 
 def batch_like(kind: type, activations, targets):

@@ -39,7 +39,7 @@ from .metrics import step_metrics
 from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, as_bytes,
                           receive_rank0_state)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
-                       check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
+                       check_pair, check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
                        stage_store_names)
 from .streamer import check_dense_gradients
 from .workers import autocast as autocast_region
@@ -636,9 +636,7 @@ class DistributedPipeline(_FailureNaming):
         engine, m = self.engine, self.microbatches
         start = time.perf_counter()
         self._check_usable()
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ValueError("mode='pipeline' needs each batch as (inputs, targets); got "
-                             f"{type(batch).__name__}")
+        check_pair(batch)
         inputs, targets = batch
         self.steps += 1
         self._enter(f"step {self.steps}")  # Note [Naming the stage that failed]

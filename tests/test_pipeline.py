@@ -874,8 +874,15 @@ def test_bad_inputs_at_step(rng):
         x, y = make_batches(rng, 1, 3)[0]
         with pytest.raises(ValueError, match="at least microbatches=4"):
             engine.step((x, y))
-        with pytest.raises(ValueError, match=r"\(inputs, targets\)"):
+        with pytest.raises(ValueError, match=r"needs each batch as \(inputs, targets\).*got Tensor$"):
             engine.step(x)
+        with pytest.raises(ValueError, match=r"needs each batch as \(inputs, targets\).*got a tuple of 3$"):
+            engine.step((x, y, y))  # a pair and an extra: the length named
+        with pytest.raises(ValueError, match=r"got a list of 1$"):
+            engine.step([x])
+        with pytest.raises(ValueError, match=r"got dict$"):
+            engine.step({"x": x, "y": y})
+        assert engine.step(make_batches(rng, 1, 8)[0])["loss"] > 0  # usable after
 
 
 def test_bad_models_and_modes():
@@ -1467,7 +1474,8 @@ def _batch_kinds_worker(rank, world, init_file, out_dir):
                     pin=False) as engine:
             losses = [engine.step((x, None))["loss"] for x in inputs[:2]]
             refused = []
-            for bad in (({"x": inputs[2]}, None), ((inputs[2],), None), (inputs[2], {"y": inputs[2]})):
+            for bad in (({"x": inputs[2]}, None), ((inputs[2],), None), (inputs[2], {"y": inputs[2]}),
+                        (inputs[2], None, None)):
                 try:
                     engine.step(bad)
                 except ValueError as error:
@@ -1606,10 +1614,12 @@ def test_batches_without_targets_across_processes(tmp_path):
         local_losses = [local.step((x, None))["loss"] for x in inputs]
         local_master = local.master_state_dict()
     got = [torch.load(tmp_path / f"kinds-{rank}.pt", weights_only=False) for rank in range(2)]
-    assert got[0]["refused"] == got[1]["refused"] and len(got[0]["refused"]) == 3
+    assert got[0]["refused"] == got[1]["refused"] and len(got[0]["refused"]) == 4
     assert "needs the inputs of each (inputs, targets) batch as one tensor; got dict" in got[0]["refused"][0]
     assert "needs the inputs of each (inputs, targets) batch as one tensor; got tuple" in got[0]["refused"][1]
     assert "needs the targets of each (inputs, targets) batch as one tensor or None; got dict" in got[0]["refused"][2]
+    assert "needs each batch as (inputs, targets)" in got[0]["refused"][3]
+    assert got[0]["refused"][3].endswith("got a tuple of 3")
     for rank in range(2):
         assert got[rank]["losses"] == pytest.approx(local_losses, rel=1e-5)
         for name, want in local_master.items():
