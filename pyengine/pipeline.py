@@ -324,10 +324,18 @@ def measure_layer_times(layers, inputs, repeats: int = 3, device=None) -> list[f
                 fed = _map(x, lambda t: t.clone() if t.requires_grad else t)
                 sync()
                 start = time.perf_counter()
-                y = layer(fed)
-                outputs = [t for t in _tensors(y) if t.requires_grad]
-                if outputs:
-                    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                try:
+                    y = layer(fed)
+                    outputs = [t for t in _tensors(y) if t.requires_grad]
+                    if outputs:
+                        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                except Exception as exc:  # the layer's own error, of its own type, says where it came from
+                    if hasattr(exc, "add_note"):  # Python >= 3.11
+                        exc.add_note(f"(raised by layer {i}, {type(original).__name__}, while balance='time' timed "
+                                     f"its forward and backward on {device}, fed "
+                                     f"{', '.join(str(tuple(t.shape)) for t in _tensors(x))} from the first "
+                                     f"micro-batch)")
+                    raise
                 sync()
                 times.append(time.perf_counter() - start)
             samples.append(statistics.median(times))

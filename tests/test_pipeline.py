@@ -2098,6 +2098,31 @@ def test_balance_by_time_keeps_the_random_state_and_names_non_tensor_outputs():
         measure_layer_times([torch.nn.Linear(8, 8)], "tokens")
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11's")
+def test_a_layer_that_raises_while_balance_by_time_times_it_is_named(rng):
+    """A layer that raises while balance="time" times it (the first step) raises its own error, of its own type,
+    with a note naming the layer and what it was fed (it came out bare: nothing said it came from the timing); the
+    engine builds its stages at the next good step and trains as the same split given explicitly."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 3))
+
+    batches = make_batches(rng, 3, 8)
+    with pipeline(model(), ["cpu"] * 2, microbatches=2, balance="time") as timed:
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel") as raised:
+            timed.step((batches[0][0][:2], batches[0][1][:2]))  # micro-batches of one sample: BatchNorm refuses
+        assert raised.value.__notes__ == [
+            "(raised by layer 1, BatchNorm1d, while balance='time' timed its forward and backward on cpu, fed (1, 16) "
+            "from the first micro-batch)"]
+        got = [timed.step(b)["loss"] for b in batches]
+        sizes, master = timed.pipeline.sizes, timed.master_state_dict()
+    with pipeline(model(), ["cpu"] * 2, microbatches=2, balance=list(sizes)) as given:
+        assert [given.step(b)["loss"] for b in batches] == got
+        for name, want in given.master_state_dict().items():
+            assert torch.equal(master[name], want), name
+
+
 def test_balance_by_time_takes_tuple_inputs_and_times_on_the_stage_device(worker_device):
     """The first layer may take a tuple of tensors (the batch's inputs as they come): balance="time" times it on that
     (it was an AttributeError at the first step). Every layer is timed on stage 0's device, not on the device of the
