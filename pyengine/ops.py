@@ -35,7 +35,9 @@ class GradNorm(NamedTuple):
 def _tensor_list(value, name: str, nonempty: str | None = None) -> list[torch.Tensor]:
     """``value`` as a list of tensors; ``nonempty``: what the error says when it is empty (None: may be empty)."""
     if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a list of tensors, one per worker; got {type(value).__name__}")
+        # the flat forms' grads: one tensor per worker; the multi form's lists: one tensor per param
+        each = {"grads": ", one per worker", "params": ""}.get(name, ", one per param")
+        raise TypeError(f"{name} must be a list of tensors{each}; got {type(value).__name__}")
     value = list(value)
     # torch.sgn's gradient, say, is a ZeroTensor: the dispatcher made it a strided zero, refused as "non-contiguous"
     # (dynamo cannot trace the question; a compiled caller gets the op's own refusal)

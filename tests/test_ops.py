@@ -766,6 +766,14 @@ def test_multi_bad_structure_is_an_error(device):
         with pytest.raises(ValueError, match=name + r" must have param's shape \[2, 3\]"):
             call()
         assert all(torch.count_nonzero(t[0]) == 0 for t in square)
+    # A tensor where a list belongs: the message says what the list holds (params are no per-worker list)
+    for at, want in ((0, r"params must be a list of tensors; got Tensor"),
+                     (1, r"exp_avgs must be a list of tensors, one per param; got Tensor"),
+                     (3, r"grads\[0\] must be a list of tensors, one per param; got Tensor")):
+        args = [params, ms, vs, [[p.clone() for p in params]]]
+        args[at] = params[0] if at < 3 else [params[0]]
+        with pytest.raises(TypeError, match="^" + want + "$"):
+            ops.mean_grad_adamw_multi_(*args, lr=1e-3, step=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
