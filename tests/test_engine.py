@@ -2829,6 +2829,7 @@ def test_second_ctrl_c_while_async_workers_finish_gives_the_engine_up(rng, pytho
 
 _EXIT_AFTER_SECOND_CTRL_C = """
 import os, signal, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: a runner in the background ignores it
 import torch
 import pyengine
 torch.manual_seed(0)
