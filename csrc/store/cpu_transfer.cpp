@@ -57,8 +57,22 @@ void copy_bytes(void* dst, const void* src, size_t nbytes) {
   std::memcpy(dst, src, nbytes);
 }
 
+// The job holds its tensors, not their bytes: a storage freed or shrunk after the launch's checks (resize_(0), as
+// code that frees gradients or parameters to save memory does) left a null or short pointer, and the copy thread
+// read or wrote through it (a segfault). Checked here, on the copy thread, just before the copy: an error that the
+// bucket's wait raises. (A storage freed during the copy itself is not caught: that is a race in the caller.)
+void check_bytes_held(const at::Tensor& t, const char* what) {
+  const c10::Storage& storage = t.storage();
+  const size_t needed = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();  // contiguous
+  TORCH_CHECK(storage.data() != nullptr && storage.nbytes() >= needed, "copy_on_host: the ", what, "'s storage ",
+              "holds ", storage.nbytes(), " bytes but the copy needs ", needed, ": it was freed or resized after ",
+              "the copy was launched (keep a tensor's storage until its bucket's wait returns)");
+}
+
 void copy_pair(const at::Tensor& src, const at::Tensor& dst) {
   if (dst.nbytes() == 0) return;  // an empty tensor's data_ptr() may be null, which memcpy/memset must never get
+  check_bytes_held(dst, "destination");
+  if (src.defined()) check_bytes_held(src, "source");
   if (!src.defined()) {
     std::memset(dst.data_ptr(), 0, dst.nbytes());
     return;
