@@ -517,7 +517,11 @@ class GradientStreamer:
         # the pass ends ordered after its copies: on CUDA the current (compute) stream waits on their events (no
         # host block), on CPU the host waits for them. A backward run outside backward_pass has no such end: there,
         # .grad must not change in place before wait_all().
-        self._transfer.order_current_stream(_GRADS)
+        try:
+            self._transfer.order_current_stream(_GRADS)
+        except BaseException:  # a copy that failed (its tensor freed meanwhile): as a failed backward, and the later
+            self.reset()       # buckets' copies, still running or failed too, are waited for and dropped with it
+            raise
 
     def accumulate(self, n: int) -> "GradientStreamer":
         """Copy gradients after every ``n``-th backward pass (gradient accumulation; ``param.grad`` accumulates as
@@ -580,7 +584,9 @@ class GradientStreamer:
         return index
 
     def wait_all(self) -> None:
-        """Block until every bucket's gradients of this step are in the worker's slot."""
+        """Block until every bucket's gradients of this step are in the worker's slot. As with :meth:`wait`, a
+        bucket that :meth:`copy_back` or :func:`pipelined_update` consumed is the next step's: a worker thread that
+        waits after the host's update started may wait for the next backward (wait before it, or not at all)."""
         self._check_open("wait_all")
         self._transfer.wait_all(_GRADS, True)
 

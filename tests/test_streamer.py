@@ -1214,6 +1214,96 @@ def test_transfer_checks_its_arguments():
 
 
 
+_FREED_AFTER_LAUNCH = """
+import sys, torch
+from pyengine import _C
+busy_src, busy_dst = torch.ones(1 << 26), torch.zeros(1 << 26)  # 256 MiB: the copy thread is busy meanwhile
+transfer = _C.BucketTransfer(2, "cpu", "t")
+for side, nbytes in (("source", 0), ("source", 16), ("destination", 0), ("destination", 16)):
+    src, dst = torch.ones(1 << 16), torch.zeros(1 << 16)
+    transfer.launch(0, 1, [busy_src], [busy_dst])
+    transfer.launch(0, 0, [src], [dst])
+    (src if side == "source" else dst).untyped_storage().resize_(nbytes)  # freed or shrunk before its copy ran
+    try:
+        transfer.wait(0, 0, True, 60.0)
+        print(side, nbytes, "copied")
+    except RuntimeError as error:
+        print(side, nbytes, str(error).split("failed: ")[-1].splitlines()[0])
+    assert transfer.wait(0, 1, True, 60.0)
+src, dst = torch.randn(1 << 16), torch.zeros(1 << 16)  # the transfer goes on
+transfer.launch(0, 0, [src], [dst])
+assert transfer.wait(0, 0, True, 60.0) and torch.equal(src, dst)
+transfer.close()
+print("done")
+"""
+
+
+def test_a_tensor_freed_after_its_copy_was_launched_is_an_error_not_a_crash():
+    """The CPU copy thread holds a launched copy's tensors, not their bytes: a storage freed (``resize_(0)``, as code
+    that frees gradients to save memory does) or shrunk before the copy ran was read or written through a null or
+    short pointer, and the process died (SIGSEGV). Now the bucket's wait raises naming it, and the transfer goes on.
+    In a process of its own: on the old code this test's process crashes."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FREED_AFTER_LAUNCH], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "done" and len(lines) == 5, lines
+    for line, (side, nbytes) in zip(lines, (("source", 0), ("source", 16), ("destination", 0), ("destination", 16))):
+        assert line == (f"{side} {nbytes} copy_on_host: the {side}'s storage holds {nbytes} bytes but the copy needs "
+                        f"262144: it was freed or resized after the copy was launched (keep a tensor's storage until "
+                        f"its bucket's wait returns)"), line
+
+
+_GRAD_FREED_IN_BACKWARD = """
+import torch, pyengine
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1 << 22))  # the last: 16M weights, copied first
+store = pyengine.HostStore(model, pin=False)
+streamer = pyengine.GradientStreamer(model, store, bucket_mb=1, first_bucket_mb=1, eager_mb=None)
+assert len(streamer.buckets) == 3, streamer.buckets
+first = model[0].weight
+free = [True]
+def free_grad(p):  # runs after the streamer's hook launched the bucket's copy, while the big copy still runs
+    if free[0]:
+        p.grad.untyped_storage().resize_(0)
+first.register_post_accumulate_grad_hook(free_grad)
+x = torch.randn(2, 4)
+try:
+    with streamer.backward_pass(loss := model(x).square().mean()):
+        loss.backward()
+    print("no error")
+except RuntimeError as error:
+    print(str(error).split("failed: ")[-1].splitlines()[0])
+print(streamer.wait(0, timeout=0.2))  # False: the failed step's buckets are gone (True: returned on its data)
+free[0] = False
+model.zero_grad(set_to_none=True)
+with streamer.backward_pass(loss := model(x).square().mean()):
+    loss.backward()
+streamer.wait_all()
+slot = store.views(store.grad_slot(0))
+print(all(torch.equal(slot[name], p.grad) for name, p in model.named_parameters()))
+streamer.close()
+"""
+
+
+def test_a_gradient_freed_while_its_copy_waits_fails_the_backward_pass_and_not_the_next():
+    """A gradient whose storage a later hook of the caller frees (``resize_(0)``) while its bucket's copy waits behind
+    a large one: backward_pass raises the copy's error (the process crashed on the copy thread), and its step is
+    dropped as for a backward that raised (reset: the other buckets' copies waited for), so the next pass fills the
+    slot with its own gradients. In a process of its own: on the old code this test's process crashes."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _GRAD_FREED_IN_BACKWARD], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.stdout.splitlines() == [
+        "copy_on_host: the source's storage holds 0 bytes but the copy needs 48: it was freed or resized after the "
+        "copy was launched (keep a tensor's storage until its bucket's wait returns)", "False", "True"], run.stdout
+
+
 def test_copy_thread_never_drops_the_last_reference_to_a_python_tensor():
     """A finished copy's tensors are released on the thread that launches the next copy (or closes), never on the
     C++ copy thread: that thread would take the GIL, and at interpreter exit CPython ends such a thread with a forced
