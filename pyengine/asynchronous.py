@@ -347,11 +347,16 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             try:
                 with engine.mutex:
                     unpushed(saved)
-            except BaseException as undo:  # noqa: BLE001 - told with the worker's error, which fit raises
-                told = exc.error if isinstance(exc, _AsItself) else exc  # what fit raises (_raise_first)
+            except BaseException as undo:  # noqa: BLE001 - told with the error fit raises
+                # fit raises the run's first error (_raise_first), which may be another worker's: the note goes on
+                # that one (on this worker's own error it died unseen), naming this worker then
+                first_index, first, _ = errors[0]
+                told = first.error if isinstance(first, _AsItself) else first
+                whose = "" if first is exc else \
+                    f"worker {worker.index}'s push failed too ({type(exc).__name__}: {exc}), and "
                 if hasattr(told, "add_note"):  # Python >= 3.11
-                    told.add_note(f"putting back the buffers of its replica failed too: {type(undo).__name__}: "
-                                 f"{undo} (the state's buffers may count this computation's batch)")
+                    told.add_note(f"{whose}putting back the buffers of its replica failed too: {type(undo).__name__}: "
+                                  f"{undo} (the state's buffers may count this computation's batch)")
         finally:
             if own_thread:  # a thread started after this one ended may get its id (close() compares ids)
                 run.threads.discard(ident)

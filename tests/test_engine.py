@@ -3226,13 +3226,22 @@ def test_a_failed_step_puts_back_a_buffer_resized_in_place(rng, mode, workers):
             assert torch.equal(engine.master_state_dict()[name], value), name
 
 
-@pytest.mark.parametrize("whose", ["worker", "schedule"])
+@pytest.mark.parametrize("whose", ["worker", "another-worker-first", "schedule"])
 def test_an_async_worker_whose_buffers_cannot_be_put_back_still_fails_fit(rng, monkeypatch, whose):
     """An async worker's error was recorded only after its replica's buffers were put back: when that raised too
     (a sticky CUDA error in its stream's synchronize), the error died on the worker's thread and fit returned as if
     it had trained, with "gave no batch: nothing was trained". fit raises the worker's error (its loss's, or an
-    lr_schedule's, raised as itself), which says the putting back failed too."""
-    failing = {"on": whose == "worker"}
+    lr_schedule's, raised as itself), which says the putting back failed too. When another worker failed first,
+    fit raises that one's error, and the note goes on it, naming the buffers' source worker (it was put on the
+    source's own error, which fit does not raise: lost, and this test failed when the other worker came first)."""
+    roles = {}
+
+    def loss(model, batch):  # with 2 workers: one of them fails first, the other once it has (by time)
+        value = loss_fn(model, batch)
+        source = model is roles["source"]
+        if source == (whose == "another-worker-first"):
+            time.sleep(0.5)
+        raise RuntimeError(f"after the forward ({'source' if source else 'other'})")
 
     def schedule(step):
         if step >= 1:
@@ -3240,18 +3249,26 @@ def test_an_async_worker_whose_buffers_cannot_be_put_back_still_fails_fit(rng, m
         return 1.0
 
     # the schedule's error: on a lone worker, the buffers' source (whose buffers are put back)
-    with Engine(make_bn_model(), loss_failing_while(failing), devices=["cpu"] * (2 if whose == "worker" else 1),
-                mode="async", optimizer=AdamW(**OPT), lr_schedule=schedule if whose == "schedule" else None) as engine:
+    with Engine(make_bn_model(), loss if whose != "schedule" else loss_fn,
+                devices=["cpu"] * (1 if whose == "schedule" else 2), mode="async", optimizer=AdamW(**OPT),
+                lr_schedule=schedule if whose == "schedule" else None) as engine:
+        roles["source"] = engine.workers[engine.buffer_source].replica
+
         def broken(saved):
             if saved is not None:
                 raise RuntimeError("the device's stream failed")
         monkeypatch.setattr(engine, "_restore_source_buffers", broken)
-        with pytest.raises(WorkerError if whose == "worker" else ValueError,
-                           match="after the forward" if whose == "worker" else "the schedule says no") as caught:
+        with pytest.raises(WorkerError if whose != "schedule" else ValueError,
+                           match={"worker": r"after the forward \(source\)",
+                                  "another-worker-first": r"after the forward \(other\)",
+                                  "schedule": "the schedule says no"}[whose]) as caught:
             engine.fit(make_batches(rng, 6, 12))
         notes = [n for e in (caught.value, caught.value.__cause__) for n in getattr(e, "__notes__", [])]
-        assert any("putting back the buffers of its replica failed too: RuntimeError: the device's stream failed"
-                   in n for n in notes), notes
+        want = "putting back the buffers of its replica failed too: RuntimeError: the device's stream failed"
+        if whose == "another-worker-first":
+            want = (f"worker {engine.buffer_source}'s push failed too (RuntimeError: after the forward (source)), "
+                    f"and " + want)
+        assert len(notes) == 1 and notes[0].startswith(want), notes
 
 
 def test_an_async_pull_that_fails_stops_the_run_before_releasing_the_mutex(rng, monkeypatch):
