@@ -350,7 +350,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
             except BaseException as undo:  # noqa: BLE001 - told with the error fit raises
                 # fit raises the run's first error (_raise_first), which may be another worker's: the note goes on
                 # that one (on this worker's own error it died unseen), naming this worker then
-                first_index, first, _ = errors[0]
+                _, first, _ = errors[0]
                 told = first.error if isinstance(first, _AsItself) else first
                 whose = "" if first is exc else \
                     f"worker {worker.index}'s push failed too ({type(exc).__name__}: {exc}), and "
