@@ -559,6 +559,10 @@ class GradientStreamer:
         ``timeout`` (seconds) bounds the wait for the bucket's copy to be launched, i.e. for the backward that
         produces it (which may have failed, or touch no parameter of the bucket until it ends): returns False when
         it ran out, True once the bucket is in the slot. Without a timeout it waits as long as it takes.
+
+        A copy of the bucket that failed (CPU: a gradient's storage freed before its copy ran) makes every wait for
+        it raise ``RuntimeError`` naming the bucket, in every thread that waits (the worker's and the host's), until
+        :meth:`reset` drops the step (``backward_pass`` does: its end waits for the copies).
         """
         self._check_open("wait")
         k = self._check_bucket(k, "wait")

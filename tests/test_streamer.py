@@ -1304,6 +1304,66 @@ def test_a_gradient_freed_while_its_copy_waits_fails_the_backward_pass_and_not_t
         "copy was launched (keep a tensor's storage until its bucket's wait returns)", "False", "True"], run.stdout
 
 
+def _launch_a_failing_copy(transfer, bucket, busy, completes_bucket=True):
+    """Launches a copy into ``bucket`` whose source is freed before the copy thread reaches it (it is busy with
+    ``busy``, a large copy into bucket 1): the copy fails, and its bucket's waits raise."""
+    transfer.launch(0, 1, *busy)
+    src = torch.ones(1 << 16)
+    transfer.launch(0, bucket, [src], [torch.zeros(1 << 16)], completes_bucket)
+    src.untyped_storage().resize_(0)
+
+
+def test_every_wait_on_a_failed_copy_raises_until_its_bucket_is_released():
+    """Note [A failed copy's error]: the error of a failed copy went to the first wait only, and every other waiter
+    of the launch returned as if the slot held the bucket. Two threads wait (a worker at the end of its backward pass,
+    the host before the bucket's update): both raise; a later wait raises too, until release() drops the step. An
+    early part's failure raises at its bucket's completing launch, and not at the launch after it."""
+    transfer = pyengine._C.BucketTransfer(2, "cpu", "test")
+    busy = ([torch.ones(1 << 25)], [torch.zeros(1 << 25)])  # 128 MiB: the copy thread is busy meanwhile
+    outcomes = []
+
+    def waiter():
+        try:
+            outcomes.append(transfer.wait(0, 0, True, 60.0))
+        except RuntimeError as error:
+            outcomes.append(str(error).split("failed: ")[-1].split(":")[0])
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)  # both wait for the launch
+    _launch_a_failing_copy(transfer, 0, busy)
+    for t in threads:
+        t.join(60)
+    assert outcomes == ["copy_on_host"] * 2, outcomes
+    for until_launched in (True, False):  # the same thread again
+        with pytest.raises(RuntimeError, match="copy of grads bucket 0 of test failed: copy_on_host: the source"):
+            transfer.wait(0, 0, until_launched, 1.0)
+    transfer.release(0, 0)
+    assert transfer.wait(0, 0, True, 0.1) is False  # the step is dropped, its error with it
+    assert transfer.wait(0, 0, False) is True
+    src, dst = torch.randn(1 << 16), torch.zeros(1 << 16)
+    transfer.launch(0, 0, [src], [dst])
+    assert transfer.wait(0, 0, True, 60.0) and torch.equal(src, dst)
+    transfer.release(0, 0)
+
+    _launch_a_failing_copy(transfer, 0, busy, completes_bucket=False)  # an early part fails
+    transfer.launch(0, 0, [src], [dst])  # its bucket's completing launch copies fine
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="copy of grads bucket 0 of test failed"):
+            transfer.wait(0, 0, True, 60.0)
+    transfer.release(0, 0)
+    transfer.launch(0, 0, [None], [dst])  # the next launch: the old error is not raised
+    assert transfer.wait(0, 0, True, 60.0) and torch.count_nonzero(dst) == 0
+
+    _launch_a_failing_copy(transfer, 0, busy, completes_bucket=False)  # a part whose bucket never completes
+    transfer.drain()
+    transfer.release(0, 0)  # reset() of the failed step
+    transfer.launch(0, 0, [src], [dst])  # the next step's launch: not failed by the dropped step's part
+    assert transfer.wait(0, 0, True, 60.0) and torch.equal(src, dst)
+    transfer.close()
+
+
 def test_copy_thread_never_drops_the_last_reference_to_a_python_tensor():
     """A finished copy's tensors are released on the thread that launches the next copy (or closes), never on the
     C++ copy thread: that thread would take the GIL, and at interpreter exit CPython ends such a thread with a forced

@@ -173,7 +173,13 @@ class CpuTransfer final : public BucketTransfer {
       lock.lock();
       Counters& c = counters(task.channel, task.bucket);
       if (task.job.completes_bucket) c.completed += 1;  // an early part completes with its bucket (in order)
-      if (!error.empty()) c.error = error;  // a part's error too: the bucket's next wait raises it
+      if (!error.empty()) {  // a part's error belongs to its bucket's next completing launch
+        const int64_t launch = task.job.completes_bucket ? c.completed : c.completed + 1;
+        if (c.error.empty() || c.error_launch != launch) {  // the launch's first error is the one raised
+          c.error = std::move(error);
+          c.error_launch = launch;
+        }
+      }
       finished_ += 1;
       retired_.push_back(std::move(task.job));  // Note [Tensor references leave on the launching thread]
       lock.unlock();

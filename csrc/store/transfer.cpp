@@ -140,9 +140,8 @@ bool BucketTransfer::wait(int64_t channel, int64_t bucket, bool until_launched, 
   }
   const int64_t target = c.launched;
   if (c.completed < target) wait_completed(channel, bucket, target, lock);
-  if (!c.error.empty()) {
-    const std::string error = std::move(c.error);
-    c.error.clear();
+  if (!c.error.empty() && c.error_launch == target) {  // kept for the next waiter: Note [A failed copy's error]
+    const std::string error = c.error;
     TORCH_CHECK(false, "BucketTransfer: the copy of ", channel_name(static_cast<int>(channel)), " bucket ", bucket,
                 " of ", label_, " failed: ", error);
   }
@@ -159,6 +158,9 @@ void BucketTransfer::release(int64_t channel, int64_t bucket) {
   std::lock_guard<std::mutex> lock(mutex_);
   Counters& c = counters(channel, bucket);
   c.released = c.launched;
+  // An early part's error for a launch that has not come goes too: reset() releases a failed step's buckets, whose
+  // completing launches never come (the next step's would raise it). The next step's parts start after the release.
+  c.error.clear();
 }
 
 TransferPtr make_transfer(int64_t num_buckets, const at::Device& device, std::string label) {

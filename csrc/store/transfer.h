@@ -72,7 +72,7 @@ class BucketTransfer {
               bool completes_bucket = true);
 
   // Blocks (the caller releases the GIL) until the last launched copy of the bucket has completed, and rethrows an
-  // error raised by that copy. until_launched: first wait until the bucket has been launched since the last
+  // error raised by that copy (each wait does, until release: Note [A failed copy's error]). until_launched: first wait until the bucket has been launched since the last
   // release() (a gradient bucket of a backward that is still running); otherwise a bucket with no copy in flight
   // returns at once. timeout_s >= 0 bounds the wait for the launch (the backward that produces the bucket may have
   // failed or never run): returns false when it ran out, true once the copy is complete. A launched copy always
@@ -80,7 +80,8 @@ class BucketTransfer {
   bool wait(int64_t channel, int64_t bucket, bool until_launched, double timeout_s = -1.0);
   void wait_all(int64_t channel, bool until_launched);
 
-  // The host is done with the bucket's data of this step: the next wait(until_launched) waits for a new launch.
+  // The host is done with the bucket's data of this step: the next wait(until_launched) waits for a new launch, and
+  // the error of a failed copy of it (or of an early part of its next launch) is dropped.
   void release(int64_t channel, int64_t bucket);
 
   // Orders later work after every launched copy of the channel: on CUDA the current stream waits on the bucket
@@ -115,8 +116,14 @@ class BucketTransfer {
     int64_t launched = 0;   // completing launches so far (early parts are not counted)
     int64_t completed = 0;  // their completions so far (copies of one bucket and channel complete in launch order)
     int64_t released = 0;   // value of `launched` at the last release
-    std::string error;      // the error of the last failed copy, rethrown by the next wait
+    std::string error;      // the error of a failed copy: Note [A failed copy's error]
+    int64_t error_launch = 0;  // the completing launch it belongs to (an early part's: its bucket's next one)
   };
+  // Note [A failed copy's error]
+  // Every wait for a launch whose copy failed raises its error, not only the first: the worker's thread (the end of
+  // its backward pass) and the host (the update of the bucket) both wait for a gradient bucket, and the one that got
+  // no error went on with a torn slot (the host updated the bucket from it). The error stays until the bucket is
+  // released (the host is done with the step's data: reset(), a copy back) or a later launch of it is waited for.
 
   // Begins the copies of a launch (called with mutex_ not held, in launch order per transfer).
   virtual void start(int64_t channel, int64_t bucket, CopyJob job) = 0;
