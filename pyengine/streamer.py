@@ -571,8 +571,17 @@ class GradientStreamer:
                             f"{type(timeout).__name__} {timeout!r}")
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"GradientStreamer.wait: timeout must be >= 0 seconds or None; got {timeout}")
-        # a timeout past float's range (an int) waits as long as it takes, as None does
-        return self._transfer.wait(_GRADS, k, True, -1.0 if timeout is None or timeout > 1e300 else float(timeout))
+        if timeout is not None and timeout <= 1e300:
+            return self._transfer.wait(_GRADS, k, True, float(timeout))
+        self._wait_interruptibly(k)  # a timeout past float's range (an int) waits as long as it takes, as None does
+        return True
+
+    def _wait_interruptibly(self, k: int) -> None:
+        """Waits for bucket ``k``'s delivery in bounded waits: Ctrl-C interrupts it. One wait in C++ for a backward
+        that never comes (a wait before it, on the main thread) held the thread there, and a KeyboardInterrupt is
+        raised only once the thread is back in Python."""
+        while not self._transfer.wait(_GRADS, k, True, _INTERRUPT_POLL_S):
+            pass
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -592,7 +601,8 @@ class GradientStreamer:
         bucket that :meth:`copy_back` or :func:`pipelined_update` consumed is the next step's: a worker thread that
         waits after the host's update started may wait for the next backward (wait before it, or not at all)."""
         self._check_open("wait_all")
-        self._transfer.wait_all(_GRADS, True)
+        for k in range(len(self.buckets)):
+            self._wait_interruptibly(k)
 
     def copy_back(self, source: torch.Tensor | None = None, buckets: Sequence[int] | None = None) -> None:
         """Start copying updated weights into the replica's parameters, bucket by bucket.
@@ -849,6 +859,7 @@ def _update_range(store, slots, b, e, hyper, step, flags, amsgrad, grad_scale, f
         grad_norm=norm, max_grad_norm=clip)
 
 
+_INTERRUPT_POLL_S = 0.1  # the longest a wait for a gradient bucket stays in C++: how soon Ctrl-C interrupts it
 _POLL_S = 0.05  # how often a host's wait for a gradient bucket (here, the engine's, distributed's) looks whether a
 # worker's step failed
 

@@ -1364,6 +1364,37 @@ def test_every_wait_on_a_failed_copy_raises_until_its_bucket_is_released():
     transfer.close()
 
 
+_CTRL_C_DURING_WAIT = """
+import os, signal, sys, threading, time, torch, pyengine
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a runner started in the background ignores SIGINT
+model = torch.nn.Linear(4, 3)
+eager_mb = None if sys.argv[1] == "None" else float(sys.argv[1])  # the eager_mb fixture's, not seen in this process
+streamer = pyengine.GradientStreamer(model, pyengine.HostStore(model, pin=False), eager_mb=eager_mb)
+for name, wait in (("wait", lambda: streamer.wait(0)), ("wait_all", streamer.wait_all)):
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # no backward comes: it waits for good
+    start = time.perf_counter()
+    try:
+        wait()
+        print(name, "returned")
+    except KeyboardInterrupt:
+        print(name, "interrupted", time.perf_counter() - start < 5.0)
+streamer.close()
+"""
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_backward_that_never_comes(eager_mb):
+    """wait() without a timeout and wait_all() waited in C++, where Ctrl-C does not reach the thread: a wait before
+    the backward (on the main thread) could be ended only by killing the process. They now wait in bounded steps.
+    In a process of its own: on the old code it waits for good (this test's timeout)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_DURING_WAIT, str(eager_mb)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.stdout.splitlines() == ["wait interrupted True", "wait_all interrupted True"], run.stdout
+
+
 def test_copy_thread_never_drops_the_last_reference_to_a_python_tensor():
     """A finished copy's tensors are released on the thread that launches the next copy (or closes), never on the
     C++ copy thread: that thread would take the GIL, and at interpreter exit CPython ends such a thread with a forced
