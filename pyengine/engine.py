@@ -1567,9 +1567,18 @@ class Engine:
         """Blocks until bucket ``k`` of every worker in ``futures`` is in its slot; False as soon as one of those
         workers has failed (its bucket may never come; :meth:`gather_workers` then raises)."""
         for i in futures:
-            while not self.workers[i].streamer.wait(k, timeout=_POLL_S):
-                if any(f.done() and f.exception() is not None for f in futures.values()):
+            try:
+                while not self.workers[i].streamer.wait(k, timeout=_POLL_S):
+                    if any(f.done() and f.exception() is not None for f in futures.values()):
+                        return False
+            except RuntimeError:
+                # A copy of the bucket that failed raises in every wait for it (Note [A failed copy's error] in
+                # csrc/store/transfer.h), the worker's own too: its task fails with it, and gather_workers raises
+                # that as the WorkerError naming the worker, whichever thread waited first.
+                concurrent.futures.wait([futures[i]])
+                if futures[i].exception() is not None:
                     return False
+                raise
         return True
 
     def apply_update(self, workers: list[int], weights: list[float] | None, lr_divisor: float = 1.0,

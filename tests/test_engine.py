@@ -981,6 +981,40 @@ def check_the_failed_step_left_nothing(engine, before, reference, batches):
     assert_matches(engine, reference)
 
 
+def test_a_gradient_copy_that_fails_fails_its_worker_and_leaves_nothing_behind():
+    """A gradient whose storage a hook frees while its bucket's copy waits behind a large one (CPU): the copy fails,
+    and every wait for the bucket raises (Note [A failed copy's error]). The host's wait for the bucket's norm used
+    to raise the bare copy error when it waited first, and the worker's WorkerError otherwise; now the step fails
+    with the WorkerError naming worker 1, nothing of it is applied, and the next step trains as a first one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1 << 22))  # 16M weights, copied first
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    square = lambda replica, batch: replica(batch).square().mean()  # noqa: E731
+    twin = copy.deepcopy(model)
+    with Engine(model, square, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        free = [True]
+
+        def free_grad(p):  # after the streamer's hook launched the bucket's copy, while the large copy still runs
+            if free[0]:
+                free[0] = False
+                p.grad.untyped_storage().resize_(0)
+                time.sleep(0.5)  # the copy fails meanwhile, and the host waits for the bucket first
+
+        engine.workers[1].replica[0].weight.register_post_accumulate_grad_hook(free_grad)
+        before, stats = engine.state_dict(), engine.stats()
+        with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) failed: RuntimeError: BucketTransfer: the copy of "
+                           r"grads bucket \d+ of w1 failed: copy_on_host: the source's storage holds 0 bytes but the "
+                           r"copy needs 48: .*its bucket's wait returns\)$") as info:
+            engine.step(x)
+        assert not free[0] and "Exception raised from" not in str(info.value)  # no C++ backtrace in the message
+        assert_state_is(engine, before, stats, 0)
+        engine.step(y)
+        with Engine(twin, square, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as reference:
+            reference.step(y)
+            expected = reference.master_state_dict()
+        assert all(torch.equal(v, expected[k]) for k, v in engine.master_state_dict().items())
+
+
 class _SlowBackward(torch.autograd.Function):
     """Identity whose backward sleeps: the last thing a worker's backward does (it runs after every parameter's)."""
 

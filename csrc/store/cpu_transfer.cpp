@@ -167,6 +167,8 @@ class CpuTransfer final : public BucketTransfer {
       try {
         NvtxRange range(range_name("copy", task.channel, task.bucket, !task.job.completes_bucket));
         copy_on_host(task.job);
+      } catch (const c10::Error& e) {
+        error = e.what_without_backtrace();  // the bucket's wait raises it again: its frames here say nothing
       } catch (const std::exception& e) {
         error = e.what();
       }
