@@ -239,7 +239,9 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         with engine.mutex, engine.phase("pull", worker.index):
             try:
                 start = time.perf_counter()
-                if worker.rng is not None:  # Note [Random numbers of concurrent workers]: a refresh draws the same
+                # Note [Random numbers of concurrent workers]: seeded from the pushes applied by now, a refresh too
+                # (pushes landed since its first pull: it recomputes its batches with new draws)
+                if worker.rng is not None:
                     worker.rng.begin_step(engine._counters["pushes"])
                 worker.pull(wait=True)
                 if stopped():  # while this worker waited for the mutex: it takes no batch, the schedule is not asked
