@@ -1203,6 +1203,10 @@ class Engine:
             warnings.warn(f"load_state_dict: the state's optimizer param_groups hold {edited}, which are not read: "
                           f"the engine's optimizer settings drive the update (to change them, set engine.optimizer's "
                           f"fields, e.g. engine.optimizer.lr = ...)", stacklevel=3)
+        if self.scaler is not None:  # None (saved without scaling): a fresh scaler; a static one keeps its scale
+            scale, tracker, below = self.scaler.loaded(scaler)
+            if below is not None:  # warned before anything is written: as an error (-W error) it changes nothing
+                warnings.warn(f"load_state_dict: {below}", RuntimeWarning, stacklevel=3)
         if split is not None:  # first: the only step here that may still raise, and it leaves the pipeline unbuilt
             self.pipeline._build(split)
         for worker in self.workers:  # the last step's copies back still read the weights written below
@@ -1221,8 +1225,8 @@ class Engine:
             generator.seed = seed
         self._counters = collections.Counter(counters)
         self._staleness = staleness
-        if self.scaler is not None:  # None (saved without scaling): a fresh scaler; a static one keeps its scale
-            self.scaler.load_state_dict(scaler)
+        if self.scaler is not None:
+            self.scaler.scale, self.scaler.growth_tracker = scale, tracker
         for worker in self.workers:
             worker.pull()
         with torch.no_grad():

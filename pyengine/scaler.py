@@ -183,19 +183,26 @@ class LossScaler:
         static scaler keeps its own scale: the scale is its configuration. A saved scale below this scaler's
         ``min_scale`` (saved with a lower one) starts at ``min_scale``, with a warning: below its floor, the first
         overflow "backed off" to ``min_scale``, up, and left the step to ``nonfinite``."""
+        scale, tracker, warning = self.loaded(sd)
+        if warning is not None:
+            warnings.warn(f"LossScaler.load_state_dict: {warning}", RuntimeWarning, stacklevel=2)
+        self.scale, self.growth_tracker = scale, tracker
+
+    def loaded(self, sd: dict | None) -> tuple[float, int, str | None]:
+        """What :meth:`load_state_dict` would set, changing nothing: ``(scale, growth_tracker, warning)``, the
+        warning's text or None. For a caller that warns before it writes anything (the engine's load: a warning
+        turned into an error must leave it as it was). Raises ValueError for an invalid ``sd``."""
         if sd is None:
-            self.reset()
-            return
+            return self.init_scale, 0, None
         self.check_state_dict(sd)
         if not self.dynamic:
-            return
+            return self.scale, self.growth_tracker, None
         scale, tracker = _f32(sd["scale"]), sd["growth_tracker"]
         if scale < self.min_scale:
-            warnings.warn(f"LossScaler.load_state_dict: the state's loss scale {scale} is below this scaler's "
-                          f"min_scale {self.min_scale} (it was saved with a lower one): the scale starts at "
-                          f"{self.min_scale}", RuntimeWarning, stacklevel=2)
-            scale, tracker = self.min_scale, 0
-        self.scale, self.growth_tracker = scale, tracker
+            return self.min_scale, 0, (f"the state's loss scale {scale} is below this scaler's min_scale "
+                                       f"{self.min_scale} (it was saved with a lower one): the scale starts at "
+                                       f"{self.min_scale}")
+        return scale, tracker, None
 
 
 def make_scaler(loss_scale, autocast) -> LossScaler | None:

@@ -2484,6 +2484,37 @@ def test_invalid_state_changes_nothing(rng, what, corrupt, error):
                 assert torch.equal(after["optimizer"]["state"][index][key], value), (index, key)
 
 
+def test_a_loss_scale_below_min_scale_warns_before_the_load_writes_anything(rng):
+    """A state whose loss scale is below this engine's min_scale loads at min_scale with a warning. The warning came
+    after the weights, Adam state and version were written and before the replicas pulled them: as an error
+    (``python -W error``, pytest's filterwarnings = error) it left the store loaded and the replicas on the old
+    weights, and the next step trained the old replicas' gradients into the new master. Now it comes first, with
+    the load's other warnings, and names the caller's line."""
+    batches = make_batches(rng, 3, 8)
+    scaler = pyengine.LossScaler(init_scale=2.0 ** 21, min_scale=2.0 ** 20)
+    with Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=AdamW(**OPT), loss_scale=scaler) as engine:
+        engine.step(batches[0])
+        state = engine.state_dict()
+        state["loss_scaler"] = {"scale": 65536.0, "growth_tracker": 3}  # saved with a lower min_scale
+        engine.step(batches[1])
+        before, stats = copy.deepcopy(engine.state_dict()), engine.stats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeWarning, match=r"load_state_dict: the state's loss scale 65536.0 is below this "
+                               r"scaler's min_scale 1048576.0 .* starts at 1048576.0"):
+                engine.load_state_dict(state)
+        assert_state_is(engine, before, stats, 2)
+        assert before["loss_scaler"] == engine.state_dict()["loss_scaler"] != state["loss_scaler"]
+        replica = dict(engine.workers[1].replica.named_parameters())
+        assert all(torch.equal(replica[k], v) for k, v in engine.master_state_dict().items())
+        with pytest.warns(RuntimeWarning, match="loss scale 65536.0 is below") as caught:
+            engine.load_state_dict(state)
+        assert [w.filename for w in caught] == [__file__]  # the caller's line, once
+        assert engine.version == 1 and engine.state_dict()["loss_scaler"] == {"scale": 2.0 ** 20, "growth_tracker": 0}
+        replica = dict(engine.workers[1].replica.named_parameters())
+        assert all(torch.equal(replica[k], v) for k, v in engine.master_state_dict().items())
+
+
 @pytest.mark.parametrize("saved,loaded", [(("0.bias",), ("2.bias",)), (("bias",), ()), ((), ("weight",))],
                          ids=["same-sizes", "two-groups-to-one", "one-group-to-two"])
 def test_a_state_loads_each_parameters_moments_when_no_decay_changed(rng, saved, loaded):
