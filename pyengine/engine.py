@@ -390,11 +390,15 @@ class Engine:
             self._first_worker = sum(workers[:group.rank()])  # the ranks' worker counts may differ
         # a low-precision model's replicas pull a shadow of their dtype (Note [The shadow follows the master weights])
         shadow_dtype = replica_shadow_dtype(model)
-        self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin, amsgrad=self.optimizer.amsgrad,
-                               shadow_dtype=shadow_dtype,
-                               state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
-                                                                           first_bucket_mb, group, shadow_dtype)
-                               if shard_update else None)
+        # pinned under the first GPU worker's context, not one the allocation would make on the current device
+        # (Note [Pinning under a context that exists] in csrc/cuda/pinned_host.cpp)
+        cuda = next((d for d in self.devices if d.type == "cuda"), None)
+        with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
+            self.store = HostStore(model, workers=slots, grad_dtype=grad_dtype, pin=pin,
+                                   amsgrad=self.optimizer.amsgrad, shadow_dtype=shadow_dtype,
+                                   state_ranges=distributed.owned_state_ranges(model, grad_dtype, bucket_mb,
+                                                                               first_bucket_mb, group, shadow_dtype)
+                                   if shard_update else None)
         self._decay_runs = (self.optimizer.no_decay, _decay_runs(self.store, self.optimizer))
         self.workers = [] if mode == "pipeline" else [  # pipeline stages are built by Pipeline below
             Worker(i, d, model, self.store, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, eager_mb=eager_mb,

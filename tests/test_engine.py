@@ -92,6 +92,30 @@ def test_hybrid_equals_one_big_batch(rng, workers, batch, buckets, worker_device
         assert engine.stats()["applied_updates"] == 12
 
 
+_ENGINE_ON_CUDA_1 = """
+import torch, pyengine
+from pyengine import AdamW, Engine
+model = torch.nn.Linear(8, 2)
+with Engine(model, lambda m, b: m(b).square().mean(), devices=["cuda:1"], optimizer=AdamW(lr=1e-2), pin=True) as e:
+    assert e.store.pinned
+    e.step(torch.randn(4, 8))
+print(torch._C._cuda_hasPrimaryContext(0), torch._C._cuda_hasPrimaryContext(1))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_cuda_an_engine_on_cuda_1_makes_no_context_on_cuda_0():
+    """Note [Pinning under a context that exists]: pinning the store ran on the current device (0), and made a CUDA
+    context there (hundreds of MiB of GPU 0) in a process that trains on cuda:1 alone, as each rank of a one-GPU-
+    per-process job does. In a fresh process: this one may have made contexts already."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _ENGINE_ON_CUDA_1], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout, run.stderr[-2000:])
+    assert run.stdout.split() == ["False", "True"], run.stdout
+
+
 @CUDA
 @pytest.mark.parametrize("mode", ["hybrid", "sync"])
 def test_cuda_step_called_on_a_side_stream_waits_for_the_batch_written_there(rng, mode):
