@@ -721,7 +721,8 @@ def _take_first(errors: list) -> BaseException:
     return first
 
 
-_TOO_FEW_FOR_WORKERS, _TOO_FEW_FOR_MICROBATCHES = 2.0, 1.0  # why a rank refuses its batch (DistributedHybrid.step)
+# why a rank refuses its batch (DistributedHybrid.step), and how the other ranks' errors say it
+_TOO_FEW_FOR_WORKERS, _TOO_FEW_FOR_MICROBATCHES, _NOT_A_BATCH = 2.0, 1.0, 3.0
 _END_PHASE = "the end of fit"  # Note [Ranks whose fits end at different steps]
 _ENDED, _RAISED = 1, 2  # a rank's fit ended, or raised (_FailureNaming._peer_end)
 
@@ -1037,9 +1038,14 @@ class DistributedHybrid(_FailureNaming):
             # small for its micro-batches: refused by every rank together, below (the group stays usable)
             refusal, refused, sizes = 0.0, None, [0]
             try:
-                shards = split_batch(batch, engine.num_workers)
+                batch_size(batch)  # leaves that are not tensors, tensors of different sizes along dim 0
             except ValueError as exc:
-                refusal, refused = _TOO_FEW_FOR_WORKERS, exc
+                refusal, refused = _NOT_A_BATCH, exc
+            if refused is None:
+                try:
+                    shards = split_batch(batch, engine.num_workers)
+                except ValueError as exc:
+                    refusal, refused = _TOO_FEW_FOR_WORKERS, exc
             if refused is None:
                 sizes = [batch_size(s) for s in shards]
                 try:
@@ -1084,13 +1090,14 @@ class DistributedHybrid(_FailureNaming):
             raise DistributedError(differing_optimizers(self.rank, digests, engine.optimizer))
         refusals = counts[:, 1].tolist()
         if any(refusals):
-            kinds = [n for k, n in ((_TOO_FEW_FOR_WORKERS, "a batch with fewer samples than their local workers"),
-                                    (_TOO_FEW_FOR_MICROBATCHES, "a worker's shard too small for "
-                                     f"microbatches={engine.microbatches}")) if k in refusals]
+            kinds = ((_NOT_A_BATCH, "a batch that cannot be split on dim 0 (its own error says why)"),
+                     (_TOO_FEW_FOR_WORKERS, "a batch with fewer samples than its local workers"),
+                     (_TOO_FEW_FOR_MICROBATCHES, f"a worker's shard too small for microbatches={engine.microbatches}"))
+            why = [f"{_rank_list(ranks)} {'has' if len(ranks) == 1 else 'have'} {what}" for kind, what in kinds
+                   if (ranks := [r for r, v in enumerate(refusals) if v == kind])]
             try:
                 raise refused if refused is not None else ValueError(
-                    f"rank {self.rank}: {sum(1 for v in refusals if v)} other rank(s) have "
-                    + " or ".join(kinds) + "; this step was refused on every rank")
+                    f"rank {self.rank}: " + "; ".join(why) + "; this step was refused on every rank")
             finally:  # the frame (and through it the engine) must not hold its own exception: a reference cycle
                 refused = None  # (Note [No reference cycle through the engine])
         total = counts[:, 0].sum().item()

@@ -818,16 +818,18 @@ def reducer_after_failure(seed, rank, world):
 
 
 def bad_local_batch(seed, rank, world):
-    """Rank 1's fourth local batch has 1 sample for its 2 workers (a data set's uneven tail): every rank refuses that
-    step together, each with its ValueError, and trains on from there. Records the errors of step 4, the version
-    and the master weights after 6 batches (5 steps)."""
-    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 6, 16)]
+    """Rank 1's fourth local batch has 1 sample for its 2 workers (a data set's uneven tail), and its sixth one label
+    fewer than inputs (a batch that cannot be split): every rank refuses those steps together, each with its
+    ValueError, and trains on from there. Records the errors, the version and the master weights after 7 batches
+    (5 steps)."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 7, 16)]
+    spoilt = {3: lambda b: tuple(t[:1] for t in b), 5: lambda b: (b[0], b[1][:-1])}
     errors = []
     with pyengine.Engine(make_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
                          pin=False) as engine:
         for i, b in enumerate(batches):
             try:
-                engine.step(tuple(t[:1] for t in b) if rank == 1 and i == 3 else b)
+                engine.step(spoilt[i](b) if rank == 1 and i in spoilt else b)
             except ValueError as exc:
                 errors.append((i, str(exc)))
         return {"errors": errors, "version": engine.version, "master": engine.master_state_dict()}

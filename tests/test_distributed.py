@@ -250,7 +250,7 @@ def test_hybrid_equals_one_big_batch_and_sharded_equals_replicated(tmp_path, see
     # a shard too small for the micro-batches on rank 1 alone: every rank refused that step, then trained on
     assert "rank 1's worker 0's shard of 2 samples cannot be split into microbatches=3" in ranks[1]["refused"]
     for r in (0, 2):
-        assert ranks[r]["refused"] == "rank %d: 1 other rank(s) have a worker's shard too small for " \
+        assert ranks[r]["refused"] == "rank %d: rank 1 has a worker's shard too small for " \
             "microbatches=3; this step was refused on every rank" % r
     for rank in ranks:
         assert rank["after_refusal"] == dict(applied=True, version=dist_job.HYBRID["steps"] + 1)
@@ -1424,15 +1424,19 @@ def test_a_local_batch_too_small_for_the_workers_is_refused_by_every_rank(tmp_pa
     assert codes == [0, 0], "\n".join(logs)
     assert seconds < 30  # no wait for the group's timeout (20 s)
     ranks = results(tmp_path, 2)
-    assert ranks[1]["errors"] == [(3, "a batch of 1 samples cannot feed 2 workers; use a batch of at least 2")], \
-        ranks[1]
-    assert ranks[0]["errors"] == [(3, "rank 0: 1 other rank(s) have a batch with fewer samples than their local "
-                                      "workers; this step was refused on every rank")], ranks[0]
+    assert ranks[1]["errors"] == [(3, "a batch of 1 samples cannot feed 2 workers; use a batch of at least 2"),
+                                  (5, "every tensor of a batch must have the same size along dim 0; batch[0] has 8, "
+                                      "batch[1] has 7")], ranks[1]
+    # the others name the rank and why (a batch that cannot be split was said to have too few samples)
+    assert ranks[0]["errors"] == [(3, "rank 0: rank 1 has a batch with fewer samples than its local workers; this "
+                                      "step was refused on every rank"),
+                                  (5, "rank 0: rank 1 has a batch that cannot be split on dim 0 (its own error says "
+                                      "why); this step was refused on every rank")], ranks[0]
     assert [r["version"] for r in ranks] == [5, 5]
-    assert_identical(ranks[0]["master"], ranks[1]["master"], "after the refused step")
+    assert_identical(ranks[0]["master"], ranks[1]["master"], "after the refused steps")
     reference = Reference()
-    for i, batch in enumerate(dist_job.global_batches(seed, 6, 16)):
-        if i != 3:
+    for i, batch in enumerate(dist_job.global_batches(seed, 7, 16)):
+        if i not in (3, 5):
             reference.step(batch)
     reference.assert_matches(ranks[0]["master"])
 
