@@ -75,11 +75,13 @@ import itertools
 import math
 import os
 import pickle
+import struct
 import threading
 import time
 import typing
 import warnings
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -598,16 +600,30 @@ def _rank_list(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def differing_optimizers(rank: int, digests: list[int], optimizer) -> str:
-    """The error of a step whose ranks hold different optimizer settings (``digests``: every rank's, by rank):
-    which ranks agree with which, and this rank's settings (Note [Every rank at the same version])."""
+def update_digest(engine) -> int:
+    """A 32-bit digest of what the step's update will use, compared by every rank at every step (Note [Every rank
+    at the same version]): the optimizer's settings (:meth:`pyengine.AdamW.digest`) and the learning rate of the
+    update (``lr_schedule``'s: a schedule that differs between the ranks at a step the construction's check does not
+    sample, or reads state of its own rank, trained the ranks apart, silently). A schedule that raises fails this
+    rank's step here, before any work (it failed in the update before)."""
+    return zlib.crc32(struct.pack("<d", engine.lr_at(engine.version + 1)), engine.optimizer.digest())
+
+
+def differing_optimizers(rank: int, digests: list[int], engine) -> str:
+    """The error of a step whose ranks' updates would differ (``digests``: every rank's :func:`update_digest`, by
+    rank): which ranks agree with which, and this rank's settings and lr (Note [Every rank at the same version])."""
     groups = {}
     for r, d in enumerate(digests):
         groups.setdefault(d, []).append(r)
-    return (f"rank {rank}: the ranks' engine.optimizer settings differ (the ranks with the same settings: "
+    return (f"rank {rank}: the ranks' engine.optimizer settings or learning rates differ (the ranks alike: "
             + " | ".join(_rank_list(ranks) for ranks in groups.values())
-            + f"; this rank's: {optimizer!r}): a change between steps must be made on every rank; this step was "
-              "refused on every rank")
+            + f"; this rank's: {_update_settings(engine)}): a change between steps must be made on every rank, and "
+              "lr_schedule must give every rank the same; this step was refused on every rank")
+
+
+def _update_settings(engine) -> str:
+    """This rank's optimizer and the lr of its next update, for :func:`differing_optimizers`' errors."""
+    return f"{engine.optimizer!r}, lr {engine.lr_at(engine.version + 1)!r} for update {engine.version + 1}"
 
 
 class _Rendezvous:
@@ -921,8 +937,9 @@ class DistributedHybrid(_FailureNaming):
     and usable once every rank has loaded the same state. Two states of one version (two runs' checkpoints of the
     same step) are not told apart: comparing the weights would cost a pass over them every step. The optimizer's
     settings, which may be changed between steps (``engine.optimizer.lr = ...``), travel the same way as a digest
-    (:meth:`pyengine.AdamW.digest`, ~4 us): a change made on some ranks only (under ``if rank == 0:``) made their
-    weights drift apart for good, silently.
+    (:meth:`pyengine.AdamW.digest`, ~4 us), with the learning rate the update will use (:func:`update_digest`: the
+    construction compares ``lr_schedule`` at a few steps only): a change made on some ranks only (under ``if rank
+    == 0:``), or a schedule that differs at some step, made their weights drift apart for good, silently.
     """
 
     def __init__(self, engine, group, shard_update: bool):
@@ -1057,7 +1074,7 @@ class DistributedHybrid(_FailureNaming):
             # digest (Note [Every rank at the same version]): on a refusal every rank refuses this step together,
             # before any work, and the group stays usable
             self._sizes.copy_(torch.tensor([_STEP_TAG, float(sum(sizes)), refusal, float(engine.version),
-                                            float(engine.optimizer.digest())], dtype=torch.float64))
+                                            float(update_digest(engine))], dtype=torch.float64))
             self._all_sizes.zero_()  # a rank whose header did not come reads as no step's
             counts = self._all_sizes[:, 1:]
             with _collective("all-gather of the batch sizes", self.rank, self._explain):
@@ -1087,7 +1104,7 @@ class DistributedHybrid(_FailureNaming):
         digests = [int(d) for d in counts[:, 3].tolist()]
         if len(set(digests)) > 1:
             refused = None
-            raise DistributedError(differing_optimizers(self.rank, digests, engine.optimizer))
+            raise DistributedError(differing_optimizers(self.rank, digests, engine))
         refusals = counts[:, 1].tolist()
         if any(refusals):
             kinds = ((_NOT_A_BATCH, "a batch that cannot be split on dim 0 (its own error says why)"),

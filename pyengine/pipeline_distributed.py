@@ -36,8 +36,8 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, as_bytes,
-                          receive_rank0_state)
+from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, _update_settings,
+                          as_bytes, receive_rank0_state, update_digest)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
                        check_pair, check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
                        stage_store_names)
@@ -660,8 +660,9 @@ class DistributedPipeline(_FailureNaming):
                 "step was refused on every rank")
         if not same_optimizer:
             raise DistributedError(
-                f"rank {self.rank}: the ranks' engine.optimizer settings differ (this rank's: {engine.optimizer!r}): a "
-                "change between steps must be made on every rank; this step was refused on every rank")
+                f"rank {self.rank}: the ranks' engine.optimizer settings or learning rates differ (this rank's: "
+                f"{_update_settings(engine)}): a change between steps must be made on every rank, and "
+                "lr_schedule must give every rank the same; this step was refused on every rank")
         problem = _batch_problem(inputs, targets)
         if problem is not None:  # every rank given this batch raises the same; the group stays usable
             raise ValueError(problem)
@@ -775,7 +776,7 @@ class DistributedPipeline(_FailureNaming):
         sets its own: Note [Ranks whose fits end at different steps], ibid.)."""
         both = self._fingerprint  # Note [Gloo's works are released by the thread that waits]
         (both[0], both[2]), (both[1], both[3]) = _fingerprint(inputs), _fingerprint(targets)
-        both[4], both[5] = self.engine.version, self.engine.optimizer.digest()
+        both[4], both[5] = self.engine.version, update_digest(self.engine)
         both[6:12] = -both[:6]
         both[12:] = 0  # no end of fit here: :meth:`end_fit` sends this rank's
         self.works.run(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)

@@ -241,7 +241,8 @@ def nonfinite_raise(seed, rank, world):
 def load_divergence(seed, rank, world, out_dir):
     """Replicated and sharded: after 2 steps rank 0 alone loads the state of step 1 (a resume on rank 0 only); a
     checkpoint and the next step must fail on every rank (the checkpoint writing nothing). Then rank 1 loads it too,
-    and both train on."""
+    and both train on. Then an lr changed on rank 0 only, and an lr_schedule that differs between the ranks at a
+    step the construction does not compare: refused on every rank."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 3, 16)]
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):
@@ -289,6 +290,18 @@ def load_divergence(seed, rank, world, out_dir):
             out["pipeline"] = dict(save_error=None)
         except distributed.DistributedError as exc:
             out["pipeline"] = dict(save_error=str(exc))
+    # an lr_schedule that differs between the ranks from update 6 on (rank 0: 0.5 from step 5, rank 1 from step 6):
+    # alike at the steps the construction compares (0..3, 10, ...), so only the step's check sees it
+    schedule = lambda s: 0.5 if s >= 5 + rank else 1.0  # noqa: E731
+    with pyengine.Engine(make_model(), loss_fn, devices=["cpu"], optimizer=pyengine.AdamW(**OPT), pin=False,
+                         lr_schedule=schedule) as engine:
+        errors = []
+        for i in range(7):
+            try:
+                engine.step(batches[i % len(batches)])
+            except distributed.DistributedError as exc:
+                errors.append((i, str(exc)))
+        out["schedule"] = dict(errors=errors, version=engine.version, master=engine.master_state_dict())
     return out
 
 

@@ -472,7 +472,7 @@ def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed)
     rank naming the ranks' versions (before, they trained on with different weights), and once rank 1 loads it too
     both train on alike: equal to steps on batches 0, 1, 2. A checkpoint between is refused on every rank (Note [A
     checkpoint of ranks at different versions]). An lr changed between steps on rank 0 only is refused
-    likewise."""
+    likewise, and so is an lr_schedule that differs between the ranks at a step the construction does not compare."""
     codes, logs, _ = launch("load-divergence", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
@@ -493,11 +493,12 @@ def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed)
                 "rank); nothing was written"), (kind, rank[kind]["save_error"])
             assert not (tmp_path / f"diverged-{kind}").exists() or not any((tmp_path / f"diverged-{kind}").iterdir())
             # then an lr changed on rank 0 only: refused on every rank (the ranks' weights drifted apart for good)
+            lr = dist_job.OPT['lr'] * (2 - r)
             assert rank[kind]["lr_error"] == (
-                f"rank {r}: the ranks' engine.optimizer settings differ (the ranks with the same settings: rank 0 | "
-                f"rank 1; this rank's: "
-                f"{pyengine.AdamW(**dict(dist_job.OPT, lr=dist_job.OPT['lr'] * (2 - r)))!r}): a change between steps "
-                "must be made on every rank; this step was refused on every rank"), (kind, rank[kind]["lr_error"])
+                f"rank {r}: the ranks' engine.optimizer settings or learning rates differ (the ranks alike: rank 0 | "
+                f"rank 1; this rank's: {pyengine.AdamW(**dict(dist_job.OPT, lr=lr))!r}, lr {lr!r} for update 3): a "
+                "change between steps must be made on every rank, and lr_schedule must give every rank the same; this "
+                "step was refused on every rank"), (kind, rank[kind]["lr_error"])
             assert rank[kind]["version"] == 3, kind
         assert_identical(ranks[0][kind]["master"], ranks[1][kind]["master"], kind)
         reference.assert_matches(ranks[0][kind]["master"])
@@ -507,6 +508,17 @@ def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed)
             "i): every rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); "
             "nothing was written"), rank["pipeline"]["save_error"]
     assert not (tmp_path / "diverged-pipeline").exists() or not any((tmp_path / "diverged-pipeline").iterdir())
+    # an lr_schedule that gives the ranks different lrs at update 6 (alike at the steps the construction compares):
+    # refused on every rank at that step (the ranks trained apart, silently), and again at the next try
+    for r, rank in enumerate(ranks):
+        lr = dist_job.OPT["lr"] * (0.5 if r == 0 else 1.0)
+        error = (f"rank {r}: the ranks' engine.optimizer settings or learning rates differ (the ranks alike: rank 0 | "
+                 f"rank 1; this rank's: {pyengine.AdamW(**dist_job.OPT)!r}, lr {lr!r} for update 6): a change between "
+                 "steps must be made on every rank, and lr_schedule must give every rank the same; this step was "
+                 "refused on every rank")
+        assert rank["schedule"]["errors"] == [(5, error), (6, error)], rank["schedule"]["errors"]
+        assert rank["schedule"]["version"] == 5
+    assert_identical(ranks[0]["schedule"]["master"], ranks[1]["schedule"]["master"], "schedule")
 
 
 def owned_elements(buckets, rank, world):

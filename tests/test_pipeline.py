@@ -1235,10 +1235,12 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             f"rank {rank}: the ranks' engines hold different states (this rank's version: {2 - 2 * rank}): every "
             "rank must load the same state (load_state_dict or checkpoint.load_engine on every rank); this step was "
             "refused on every rank"), extra["different_states"]
+        lr = OPT['lr'] * (2 - rank)
         assert extra["different_lr"] == (
-            f"rank {rank}: the ranks' engine.optimizer settings differ (this rank's: "
-            f"{AdamW(**dict(OPT, lr=OPT['lr'] * (2 - rank)), amsgrad=True)!r}): a change between steps must be made on "
-            "every rank; this step was refused on every rank"), extra["different_lr"]
+            f"rank {rank}: the ranks' engine.optimizer settings or learning rates differ (this rank's: "
+            f"{AdamW(**dict(OPT, lr=lr), amsgrad=True)!r}, lr {lr!r} for update 3): a change between steps must be "
+            "made on every rank, and lr_schedule must give every rank the same; this step was refused on every rank"
+        ), extra["different_lr"]
         for schedule, steps in extra["bubbles"].items():  # Note [Bubble across processes]; ideal 1/5 for S=2, M=4
             measured = sorted(b for b, _, _ in steps)[1]
             assert all(ideal == pytest.approx(1 / 5) for _, ideal, _ in steps)
