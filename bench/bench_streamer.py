@@ -8,6 +8,10 @@ A ~50M-parameter MLP (PYENGINE_BENCH_PARAMS_M to change) on one CPU worker. Per 
 Overlap efficiency = max(backward, copy) / overlap (1.0 is perfect overlap; serial gives about
 max / (backward + copy)). The slots are checked bit for bit against param.grad before anything is timed.
 
+A second measure, the per-call cost of ``GradientStreamer.wait_all`` on buckets already delivered (the end of every
+worker's step): it waits bucket by bucket in bounded waits, so that Ctrl-C interrupts it, against one call of the
+transfer's own ``wait_all`` (C++), interleaved, on a 200-bucket model.
+
 Run: python -m pytest bench/bench_streamer.py --benchmark-only -s   (1 and 2 intra-op threads)
      python bench/bench_streamer.py                                (a table, more rounds)
 """
@@ -132,7 +136,37 @@ def test_cpu_backward_copy_overlap(benchmark, threads):
         torch.set_num_threads(old)
 
 
+def measure_wait_all(rounds: int = 21, calls: int = 100, benchmark=None) -> dict:
+    """Median microseconds per call of streamer.wait_all() and of its transfer's C++ wait_all on 200 delivered
+    buckets; ``benchmark`` (pytest-benchmark's fixture) then times streamer.wait_all() itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(100)])  # 200 parameters, a bucket each
+    store = pyengine.HostStore(model, pin=False)
+    times = {"streamer": [], "transfer": []}
+    with pyengine.GradientStreamer(model, store, bucket_mb=1e-6, first_bucket_mb=1e-6) as streamer:
+        with streamer.backward_pass(loss := model(torch.randn(4, 16)).square().mean()):
+            loss.backward()
+        calls_of = {"streamer": streamer.wait_all, "transfer": lambda: streamer._transfer.wait_all(0, True)}
+        for _ in range(rounds):
+            for key, call in calls_of.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                times[key].append((time.perf_counter() - start) / calls)
+        buckets = len(streamer.buckets)
+        if benchmark is not None:
+            benchmark.pedantic(streamer.wait_all, rounds=rounds * calls, warmup_rounds=1)
+    return {"buckets": buckets, **{f"{k}_us": 1e6 * statistics.median(v) for k, v in times.items()}}
+
+
+def test_wait_all_call_cost(benchmark):
+    info = measure_wait_all(rounds=7, benchmark=benchmark)
+    benchmark.extra_info.update(info)
+    print("\n" + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
+
+
 if __name__ == "__main__":
+    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in measure_wait_all().items()))
     for threads in (1, 2):
         torch.set_num_threads(threads)
         med, setup = measure(rounds=int(os.environ.get("PYENGINE_BENCH_ROUNDS", "15")))
