@@ -141,7 +141,8 @@ def run_async(engine, batches, *, steps, epochs, callbacks) -> None:
         if run.running:  # left by a second Ctrl-C: the run ends when they do, and close() waits for that
             run.threads.discard(threading.get_ident())  # this thread leaves fit now: no callback of it any more
             # not a daemon, as the workers (Note [Async threads are not daemons])
-            threading.Thread(target=_end_when_stopped, args=(engine, run), name="pyengine-async-end").start()
+            threading.Thread(target=_end_when_stopped, args=(engine, run), name="pyengine-async-end",
+                             daemon=False).start()
         else:
             _end(engine, run)
 
@@ -387,8 +388,9 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
         # then killed by the interpreter's finalization inside torch's native frames: "terminate called without an
         # active exception", the process aborted (SIGABRT, a core dump) instead of exiting with 130. As threads of
         # their own they are joined at exit (threading's shutdown), as the hybrid and sync thread pools' are; the
-        # exit waits at most their current push.
-        threads = [threading.Thread(target=run_worker, args=(w, e), name=f"pyengine-async-{w.index}")
+        # exit waits at most their current push. daemon=False said: a thread takes its creator's flag, and a fit
+        # called on a daemon thread made daemon workers, which a script that ended meanwhile killed so (SIGABRT).
+        threads = [threading.Thread(target=run_worker, args=(w, e), name=f"pyengine-async-{w.index}", daemon=False)
                    for w, e in zip(engine.workers, done)]
         run.workers_done = list(zip(threads, done))
         try:

@@ -1005,6 +1005,63 @@ def check_the_failed_step_left_nothing(engine, before, reference, batches):
     assert_matches(engine, reference)
 
 
+class _KeepsACenter(torch.nn.Module):
+    """Centres its input on a running mean of the batches it saw, kept as a frozen parameter written in place
+    (``kind="frozen"``: a VQ-VAE's EMA codebook, say) or as a buffer registered as None that the first forward sets
+    (``kind="none-buffer"``): state the engine does not follow (Note [Model state the engine does not follow]);
+    ``kind="followed"``: a buffer registered with a tensor. Each has a cache too (non-persistent, set when None)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.l = kind, torch.nn.Linear(10, 3)
+        if kind == "frozen":
+            self.center = torch.nn.Parameter(torch.zeros(10), requires_grad=False)
+        else:  # "followed": a buffer from the start, which the engine follows
+            self.register_buffer("center", None if kind == "none-buffer" else torch.zeros(10))
+        self.register_buffer("cache", None, persistent=False)  # a cache the first forward makes: each replica's own
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = torch.ones(10)
+        with torch.no_grad():
+            if self.kind == "frozen":
+                self.center.mul_(0.9).add_(x.mean(0), alpha=0.1)
+            else:
+                self.center = x.mean(0) if self.center is None else 0.9 * self.center + 0.1 * x.mean(0)
+        return self.l(x - self.center)
+
+
+@pytest.mark.parametrize("kind", ["frozen", "none-buffer"])
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 2), ("async", 2)])
+def test_state_the_engine_does_not_follow_fails_the_step(rng, kind, mode, workers):
+    """A frozen parameter written in place by the forward stayed on the replica that wrote it (sync with 2 workers:
+    each its own running mean, so the weights trained 6 % away from sequential training) and out of checkpoints (a
+    digest of its construction value); a buffer registered as None and set by the forward was nobody's to share,
+    save or copy out (11 % away). Either now fails the step, naming it and the remedy; nothing of the step counts.
+    A non-persistent buffer set by the forward (a cache) is no error: each replica makes its own, as before."""
+    batches = make_batches(rng, 2, 8)
+    with Engine(_KeepsACenter(kind), loss_fn, devices=["cpu"] * workers, mode=mode,
+                optimizer=AdamW(**OPT)) as engine:
+        before, stats = engine.state_dict(), engine.stats()
+        with pytest.raises((WorkerError, ValueError)) as info:
+            engine.fit(batches) if mode == "async" else engine.step(batches[0])
+        error = info.value.__cause__ if isinstance(info.value, WorkerError) else info.value
+        assert isinstance(error, ValueError), info.value
+        assert str(error).startswith("worker 0's replica: " if workers == 1 else "worker ")
+        if kind == "frozen":
+            assert "the step wrote the frozen parameter(s) 'center' in place" in str(error)
+            assert "register that state as a buffer (module.register_buffer)" in str(error)
+        else:
+            assert "the step set the buffer(s) 'center', registered as None when the engine was built" in str(error)
+            assert "register it with its initial tensor before building the engine" in str(error)
+        assert_state_is(engine, before, stats, 0)
+    with Engine(_KeepsACenter("followed"), loss_fn, devices=["cpu"] * workers, mode=mode,
+                optimizer=AdamW(**OPT)) as engine:
+        engine.fit(batches)
+        assert engine.version == 2
+
+
 def test_a_gradient_copy_that_fails_fails_its_worker_and_leaves_nothing_behind():
     """A gradient whose storage a hook frees while its bucket's copy waits behind a large one (CPU): the copy fails,
     and every wait for the bucket raises (Note [A failed copy's error]). The host's wait for the bucket's norm used
@@ -2529,12 +2586,14 @@ def test_a_loss_scale_below_min_scale_warns_before_the_load_writes_anything(rng)
                 engine.load_state_dict(state)
         assert_state_is(engine, before, stats, 2)
         assert before["loss_scaler"] == engine.state_dict()["loss_scaler"] != state["loss_scaler"]
+        engine.workers[1].wait_copies_back()  # the copies into the replica run on its copy thread
         replica = dict(engine.workers[1].replica.named_parameters())
         assert all(torch.equal(replica[k], v) for k, v in engine.master_state_dict().items())
         with pytest.warns(RuntimeWarning, match="loss scale 65536.0 is below") as caught:
             engine.load_state_dict(state)
         assert [w.filename for w in caught] == [__file__]  # the caller's line, once
         assert engine.version == 1 and engine.state_dict()["loss_scaler"] == {"scale": 2.0 ** 20, "growth_tracker": 0}
+        engine.workers[1].wait_copies_back()  # the copies into the replica run on its copy thread
         replica = dict(engine.workers[1].replica.named_parameters())
         assert all(torch.equal(replica[k], v) for k, v in engine.master_state_dict().items())
 
@@ -2962,6 +3021,36 @@ def test_a_script_ended_by_a_second_ctrl_c_during_async_fit_exits_cleanly(tmp_pa
         assert run.returncode == -signal.SIGINT and "terminate called" not in run.stderr, \
             (run.returncode, run.stderr[-2000:])
         assert run.stderr.rstrip().endswith("KeyboardInterrupt"), run.stderr[-2000:]
+
+
+_ASYNC_FIT_ON_A_DAEMON_THREAD = """
+import threading, time, torch, pyengine
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+engine = pyengine.Engine(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), devices=["cpu"] * 2,
+                         mode="async", pin=False)
+def record(engine, metrics):
+    if metrics["step"] == 1:
+        print(sorted((t.name, t.daemon) for t in threading.enumerate() if t.name.startswith("pyengine-async")),
+              flush=True)
+batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+threading.Thread(target=engine.fit, args=([batch] * 300,), kwargs=dict(callbacks=[record]), daemon=True).start()
+time.sleep(0.5)  # the script ends while fit runs
+"""
+
+
+def test_async_fit_on_a_daemon_thread_makes_workers_that_are_no_daemons():
+    """Note [Async threads are not daemons]: a thread takes its creator's daemon flag, so an async fit called on a
+    daemon thread made daemon workers, and a script that ended meanwhile aborted ("terminate called without an
+    active exception", SIGABRT: the interpreter killed them inside torch). They are no daemons now: the exit waits
+    for their pushes and the script exits 0."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _ASYNC_FIT_ON_A_DAEMON_THREAD], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0 and "terminate called" not in run.stderr, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.splitlines() == ["[('pyengine-async-0', False), ('pyengine-async-1', False)]"], run.stdout
 
 
 def _new_thread_count() -> int:
