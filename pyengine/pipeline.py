@@ -101,8 +101,8 @@ import torch
 
 from .metrics import step_metrics
 from .streamer import check_dense_gradients
-from .workers import (WorkerError, _map, _tensors, batch_size, check_weights_unchanged, put_back_buffers, replica_of,
-                      split_batch, task_thread_initializer, to_device)
+from .workers import (FollowedState, WorkerError, _map, _tensors, batch_size, check_weights_unchanged,
+                      put_back_buffers, replica_of, split_batch, task_thread_initializer, to_device)
 from .workers import autocast as autocast_region
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
@@ -432,6 +432,7 @@ class _Stage:
         self._master = store.views(store.param if store.shadow is None else store.shadow)
         self._slot = store.views(store.grad_slot(replica))
         self._versions = [p._version for _, p in self.params]  # as pull() leaves them
+        self.followed = FollowedState(self.module)  # Note [Model state the engine does not follow] (workers.py)
 
     def context(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -443,6 +444,7 @@ class _Stage:
             for name, p in self.params:
                 p.copy_(self._master[name], non_blocking=True)
         self._versions = [p._version for _, p in self.params]  # Note [Weights changed in place by a step]
+        self.followed.mark()
 
     @torch.no_grad()
     def push_grads(self, unused: str) -> dict[str, torch.Tensor | None]:
@@ -453,6 +455,7 @@ class _Stage:
         check_unused(self.params, unused, self.tied)
         check_weights_unchanged([name for (name, p), v in zip(self.params, self._versions) if p._version != v],
                                 f"stage {self.index} (replica {self.replica})")
+        self.followed.check(f"stage {self.index} (replica {self.replica})")
         tied = {}
         with self.context():
             for name, p in self.params:

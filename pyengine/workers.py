@@ -449,6 +449,53 @@ class Computed(NamedTuple):
     weights_wait_s: float
 
 
+class FollowedState:
+    """Note [Model state the engine does not follow]
+    The engine follows a replica's trainable parameters (the store) and the buffers the model held when the engine
+    was built (shared from the schedule's source, put back after a failed step, saved, copied out by copy_to); a
+    frozen parameter is a constant: each replica holds its own copy, a state only its digest. Two kinds of state a
+    forward may keep escape that, and were lost without a word: a frozen parameter written in place (an EMA
+    codebook updated under torch.no_grad()), which stayed on the replica that wrote it (sync with 2 workers: each
+    worker's own; a checkpoint's digest, its construction value); and a persistent buffer registered as None that
+    the forward sets (``named_buffers()`` skips None), which was nobody's to share, save or copy out (torch's
+    state_dict saves it). Either fails the step before its update (a ValueError; the step is dropped as a worker's
+    failure is), with the remedy: register such state as a buffer holding a tensor before the engine is built. A
+    non-persistent one is a cache (a causal mask or rotary table made at the first forward), which torch does not
+    save either: each replica makes its own, as before. Held by a worker (its replica) and by a pipeline stage (its
+    layers): :meth:`mark` before the step's forward, :meth:`check` after its backward. Cost: one ``_version`` read
+    per frozen parameter, twice, and a look per None buffer, a step. A write through ``.data`` is not seen (its own
+    version counter)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._unset = [(f"{prefix}.{name}" if prefix else name, sub, name) for prefix, sub in module.named_modules()
+                       for name, value in sub._buffers.items()
+                       if value is None and name not in sub._non_persistent_buffers_set]
+        self._versions = [p._version for _, p in self._frozen]
+
+    def mark(self) -> None:
+        """The frozen parameters' version counters now, before the step's forward."""
+        self._versions = [p._version for _, p in self._frozen]
+
+    def check(self, where: str) -> None:
+        """Raises ValueError (naming ``where``) if the step since :meth:`mark` wrote a frozen parameter in place or
+        set a persistent buffer registered as None."""
+        written = [n for (n, p), v in zip(self._frozen, self._versions) if p._version != v]
+        if written:
+            raise ValueError(f"{where}: the step wrote the frozen parameter(s) {_shown(written)} in place (an EMA "
+                             "under torch.no_grad(), say). The engine holds frozen parameters as constants (each "
+                             "replica its own copy, a checkpoint their digest), so the change would stay on this "
+                             "replica and out of every checkpoint: register that state as a buffer "
+                             "(module.register_buffer) to have it shared, saved and copied out")
+        set_later = [n for n, sub, local in self._unset if sub._buffers.get(local) is not None]
+        if set_later:
+            raise ValueError(f"{where}: the step set the buffer(s) {_shown(set_later)}, registered as None when the "
+                             "engine was built. The engine shares, saves and copies out the buffers the model held "
+                             "then (named_buffers() skips None), so this one would stay on this replica and out of "
+                             "every checkpoint: register it with its initial tensor before building the engine (a "
+                             "cache that each replica may make for itself: register it with persistent=False)")
+
+
 class Worker:
     """One replica on one device, its streamer and (on CUDA) its compute stream; ``rng`` (a
     :class:`pyengine.rng.WorkerRNG`, for workers that run concurrently) is the replica's own random generator."""
@@ -466,12 +513,7 @@ class Worker:
                                          first_bucket_mb=first_bucket_mb, unused=unused, eager_mb=eager_mb)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.autocast_dtype = autocast_dtype
-        # Note [Model state the engine does not follow]
-        self._frozen = [(n, p) for n, p in self.replica.named_parameters() if not p.requires_grad]
-        self._unset_buffers = [(f"{prefix}.{name}" if prefix else name, module, name)
-                               for prefix, module in self.replica.named_modules()
-                               for name, value in module._buffers.items()
-                               if value is None and name not in module._non_persistent_buffers_set]
+        self.followed = FollowedState(self.replica)  # Note [Model state the engine does not follow]
 
     def pull(self, wait: bool = False) -> None:
         """Master weights (fp32, or the store's low-precision shadow) -> replica.
@@ -543,7 +585,7 @@ class Worker:
             context = torch.cuda.stream(self.stream)
         with context:
             begun = time.perf_counter()
-            frozen = [p._version for _, p in self._frozen]
+            self.followed.mark()
             self.streamer.wait_weights()  # the previous update's copy back (CPU: the host waits; CUDA: the stream)
             start = time.perf_counter()
             self.replica.zero_grad(set_to_none=True)
@@ -555,40 +597,9 @@ class Worker:
             self.streamer.wait_all()
             waited = time.perf_counter()
         check_weights_unchanged(self.streamer.changed_in_place(), f"worker {self.index}'s replica")
-        self._check_state_followed(frozen)
+        self.followed.check(f"worker {self.index}'s replica")
         loss = sum(losses) / len(losses) if weights is None else sum(w * x for w, x in zip(weights, losses))
         return Computed(loss, computed - start, waited - computed, start - begun)
-
-    def _check_state_followed(self, frozen: list[int]) -> None:
-        """Note [Model state the engine does not follow]
-        The engine follows a replica's trainable parameters (the store) and the buffers the model held when the
-        engine was built (shared from the schedule's source, put back after a failed step, saved, copied out by
-        copy_to); a frozen parameter is a constant: each replica holds its own copy, a state only its digest. Two
-        kinds of state a forward may keep escape that, and were lost without a word: a frozen parameter written in
-        place (an EMA codebook updated under torch.no_grad()), which stayed on the replica that wrote it (sync
-        with 2 workers: each worker's own; a checkpoint's digest, its construction value); and a persistent buffer
-        registered as None that the forward sets (``named_buffers()`` skips None), which was nobody's to share, save
-        or copy out (torch's state_dict saves it). Either fails the step before its update (a ValueError; the step
-        is dropped as a worker's failure is), with the remedy: register such state as a buffer holding a tensor
-        before the engine is built. A non-persistent one is a cache (a causal mask or rotary table made at the
-        first forward), which torch does not save either: each replica makes its own, as before. ``frozen``:
-        the frozen parameters' version counters before the step's forward. Cost: one ``_version`` read per frozen
-        parameter (and a look per None buffer) per step. A write through ``.data`` is not seen (its own counter)."""
-        written = [n for (n, p), v in zip(self._frozen, frozen) if p._version != v]
-        if written:
-            raise ValueError(f"worker {self.index}'s replica: the step wrote the frozen parameter(s) {_shown(written)} "
-                             "in place (an EMA under torch.no_grad(), say). The engine holds frozen parameters as "
-                             "constants (each replica its own copy, a checkpoint their digest), so the change would "
-                             "stay on this replica and out of every checkpoint: register that state as a buffer "
-                             "(module.register_buffer) to have it shared, saved and copied out")
-        set_later = [n for n, module, local in self._unset_buffers if module._buffers.get(local) is not None]
-        if set_later:
-            raise ValueError(f"worker {self.index}'s replica: the step set the buffer(s) {_shown(set_later)}, "
-                             "registered as None when the engine was built. The engine shares, saves and copies out "
-                             "the buffers the model held then (named_buffers() skips None), so this one would stay "
-                             "on this replica and out of every checkpoint: register it with its initial tensor "
-                             "before building the engine (a cache that each replica may make for itself: register "
-                             "it with persistent=False)")
 
     def close(self) -> None:
         self.streamer.close()

@@ -1013,8 +1013,7 @@ class _KeepsACenter(torch.nn.Module):
 
     def __init__(self, kind):
         super().__init__()
-        torch.manual_seed(0)
-        self.kind, self.l = kind, torch.nn.Linear(10, 3)
+        self.kind, self.l = kind, torch.nn.Linear(10, 10)
         if kind == "frozen":
             self.center = torch.nn.Parameter(torch.zeros(10), requires_grad=False)
         else:  # "followed": a buffer from the start, which the engine follows
@@ -1032,8 +1031,13 @@ class _KeepsACenter(torch.nn.Module):
         return self.l(x - self.center)
 
 
+def _centering_model(kind):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_KeepsACenter(kind), torch.nn.Linear(10, 3))  # two layers: two pipeline stages
+
+
 @pytest.mark.parametrize("kind", ["frozen", "none-buffer"])
-@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 2), ("async", 2)])
+@pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 2), ("async", 2), ("pipeline", 2)])
 def test_state_the_engine_does_not_follow_fails_the_step(rng, kind, mode, workers):
     """A frozen parameter written in place by the forward stayed on the replica that wrote it (sync with 2 workers:
     each its own running mean, so the weights trained 6 % away from sequential training) and out of checkpoints (a
@@ -1041,23 +1045,24 @@ def test_state_the_engine_does_not_follow_fails_the_step(rng, kind, mode, worker
     save or copy out (11 % away). Either now fails the step, naming it and the remedy; nothing of the step counts.
     A non-persistent buffer set by the forward (a cache) is no error: each replica makes its own, as before."""
     batches = make_batches(rng, 2, 8)
-    with Engine(_KeepsACenter(kind), loss_fn, devices=["cpu"] * workers, mode=mode,
-                optimizer=AdamW(**OPT)) as engine:
+    options = dict(devices=["cpu"] * workers, mode=mode, optimizer=AdamW(**OPT))
+    options.update(stages=2) if mode == "pipeline" else None
+    with Engine(_centering_model(kind), loss_fn, **options) as engine:
         before, stats = engine.state_dict(), engine.stats()
         with pytest.raises((WorkerError, ValueError)) as info:
             engine.fit(batches) if mode == "async" else engine.step(batches[0])
         error = info.value.__cause__ if isinstance(info.value, WorkerError) else info.value
         assert isinstance(error, ValueError), info.value
-        assert str(error).startswith("worker 0's replica: " if workers == 1 else "worker ")
+        where = "stage 0 (replica 0): " if mode == "pipeline" else "worker 0's replica: " if workers == 1 else ""
+        assert str(error).startswith(where or "worker "), str(error)
         if kind == "frozen":
-            assert "the step wrote the frozen parameter(s) 'center' in place" in str(error)
+            assert "the step wrote the frozen parameter(s) '0.center' in place" in str(error)
             assert "register that state as a buffer (module.register_buffer)" in str(error)
         else:
-            assert "the step set the buffer(s) 'center', registered as None when the engine was built" in str(error)
+            assert "the step set the buffer(s) '0.center', registered as None when the engine was built" in str(error)
             assert "register it with its initial tensor before building the engine" in str(error)
         assert_state_is(engine, before, stats, 0)
-    with Engine(_KeepsACenter("followed"), loss_fn, devices=["cpu"] * workers, mode=mode,
-                optimizer=AdamW(**OPT)) as engine:
+    with Engine(_centering_model("followed"), loss_fn, **options) as engine:
         engine.fit(batches)
         assert engine.version == 2
 
