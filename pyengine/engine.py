@@ -1214,7 +1214,7 @@ class Engine:
         if split is not None:  # first: the only step here that may still raise, and it leaves the pipeline unbuilt
             self.pipeline._build(split)
         for worker in self.workers:  # the last step's copies back still read the weights written below
-            worker.wait_copies_back()
+            worker.wait_copies_back(failed_ok=True)  # a failed one too: the pulls below copy every bucket again
         saved_layout.load_torch_state_dict(self.store, sd["optimizer"], self.param_names, checked_step=step)
         with torch.no_grad():  # values that require grad (a model's parameters, say) must not tie the store to autograd
             for name, value in master.items():

@@ -525,11 +525,17 @@ class Worker:
         if wait:
             self.wait_copies_back()
 
-    def wait_copies_back(self) -> None:
+    def wait_copies_back(self, failed_ok: bool = False) -> None:
         """Blocks the host until every bucket's copy of the store's weights into the replica has completed, so that
-        the store's weights may be written after (Note [Pinned buffer busy until its copy's event])."""
+        the store's weights may be written after (Note [Pinned buffer busy until its copy's event]). A copy that
+        failed raises its error (every wait for it does: Note [A failed copy's error]), unless ``failed_ok``: for a
+        caller that copies every bucket again next (a load), for which a failed copy is complete all the same."""
         for k in range(len(self.streamer.buckets)):
-            self.streamer.wait_weights(k)
+            try:
+                self.streamer.wait_weights(k)
+            except RuntimeError:
+                if not failed_ok:
+                    raise
 
     def copy_back(self, buckets: Sequence[int] | None = None) -> None:
         """Starts the copy of the store's weights into the replica (``buckets``: those only; default: all). On CUDA

@@ -1101,6 +1101,38 @@ def test_a_gradient_copy_that_fails_fails_its_worker_and_leaves_nothing_behind()
         assert all(torch.equal(v, expected[k]) for k, v in engine.master_state_dict().items())
 
 
+def test_a_replica_whose_weights_copy_failed_fails_its_steps_until_a_state_is_loaded():
+    """A copy back into a replica whose parameter's storage was freed meanwhile fails; every wait for it raises
+    (Note [A failed copy's error]), so the replica's next steps fail instead of training on its torn weights. Once
+    the storage is back, loading a state recovers (its wait for the last copies back took the failed one as
+    complete, where it raised the error and refused the load for good), and training goes on from the state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1 << 22))  # 16M weights, copied first
+    batches = [torch.randn(8, 4) for _ in range(3)]
+    square = lambda replica, batch: replica(batch).square().mean()  # noqa: E731
+    twin = copy.deepcopy(model)
+    with Engine(model, square, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as engine:
+        engine.step(batches[0])
+        state = engine.state_dict()
+        weight = engine.workers[1].replica[0].weight  # its copy back waits behind the large bucket's
+        engine.step(batches[1])
+        nbytes = weight.untyped_storage().nbytes()
+        weight.untyped_storage().resize_(0)
+        for _ in range(2):
+            with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) failed: RuntimeError: BucketTransfer: the copy "
+                               r"of weights bucket \d+ of w1 failed: copy_on_host: the destination's storage holds 0 "
+                               r"bytes"):
+                engine.step(batches[2])
+        weight.untyped_storage().resize_(nbytes)
+        engine.load_state_dict(state)
+        engine.step(batches[2])
+        with Engine(twin, square, devices=["cpu"] * 2, optimizer=AdamW(**OPT)) as reference:
+            for b in (batches[0], batches[2]):
+                reference.step(b)
+            expected = reference.master_state_dict()
+        assert all(torch.equal(v, expected[k]) for k, v in engine.master_state_dict().items())
+
+
 class _SlowBackward(torch.autograd.Function):
     """Identity whose backward sleeps: the last thing a worker's backward does (it runs after every parameter's)."""
 
