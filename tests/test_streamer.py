@@ -1304,13 +1304,13 @@ def test_a_gradient_freed_while_its_copy_waits_fails_the_backward_pass_and_not_t
         "copy was launched (keep a tensor's storage until its bucket's wait returns)", "False", "True"], run.stdout
 
 
-def _launch_a_failing_copy(transfer, bucket, busy, completes_bucket=True):
-    """Launches a copy into ``bucket`` whose source is freed before the copy thread reaches it (it is busy with
-    ``busy``, a large copy into bucket 1): the copy fails, and its bucket's waits raise."""
-    transfer.launch(0, 1, *busy)
+def _launch_a_failing_copy(transfer, bucket, completes_bucket=True):
+    """Launches a copy into ``bucket`` whose source's storage is freed (its size still says 2**16 elements, which
+    the launch's checks read): the copy thread's check fails it, every time (freeing it after the launch, behind a
+    large copy, raced with the copy thread on a loaded machine), and its bucket's waits raise."""
     src = torch.ones(1 << 16)
-    transfer.launch(0, bucket, [src], [torch.zeros(1 << 16)], completes_bucket)
     src.untyped_storage().resize_(0)
+    transfer.launch(0, bucket, [src], [torch.zeros(1 << 16)], completes_bucket)
 
 
 def test_every_wait_on_a_failed_copy_raises_until_its_bucket_is_released():
@@ -1319,7 +1319,6 @@ def test_every_wait_on_a_failed_copy_raises_until_its_bucket_is_released():
     the host before the bucket's update): both raise; a later wait raises too, until release() drops the step. An
     early part's failure raises at its bucket's completing launch, and not at the launch after it."""
     transfer = pyengine._C.BucketTransfer(2, "cpu", "test")
-    busy = ([torch.ones(1 << 25)], [torch.zeros(1 << 25)])  # 128 MiB: the copy thread is busy meanwhile
     outcomes = []
 
     def waiter():
@@ -1332,7 +1331,7 @@ def test_every_wait_on_a_failed_copy_raises_until_its_bucket_is_released():
     for t in threads:
         t.start()
     time.sleep(0.05)  # both wait for the launch
-    _launch_a_failing_copy(transfer, 0, busy)
+    _launch_a_failing_copy(transfer, 0)
     for t in threads:
         t.join(60)
     assert outcomes == ["copy_on_host"] * 2, outcomes
@@ -1347,7 +1346,7 @@ def test_every_wait_on_a_failed_copy_raises_until_its_bucket_is_released():
     assert transfer.wait(0, 0, True, 60.0) and torch.equal(src, dst)
     transfer.release(0, 0)
 
-    _launch_a_failing_copy(transfer, 0, busy, completes_bucket=False)  # an early part fails
+    _launch_a_failing_copy(transfer, 0, completes_bucket=False)  # an early part fails
     transfer.launch(0, 0, [src], [dst])  # its bucket's completing launch copies fine
     for _ in range(2):
         with pytest.raises(RuntimeError, match="copy of grads bucket 0 of test failed"):
@@ -1356,7 +1355,7 @@ def test_every_wait_on_a_failed_copy_raises_until_its_bucket_is_released():
     transfer.launch(0, 0, [None], [dst])  # the next launch: the old error is not raised
     assert transfer.wait(0, 0, True, 60.0) and torch.count_nonzero(dst) == 0
 
-    _launch_a_failing_copy(transfer, 0, busy, completes_bucket=False)  # a part whose bucket never completes
+    _launch_a_failing_copy(transfer, 0, completes_bucket=False)  # a part whose bucket never completes
     transfer.drain()
     transfer.release(0, 0)  # reset() of the failed step
     transfer.launch(0, 0, [src], [dst])  # the next step's launch: not failed by the dropped step's part
