@@ -72,9 +72,9 @@ class BucketTransfer {
               bool completes_bucket = true);
 
   // Blocks (the caller releases the GIL) until the last launched copy of the bucket has completed, and rethrows an
-  // error raised by that copy (each wait does, until release: Note [A failed copy's error]). until_launched: first wait until the bucket has been launched since the last
-  // release() (a gradient bucket of a backward that is still running); otherwise a bucket with no copy in flight
-  // returns at once. timeout_s >= 0 bounds the wait for the launch (the backward that produces the bucket may have
+  // error raised by that copy (each wait does, until release: Note [A failed copy's error]). until_launched: first
+  // wait until the bucket has been launched since the last release() (a gradient bucket of a backward that is still
+  // running); otherwise a bucket with no copy in flight returns at once. timeout_s >= 0 bounds the wait for the launch (the backward that produces the bucket may have
   // failed or never run): returns false when it ran out, true once the copy is complete. A launched copy always
   // completes, so the wait for completion itself has no timeout.
   bool wait(int64_t channel, int64_t bucket, bool until_launched, double timeout_s = -1.0);
@@ -123,7 +123,8 @@ class BucketTransfer {
   // Every wait for a launch whose copy failed raises its error, not only the first: the worker's thread (the end of
   // its backward pass) and the host (the update of the bucket) both wait for a gradient bucket, and the one that got
   // no error went on with a torn slot (the host updated the bucket from it). The error stays until the bucket is
-  // released (the host is done with the step's data: reset(), a copy back) or a later launch of it is waited for.
+  // released (the host is done with the step's data: reset(), a copy back); a wait for a later launch of the bucket
+  // does not raise it.
 
   // Begins the copies of a launch (called with mutex_ not held, in launch order per transfer).
   virtual void start(int64_t channel, int64_t bucket, CopyJob job) = 0;
