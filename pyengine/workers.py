@@ -462,7 +462,8 @@ class FollowedState:
     failure is), with the remedy: register such state as a buffer holding a tensor before the engine is built. A
     non-persistent one is a cache (a causal mask or rotary table made at the first forward), which torch does not
     save either: each replica makes its own, as before. Held by a worker (its replica) and by a pipeline stage (its
-    layers): :meth:`mark` before the step's forward, :meth:`check` after its backward. Cost: one ``_version`` read
+    layers): :meth:`mark` before the step's forward, :meth:`check` after its backward (which puts such a buffer back
+    to None: a frozen parameter written stays written, the engine keeps no copy of it). Cost: one ``_version`` read
     per frozen parameter, twice, and a look per None buffer, a step. A write through ``.data`` is not seen (its own
     version counter)."""
 
@@ -481,13 +482,16 @@ class FollowedState:
         """Raises ValueError (naming ``where``) if the step since :meth:`mark` wrote a frozen parameter in place or
         set a persistent buffer registered as None."""
         written = [n for (n, p), v in zip(self._frozen, self._versions) if p._version != v]
+        set_later = [n for n, sub, local in self._unset if sub._buffers.get(local) is not None]
+        if set_later:  # as the engine was built: nothing of the refused step stays there
+            for _, sub, local in self._unset:
+                sub._buffers[local] = None
         if written:
             raise ValueError(f"{where}: the step wrote the frozen parameter(s) {_shown(written)} in place (an EMA "
                              "under torch.no_grad(), say). The engine holds frozen parameters as constants (each "
                              "replica its own copy, a checkpoint their digest), so the change would stay on this "
                              "replica and out of every checkpoint: register that state as a buffer "
                              "(module.register_buffer) to have it shared, saved and copied out")
-        set_later = [n for n, sub, local in self._unset if sub._buffers.get(local) is not None]
         if set_later:
             raise ValueError(f"{where}: the step set the buffer(s) {_shown(set_later)}, registered as None when the "
                              "engine was built. The engine shares, saves and copies out the buffers the model held "

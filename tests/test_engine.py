@@ -1061,6 +1061,12 @@ def test_state_the_engine_does_not_follow_fails_the_step(rng, kind, mode, worker
         else:
             assert "the step set the buffer(s) '0.center', registered as None when the engine was built" in str(error)
             assert "register it with its initial tensor before building the engine" in str(error)
+            # put back to None on the replica that set it, as the engine was built: the next step refuses it again
+            # only if its forward sets it again (it stayed set, and every later step was refused)
+            modules = [stage.module for row in engine.pipeline.stages for stage in row] if mode == "pipeline" else \
+                [worker.replica for worker in engine.workers]
+            assert all(center.center is None for m in modules for center in m.modules()
+                       if isinstance(center, _KeepsACenter)), modules
         assert_state_is(engine, before, stats, 0)
     with Engine(_centering_model("followed"), loss_fn, **options) as engine:
         engine.fit(batches)
