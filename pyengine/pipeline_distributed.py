@@ -36,14 +36,14 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, _update_settings,
-                          as_bytes, receive_rank0_state, update_digest)
+from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, _rank_list,
+                          _update_settings, as_bytes, receive_rank0_state, update_digest)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
                        check_pair, check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
                        stage_store_names)
 from .streamer import check_dense_gradients
 from .workers import autocast as autocast_region
-from .workers import batch_size, replica_of, whole_buffers
+from .workers import FollowedState, batch_size, check_weights_unchanged, put_back_buffers, replica_of, whole_buffers
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
 
@@ -96,11 +96,33 @@ def _check_equal_split(tensor, microbatches: int, what: str) -> None:
                          f"a multiple of {microbatches}")
 
 
+@contextlib.contextmanager
+def _attributes_restored(module: torch.nn.Module):
+    """Within: a forward of ``module`` may assign its submodules' attributes (``self.cache = torch.ones(...)`` for a
+    buffer registered as None, ``self.calls += 1``); on leaving, every submodule holds the attributes, parameters,
+    buffers and submodules it held on entering (the same objects: nothing is copied)."""
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules),
+              set(m._non_persistent_buffers_set)) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes, parameters, buffers, modules, non_persistent in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attributes)
+            for held, kept in ((m._parameters, parameters), (m._buffers, buffers), (m._modules, modules),
+                               (m._non_persistent_buffers_set, non_persistent)):
+                held.clear()
+                held.update(kept)
+
+
 def stage_inputs(modules, microbatch: torch.Tensor, device: torch.device, context) -> list[torch.Tensor]:
     """What every stage of ``modules`` (the whole model's split) takes in on ``device``, as meta tensors (shape,
     strides, dtype, requires_grad): stage 0's input (``microbatch``), then each stage's output, stage S - 2's last.
     Computed on fake tensors (Note [Static stage metadata]): no data, no arithmetic, no random number drawn, no
-    buffer changed, each stage under ``context(device)`` (its autocast). Raises what the fake forward raised."""
+    buffer changed, each stage under ``context(device)`` (its autocast). The modules are the user's model's own
+    layers: what their forwards assign to themselves is undone (:func:`_attributes_restored`; a cache made at the
+    first forward was left in the user's model as a FakeTensor); forward hooks registered on them run, on fake
+    tensors. Raises what the fake forward raised."""
     fakes: dict[int, torch.Tensor] = {}  # id -> fake: a parameter tied across stages is one fake tensor
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -115,7 +137,7 @@ def stage_inputs(modules, microbatch: torch.Tensor, device: torch.device, contex
         for s, module in enumerate(modules[:-1]):
             state = {name: fake(t) for name, t in itertools.chain(module.named_parameters(remove_duplicate=False),
                                                                   module.named_buffers(remove_duplicate=False))}
-            with context(device):
+            with context(device), _attributes_restored(module):
                 x = functional_call(module, state, (x,))
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # an int one: no gradient goes back
                 got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
@@ -511,6 +533,9 @@ class DistributedPipeline(_FailureNaming):
         self._replica_packet = None  # _share_buffers' bytes across the replicas of this stage
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
         self._wrapped = _PipelinedLayers(self.module, autocast, self.is_last, self.stage, self.replica, self.device)
+        # Note [A step refused on every rank]: what the update's exchange checks
+        self.followed = FollowedState(self.module)  # Note [Model state the engine does not follow] (workers.py)
+        self._versions = [p._version for _, p in self.params]  # Note [Weights changed in place by a step] (ibid.)
         self.steps = 0  # steps begun
         self._start_naming(group, "pipeline")  # Note [Naming the stage that failed]
         self._enter("the construction of the engine")
@@ -527,8 +552,9 @@ class DistributedPipeline(_FailureNaming):
                               for s, (begin, end) in enumerate(self.ranges)]
         # _same_batch: the fingerprints, version and digest, their negations, then each rank's end of fit
         self._fingerprint = torch.zeros(12 + self.world, dtype=torch.float64)
-        # _update: squared norm, non-finite flag, loss sum, busy seconds (summed over the group)
-        self._reduced = torch.zeros(4, dtype=torch.float64)
+        # _update: squared norm, non-finite flag, loss sum, busy seconds, then one flag per rank that refuses the
+        # step (Note [A step refused on every rank]), all summed over the group
+        self._reduced = torch.zeros(4 + self.world, dtype=torch.float64)
         self._clock = torch.zeros(1, dtype=torch.float64)  # _start_clock, then the schedule's wall (MAX)
         self._meter = _StageMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()}, self.is_last)
         begin, end = self.ranges[self.stage]
@@ -688,14 +714,18 @@ class DistributedPipeline(_FailureNaming):
         with torch.no_grad():
             for name, p in self.params:
                 p.copy_(self._master[name])
+        self._versions = [p._version for _, p in self.params]  # Note [Weights changed in place by a step]
+        self.followed.mark()  # Note [Model state the engine does not follow]
         self.module.zero_grad(set_to_none=True)
         pulled = time.perf_counter()
         losses = []
         # every rank's scale is the same: each takes the same admit_update decisions (the flag is all-reduced)
         self._scale = engine.loss_scale_now()
         self._meter.start_step()
+        self._refused = False
         try:
             self._share_buffers()
+            saved = self._save_buffers()  # Note [A step refused on every rank]: put back if it is
             schedule = self._schedule_for(inputs, targets)
             began = self._start_clock()  # Note [Bubble across processes]
             if self.is_last and targets is None:  # Note [Batches without targets across processes]
@@ -703,13 +733,12 @@ class DistributedPipeline(_FailureNaming):
             _run_schedule(schedule, self.device, m, inputs if self.is_first else None,
                           targets if self.is_last else None, losses)
             scheduled = time.perf_counter()
-            engine.begin_update()  # Note [A step's update under the mutex]
             loss_sum = sum(float(l.detach()) for l in losses)  # the schedule's losses are scaled: unscale the sum
             loss_sum = loss_sum if self._scale is None else loss_sum / self._scale
             meter = self._meter
             with engine.phase("update"):
                 applied, loss_sum, bubble, wall = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
-                                                               scheduled - began, self._scale)
+                                                               scheduled - began, self._scale, saved)
         except FloatingPointError:
             # nonfinite="raise" (Engine.admit_update): every rank took this decision from the same all-reduced
             # flag, after the update's collectives, so the group is still in step: no rank failed, the engine stays
@@ -718,6 +747,9 @@ class DistributedPipeline(_FailureNaming):
             raise
         except BaseException as exc:
             if self.failed_alone:  # Note [A step that fails on one rank after its last collective] (distributed.py)
+                raise
+            if self._refused:  # Note [A step refused on every rank]: the group is in step
+                self._refused = False
                 raise
             self.broken = True
             raise self._failure(exc) from exc
@@ -829,14 +861,51 @@ class DistributedPipeline(_FailureNaming):
         self.works.run(dist.all_reduce, self._clock, group=self.group)
         return time.perf_counter()
 
+    def _save_buffers(self) -> list[tuple]:
+        """(module, key, buffer, a copy of it) for every buffer of this rank's stage, for a step refused on every
+        rank (Note [A step refused on every rank])."""
+        return [(module, key, b, b.detach().clone()) for module in self.module.modules()
+                for key, b in module._buffers.items() if b is not None]
+
+    def _refusal(self) -> ValueError | None:
+        """Why this rank's stage refuses the step it just computed (Note [A step refused on every rank]), or None;
+        the in-process pipeline's ValueError, word for word."""
+        where = f"stage {self.stage} (replica {self.replica})"
+        try:
+            check_weights_unchanged([name for (name, p), v in zip(self.params, self._versions) if p._version != v],
+                                    where)
+            self.followed.check(where)
+        except ValueError as exc:
+            return exc
+        return None
+
     @torch.no_grad()
     def _update(self, loss_sum: float, weight: float, busy: float, elapsed: float,
-                scale: float | None) -> tuple[bool, float, float, float]:
+                scale: float | None, saved: list[tuple]) -> tuple[bool, float, float, float]:
         """Gradients -> slot 0 (across replicas: their weighted mean, ``weight`` = this replica's share of the batch),
-        all-reduced norm, non-finite flag, loss and busy seconds, the schedule's wall (the most ``elapsed`` seconds
-        since :meth:`_start_clock` over the ranks), then the fused update of this rank's range (Note [Distributed
-        pipeline store]). Returns (applied, the loss summed over micro-batches, weighted across replicas, the bubble
-        fraction, the wall: Note [Bubble across processes]). ``scale``: the step's loss scale."""
+        all-reduced norm, non-finite flag, loss, busy seconds and the ranks that refuse the step, the schedule's wall
+        (the most ``elapsed`` seconds since :meth:`_start_clock` over the ranks), then the fused update of this rank's
+        range (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches, weighted
+        across replicas, the bubble fraction, the wall: Note [Bubble across processes]). ``scale``: the step's loss
+        scale; ``saved``: the stage's buffers before the schedule (:meth:`_save_buffers`).
+
+        Note [A step refused on every rank]
+        Across processes a stage checks what it checks in process (Note [Weights changed in place by a step], Note
+        [Model state the engine does not follow] in pyengine/workers.py: a trainable parameter written in place, a
+        frozen one written, a persistent buffer registered as None set) once its schedule is over. Raising there at
+        once, as a stage's own failure does, would leave the peers blocked in the update's all-reduces until the
+        group's timeout, and the group unusable, for a mistake in the model that the error names. Instead each rank
+        sets its own flag in the all-reduce the update makes anyway (no exchange more), and after the update's last
+        collective, before anything is counted or written (``begin_update``), every rank raises: the refusing rank
+        the in-process pipeline's StageError around its ValueError, naming the parameter or buffer and the remedy;
+        the others a DistributedError naming the refusing ranks. The stage's buffers are put back to their values
+        before the schedule (a BatchNorm's statistics of the refused batch), as the in-process pipeline does after a
+        failed step, and a buffer registered as None to None; the next pull puts the trainable weights back. The
+        group stays usable, in step: the next step is a step as any (a frozen parameter written in place stays
+        written, as in process: the engine keeps no copy of frozen parameters). Cost: a copy of the stage's buffers
+        a step, and ``world`` more float64 in the update's all-reduce. Tested on 2 ranks: each kind, on either rank,
+        refused on both, then the engine steps on to the in-process pipeline's weights and buffers, bit for bit."""
+        refusal = self._refusal()
         try:  # unused="error": this rank's own failure, named to its peers (Note [Naming the stage that failed])
             check_unused(self.params, self.unused, self.tied)
         except RuntimeError as exc:
@@ -862,9 +931,21 @@ class DistributedPipeline(_FailureNaming):
         # every stage's squared norm once (from replica 0; the replicas hold the same mean gradient)
         reduced[0] = norm.double().square() if self.replica == 0 else 0.0
         reduced[1], reduced[2], reduced[3] = nonfinite.double(), loss_sum * weight, busy
+        reduced[4:] = 0.0
+        reduced[4 + self.rank] = 0.0 if refusal is None else 1.0
         self.works.run(dist.all_reduce, reduced, group=self.group)
         self._clock[0] = elapsed
         self.works.run(dist.all_reduce, self._clock, op=dist.ReduceOp.MAX, group=self.group)
+        refusing = [r for r, flag in enumerate(reduced[4:].tolist()) if flag]
+        if refusing:  # every rank raises, after the last collective of the step: the group is in step
+            self._refused = True
+            put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
+            if refusal is not None:  # the StageError of the in-process pipeline
+                raise self._wrapped.failure(refusal) from refusal
+            raise DistributedError(f"rank {self.rank}: the step was refused on every rank: the stage of "
+                                   f"{_rank_list(refusing)} wrote state the engine does not follow (its own error "
+                                   "names it and the remedy); nothing of the step was applied, the group stays usable")
+        self.engine.begin_update()  # Note [A step's update under the mutex]
         wall, ranks = float(self._clock[0]), dist.get_world_size(self.group)
         bubble = max(0.0, 1.0 - float(reduced[3]) / (ranks * wall)) if wall > 0 else 0.0
         if not self.engine.admit_update(reduced[1].item() != 0.0, [], loss_scale=scale):

@@ -1373,6 +1373,22 @@ def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
         assert got["saved_s"] < 1, got
 
 
+class _Caching(torch.nn.Module):
+    """A layer that makes a cache at its first forward (a buffer registered as None, non-persistent) and counts its
+    calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.calls = torch.nn.Linear(10, 10), 0
+        self.register_buffer("cache", None, persistent=False)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.cache is None:
+            self.cache = torch.ones(10)
+        return self.l(x * self.cache)
+
+
 class _DataDependent(torch.nn.Module):
     """A layer whose forward reads a value of its input (``.item()``): it cannot run on fake tensors."""
 
@@ -1461,6 +1477,15 @@ def test_stage_metadata_comes_from_fake_tensors():
         for name, value in model.state_dict().items():
             assert torch.equal(value, before[name]), name
     assert [t.requires_grad for t in got] == [False, False, True, True, True]
+    # the layers are the user's model's: what a forward assigns to its module is undone (a cache made at the first
+    # forward stayed in the user's model as a FakeTensor, and a call counter counted the fake forward)
+    cached = torch.nn.Sequential(_Caching(), torch.nn.Linear(10, 10), _Caching(), torch.nn.Linear(10, 3))
+    shapes = pipeline_distributed.stage_inputs(split_layers(list(cached._modules.items()), [2, 2]), x, cpu,
+                                               lambda d: contextlib.nullcontext())
+    assert [tuple(t.shape) for t in shapes] == [(4, 10), (4, 10)]
+    assert (cached[0].cache, cached[0].calls, list(cached[0]._buffers)) == (None, 0, ["cache"])
+    cached(x)  # the user's model runs as it would have: the forward makes its cache
+    assert type(cached[0].cache) is torch.Tensor and cached[0].calls == 1
     assert got[1].dtype == torch.bfloat16  # a Linear's output under autocast
     # a forward that reads a value (meta tensors have none): the caller falls back to torch's inference
     with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
@@ -1626,6 +1651,115 @@ def test_batches_without_targets_across_processes(tmp_path):
         assert got[rank]["losses"] == pytest.approx(local_losses, rel=1e-5)
         for name, want in local_master.items():
             torch.testing.assert_close(got[rank]["master"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+
+class _WritesWhenArmed(torch.nn.Module):
+    """A layer whose forward, when ``armed`` names its index, writes state the engine does not follow once, before
+    it uses it (so autograd sees no saved tensor changed): a trainable weight in place ("weight"), a frozen
+    parameter ("frozen"), a persistent buffer registered as None ("none-buffer"). ``armed`` is per process, so each
+    rank (and the in-process reference) arms only its own copy of the layer."""
+    armed = None  # (kind, index)
+
+    def __init__(self, index):
+        super().__init__()
+        self.index, self.l = index, torch.nn.Linear(10, 10)
+        self.frozen = torch.nn.Parameter(torch.zeros(10), requires_grad=False)
+        self.register_buffer("late", None)
+
+    def forward(self, x):
+        armed = _WritesWhenArmed.armed
+        if armed is not None and armed[1] == self.index:
+            _WritesWhenArmed.armed = None
+            with torch.no_grad():
+                if armed[0] == "weight":
+                    self.l.weight.clamp_(-10.0, 10.0)
+                elif armed[0] == "frozen":
+                    self.frozen.add_(0.5)
+                else:
+                    self.late = x.mean(0)
+        return self.l(x + self.frozen)
+
+
+def _writing_model():
+    """Stage 0 (of balance [2, 2]): a writing layer and a BatchNorm (buffers its rank alone updates, put back
+    after a refused step); stage 1: a writing layer and the head."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_WritesWhenArmed(0), torch.nn.BatchNorm1d(10), _WritesWhenArmed(1),
+                               torch.nn.Linear(10, 3))
+
+
+WRITES = [("weight", 0), ("weight", 1), ("frozen", 1), ("none-buffer", 0)]  # (kind, stage)
+WRITING_OPTIONS = dict(mode="pipeline", microbatches=2, balance=[2, 2], optimizer=AdamW(**OPT), pin=False)
+
+
+def _writes(engine, batches, kind, stage):
+    """Step 1, then step 2 with the layer of ``stage`` armed to write ``kind`` (refused), then the rest: the
+    refusal's text (None: nothing raised), the version after it, the losses, the master weights and buffers."""
+    _WritesWhenArmed.armed = None
+    out = {"losses": [engine.step(batches[0])["loss"]], "refused": None}
+    _WritesWhenArmed.armed = (kind, stage)  # across processes, only the rank running that stage has the layer run
+    try:
+        engine.step(batches[1])
+    except (ValueError, RuntimeError) as error:
+        out["refused"] = f"{type(error).__name__}: {error}"
+    _WritesWhenArmed.armed = None
+    out["version"] = engine.version
+    out["losses"] += [engine.step(b)["loss"] for b in batches[2:]]
+    out["master"], out["buffers"] = engine.master_state_dict(), engine.buffers_state_dict()
+    return out
+
+
+def _writing_worker(rank, world, init_file, out_dir):
+    dist = _join_gloo_group(rank, world, init_file)
+    try:
+        batches = make_batches(torch.Generator().manual_seed(7), 4, 12)
+        out = []
+        for kind, stage in WRITES:
+            with Engine(_writing_model(), loss_fn, devices=["cpu"], **WRITING_OPTIONS) as engine:
+                out.append(_writes(engine, batches, kind, stage))
+        torch.save(out, f"{out_dir}/writes-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_state_the_engine_does_not_follow_is_refused_on_every_rank(tmp_path):
+    """Note [A step refused on every rank]: across processes a stage's forward that wrote a trainable weight in
+    place, a frozen parameter, or set a persistent buffer registered as None trained on without a word (the
+    in-process pipeline refuses each: Note [Weights changed in place by a step], Note [Model state the engine does
+    not follow]). Now the step is refused on both ranks: the refusing rank raises the in-process pipeline's
+    StageError word for word (naming the parameter), the other a DistributedError naming it; nothing of it counts (version, the BatchNorm's statistics of the refused batch),
+    and the engine steps on to the in-process pipeline's weights and buffers, bit for bit."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_writing_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    batches = make_batches(torch.Generator().manual_seed(7), 4, 12)
+    got = [torch.load(tmp_path / f"writes-{rank}.pt", weights_only=False) for rank in range(2)]
+    for i, (kind, stage) in enumerate(WRITES):
+        with Engine(_writing_model(), loss_fn, devices=["cpu"] * 2, stages=2, **WRITING_OPTIONS) as local:
+            want = _writes(local, batches, kind, stage)
+        assert want["refused"] is not None and want["version"] == 1, want["refused"]
+        name = f"{2 * stage}." + {"weight": "l.weight", "frozen": "frozen", "none-buffer": "late"}[kind]
+        what = {"weight": f"wrote the trainable parameter(s) '{name}' in place",
+                "frozen": f"wrote the frozen parameter(s) '{name}' in place",
+                "none-buffer": f"set the buffer(s) '{name}', registered as None when the engine was built"}[kind]
+        assert want["refused"].startswith(f"StageError: pipeline stage {stage} (replica 0, cpu) failed: ValueError: "
+                                          f"stage {stage} (replica 0): the step {what}"), want["refused"]
+        for rank in range(2):
+            case = got[rank][i]
+            if rank == stage:  # the in-process pipeline's error, word for word
+                assert case["refused"] == want["refused"], case["refused"]
+            else:
+                assert case["refused"] == (f"DistributedError: rank {rank}: the step was refused on every rank: the "
+                                           f"stage of rank {stage} wrote state the engine does not follow (its own "
+                                           "error names it and the remedy); nothing of the step was applied, the "
+                                           "group stays usable"), case["refused"]
+            assert case["version"] == 1 and case["losses"] == want["losses"], (case["version"], case["losses"])
+            for name, value in want["master"].items():
+                assert torch.equal(case["master"][name], value), (kind, rank, name)
+            for name, value in want["buffers"].items():
+                assert torch.equal(case["buffers"][name], value), (kind, rank, name)
 
 
 def _empty_stage_worker(rank, world, init_file, out_dir):
