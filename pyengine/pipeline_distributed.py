@@ -553,8 +553,8 @@ class DistributedPipeline(_FailureNaming):
         # _same_batch: the fingerprints, version and digest, their negations, then each rank's end of fit
         self._fingerprint = torch.zeros(12 + self.world, dtype=torch.float64)
         # _update: squared norm, non-finite flag, loss sum, busy seconds, then one flag per rank that refuses the
-        # step (Note [A step refused on every rank]), all summed over the group
-        self._reduced = torch.zeros(4 + self.world, dtype=torch.float64)
+        # step (Note [A step refused on every rank]) and each rank's busy seconds, all summed over the group
+        self._reduced = torch.zeros(4 + 2 * self.world, dtype=torch.float64)
         self._clock = torch.zeros(1, dtype=torch.float64)  # _start_clock, then the schedule's wall (MAX)
         self._meter = _StageMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()}, self.is_last)
         begin, end = self.ranges[self.stage]
@@ -737,7 +737,7 @@ class DistributedPipeline(_FailureNaming):
             loss_sum = loss_sum if self._scale is None else loss_sum / self._scale
             meter = self._meter
             with engine.phase("update"):
-                applied, loss_sum, bubble, wall = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
+                applied, loss_sum, bubble, wall, stage_busy = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
                                                                scheduled - began, self._scale, saved)
         except FloatingPointError:
             # nonfinite="raise" (Engine.admit_update): every rank took this decision from the same all-reduced
@@ -759,7 +759,7 @@ class DistributedPipeline(_FailureNaming):
                             copy_back=pulled - start, applied=applied, loss_scale=self._scale, stages=self.num_stages,
                             replicas=self.replicas, microbatches=m, schedule=self.schedule,
                             stage_sizes=list(self.sizes), schedule_s=wall, stage=self.stage,
-                            replica=self.replica, busy_s=meter.busy, bubble_fraction=bubble,
+                            replica=self.replica, busy_s=meter.busy, stage_busy_s=stage_busy, bubble_fraction=bubble,
                             activation_peak=meter.memory.peak_count, activation_peak_bytes=meter.memory.peak_bytes,
                             bubble_ideal=(self.num_stages - 1) / (m + self.num_stages - 1))
 
@@ -881,13 +881,14 @@ class DistributedPipeline(_FailureNaming):
 
     @torch.no_grad()
     def _update(self, loss_sum: float, weight: float, busy: float, elapsed: float,
-                scale: float | None, saved: list[tuple]) -> tuple[bool, float, float, float]:
+                scale: float | None, saved: list[tuple]) -> tuple[bool, float, float, float, list[float]]:
         """Gradients -> slot 0 (across replicas: their weighted mean, ``weight`` = this replica's share of the batch),
         all-reduced norm, non-finite flag, loss, busy seconds and the ranks that refuse the step, the schedule's wall
         (the most ``elapsed`` seconds since :meth:`_start_clock` over the ranks), then the fused update of this rank's
         range (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches, weighted
-        across replicas, the bubble fraction, the wall: Note [Bubble across processes]). ``scale``: the step's loss
-        scale; ``saved``: the stage's buffers before the schedule (:meth:`_save_buffers`).
+        across replicas, the bubble fraction, the wall: Note [Bubble across processes], and each stage's busy
+        seconds, the mean over its replicas, as the in-process pipeline's ``stage_busy_s``). ``scale``: the step's
+        loss scale; ``saved``: the stage's buffers before the schedule (:meth:`_save_buffers`).
 
         Note [A step refused on every rank]
         Across processes a stage checks what it checks in process (Note [Weights changed in place by a step], Note
@@ -933,10 +934,11 @@ class DistributedPipeline(_FailureNaming):
         reduced[1], reduced[2], reduced[3] = nonfinite.double(), loss_sum * weight, busy
         reduced[4:] = 0.0
         reduced[4 + self.rank] = 0.0 if refusal is None else 1.0
+        reduced[4 + self.world + self.rank] = busy
         self.works.run(dist.all_reduce, reduced, group=self.group)
         self._clock[0] = elapsed
         self.works.run(dist.all_reduce, self._clock, op=dist.ReduceOp.MAX, group=self.group)
-        refusing = [r for r, flag in enumerate(reduced[4:].tolist()) if flag]
+        refusing = [r for r, flag in enumerate(reduced[4:4 + self.world].tolist()) if flag]
         if refusing:  # every rank raises, after the last collective of the step: the group is in step
             self._refused = True
             put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
@@ -948,8 +950,11 @@ class DistributedPipeline(_FailureNaming):
         self.engine.begin_update()  # Note [A step's update under the mutex]
         wall, ranks = float(self._clock[0]), dist.get_world_size(self.group)
         bubble = max(0.0, 1.0 - float(reduced[3]) / (ranks * wall)) if wall > 0 else 0.0
+        each = reduced[4 + self.world:].tolist()  # group rank s * R + r runs stage s of replica r
+        stage_busy = [sum(each[s * self.replicas:(s + 1) * self.replicas]) / self.replicas
+                      for s in range(self.num_stages)]
         if not self.engine.admit_update(reduced[1].item() != 0.0, [], loss_scale=scale):
-            return False, float(reduced[2]), bubble, wall
+            return False, float(reduced[2]), bubble, wall, stage_busy
         norm = reduced[0].sqrt().float().reshape(())
         try:
             for first, last in [(begin, end)] + self._tied_ranges:  # Note [Parameters tied across processes]
@@ -957,7 +962,7 @@ class DistributedPipeline(_FailureNaming):
         except BaseException:
             self.failed_alone = True  # Note [A step that fails on one rank after its last collective] (distributed.py)
             raise
-        return True, float(reduced[2]), bubble, wall
+        return True, float(reduced[2]), bubble, wall, stage_busy
 
     def gather(self) -> None:
         """Brings every stage's range of the weights and Adam state into this rank's store (a collective; a no-op

@@ -1519,6 +1519,9 @@ def test_torchrun_pipeline_equals_the_in_process_pipeline(tmp_path):
     assert summary["bubble_ideal"] == pytest.approx(1 / 4)  # (S - 1) / (M + S - 1)
     assert 0.0 <= summary["bubble_fraction_mean"] < 1.0
     assert all(r["stages"] == 2 for r in records)
+    # every line has every stage's busy seconds, as in process (rank 0, the one writer, had only its own busy_s)
+    assert all(len(r["stage_busy_s"]) == 2 and r["stage_busy_s"][0] == r["busy_s"] and r["stage_busy_s"][1] > 0
+               for r in records), [r.get("stage_busy_s") for r in records]
 
 
 def test_under_torchrun_a_pipeline_stage_without_parameters_is_refused_before_any_work(monkeypatch):

@@ -1095,6 +1095,7 @@ def _engine_worker(rank, world, init_file, seed, out_dir):
                     "bn_losses": bn_losses, "bn_state": bn_state, "bn_reloaded": bn_reloaded,
                     "bubbles": {k: [(m["bubble_fraction"], m["bubble_ideal"], m["busy_s"]) for m in v]
                                 for k, v in bubbles.items()},
+                    "stage_busy": {k: [m["stage_busy_s"] for m in v] for k, v in bubbles.items()},
                     "activations": {k: [(m["activation_peak"], m["activation_peak_bytes"]) for m in v]
                                     for k, v in bubbles.items()},
                     "walls": {k: [m["schedule_s"] for m in v] for k, v in bubbles.items()},
@@ -1250,6 +1251,11 @@ def test_engine_over_process_group_equals_single_device(rng, tmp_path):
             assert 1 / 5 - 0.03 <= measured <= 1 / 5 + 0.2, (schedule, measured)  # one stage at a time: 1/2
             busy = sorted(s for _, _, s in steps)[1]
             assert 0.024 * 4 <= busy <= 0.024 * 4 * 2 + 0.02, (schedule, busy)  # 4 forwards+backwards, late sleeps
+            # every rank's metrics hold every stage's busy seconds, as in process (rank 0's metrics lines missed
+            # stage 1's): the same list on both ranks, this rank's entry its own busy_s
+            assert all(len(each) == 2 and each[rank] == own for each, (_, _, own) in
+                       zip(extra["stage_busy"][schedule], steps)), (schedule, extra["stage_busy"][schedule])
+            assert extra["stage_busy"][schedule] == extras[1 - rank]["stage_busy"][schedule]
             # Note [Activations across processes]: GPipe holds all 4 micro-batches, 1F1B min(S - s, M) at stage s
             peak = 4 if schedule == "gpipe" else 2 - rank
             assert all(count == peak and nbytes > 0 for count, nbytes in extra["activations"][schedule]), \
