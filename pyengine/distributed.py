@@ -972,7 +972,8 @@ class DistributedHybrid(_FailureNaming):
         self._all_sizes = torch.zeros(self.world, HEADER_LEN, dtype=torch.float64)
         self._buffer_packet: BytePacket | None = None  # _share_buffers' bytes
         self._all_sizes_flat = self._all_sizes.view(-1)
-        self._loss = torch.zeros(1, dtype=torch.float64)
+        # the step's loss, then one flag per rank that refuses the step (Note [A step refused on every rank])
+        self._loss = torch.zeros(1 + self.world, dtype=torch.float64)
         self._norms = torch.zeros(2, dtype=torch.float64)  # the sharded update's squared norm and non-finite flag
         if shard_update:  # bucket k's reduction and all-gather region, and this rank's part of the gather
             self._regions = [self._ring[k % 2][:self.world * self.part[k]] for k in range(len(self.buckets))]
@@ -1135,7 +1136,8 @@ class DistributedHybrid(_FailureNaming):
         def task(worker, part):
             def run():
                 with engine.phase("forward_backward+transfer", worker.index):
-                    return worker.compute(engine.loss_fn, *part, loss_scale=scale)
+                    # a refusal is this rank's and its peers' together: Note [A step refused on every rank]
+                    return worker.compute(engine.loss_fn, *part, loss_scale=scale, defer_refusal=True)
             return run
 
         try:
@@ -1147,7 +1149,6 @@ class DistributedHybrid(_FailureNaming):
             abandoned.set()  # the reducer ends at its next look: a failed worker's buckets never come
             raise
         reducer.join()
-        engine.begin_update()  # Note [A step's update under the mutex]
         computed = time.perf_counter()
         try:
             if errors:  # the list emptied and nothing of it kept in this frame, which the traceback holds: no cycle
@@ -1161,7 +1162,10 @@ class DistributedHybrid(_FailureNaming):
                     else:
                         _wait(work, "gradient bucket reduction", self.rank, self._explain)
             loss = self._loss
-            loss.fill_(sum(results[i][0] * n for i, n in enumerate(sizes)))
+            loss.zero_()
+            loss[0] = sum(results[i][0] * n for i, n in enumerate(sizes))
+            refusals = [w for w in engine.workers if w.refused is not None]
+            loss[1 + self.rank] = 1.0 if refusals else 0.0
             with _collective("allreduce of the loss", self.rank, self._explain):
                 self.works.run(dist.all_reduce, loss, group=self.group)
             reduced = time.perf_counter()
@@ -1169,6 +1173,10 @@ class DistributedHybrid(_FailureNaming):
             self.broken = True
             self._record_failure(exc)
             raise
+        refusing = [r for r, flag in enumerate(loss[1:].tolist()) if flag]
+        if refusing:
+            self._refuse(engine, refusing, refusals)
+        engine.begin_update()  # Note [A step's update under the mutex]
         try:
             with engine.phase("update"):
                 applied = self._update_sharded(engine, scale) if self.shard_update else engine.apply_update(
@@ -1196,7 +1204,7 @@ class DistributedHybrid(_FailureNaming):
                 self.failed_alone = True  # Note [A step that fails on one rank after its last collective]
                 raise
         end = time.perf_counter()
-        return step_metrics(engine, loss=loss.item() / total, samples=int(total), wall=end - start,
+        return step_metrics(engine, loss=loss[0].item() / total, samples=int(total), wall=end - start,
                             compute=max(r[1] for r in results.values()), update=updated - reduced,
                             transfer_wait=max(r[2] for r in results.values()) + reduced - computed,
                             copy_back=end - updated, applied=applied, loss_scale=scale, rank=self.rank,
@@ -1223,6 +1231,40 @@ class DistributedHybrid(_FailureNaming):
         if self.rank != 0:  # into whole tensors: a forward may have assigned an expanded one (replica_of's doc)
             packet.unpack(whole_buffers(engine.workers[0].replica, tensors))
         engine.share_buffers(range(engine.num_workers))
+
+    def _refuse(self, engine, refusing: list[int], refusals: list) -> None:
+        """Note [A step refused on every rank]
+        A step that wrote state the engine does not follow (Note [Weights changed in place by a step], Note [Model
+        state the engine does not follow] in pyengine/workers.py: a trainable parameter written in place, a frozen
+        one written, a persistent buffer registered as None set) fails in one process before its update, naming
+        the parameter or buffer and the remedy. Across processes the rank whose worker (or pipeline stage) raised
+        there left its peers blocked in the step's all-reduces, the group broken, until its process exited or the
+        group's timeout (a pipeline stage trained on without a word), for a mistake in the model. Now the check
+        runs once the step's gradients are complete (a worker's in its slots: :meth:`Worker.compute` with
+        ``defer_refusal``, so every bucket's reduction runs as in any step; a stage's after its schedule), each
+        rank sets a flag of its own in an all-reduce the step makes anyway (hybrid: the loss's; the pipeline: the
+        norm's), and after the step's last collective, before anything is counted or written (``begin_update``),
+        every rank refuses the step together: the refusing rank raises the error of one process (the WorkerError,
+        the pipeline's StageError, around the ValueError), the others a DistributedError naming the refusing
+        ranks. Nothing of the step counts: it is dropped as a failed worker's is (streamers reset, the buffers as
+        before it, a written weight pulled back; a buffer registered as None is None again), and the group stays
+        usable, in step (a frozen parameter written stays written, as in one process: the engine keeps no copy of
+        frozen parameters). Cost: ``world`` float64 more in that all-reduce. Tested on 2 ranks, each kind: hybrid
+        replicated and sharded (then bit for bit the same engine that never saw the refused batch), the pipeline
+        with the writing stage on either rank (then bit for bit the in-process pipeline)."""
+        engine.drop_gathered_step()
+        if refusals:
+            worker = refusals[0]
+            exc = worker.refused
+            for w in engine.workers:
+                w.refused = None
+            try:
+                raise WorkerError(worker.index, worker.device, exc) from exc
+            finally:  # the frame must not hold its own exception (Note [No reference cycle through the engine])
+                exc = None
+        raise DistributedError(f"rank {self.rank}: the step was refused on every rank: a worker of "
+                               f"{_rank_list(refusing)} wrote state the engine does not follow (its own error names it "
+                               "and the remedy); nothing of the step was applied, the group stays usable")
 
     def _reduce_buckets(self, engine, weights, works, errors, abandoned: threading.Event) -> None:
         """Reducer thread: for each bucket in order, wait for it in every local slot, weighted local sum into the

@@ -461,6 +461,7 @@ class Engine:
             self.buffer_names = list(self.saved_buffer_names)
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._buffers_before = None  # Note [A failed step leaves the buffers alone]
+        self._buffers_gathered = None  # the last gather_workers' snapshot (drop_gathered_step)
         self._buffer_slots, self._buffer_copies = {}, None
         self._buffers_on_cpu = all(d.type == "cpu" for d in self.devices)  # share_buffers' copies: one foreach
         self._stop = threading.Event()
@@ -1508,11 +1509,18 @@ class Engine:
         saved, self._buffers_before = self._buffers_before, None
         failed = next(((i, f.exception()) for i, f in futures.items() if f.exception() is not None), None)
         if failed is None:
+            self._buffers_gathered = saved  # for drop_gathered_step
             return {i: f.result() for i, f in futures.items()}
         self._drop_step(saved)
         futures.clear()  # Note [A task's exception and its callers' frames]
         i, exc = failed
         raise WorkerError(i, self.devices[i], exc) from exc
+
+    def drop_gathered_step(self) -> None:
+        """Drops the step whose workers the last :meth:`gather_workers` returned, as a failed worker's step is (a
+        step refused after its workers completed: Note [A step refused on every rank] in pyengine/distributed.py)."""
+        saved, self._buffers_gathered = self._buffers_gathered, None
+        self._drop_step(saved)
 
     def discard_workers(self, futures: dict) -> None:
         """For a schedule whose host failed between :meth:`submit_workers` and :meth:`gather_workers`: waits for

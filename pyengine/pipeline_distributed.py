@@ -890,22 +890,11 @@ class DistributedPipeline(_FailureNaming):
         seconds, the mean over its replicas, as the in-process pipeline's ``stage_busy_s``). ``scale``: the step's
         loss scale; ``saved``: the stage's buffers before the schedule (:meth:`_save_buffers`).
 
-        Note [A step refused on every rank]
-        Across processes a stage checks what it checks in process (Note [Weights changed in place by a step], Note
-        [Model state the engine does not follow] in pyengine/workers.py: a trainable parameter written in place, a
-        frozen one written, a persistent buffer registered as None set) once its schedule is over. Raising there at
-        once, as a stage's own failure does, would leave the peers blocked in the update's all-reduces until the
-        group's timeout, and the group unusable, for a mistake in the model that the error names. Instead each rank
-        sets its own flag in the all-reduce the update makes anyway (no exchange more), and after the update's last
-        collective, before anything is counted or written (``begin_update``), every rank raises: the refusing rank
-        the in-process pipeline's StageError around its ValueError, naming the parameter or buffer and the remedy;
-        the others a DistributedError naming the refusing ranks. The stage's buffers are put back to their values
-        before the schedule (a BatchNorm's statistics of the refused batch), as the in-process pipeline does after a
-        failed step, and a buffer registered as None to None; the next pull puts the trainable weights back. The
-        group stays usable, in step: the next step is a step as any (a frozen parameter written in place stays
-        written, as in process: the engine keeps no copy of frozen parameters). Cost: a copy of the stage's buffers
-        a step, and ``world`` more float64 in the update's all-reduce. Tested on 2 ranks: each kind, on either rank,
-        refused on both, then the engine steps on to the in-process pipeline's weights and buffers, bit for bit."""
+        A stage's refusal (Note [A step refused on every rank] in pyengine/distributed.py): its flag travels in the
+        all-reduce of the norm, and every rank raises after the clock's, this method's last collective, before
+        ``begin_update``. The stage's buffers are put back to their values before the schedule (a BatchNorm's
+        statistics of the refused batch), as the in-process pipeline does after a failed step; the next pull puts
+        the trainable weights back. Cost: a copy of the stage's buffers a step."""
         refusal = self._refusal()
         try:  # unused="error": this rank's own failure, named to its peers (Note [Naming the stage that failed])
             check_unused(self.params, self.unused, self.tied)

@@ -518,6 +518,7 @@ class Worker:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.autocast_dtype = autocast_dtype
         self.followed = FollowedState(self.replica)  # Note [Model state the engine does not follow]
+        self.refused: ValueError | None = None  # the last compute's, with defer_refusal
 
     def pull(self, wait: bool = False) -> None:
         """Master weights (fp32, or the store's low-precision shadow) -> replica.
@@ -575,7 +576,7 @@ class Worker:
         return loss.detach()
 
     def compute(self, loss_fn, batches, weights: list[float] | None = None,
-                loss_scale: float | None = None) -> "Computed":
+                loss_scale: float | None = None, defer_refusal: bool = False) -> "Computed":
         """Forward+backward over ``batches`` (gradients summed in the replica, copied once after the last). With
         ``weights`` each loss is weighted and the returned loss is the weighted sum: micro-batches of one batch
         (:func:`split_microbatches`), so the replica holds the gradient of the whole batch's mean loss, or a
@@ -584,8 +585,13 @@ class Worker:
         ``loss_scale`` every loss is multiplied by it before backward (Note [Loss scaling]): the slot holds the
         scaled gradient.
 
-        Returns a :class:`Computed`. The copies into the host slot are complete when this returns.
+        Returns a :class:`Computed`. The copies into the host slot are complete when this returns. A step that
+        wrote state the engine does not follow raises its ValueError (Note [Weights changed in place by a step],
+        Note [Model state the engine does not follow]) after those copies; with ``defer_refusal`` it is kept in
+        :attr:`refused` instead, and the step returns, for a caller that refuses it with its peers (Note [A step
+        refused on every rank] in pyengine/distributed.py).
         """
+        self.refused = None
         context = contextlib.nullcontext()
         if self.stream is not None:
             # A pool stream does not wait on the default stream by itself: order this step after the work enqueued
@@ -606,8 +612,13 @@ class Worker:
             computed = time.perf_counter()
             self.streamer.wait_all()
             waited = time.perf_counter()
-        check_weights_unchanged(self.streamer.changed_in_place(), f"worker {self.index}'s replica")
-        self.followed.check(f"worker {self.index}'s replica")
+        try:
+            check_weights_unchanged(self.streamer.changed_in_place(), f"worker {self.index}'s replica")
+            self.followed.check(f"worker {self.index}'s replica")
+        except ValueError as exc:
+            if not defer_refusal:
+                raise
+            self.refused = exc
         loss = sum(losses) / len(losses) if weights is None else sum(w * x for w, x in zip(weights, losses))
         return Computed(loss, computed - start, waited - computed, start - begun)
 

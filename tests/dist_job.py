@@ -238,6 +238,65 @@ def nonfinite_raise(seed, rank, world):
     return out
 
 
+class WritesWhenArmed(torch.nn.Module):
+    """A layer that, at the forward after ``armed`` is set to a kind, writes state the engine does not follow once,
+    before it uses it: a trainable weight in place ("weight"), a frozen parameter ("frozen"), a persistent buffer
+    registered as None ("none-buffer")."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.armed = torch.nn.Linear(D_IN, HIDDEN), None
+        self.frozen = torch.nn.Parameter(torch.zeros(D_IN), requires_grad=False)
+        self.register_buffer("late", None)
+
+    def forward(self, x):
+        kind, self.armed = self.armed, None
+        with torch.no_grad():
+            if kind == "weight":
+                self.l.weight.clamp_(-10.0, 10.0)
+            elif kind == "frozen":
+                self.frozen.add_(0.5)
+            elif kind == "none-buffer":
+                self.late = x.mean(0)
+        return self.l(x + self.frozen)
+
+
+def writing_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(WritesWhenArmed(), torch.nn.BatchNorm1d(HIDDEN), torch.nn.Tanh(),
+                               torch.nn.Linear(HIDDEN, CLASSES))
+
+
+UNFOLLOWED = [("weight", 1), ("none-buffer", 0), ("frozen", 1)]  # (kind, the rank whose worker 1 writes)
+
+
+def unfollowed_state(seed, rank, world):
+    """Replicated and sharded, 2 local workers: for each (kind, rank) of UNFOLLOWED a good step, a step whose worker
+    1 on that rank writes state the engine does not follow, then two good steps; and the same engine on the same
+    batches without the refused one. What each step raised, the stats, the master weights and buffers of both."""
+    batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4, 16)]
+    out = {}
+    for name, shard in (("replicated", False), ("sharded", True)):
+        for kind, writer in UNFOLLOWED:
+            runs = {}
+            for run, indices in (("refused", [0, 1, 2, 3]), ("skipped", [0, 2, 3])):
+                with pyengine.Engine(writing_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
+                                     pin=False, shard_update=shard) as engine:
+                    steps = []
+                    for i in indices:
+                        if i == 1 and rank == writer:
+                            engine.workers[1].replica[0].armed = kind
+                        try:
+                            steps.append(engine.step(batches[i])["applied"])
+                        except Exception as exc:  # noqa: BLE001 - recorded for the test
+                            steps.append(f"{type(exc).__name__}: {exc}")
+                    runs[run] = dict(steps=steps, stats=engine.stats(), version=engine.version,
+                                     recorded=engine.recorded_failure(), master=engine.master_state_dict(),
+                                     buffers=engine.buffers_state_dict())
+            out[name, kind] = runs
+    return out
+
+
 def load_divergence(seed, rank, world, out_dir):
     """Replicated and sharded: after 2 steps rank 0 alone loads the state of step 1 (a resume on rank 0 only); a
     checkpoint and the next step must fail on every rank (the checkpoint writing nothing). Then rank 1 loads it too,
@@ -1471,7 +1530,7 @@ def main():
                  "kept-works": lambda s, r, w: kept_works(s, r, w, out_dir),
                  "failure-loss": failure_in_loss, "failure-loss-exit": lambda s, r, w: failure_in_loss(s, r, w, "exit"),
                  "overlap": overlap, "bad-local-batch": bad_local_batch, "reducer-after-failure": reducer_after_failure, "mismatch": mismatch, "dropout-resume": dropout_resume,
-                 "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise,
+                 "dropout-uneven": dropout_uneven, "nonfinite-raise": nonfinite_raise, "unfollowed-state": unfollowed_state,
                  "shard-one-rank": shard_one_rank,
                  **{f"uneven-steps-{name}": lambda s, r, w, shard=shard: uneven_steps(s, r, w, shard)
                     for name, shard in (("replicated", False), ("sharded", True))},

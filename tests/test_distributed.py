@@ -466,6 +466,44 @@ def test_nonfinite_raise_raises_on_every_rank_and_the_engine_trains_on(tmp_path,
             assert rank[kind]["after"] is True
 
 
+@pytest.mark.timeout(120)
+def test_state_the_engine_does_not_follow_is_refused_on_every_rank(tmp_path, seed):
+    """Note [A step refused on every rank]: a worker whose step wrote a trainable weight in place, a frozen
+    parameter, or set a persistent buffer registered as None failed its rank alone: the peers waited in the step's
+    all-reduces until that process exited (the group broken). Now, replicated and sharded, every rank refuses the
+    step together: the writing rank raises the WorkerError of one process, the other a DistributedError naming it,
+    no rank is recorded as failed, and nothing of the step counts: the engine goes on bit for bit as the same
+    engine that never saw the refused batch (weights, Adam state's effect, BatchNorm statistics, stats), except
+    for a frozen parameter written, which stays written on its replica as in one process."""
+    codes, logs, _ = launch("unfollowed-state", 2, tmp_path, seed)
+    assert codes == [0, 0], "\n".join(logs)
+    ranks = results(tmp_path, 2)
+    what = {"weight": "the step wrote the trainable parameter(s) '0.l.weight' in place",
+            "frozen": "the step wrote the frozen parameter(s) '0.frozen' in place",
+            "none-buffer": "the step set the buffer(s) '0.late', registered as None when the engine was built"}
+    for name in ("replicated", "sharded"):
+        for kind, writer in dist_job.UNFOLLOWED:
+            for r, rank in enumerate(ranks):
+                refused, skipped = rank[name, kind]["refused"], rank[name, kind]["skipped"]
+                first, raised, *rest = refused["steps"]
+                assert first is True and rest == [True, True], (name, kind, r, refused["steps"])
+                if r == writer:
+                    assert raised.startswith(f"WorkerError: worker 1 (cpu) failed: ValueError: worker 1's replica: "
+                                             f"{what[kind]}"), (name, kind, r, raised)
+                else:
+                    assert raised == (f"DistributedError: rank {r}: the step was refused on every rank: a worker of "
+                                      f"rank {writer} wrote state the engine does not follow (its own error names it "
+                                      "and the remedy); nothing of the step was applied, the group stays usable"), \
+                        (name, kind, r, raised)
+                assert refused["recorded"] is None and refused["version"] == 3, (name, kind, r)
+                assert refused["stats"]["steps"] == skipped["stats"]["steps"] == 3, (name, kind, r)
+                if kind != "frozen":  # the written frozen parameter stays on rank `writer`'s worker 1
+                    assert_identical(refused["master"], skipped["master"], f"{name} {kind} rank {r}")
+                    assert_identical(refused["buffers"], skipped["buffers"], f"{name} {kind} rank {r} buffers")
+            assert_identical(ranks[0][name, kind]["refused"]["master"], ranks[1][name, kind]["refused"]["master"],
+                             f"{name} {kind}")
+
+
 @pytest.mark.timeout(90)
 def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed):
     """Note [Every rank at the same version]: rank 0 alone loads an earlier state; the next step raises on every
