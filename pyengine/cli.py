@@ -1593,8 +1593,7 @@ def _summarise(summary: dict) -> str:
     workers = _plural(summary["workers"], "worker")
     where = workers if summary.get("processes", 1) == 1 else f"{_plural(summary['processes'], 'process')} x {workers}"
     skipped = (summary.get("engine_stats") or {}).get("skipped_steps") or 0  # a run of skipped steps read as trained
-    steps = f"{summary['steps']} steps ({skipped} skipped: non-finite gradients)" if skipped else \
-        f"{summary['steps']} steps"
+    steps = _plural(summary["steps"], "step") + (f" ({skipped} skipped: non-finite gradients)" if skipped else "")
     return (f"[{summary['mode']}] {steps} on {where}: "
             f"{summary['samples_per_s']:,.0f} samples/s, final loss "
             f"{'nan (diverged)' if summary.get('diverged') else 'n/a' if loss is None else format(loss, '.4g')}, "
@@ -1856,6 +1855,10 @@ def _check_trace_is_no_run_file(trace: Path, out: Path, mode: str) -> None:
     every = mode == "all"
     traces = [Path(os.path.abspath(_trace_path(str(trace), m, every))) for m in (MODES if every else (mode,))]
     runs = [out] + ([out / m for m in MODES] if every else [])
+    folders = set(runs) | {run / "checkpoints" for run in runs}  # made by the run (a trace there: no file at all)
+    if any(t in folders for t in traces):
+        raise UsageError(f"--trace {trace} names a folder the run in {out} makes (the run's own, or its "
+                         "checkpoints/); give a file name (e.g. trace.json)")
     files = {run / name for run in runs for name in ("summary.json", "metrics.jsonl", ALL_CONFIG, *_RUN_PLOTS)}
     if any(t in files or (t.parent in {run / "checkpoints" for run in runs} and ckpt_named(t)) for t in traces):
         raise UsageError(f"--trace {trace} names a file the run in {out} writes (its metrics, summary, plots or "

@@ -18,8 +18,17 @@ def replace_file(path, write: Callable[[Path], None]) -> None:
     """Replaces the file ``path`` atomically: ``write(tmp)`` writes the new contents to ``tmp``, a temporary file in
     the same folder (``.<stem>.tmp<suffix>``: the suffix tells writers such as matplotlib's savefig the format),
     which is then fsynced and renamed over ``path``. If anything fails the temporary file is removed and ``path``
-    is left as it was. ``path``: a str, bytes or path-like."""
+    is left as it was. ``path``: a str, bytes or path-like.
+
+    A symbolic link stays a link: the file it points to is replaced (the link was replaced by a plain file). A
+    path that exists and is no regular file (``/dev/null``, a named pipe) is written in place: a rename over it
+    replaced the device with a plain file (run as root, ``--trace /dev/null`` replaced the system's)."""
     path = Path(os.fsdecode(path))
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file() and not path.is_dir():  # a device, a pipe, a socket: its own writes
+        write(path)
+        return
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
         write(tmp)

@@ -453,6 +453,39 @@ def test_a_trace_that_names_a_file_of_the_run_is_refused(tmp_path, capsys, name)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.parametrize("name", ["", "checkpoints"])
+def test_a_trace_that_names_a_folder_the_run_makes_is_refused(tmp_path, capsys, name):
+    """--trace naming the run's own folder or its checkpoints/, which a new run has not made yet (the check for a
+    folder passed): the run trained, then could not write the trace ("Is a directory") and ended with exit code 0
+    and no trace. Refused before anything is made."""
+    run = tmp_path / "run"
+    assert train("--steps", "1", "--out", str(run), "--quiet", "--trace", str(run / name), *SHORT) == 2
+    err = capsys.readouterr().err
+    assert f"names a folder the run in {run} makes (the run's own, or its checkpoints/)" in err, err
+    assert not run.exists()
+
+
+def test_a_trace_written_to_a_link_or_a_device_keeps_it(tmp_path):
+    """The trace is written to a temporary file renamed over its path: a symbolic link became a plain file, and a
+    device a plain file (as root, --trace /dev/null replaced the system's). A link stays a link, its target
+    written; a device (a named pipe here: no root needed) is written in place."""
+    target, link, pipe = tmp_path / "target.json", tmp_path / "link.json", tmp_path / "pipe"
+    target.write_text("old")
+    link.symlink_to(target)
+    os.mkfifo(pipe)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(pipe.read_bytes()))
+    reader.start()
+    for path in (link, pipe):
+        assert train("--steps", "1", "--out", str(tmp_path / f"run-{path.name}"), "--quiet", "--trace", str(path),
+                     *SHORT) == 0
+    reader.join(timeout=30)
+    assert link.is_symlink() and json.loads(target.read_text())["traceEvents"]
+    assert pipe.is_fifo() and json.loads(received[0])["traceEvents"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe", "run-link.json", "run-pipe",
+                                                           "target.json"]
+
+
 def test_async_resume_applies_every_batch_once_when_pushes_land_out_of_order(tmp_path, monkeypatch):
     """Note [Which batches an async checkpoint holds]: the worker computing batch 0 is slow, so push 1 applies batch
     1 while batch 0 is in flight. The checkpoint after push 1 holds batch 1 only: a resume from it computes batch 0
@@ -1271,6 +1304,7 @@ def test_summary_line_formats():
                    wall_s=2.0)
     assert _summarise(summary) == ("[hybrid] 3 steps on 1 worker: 1,234 samples/s, final loss 3.1e-05, test "
                                    "accuracy 97.50% (2.0 s)")
+    assert _summarise(dict(summary, steps=1)).startswith("[hybrid] 1 step on 1 worker: ")  # was "1 steps"
     summary.update(workers=2, processes=2, final_loss=0.25)
     assert "on 2 processes x 2 workers: " in _summarise(summary) and "final loss 0.25," in _summarise(summary)
     summary.update(engine_stats=dict(skipped_steps=3))  # every step skipped read as a run that trained
