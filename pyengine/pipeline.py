@@ -132,6 +132,18 @@ def check_unused(params, unused: str, tied=()) -> None:
                            "pass unused='zero' or freeze them")
 
 
+def saved_buffers(modules) -> list[tuple]:
+    """(module, key, buffer, a copy of it) for every buffer of ``modules`` (stages' layers), for
+    :func:`put_back_saved` after a step that does not count."""
+    return [(module, key, b, b.detach().clone()) for root in modules for module in root.modules()
+            for key, b in module._buffers.items() if b is not None]
+
+
+def put_back_saved(saved: list[tuple]) -> None:
+    """Every buffer of :func:`saved_buffers` back to its copy, in place (references to it stay valid)."""
+    put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
+
+
 class _Stopped(Exception):
     """Raised in a stage whose pipeline was stopped by another stage's failure."""
 
@@ -695,11 +707,9 @@ class Pipeline:
             engine._in_flight = engine._in_flight._replace(buffers=kept)
 
     def _save_buffers(self) -> list[tuple]:
-        """(module, key, buffer, a copy of it) for every buffer of every stage (Note [Stopping a failed pipeline]).
-        On CUDA the copies are made on the device's current stream, which every stage's stream waits for before the
-        step."""
-        return [(module, key, b, b.detach().clone()) for row in self.stages for stage in row
-                for module in stage.module.modules() for key, b in module._buffers.items() if b is not None]
+        """:func:`saved_buffers` of every stage (Note [Stopping a failed pipeline]). On CUDA the copies are made on
+        the device's current stream, which every stage's stream waits for before the step."""
+        return saved_buffers(stage.module for row in self.stages for stage in row)
 
     @torch.no_grad()
     def _restore_buffers(self, saved) -> None:
@@ -708,7 +718,7 @@ class Pipeline:
         for stage in (st for row in self.stages for st in row):
             if stage.stream is not None:
                 stage.stream.synchronize()
-        put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
+        put_back_saved(saved)
 
     def _sum_tied_grads(self, results) -> None:
         """Each tied parameter's gradient in replica r's slot: the sum of its stages' contributions, in stage order

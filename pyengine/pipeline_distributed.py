@@ -39,11 +39,11 @@ from .metrics import step_metrics
 from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, _rank_list,
                           _update_settings, as_bytes, receive_rank0_state, update_digest)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
-                       check_pair, check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
-                       stage_store_names)
+                       check_pair, check_unused, checked_loss, owned_names, partition, put_back_saved,
+                       saved_buffers, split_layers, stage_range, stage_store_names)
 from .streamer import check_dense_gradients
 from .workers import autocast as autocast_region
-from .workers import FollowedState, batch_size, check_weights_unchanged, put_back_buffers, replica_of, whole_buffers
+from .workers import FollowedState, batch_size, check_weights_unchanged, replica_of, whole_buffers
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
 
@@ -725,7 +725,7 @@ class DistributedPipeline(_FailureNaming):
         self._refused = False
         try:
             self._share_buffers()
-            saved = self._save_buffers()  # Note [A step refused on every rank]: put back if it is
+            saved = saved_buffers([self.module])  # Note [A step refused on every rank]: put back if it is
             schedule = self._schedule_for(inputs, targets)
             began = self._start_clock()  # Note [Bubble across processes]
             if self.is_last and targets is None:  # Note [Batches without targets across processes]
@@ -737,8 +737,8 @@ class DistributedPipeline(_FailureNaming):
             loss_sum = loss_sum if self._scale is None else loss_sum / self._scale
             meter = self._meter
             with engine.phase("update"):
-                applied, loss_sum, bubble, wall, stage_busy = self._update(loss_sum, sizes[self.replica] / samples, meter.busy,
-                                                               scheduled - began, self._scale, saved)
+                applied, loss_sum, bubble, wall, stage_busy = self._update(
+                    loss_sum, sizes[self.replica] / samples, meter.busy, scheduled - began, self._scale, saved)
         except FloatingPointError:
             # nonfinite="raise" (Engine.admit_update): every rank took this decision from the same all-reduced
             # flag, after the update's collectives, so the group is still in step: no rank failed, the engine stays
@@ -861,12 +861,6 @@ class DistributedPipeline(_FailureNaming):
         self.works.run(dist.all_reduce, self._clock, group=self.group)
         return time.perf_counter()
 
-    def _save_buffers(self) -> list[tuple]:
-        """(module, key, buffer, a copy of it) for every buffer of this rank's stage, for a step refused on every
-        rank (Note [A step refused on every rank])."""
-        return [(module, key, b, b.detach().clone()) for module in self.module.modules()
-                for key, b in module._buffers.items() if b is not None]
-
     def _refusal(self) -> ValueError | None:
         """Why this rank's stage refuses the step it just computed (Note [A step refused on every rank]), or None;
         the in-process pipeline's ValueError, word for word."""
@@ -888,7 +882,7 @@ class DistributedPipeline(_FailureNaming):
         range (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches, weighted
         across replicas, the bubble fraction, the wall: Note [Bubble across processes], and each stage's busy
         seconds, the mean over its replicas, as the in-process pipeline's ``stage_busy_s``). ``scale``: the step's
-        loss scale; ``saved``: the stage's buffers before the schedule (:meth:`_save_buffers`).
+        loss scale; ``saved``: the stage's buffers before the schedule (:func:`pyengine.pipeline.saved_buffers`).
 
         A stage's refusal (Note [A step refused on every rank] in pyengine/distributed.py): its flag travels in the
         all-reduce of the norm, and every rank raises after the clock's, this method's last collective, before
@@ -930,7 +924,7 @@ class DistributedPipeline(_FailureNaming):
         refusing = [r for r, flag in enumerate(reduced[4:4 + self.world].tolist()) if flag]
         if refusing:  # every rank raises, after the last collective of the step: the group is in step
             self._refused = True
-            put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
+            put_back_saved(saved)
             if refusal is not None:  # the StageError of the in-process pipeline
                 raise self._wrapped.failure(refusal) from refusal
             raise DistributedError(f"rank {self.rank}: the step was refused on every rank: the stage of "

@@ -1735,8 +1735,9 @@ def test_state_the_engine_does_not_follow_is_refused_on_every_rank(tmp_path):
     place, a frozen parameter, or set a persistent buffer registered as None trained on without a word (the
     in-process pipeline refuses each: Note [Weights changed in place by a step], Note [Model state the engine does
     not follow]). Now the step is refused on both ranks: the refusing rank raises the in-process pipeline's
-    StageError word for word (naming the parameter), the other a DistributedError naming it; nothing of it counts (version, the BatchNorm's statistics of the refused batch),
-    and the engine steps on to the in-process pipeline's weights and buffers, bit for bit."""
+    StageError word for word (naming the parameter), the other a DistributedError naming it; nothing of it counts
+    (version, the BatchNorm's statistics of the refused batch), and the engine steps on to the in-process
+    pipeline's weights and buffers, bit for bit."""
     import torch.multiprocessing as mp
 
     mp.spawn(_writing_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
