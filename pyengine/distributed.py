@@ -741,6 +741,32 @@ def _take_first(errors: list) -> BaseException:
 _TOO_FEW_FOR_WORKERS, _TOO_FEW_FOR_MICROBATCHES, _NOT_A_BATCH = 2.0, 1.0, 3.0
 _END_PHASE = "the end of fit"  # Note [Ranks whose fits end at different steps]
 _ENDED, _RAISED = 1, 2  # a rank's fit ended, or raised (_FailureNaming._peer_end)
+# why a rank refuses a step it computed (Note [A step refused on every rank]): its flag in the step's all-reduce
+_WROTE_STATE, _NO_GRADIENT = 1.0, 2.0
+_REFUSED_BECAUSE = {_WROTE_STATE: "wrote state the engine does not follow",
+                    _NO_GRADIENT: "had trainable parameter(s) that received no gradient, with unused='error'"}
+
+
+def refusal_flag(refusal: BaseException | None) -> float:
+    """This rank's flag for the all-reduce that refuses a computed step (Note [A step refused on every rank]): 0
+    when ``refusal`` is None, else why: the ValueError of state written, the RuntimeError of a parameter without
+    a gradient under unused="error"."""
+    if refusal is None:
+        return 0.0
+    return _WROTE_STATE if isinstance(refusal, ValueError) else _NO_GRADIENT
+
+
+def refused_step_error(rank: int, whose: str, flags: list[float]) -> DistributedError:
+    """The error of a rank whose step a peer refused: each refusing rank and why, from ``flags`` (every rank's
+    :func:`refusal_flag`); ``whose``: "a worker of" (hybrid) or "the stage of" (the pipeline)."""
+    why = {}
+    for r, flag in enumerate(flags):
+        if flag:
+            why.setdefault(flag, []).append(r)
+    said = " and ".join(f"{whose} {_rank_list(ranks)} {_REFUSED_BECAUSE.get(flag, _REFUSED_BECAUSE[_WROTE_STATE])}"
+                        for flag, ranks in why.items())
+    return DistributedError(f"rank {rank}: the step was refused on every rank: {said} (its own error names it and "
+                            "the remedy); nothing of the step was applied, the group stays usable")
 
 
 def _step_meets_end(a: str, b: str) -> bool:
@@ -1165,7 +1191,7 @@ class DistributedHybrid(_FailureNaming):
             loss.zero_()
             loss[0] = sum(results[i][0] * n for i, n in enumerate(sizes))
             refusals = [w for w in engine.workers if w.refused is not None]
-            loss[1 + self.rank] = 1.0 if refusals else 0.0
+            loss[1 + self.rank] = refusal_flag(refusals[0].refused if refusals else None)
             with _collective("allreduce of the loss", self.rank, self._explain):
                 self.works.run(dist.all_reduce, loss, group=self.group)
             reduced = time.perf_counter()
@@ -1173,9 +1199,9 @@ class DistributedHybrid(_FailureNaming):
             self.broken = True
             self._record_failure(exc)
             raise
-        refusing = [r for r, flag in enumerate(loss[1:].tolist()) if flag]
-        if refusing:
-            self._refuse(engine, refusing, refusals)
+        flags = loss[1:].tolist()
+        if any(flags):
+            self._refuse(engine, flags, refusals)
         engine.begin_update()  # Note [A step's update under the mutex]
         try:
             with engine.phase("update"):
@@ -1232,7 +1258,7 @@ class DistributedHybrid(_FailureNaming):
             packet.unpack(whole_buffers(engine.workers[0].replica, tensors))
         engine.share_buffers(range(engine.num_workers))
 
-    def _refuse(self, engine, refusing: list[int], refusals: list) -> None:
+    def _refuse(self, engine, flags: list[float], refusals: list) -> None:
         """Note [A step refused on every rank]
         A step that wrote state the engine does not follow (Note [Weights changed in place by a step], Note [Model
         state the engine does not follow] in pyengine/workers.py: a trainable parameter written in place, a frozen
@@ -1251,7 +1277,12 @@ class DistributedHybrid(_FailureNaming):
         usable, in step (a frozen parameter written stays written, as in one process: the engine keeps no copy of
         frozen parameters). Cost: ``world`` float64 more in that all-reduce. Tested on 2 ranks, each kind: hybrid
         replicated and sharded (then bit for bit the same engine that never saw the refused batch), the pipeline
-        with the writing stage on either rank (then bit for bit the in-process pipeline)."""
+        with the writing stage on either rank (then bit for bit the in-process pipeline).
+        A trainable parameter without a gradient under ``unused="error"`` is refused the same way (it had broken
+        the group as well): the streamer keeps its RuntimeError instead of raising it from the backward
+        (:meth:`GradientStreamer.defer_unused_error`), so its buckets are delivered (zeros for that parameter) and
+        reduced as in any step; a stage checks after its schedule. The flag says which of the two it is
+        (:func:`refusal_flag`), and the peers' DistributedError says it (:func:`refused_step_error`)."""
         engine.drop_gathered_step()
         if refusals:
             worker = refusals[0]
@@ -1262,9 +1293,7 @@ class DistributedHybrid(_FailureNaming):
                 raise WorkerError(worker.index, worker.device, exc) from exc
             finally:  # the frame must not hold its own exception (Note [No reference cycle through the engine])
                 exc = None
-        raise DistributedError(f"rank {self.rank}: the step was refused on every rank: a worker of "
-                               f"{_rank_list(refusing)} wrote state the engine does not follow (its own error names it "
-                               "and the remedy); nothing of the step was applied, the group stays usable")
+        raise refused_step_error(self.rank, "a worker of", flags)
 
     def _reduce_buckets(self, engine, weights, works, errors, abandoned: threading.Event) -> None:
         """Reducer thread: for each bucket in order, wait for it in every local slot, weighted local sum into the

@@ -36,8 +36,9 @@ from torch.func import functional_call
 
 from . import ops
 from .metrics import step_metrics
-from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming, _rank_list,
-                          _update_settings, as_bytes, receive_rank0_state, update_digest)
+from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming,
+                          _update_settings, as_bytes, receive_rank0_state, refusal_flag, refused_step_error,
+                          update_digest)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
                        check_pair, check_unused, checked_loss, owned_names, partition, put_back_saved,
                        saved_buffers, split_layers, stage_range, stage_store_names)
@@ -861,9 +862,14 @@ class DistributedPipeline(_FailureNaming):
         self.works.run(dist.all_reduce, self._clock, group=self.group)
         return time.perf_counter()
 
-    def _refusal(self) -> ValueError | None:
-        """Why this rank's stage refuses the step it just computed (Note [A step refused on every rank]), or None;
-        the in-process pipeline's ValueError, word for word."""
+    def _refusal(self) -> Exception | None:
+        """Why this rank's stage refuses the step it just computed (Note [A step refused on every rank]), or None:
+        the in-process pipeline's RuntimeError of a parameter without a gradient under unused="error", or its
+        ValueError of state written, word for word (checked in that order there too)."""
+        try:
+            check_unused(self.params, self.unused, self.tied)
+        except RuntimeError as exc:
+            return exc
         where = f"stage {self.stage} (replica {self.replica})"
         try:
             check_weights_unchanged([name for (name, p), v in zip(self.params, self._versions) if p._version != v],
@@ -890,10 +896,6 @@ class DistributedPipeline(_FailureNaming):
         statistics of the refused batch), as the in-process pipeline does after a failed step; the next pull puts
         the trainable weights back. Cost: a copy of the stage's buffers a step."""
         refusal = self._refusal()
-        try:  # unused="error": this rank's own failure, named to its peers (Note [Naming the stage that failed])
-            check_unused(self.params, self.unused, self.tied)
-        except RuntimeError as exc:
-            raise self._wrapped.failure(exc) from exc
         _grads_to_slot(self.params, self._slot)
         slot = self.store.grad_slot(0)
         begin, end = self.ranges[self.stage]
@@ -916,20 +918,18 @@ class DistributedPipeline(_FailureNaming):
         reduced[0] = norm.double().square() if self.replica == 0 else 0.0
         reduced[1], reduced[2], reduced[3] = nonfinite.double(), loss_sum * weight, busy
         reduced[4:] = 0.0
-        reduced[4 + self.rank] = 0.0 if refusal is None else 1.0
+        reduced[4 + self.rank] = refusal_flag(refusal)
         reduced[4 + self.world + self.rank] = busy
         self.works.run(dist.all_reduce, reduced, group=self.group)
         self._clock[0] = elapsed
         self.works.run(dist.all_reduce, self._clock, op=dist.ReduceOp.MAX, group=self.group)
-        refusing = [r for r, flag in enumerate(reduced[4:4 + self.world].tolist()) if flag]
-        if refusing:  # every rank raises, after the last collective of the step: the group is in step
+        flags = reduced[4:4 + self.world].tolist()
+        if any(flags):  # every rank raises, after the last collective of the step: the group is in step
             self._refused = True
             put_back_saved(saved)
             if refusal is not None:  # the StageError of the in-process pipeline
                 raise self._wrapped.failure(refusal) from refusal
-            raise DistributedError(f"rank {self.rank}: the step was refused on every rank: the stage of "
-                                   f"{_rank_list(refusing)} wrote state the engine does not follow (its own error "
-                                   "names it and the remedy); nothing of the step was applied, the group stays usable")
+            raise refused_step_error(self.rank, "the stage of", flags)
         self.engine.begin_update()  # Note [A step's update under the mutex]
         wall, ranks = float(self._clock[0]), dist.get_world_size(self.group)
         bubble = max(0.0, 1.0 - float(reduced[3]) / (ranks * wall)) if wall > 0 else 0.0

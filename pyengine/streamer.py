@@ -190,6 +190,8 @@ class GradientStreamer:
         self._prune = False  # set once a step had parameters without a gradient (unused="zero")
         self._said_reached_none = False  # the warning of a step whose backward reached no parameter: said once
         self._said_unseen = False  # the warning of a .grad no hook saw: said once
+        self._defer_unused = False  # unused="error" kept, not raised (defer_unused_error)
+        self._unused_error: RuntimeError | None = None  # the kept error of the last window
         self._looked_for_added = False  # the replica's parameters compared with the store's: after the first pass
         self._unreached: list[int] = []  # this pass: parameters the loss's graph does not reach
         self._presumed = [False] * len(self._params)  # counted ready at the pass's start (in _unreached)
@@ -371,10 +373,13 @@ class GradientStreamer:
                 "backward accumulates it, so their slots hold zeros; let backward compute them (from the loss); said "
                 "once per streamer", RuntimeWarning, stacklevel=2)
         if never and self.unused == "error":
-            raise RuntimeError(
+            exc = RuntimeError(
                 f"GradientStreamer(worker={self.worker}): {len(never)} parameter(s) received no gradient in this "
                 f"step: {never[:10]}; pass unused='zero' to stream zeros for them, or freeze them "
                 "(requires_grad=False) so the store leaves them out")
+            if not self._defer_unused:
+                raise exc
+            self._unused_error = exc  # the buckets were launched above, zeros for these: the step completes
 
     def _refuse_added(self) -> None:
         """A trainable parameter the store does not hold, created after the streamer was built (by the first
@@ -522,6 +527,20 @@ class GradientStreamer:
         except BaseException:  # a copy that failed (its tensor freed meanwhile): as a failed backward, and the later
             self.reset()       # buckets' copies, still running or failed too, are waited for and dropped with it
             raise
+
+    def defer_unused_error(self, defer: bool = True) -> None:
+        """With ``defer``, a window whose parameters did not all get a gradient under ``unused="error"`` does not
+        raise at the end of its backward: its buckets are delivered as they are in any step (zeros for those
+        parameters) and the error is kept for :meth:`take_unused_error`, for a caller that refuses the step
+        together with other processes (Note [A step refused on every rank] in pyengine/distributed.py). Such a step
+        must not be applied: the caller drops it (:meth:`reset`) once its collectives are done."""
+        self._defer_unused = bool(defer)
+
+    def take_unused_error(self) -> RuntimeError | None:
+        """The error that :meth:`defer_unused_error` kept from this step's window, or None; forgets it."""
+        with self._lock:
+            exc, self._unused_error = self._unused_error, None
+        return exc
 
     def accumulate(self, n: int) -> "GradientStreamer":
         """Copy gradients after every ``n``-th backward pass (gradient accumulation; ``param.grad`` accumulates as
@@ -720,6 +739,7 @@ class GradientStreamer:
             self._pending = [0] * len(self.buckets)
             self._next_launch = 0
             self._sent = [False] * len(self._params)
+            self._unused_error = None
         # Early parts of buckets whose completing launch never came: done before the slot is used again, and no
         # launch that a waiter (the engine's thread) would take for the bucket's delivery.
         self._transfer.drain()

@@ -518,7 +518,7 @@ class Worker:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.autocast_dtype = autocast_dtype
         self.followed = FollowedState(self.replica)  # Note [Model state the engine does not follow]
-        self.refused: ValueError | None = None  # the last compute's, with defer_refusal
+        self.refused: Exception | None = None  # the last compute's, with defer_refusal
 
     def pull(self, wait: bool = False) -> None:
         """Master weights (fp32, or the store's low-precision shadow) -> replica.
@@ -589,9 +589,11 @@ class Worker:
         wrote state the engine does not follow raises its ValueError (Note [Weights changed in place by a step],
         Note [Model state the engine does not follow]) after those copies; with ``defer_refusal`` it is kept in
         :attr:`refused` instead, and the step returns, for a caller that refuses it with its peers (Note [A step
-        refused on every rank] in pyengine/distributed.py).
+        refused on every rank] in pyengine/distributed.py); so is the streamer's RuntimeError of a parameter that
+        got no gradient under ``unused="error"``, which otherwise raises from the backward.
         """
         self.refused = None
+        self.streamer.defer_unused_error(defer_refusal)
         context = contextlib.nullcontext()
         if self.stream is not None:
             # A pool stream does not wait on the default stream by itself: order this step after the work enqueued
@@ -612,13 +614,15 @@ class Worker:
             computed = time.perf_counter()
             self.streamer.wait_all()
             waited = time.perf_counter()
-        try:
-            check_weights_unchanged(self.streamer.changed_in_place(), f"worker {self.index}'s replica")
-            self.followed.check(f"worker {self.index}'s replica")
-        except ValueError as exc:
-            if not defer_refusal:
-                raise
-            self.refused = exc
+        self.refused = self.streamer.take_unused_error()  # kept only with defer_refusal; raised in backward else
+        if self.refused is None:
+            try:
+                check_weights_unchanged(self.streamer.changed_in_place(), f"worker {self.index}'s replica")
+                self.followed.check(f"worker {self.index}'s replica")
+            except ValueError as exc:
+                if not defer_refusal:
+                    raise
+                self.refused = exc
         loss = sum(losses) / len(losses) if weights is None else sum(w * x for w, x in zip(weights, losses))
         return Computed(loss, computed - start, waited - computed, start - begun)
 

@@ -241,16 +241,20 @@ def nonfinite_raise(seed, rank, world):
 class WritesWhenArmed(torch.nn.Module):
     """A layer that, at the forward after ``armed`` is set to a kind, writes state the engine does not follow once,
     before it uses it: a trainable weight in place ("weight"), a frozen parameter ("frozen"), a persistent buffer
-    registered as None ("none-buffer")."""
+    registered as None ("none-buffer"); or leaves its parameter ``extra`` out of its forwards until disarmed
+    ("unused": no gradient, refused under unused="error")."""
 
     def __init__(self):
         super().__init__()
         self.l, self.armed = torch.nn.Linear(D_IN, HIDDEN), None
         self.frozen = torch.nn.Parameter(torch.zeros(D_IN), requires_grad=False)
+        self.extra = torch.nn.Parameter(torch.zeros(HIDDEN))
         self.register_buffer("late", None)
 
     def forward(self, x):
-        kind, self.armed = self.armed, None
+        kind = self.armed
+        if kind != "unused":
+            self.armed = None
         with torch.no_grad():
             if kind == "weight":
                 self.l.weight.clamp_(-10.0, 10.0)
@@ -258,7 +262,8 @@ class WritesWhenArmed(torch.nn.Module):
                 self.frozen.add_(0.5)
             elif kind == "none-buffer":
                 self.late = x.mean(0)
-        return self.l(x + self.frozen)
+        out = self.l(x + self.frozen)
+        return out if kind == "unused" else out + self.extra
 
 
 def writing_model():
@@ -267,13 +272,15 @@ def writing_model():
                                torch.nn.Linear(HIDDEN, CLASSES))
 
 
-UNFOLLOWED = [("weight", 1), ("none-buffer", 0), ("frozen", 1)]  # (kind, the rank whose worker 1 writes)
+# (kind, the rank whose worker 1 writes, or leaves a parameter without a gradient)
+UNFOLLOWED = [("weight", 1), ("none-buffer", 0), ("frozen", 1), ("unused", 0), ("unused", 1)]
 
 
 def unfollowed_state(seed, rank, world):
     """Replicated and sharded, 2 local workers: for each (kind, rank) of UNFOLLOWED a good step, a step whose worker
-    1 on that rank writes state the engine does not follow, then two good steps; and the same engine on the same
-    batches without the refused one. What each step raised, the stats, the master weights and buffers of both."""
+    1 on that rank writes state the engine does not follow (or, under the engines' unused="error", leaves a
+    parameter without a gradient), then two good steps; and the same engine on the same batches without the
+    refused one. What each step raised, the stats, the master weights and buffers of both."""
     batches = [rank_slice(b, rank, world) for b in global_batches(seed, 4, 16)]
     out = {}
     for name, shard in (("replicated", False), ("sharded", True)):
@@ -281,7 +288,7 @@ def unfollowed_state(seed, rank, world):
             runs = {}
             for run, indices in (("refused", [0, 1, 2, 3]), ("skipped", [0, 2, 3])):
                 with pyengine.Engine(writing_model(), loss_fn, devices=["cpu"] * 2, optimizer=pyengine.AdamW(**OPT),
-                                     pin=False, shard_update=shard) as engine:
+                                     pin=False, shard_update=shard, unused="error") as engine:
                     steps = []
                     for i in indices:
                         if i == 1 and rank == writer:
@@ -290,10 +297,11 @@ def unfollowed_state(seed, rank, world):
                             steps.append(engine.step(batches[i])["applied"])
                         except Exception as exc:  # noqa: BLE001 - recorded for the test
                             steps.append(f"{type(exc).__name__}: {exc}")
+                        engine.workers[1].replica[0].armed = None
                     runs[run] = dict(steps=steps, stats=engine.stats(), version=engine.version,
                                      recorded=engine.recorded_failure(), master=engine.master_state_dict(),
                                      buffers=engine.buffers_state_dict())
-            out[name, kind] = runs
+            out[name, kind, writer] = runs
     return out
 
 

@@ -474,34 +474,55 @@ def test_state_the_engine_does_not_follow_is_refused_on_every_rank(tmp_path, see
     step together: the writing rank raises the WorkerError of one process, the other a DistributedError naming it,
     no rank is recorded as failed, and nothing of the step counts: the engine goes on bit for bit as the same
     engine that never saw the refused batch (weights, Adam state's effect, BatchNorm statistics, stats), except
-    for a frozen parameter written, which stays written on its replica as in one process."""
+    for a frozen parameter written, which stays written on its replica as in one process. A parameter without a
+    gradient under unused="error" (its rank raised from the backward, the peers blocked: the group broken) is
+    refused the same way."""
     codes, logs, _ = launch("unfollowed-state", 2, tmp_path, seed)
     assert codes == [0, 0], "\n".join(logs)
     ranks = results(tmp_path, 2)
-    what = {"weight": "the step wrote the trainable parameter(s) '0.l.weight' in place",
-            "frozen": "the step wrote the frozen parameter(s) '0.frozen' in place",
-            "none-buffer": "the step set the buffer(s) '0.late', registered as None when the engine was built"}
+    what = {"weight": "ValueError: worker 1's replica: the step wrote the trainable parameter(s) '0.l.weight' in "
+                      "place",
+            "frozen": "ValueError: worker 1's replica: the step wrote the frozen parameter(s) '0.frozen' in place",
+            "none-buffer": "ValueError: worker 1's replica: the step set the buffer(s) '0.late', registered as None "
+                           "when the engine was built",
+            "unused": "RuntimeError: GradientStreamer(worker=1): 1 parameter(s) received no gradient in this step: "
+                      "['0.extra']; pass unused='zero'"}
     for name in ("replicated", "sharded"):
         for kind, writer in dist_job.UNFOLLOWED:
             for r, rank in enumerate(ranks):
-                refused, skipped = rank[name, kind]["refused"], rank[name, kind]["skipped"]
+                refused, skipped = rank[name, kind, writer]["refused"], rank[name, kind, writer]["skipped"]
                 first, raised, *rest = refused["steps"]
                 assert first is True and rest == [True, True], (name, kind, r, refused["steps"])
                 if r == writer:
-                    assert raised.startswith(f"WorkerError: worker 1 (cpu) failed: ValueError: worker 1's replica: "
-                                             f"{what[kind]}"), (name, kind, r, raised)
-                else:
-                    assert raised == (f"DistributedError: rank {r}: the step was refused on every rank: a worker of "
-                                      f"rank {writer} wrote state the engine does not follow (its own error names it "
-                                      "and the remedy); nothing of the step was applied, the group stays usable"), \
+                    assert raised.startswith(f"WorkerError: worker 1 (cpu) failed: {what[kind]}"), \
                         (name, kind, r, raised)
+                else:
+                    why = ("had trainable parameter(s) that received no gradient, with unused='error'"
+                           if kind == "unused" else "wrote state the engine does not follow")
+                    assert raised == (f"DistributedError: rank {r}: the step was refused on every rank: a worker of "
+                                      f"rank {writer} {why} (its own error names it and the remedy); nothing of the "
+                                      "step was applied, the group stays usable"), (name, kind, r, raised)
                 assert refused["recorded"] is None and refused["version"] == 3, (name, kind, r)
                 assert refused["stats"]["steps"] == skipped["stats"]["steps"] == 3, (name, kind, r)
                 if kind != "frozen":  # the written frozen parameter stays on rank `writer`'s worker 1
                     assert_identical(refused["master"], skipped["master"], f"{name} {kind} rank {r}")
                     assert_identical(refused["buffers"], skipped["buffers"], f"{name} {kind} rank {r} buffers")
-            assert_identical(ranks[0][name, kind]["refused"]["master"], ranks[1][name, kind]["refused"]["master"],
+            assert_identical(ranks[0][name, kind, writer]["refused"]["master"], ranks[1][name, kind, writer]["refused"]["master"],
                              f"{name} {kind}")
+
+
+def test_a_refused_step_names_each_refusing_rank_and_why():
+    """refused_step_error (Note [A step refused on every rank]): the peers' error groups the refusing ranks by
+    the reason each one's flag carries (refusal_flag: state written, or no gradient under unused="error")."""
+    assert distributed.refusal_flag(None) == 0.0
+    wrote, unused = distributed.refusal_flag(ValueError("w")), distributed.refusal_flag(RuntimeError("u"))
+    assert wrote and unused and wrote != unused
+    exc = distributed.refused_step_error(0, "a worker of", [0.0, wrote, unused, wrote])
+    assert isinstance(exc, distributed.DistributedError)
+    assert str(exc) == ("rank 0: the step was refused on every rank: a worker of ranks 1, 3 wrote state the engine "
+                        "does not follow and a worker of rank 2 had trainable parameter(s) that received no "
+                        "gradient, with unused='error' (its own error names it and the remedy); nothing of the step "
+                        "was applied, the group stays usable")
 
 
 @pytest.mark.timeout(90)

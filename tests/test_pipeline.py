@@ -1302,14 +1302,10 @@ def _failing_worker(rank, world, init_file, how, out_dir):
     model = make_model(blocks=2)
     model[0].register_forward_hook(lambda *_: fail("forward"))
     model[0].register_forward_hook(fail_in_backward)
-    # unused="error": the last layer's extra parameter reaches the loss except at step 3 (it was ignored across
-    # processes: zeros streamed, and weight decay moved the parameter)
-    model[4].extra = torch.nn.Parameter(torch.zeros(()))
-    model[4].register_forward_hook(lambda m, _, out: out if how == "unused" and step[0] == 3 else out + 0 * m.extra)
     batches = make_batches(torch.Generator().manual_seed(0), 5, 12)
     try:
         with Engine(model, loss, devices=["cpu"], mode="pipeline", microbatches=3, optimizer=AdamW(**OPT),
-                    pin=False, unused="error") as engine:
+                    pin=False) as engine:
             try:
                 for i, batch in enumerate(batches):
                     step[0] = i + 1
@@ -1334,16 +1330,15 @@ def _failing_worker(rank, world, init_file, how, out_dir):
     os._exit(0)  # the group is broken; its teardown is not the subject here
 
 
-FAILING = {"loss": 1, "forward": 0, "backward": 0, "exit": 1, "unused": 1}
-OWN_ERROR = {"unused": "RuntimeError: 1 parameter(s) of this stage received no gradient: ['4.extra']; pass "
-                       "unused='zero' or freeze them"}
+# (a parameter without a gradient under unused="error" was a failure here too; now every rank refuses that step:
+# test_state_the_engine_does_not_follow_is_refused_on_every_rank)
+FAILING = {"loss": 1, "forward": 0, "backward": 0, "exit": 1}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["loss", "forward", "backward", "exit", "unused"])
+@pytest.mark.parametrize("how", ["loss", "forward", "backward", "exit"])
 def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
-    """Engine(mode="pipeline") over 2 gloo ranks: a stage whose loss, forward or backward raises at step 3, or one of
-    whose parameters gets no gradient with unused="error", raises
+    """Engine(mode="pipeline") over 2 gloo ranks: a stage whose loss, forward or backward raises at step 3 raises
     StageError naming its stage and the original error (the backward's, not torch's "Failed to run stage backward"
     around it, nor a DistributedError blaming the healthy peer), and the other rank DistributedError naming that rank
     and its error; a rank that exits between steps is named as never reaching step 3 (Note [Naming the stage that
@@ -1365,7 +1360,7 @@ def test_a_failing_stage_process_is_named_by_the_others(tmp_path, how):
         assert f"rank {failed} never reached step 3 (rank {other} did;" in survivor["error"], survivor
     else:
         own = json.loads((tmp_path / f"rank{failed}").read_text())
-        error = OWN_ERROR.get(how, f"RuntimeError: rank {failed} fails on purpose")
+        error = f"RuntimeError: rank {failed} fails on purpose"
         assert own["error"] == f"StageError: pipeline stage {failed} (replica 0, cpu) failed: {error}", own
         failed_at = own["at"]
         assert survivor["error"].startswith(f"DistributedError: rank {other}: step 3 of the pipeline failed"), survivor
@@ -1663,7 +1658,8 @@ def test_batches_without_targets_across_processes(tmp_path):
 class _WritesWhenArmed(torch.nn.Module):
     """A layer whose forward, when ``armed`` names its index, writes state the engine does not follow once, before
     it uses it (so autograd sees no saved tensor changed): a trainable weight in place ("weight"), a frozen
-    parameter ("frozen"), a persistent buffer registered as None ("none-buffer"). ``armed`` is per process, so each
+    parameter ("frozen"), a persistent buffer registered as None ("none-buffer"); or leaves its parameter ``extra``
+    out of the forward ("unused": no gradient, refused under unused="error"). ``armed`` is per process, so each
     rank (and the in-process reference) arms only its own copy of the layer."""
     armed = None  # (kind, index)
 
@@ -1671,20 +1667,25 @@ class _WritesWhenArmed(torch.nn.Module):
         super().__init__()
         self.index, self.l = index, torch.nn.Linear(10, 10)
         self.frozen = torch.nn.Parameter(torch.zeros(10), requires_grad=False)
+        self.extra = torch.nn.Parameter(torch.zeros(10))
         self.register_buffer("late", None)
 
     def forward(self, x):
         armed = _WritesWhenArmed.armed
+        kind = None
         if armed is not None and armed[1] == self.index:
-            _WritesWhenArmed.armed = None
+            kind = armed[0]
+            if kind != "unused":  # once; "unused" holds for every micro-batch of the step (disarmed after it)
+                _WritesWhenArmed.armed = None
             with torch.no_grad():
-                if armed[0] == "weight":
+                if kind == "weight":
                     self.l.weight.clamp_(-10.0, 10.0)
-                elif armed[0] == "frozen":
+                elif kind == "frozen":
                     self.frozen.add_(0.5)
-                else:
+                elif kind == "none-buffer":
                     self.late = x.mean(0)
-        return self.l(x + self.frozen)
+        out = self.l(x + self.frozen)
+        return out if kind == "unused" else out + self.extra
 
 
 def _writing_model():
@@ -1695,8 +1696,9 @@ def _writing_model():
                                torch.nn.Linear(10, 3))
 
 
-WRITES = [("weight", 0), ("weight", 1), ("frozen", 1), ("none-buffer", 0)]  # (kind, stage)
-WRITING_OPTIONS = dict(mode="pipeline", microbatches=2, balance=[2, 2], optimizer=AdamW(**OPT), pin=False)
+WRITES = [("weight", 0), ("weight", 1), ("frozen", 1), ("none-buffer", 0), ("unused", 1), ("unused", 0)]
+WRITING_OPTIONS = dict(mode="pipeline", microbatches=2, balance=[2, 2], optimizer=AdamW(**OPT), pin=False,
+                       unused="error")
 
 
 def _writes(engine, batches, kind, stage):
@@ -1737,7 +1739,8 @@ def test_state_the_engine_does_not_follow_is_refused_on_every_rank(tmp_path):
     not follow]). Now the step is refused on both ranks: the refusing rank raises the in-process pipeline's
     StageError word for word (naming the parameter), the other a DistributedError naming it; nothing of it counts
     (version, the BatchNorm's statistics of the refused batch), and the engine steps on to the in-process
-    pipeline's weights and buffers, bit for bit."""
+    pipeline's weights and buffers, bit for bit. A trainable parameter without a gradient under unused="error" (its
+    rank raised alone, the peer blocked in the step's all-reduce: the group broken) is refused the same way."""
     import torch.multiprocessing as mp
 
     mp.spawn(_writing_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
@@ -1747,21 +1750,29 @@ def test_state_the_engine_does_not_follow_is_refused_on_every_rank(tmp_path):
         with Engine(_writing_model(), loss_fn, devices=["cpu"] * 2, stages=2, **WRITING_OPTIONS) as local:
             want = _writes(local, batches, kind, stage)
         assert want["refused"] is not None and want["version"] == 1, want["refused"]
-        name = f"{2 * stage}." + {"weight": "l.weight", "frozen": "frozen", "none-buffer": "late"}[kind]
-        what = {"weight": f"wrote the trainable parameter(s) '{name}' in place",
-                "frozen": f"wrote the frozen parameter(s) '{name}' in place",
-                "none-buffer": f"set the buffer(s) '{name}', registered as None when the engine was built"}[kind]
-        assert want["refused"].startswith(f"StageError: pipeline stage {stage} (replica 0, cpu) failed: ValueError: "
-                                          f"stage {stage} (replica 0): the step {what}"), want["refused"]
+        name = f"{2 * stage}." + {"weight": "l.weight", "frozen": "frozen", "none-buffer": "late",
+                                  "unused": "extra"}[kind]
+        what = {"weight": f"ValueError: stage {stage} (replica 0): the step wrote the trainable parameter(s) '{name}' "
+                          "in place",
+                "frozen": f"ValueError: stage {stage} (replica 0): the step wrote the frozen parameter(s) '{name}' "
+                          "in place",
+                "none-buffer": f"ValueError: stage {stage} (replica 0): the step set the buffer(s) '{name}', "
+                               "registered as None when the engine was built",
+                "unused": f"RuntimeError: 1 parameter(s) of this stage received no gradient: ['{name}']; pass "
+                          "unused='zero' or freeze them"}[kind]
+        why = ("had trainable parameter(s) that received no gradient, with unused='error'" if kind == "unused" else
+               "wrote state the engine does not follow")
+        assert want["refused"].startswith(f"StageError: pipeline stage {stage} (replica 0, cpu) failed: {what}"), \
+            want["refused"]
         for rank in range(2):
             case = got[rank][i]
             if rank == stage:  # the in-process pipeline's error, word for word
                 assert case["refused"] == want["refused"], case["refused"]
             else:
                 assert case["refused"] == (f"DistributedError: rank {rank}: the step was refused on every rank: the "
-                                           f"stage of rank {stage} wrote state the engine does not follow (its own "
-                                           "error names it and the remedy); nothing of the step was applied, the "
-                                           "group stays usable"), case["refused"]
+                                           f"stage of rank {stage} {why} (its own error names it and the remedy); "
+                                           "nothing of the step was applied, the group stays usable"), \
+                    case["refused"]
             assert case["version"] == 1 and case["losses"] == want["losses"], (case["version"], case["losses"])
             for name, value in want["master"].items():
                 assert torch.equal(case["master"][name], value), (kind, rank, name)

@@ -720,6 +720,44 @@ def test_unused_parameter_error_names_it_and_does_not_hang(device):
         assert_slots_equal_grads(store, model, 0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_deferred_unused_error_is_kept_and_the_step_delivered(device):
+    """defer_unused_error (what a hybrid across processes asks, to refuse the step on every rank: Note [A step
+    refused on every rank]): the backward does not raise, every bucket is delivered (the slots equal the
+    gradients, zeros for the unused layer), and take_unused_error gives the error once; reset forgets a kept
+    error; a window that uses every parameter keeps none; without deferral the backward raises again."""
+    model = Net().to(device)
+    store = pyengine.HostStore(model, pin=False)
+    with pyengine.GradientStreamer(model, store, unused="error") as streamer:
+        streamer.defer_unused_error()
+        with streamer.backward_pass():
+            model(batch(device), use_extra=False).backward()
+        streamer.wait_all()
+        assert_slots_equal_grads(store, model, 0)
+        assert model.extra.weight.grad is None
+        exc = streamer.take_unused_error()
+        assert isinstance(exc, RuntimeError) and re.search(r"no gradient.*extra\.weight.*unused='zero'", str(exc))
+        assert streamer.take_unused_error() is None
+        streamer.reset()
+        model.zero_grad(set_to_none=True)
+        with streamer.backward_pass():
+            model(batch(device), use_extra=False).backward()
+        streamer.reset()  # a step dropped: its kept error with it
+        assert streamer.take_unused_error() is None
+        model.zero_grad(set_to_none=True)
+        with streamer.backward_pass():
+            model(batch(device)).backward()
+        streamer.wait_all()
+        assert streamer.take_unused_error() is None
+        assert_slots_equal_grads(store, model, 0)
+        streamer.reset()
+        streamer.defer_unused_error(False)
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match=r"no gradient.*extra\.weight"):
+            with streamer.backward_pass():
+                model(batch(device), use_extra=False).backward()
+
+
 class UnusedFirst(torch.nn.Module):
     """Three layers in a chain and a head registered last (so in the first bucket) that a step may leave out."""
 
