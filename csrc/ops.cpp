@@ -48,8 +48,10 @@ namespace {
 // copies the clones of mutated arguments back through the op's returned tensors; the update ops return nothing, and
 // the fallback failed an internal assert, leaving freed tensors (a crash after it). So this kernel refuses a
 // negative view among the op's tensors before anything runs. Here, not in a kernel at the Negative key: one there
-// cost ~5 us on every call (bench/RESULTS.md). Inference tensors skip this key: a negative view of one still
-// reaches torch's fallback.
+// cost ~5 us on every call (bench/RESULTS.md). torch.inference_mode skips this key: there a negative view still
+// reached torch's fallback, which then aborted the process as its tensors were freed; the Python wrappers
+// (pyengine/ops.py, _refuse_negative) refuse it under inference mode, so only a direct torch.ops.pyengine call
+// there is not covered.
 void bump_versions_of_mutated(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
   const size_t start = stack->size() - arguments.size();

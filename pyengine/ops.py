@@ -42,15 +42,29 @@ def _tensor_list(value, name: str, nonempty: str | None = None) -> list[torch.Te
     # torch.sgn's gradient, say, is a ZeroTensor: the dispatcher made it a strided zero, refused as "non-contiguous"
     # (dynamo cannot trace the question; a compiled caller gets the op's own refusal)
     eager = not torch.compiler.is_compiling()
+    inference = eager and torch.is_inference_mode_enabled()  # Note [Negative views and the update ops]
     for i, t in enumerate(value):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a tensor; got {type(t).__name__}")
         if eager and t._is_zerotensor():
             raise ValueError(f"{name}[{i}] is a ZeroTensor (torch._efficientzerotensor: no memory behind it); pass "
                              f"torch.zeros(...)")
+        if inference:
+            _refuse_negative(t, f"{name}[{i}]")
     if nonempty is not None and not value:
         raise ValueError(f"{name} must hold {nonempty}; got an empty list")
     return value
+
+
+def _refuse_negative(t: torch.Tensor, name: str) -> None:
+    """Note [Negative views and the update ops] (csrc/ops.cpp): the ops' kernel that refuses a negative view runs
+    at a key that torch.inference_mode skips, and there torch's fallback for a negative view failed its internal
+    assert and then aborted the process when the tensors were freed (SIGABRT: no except catches it). So under
+    inference mode the wrappers refuse it first, with the kernel's words (outside it the kernel does: these
+    checks cost ~0.3 us a tensor, paid only there)."""
+    if t.is_neg():
+        raise ValueError(f"{name} is a negative view (torch._neg_view, .conj().imag); resolve it first "
+                         "(.resolve_neg())")
 
 
 def bool_or_complex(value) -> bool:
@@ -183,11 +197,14 @@ def mean_grad_adamw_clipped_(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm
 def _tensors(required: dict, optional: dict) -> None:
     """TypeError naming the first argument that is not a tensor (``optional``: nor None); the dispatcher's own
     error ("Expected a value of type 'Optional[Tensor]'") named no argument of ours."""
+    inference = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
     for name, value in (*required.items(), *optional.items()):
         if not isinstance(value, torch.Tensor) and (name in required or value is not None):
             shown = repr(value)
             raise TypeError(f"{name} must be a tensor{'' if name in required else ' or None'}; got "
                             f"{type(value).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}")
+        if inference and value is not None:  # Note [Negative views and the update ops]
+            _refuse_negative(value, name)
 
 
 def _update_flat(param, exp_avg, exp_avg_sq, grads, *, max_grad_norm, lr, beta1=0.9, beta2=0.999, eps=1e-8,

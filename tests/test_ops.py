@@ -706,6 +706,70 @@ def test_a_negative_view_is_refused_before_anything_is_written(where):
     assert torch.equal(negative, torch.zeros(64))
 
 
+@pytest.mark.timeout(120)
+def test_a_negative_view_of_an_inference_tensor_is_refused():
+    """Inference tensors skip the kernel that refuses negative views (Note [Negative views and the update ops]):
+    one made under torch.inference_mode reached torch's fallback, which failed an internal assert and then aborted
+    the process (SIGABRT, uncatchable) when the tensors were freed. The wrappers refuse it by name, every tensor
+    argument of the flat, clipped and multi updates and of the norms, and nothing is written. In a child
+    process, so that a regression aborts the child, not the test run."""
+    script = textwrap.dedent("""
+        import torch
+        from pyengine import ops
+        with torch.inference_mode():
+            def fresh():
+                return dict(p=torch.ones(8), m=torch.zeros(8), v=torch.zeros(8), g=torch.ones(8), s=torch.zeros(8),
+                            o=torch.zeros(8), one=torch.ones(1), zero=torch.zeros(1))
+            def flat(t, **kw):
+                ops.mean_grad_adamw_(t["p"], t["m"], t["v"], [t["g"]], lr=0.1, step=1, **kw)
+            cases = {
+                "param": lambda t: ops.mean_grad_adamw_(torch._neg_view(t["p"]), t["m"], t["v"], [t["g"]], lr=0.1,
+                                                        step=1),
+                "exp_avg": lambda t: ops.mean_grad_adamw_(t["p"], torch._neg_view(t["m"]), t["v"], [t["g"]], lr=0.1,
+                                                          step=1),
+                "exp_avg_sq": lambda t: ops.mean_grad_adamw_(t["p"], t["m"], torch._neg_view(t["v"]), [t["g"]],
+                                                             lr=0.1, step=1),
+                "grads[0]": lambda t: ops.mean_grad_adamw_(t["p"], t["m"], t["v"], [torch._neg_view(t["g"])], lr=0.1,
+                                                           step=1),
+                "max_exp_avg_sq": lambda t: flat(t, amsgrad=True, max_exp_avg_sq=torch._neg_view(t["s"])),
+                "param_out": lambda t: flat(t, param_out=torch._neg_view(t["o"])),
+                "grad_scale": lambda t: flat(t, grad_scale=torch._neg_view(t["one"])),
+                "found_inf": lambda t: flat(t, found_inf=torch._neg_view(t["zero"])),
+                "clipped exp_avg": lambda t: ops.mean_grad_adamw_clipped_(t["p"], torch._neg_view(t["m"]), t["v"],
+                                                                          [t["g"]], lr=0.1, step=1, max_grad_norm=1.0),
+                "exp_avgs[0]": lambda t: ops.mean_grad_adamw_multi_([t["p"]], [torch._neg_view(t["m"])], [t["v"]],
+                                                                    [[t["g"]]], lr=0.1, step=1),
+                "exp_avg_sqs[0]": lambda t: ops.mean_grad_adamw_multi_([t["p"]], [t["m"]], [torch._neg_view(t["v"])],
+                                                                       [[t["g"]]], lr=0.1, step=1),
+                "norm grads[0]": lambda t: ops.mean_grad_norm([torch._neg_view(t["g"])]),
+                "norm_multi grads[0][0]": lambda t: ops.mean_grad_norm_multi([[torch._neg_view(t["g"])]]),
+            }
+            for case, call in cases.items():
+                t = fresh()
+                before = {k: v.clone() for k, v in t.items()}
+                try:
+                    call(t)
+                    print(case, "| returned")
+                except ValueError as exc:
+                    print(case, "|", exc)
+                changed = [k for k in t if not torch.equal(t[k], before[k])]
+                print(case, "| changed", changed)
+                del t
+        print("exited cleanly")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "exited cleanly", out.stdout
+    said = dict(line.split(" | ", 1) for line in lines[:-1] if not line.split(" | ", 1)[1].startswith("changed"))
+    for case, text in said.items():
+        name = case.split(" ")[-1]
+        assert text == f"{name} is a negative view (torch._neg_view, .conj().imag); resolve it first " \
+                       "(.resolve_neg())", (case, text)
+    assert len(said) == 13, out.stdout
+    assert all(line.endswith("| changed []") for line in lines[:-1] if "| changed" in line), out.stdout
+
+
 def test_empty_lists_are_clear_errors():
     g = torch.ones(4)
     with pytest.raises(ValueError, match=r"grads must hold G >= 1 gradients"):
