@@ -625,6 +625,19 @@ def _holds_run(directory: Path, depth: int = 1) -> bool:
     return depth > 0 and any(_holds_run(directory / mode, depth - 1) for mode in MODES)
 
 
+def _is_runs_checkpoints(directory: Path) -> bool:
+    """Whether ``directory`` is a run's checkpoints/ folder (holding a checkpoint, or beside the run's metrics or
+    summary): a new run there mixed its files with the run's checkpoints, and ``--resume <run>/checkpoints``, a
+    form that names the run, then resumed the new run instead (its checkpoints/ inside)."""
+    from . import checkpoint as ckpt
+
+    if directory.name != "checkpoints":
+        return False
+    if directory.is_dir() and ckpt.latest(directory) is not None:
+        return True
+    return any((directory.parent / name).is_file() for name in ("summary.json", "metrics.jsonl"))
+
+
 def _is_all_config(file: Path) -> bool:
     """``file`` is a --mode all run's config.json (kind pyengine.train, mode all)."""
     try:
@@ -1821,6 +1834,9 @@ def _prepare_out(cfg: dict, out: Path | None, rank: int, resumed: bool = False) 
                                  "nothing to resume; remove it or choose another --out")
             raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or choose "
                              "another --out")
+        if rank == 0 and _is_runs_checkpoints(out):  # a run inside it: `--resume <run>/checkpoints` resumed that one
+            raise UsageError(f"--out {out} is the checkpoints folder of the run in {out.parent}; choose another "
+                             "--out")
         if rank == 0:
             written = _RUN_PLOTS + ((ALL_CONFIG, *MODES) if cfg["mode"] == "all" else ())
             taken = [name for name in written if (out / name).exists()]

@@ -1202,6 +1202,27 @@ def test_out_holding_a_run_is_refused(finished_run, capsys):
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
+def test_out_at_a_runs_checkpoints_folder_is_refused(finished_run, tmp_path, capsys):
+    """--out <run>/checkpoints trained a second run inside the first one's checkpoints folder, and `--resume
+    <run>/checkpoints` (a documented form for the first run) then resumed the second. Refused, nothing written;
+    so is a run's checkpoints/ not made yet (the run beside it saved nothing so far)."""
+    folder = finished_run / "checkpoints"
+    before = sorted(p.name for p in folder.iterdir())
+    assert train("--out", str(folder), "--steps", "2", "--quiet", *SHORT) == 2
+    assert f"--out {folder} is the checkpoints folder of the run in {finished_run}; choose another --out" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == before
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "metrics.jsonl").write_text("")
+    assert train("--out", str(early / "checkpoints"), "--steps", "2", "--quiet", *SHORT) == 2
+    assert "is the checkpoints folder of the run in" in capsys.readouterr().err
+    assert not (early / "checkpoints").exists()
+    mine = tmp_path / "mine" / "checkpoints"  # a folder of that name that belongs to no run: a run trains there
+    assert train("--out", str(mine), "--steps", "1", "--quiet", *SHORT) == 0, capsys.readouterr().err
+    assert ckpt.latest(mine / "checkpoints") is not None
+
+
 def test_a_folder_that_only_shares_a_runs_file_names_is_no_run(tmp_path, capsys):
     """A folder with a config.json of its own, or a folder of its own named sync/, was refused as "already holds a
     run; continue it with --resume", and that --resume failed too. A one-mode run trains there (and resumes past
