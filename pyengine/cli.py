@@ -1879,6 +1879,27 @@ def _check_trace_is_no_run_file(trace: Path, out: Path, mode: str) -> None:
     if any(t in files or (t.parent in {run / "checkpoints" for run in runs} and ckpt_named(t)) for t in traces):
         raise UsageError(f"--trace {trace} names a file the run in {out} writes (its metrics, summary, plots or "
                          "checkpoints); give another file name (e.g. trace.json)")
+    for t in traces:  # another run's files: the trace replaced them (its newest checkpoint: that run lost its resume)
+        other = t.parent.parent if t.parent.name == "checkpoints" else t.parent
+        if (t.name in ("summary.json", "metrics.jsonl", *_RUN_PLOTS) and _holds_run(t.parent, 0)) or \
+                (t.name == ALL_CONFIG and _is_all_config(t)) or \
+                (ckpt_named(t) and _is_runs_checkpoints(t.parent)) or _is_checkpoint_file(t):
+            raise UsageError(f"--trace {trace} names a file of the run in {other} (its metrics, summary, plots, "
+                             "config or a checkpoint), which the trace would replace; give another file name (e.g. "
+                             "trace.json)")
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as a pyengine checkpoint does (wherever it was copied)."""
+    from .checkpoint import MAGIC
+
+    try:
+        if not path.is_file():  # not opened: a named pipe would block the open
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def _train_modes(cfg: dict, out: Path, dataset, resumes: dict, rank: int) -> int:

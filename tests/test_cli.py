@@ -436,6 +436,41 @@ def test_a_failed_resume_of_a_finished_run_leaves_no_summary_of_its_earlier_end(
     assert json.loads((run / "summary.json").read_text())["steps"] == 8 and (run / "loss.png").exists()
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "loss.png", "checkpoints/step-00000004.pyeckpt",
+                                  "checkpoints/step-00000099.pyeckpt", "copied.pyeckpt"])
+def test_a_trace_that_names_another_runs_file_is_refused(finished_run, tmp_path, capsys, name):
+    """--trace naming a file of another run (its newest checkpoint, its metrics, summary, plot; a checkpoint named
+    in its checkpoints/, which its next --resume would take; a checkpoint copied anywhere) replaced it with the
+    trace, exit code 0: that run's --resume then refused "not a pyengine checkpoint". Refused, nothing written;
+    a --mode all run's config.json too."""
+    import shutil
+
+    victim = tmp_path / "victim"
+    shutil.copytree(finished_run, victim)
+    shutil.copy(ckpt.latest(victim / "checkpoints"), victim / "copied.pyeckpt")
+    before = {p: p.read_bytes() for p in victim.rglob("*") if p.is_file()}
+    new = tmp_path / "new"
+    assert train("--steps", "1", "--out", str(new), "--quiet", "--trace", str(victim / name), *SHORT) == 2
+    err = capsys.readouterr().err
+    assert f"names a file of the run in {victim} (its metrics, summary, plots, config or a checkpoint)" in err, err
+    assert {p: p.read_bytes() for p in victim.rglob("*") if p.is_file()} == before
+    assert not new.exists()
+
+
+def test_a_trace_that_names_a_mode_all_runs_config_is_refused(tmp_path, capsys):
+    every = tmp_path / "all"
+    every.mkdir()
+    (every / "config.json").write_text(json.dumps({"kind": "pyengine.train", "mode": "all"}))
+    assert train("--steps", "1", "--out", str(tmp_path / "new"), "--quiet", "--trace", str(every / "config.json"),
+                 *SHORT) == 2
+    assert "names a file of the run in" in capsys.readouterr().err
+    assert json.loads((every / "config.json").read_text())["mode"] == "all"
+    mine = tmp_path / "config.json"  # a config.json of anything else: a trace may replace it
+    mine.write_text("{}")
+    assert train("--steps", "1", "--out", str(tmp_path / "new2"), "--quiet", "--trace", str(mine), *SHORT) == 0
+    assert json.loads(mine.read_text()).get("traceEvents") is not None
+
+
 @pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "loss.png", "checkpoints/step-00000003.pyeckpt"])
 def test_a_trace_that_names_a_file_of_the_run_is_refused(tmp_path, capsys, name):
     """--trace naming one of the run's own files (its metrics, summary, plot, a checkpoint) was written over it or
