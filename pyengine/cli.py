@@ -471,6 +471,22 @@ def pipeline_workers(cfg: dict) -> int:
     return world if world > 1 else len(cfg["devices"])
 
 
+def _foreign_options(mode: str, given: list[str]) -> str | None:
+    """Why ``--mode mode`` takes none of the pipeline options ``given`` (keys of cfg), or None when it takes them:
+    a new run's refusal and a resume's say the same."""
+    if mode in ("pipeline", "all"):
+        return None
+    if mode in ("hybrid", "sync"):  # gradient accumulation within a step
+        given = [key for key in given if key != "microbatches"]
+    elif given == ["microbatches"]:
+        return ("--microbatches: an option of the hybrid, sync and pipeline steps; async workers sum mini-batches "
+                "before a push with --accumulate")
+    if not given:
+        return None
+    flags = ", ".join("--" + key for key in given)
+    return f"{flags}: pipeline option{'s' if len(given) > 1 else ''}; --mode {mode} has no stages (use --mode pipeline)"
+
+
 def _check_pipeline_config(cfg: dict, workers: int) -> None:
     given = [key for key in ("stages", *PIPELINE_DEFAULTS) if cfg.get(key) is not None]
     if cfg["mode"] in ("hybrid", "sync") and "microbatches" in given:  # gradient accumulation within a step
@@ -482,14 +498,10 @@ def _check_pipeline_config(cfg: dict, workers: int) -> None:
             raise UsageError(f"--microbatches {cfg['microbatches']}: --batch-size {cfg['batch_size']} leaves a "
                              f"worker fewer samples than micro-batches (use --batch-size >= "
                              f"{parts * cfg['microbatches']})")
-    if cfg["mode"] == "async" and given == ["microbatches"]:
-        raise UsageError("--microbatches: an option of the hybrid, sync and pipeline steps; async workers sum "
-                         "mini-batches before a push with --accumulate")
+    foreign = _foreign_options(cfg["mode"], given)
+    if foreign is not None:
+        raise UsageError(foreign)
     if cfg["mode"] not in ("pipeline", "all"):
-        if given:
-            flags = ", ".join("--" + key for key in given)
-            raise UsageError(f"{flags}: pipeline option{'s' if len(given) > 1 else ''}; --mode {cfg['mode']} has no "
-                             "stages (use --mode pipeline)")
         return
     stages = cfg["stages"] or workers
     if workers % stages:
@@ -1014,6 +1026,12 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
                     **options)
     metrics_path = out / "metrics.jsonl"
     try:
+        if resume is not None and primary:  # files it reads and replaces: a folder in the place of one failed late
+            odd = [p for p in (metrics_path, out / "summary.json", *(out / n for n in _RUN_PLOTS))
+                   if p.exists() and not p.is_file()]
+            if odd:
+                raise UsageError(f"cannot resume {out}: {odd[0]} is not a file (a folder in its place?); move it "
+                                 "away and resume again")
         start_step, batches_done, elapsed_offset, applied_beyond = 0, 0, 0.0, set()
         if resume is not None:
             try:
@@ -1043,10 +1061,16 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         # another's, or lack lines: a checkpoint copied into a new directory has none); older checkpoints did not
         samples_before = (resume.get("samples_done", sum(r.get("samples", 0) for r in kept)) if resume is not None
                           else 0)
-        if primary:  # a resumed run redoes the steps after its checkpoint; a crash keeps the old file whole
-            _write_lines(metrics_path, [json.dumps(r) + "\n" for r in kept])
+        try:
+            if primary:  # a resumed run redoes the steps after its checkpoint; a crash keeps the old file whole
+                _write_lines(metrics_path, [json.dumps(r) + "\n" for r in kept])
+            metrics_file = open(metrics_path, "a") if primary else open(os.devnull, "w")
+        except OSError as exc:  # a full disk, a folder in its place: the run's files named, and how to go on
+            resumed = ckpt.path_for(ckpt_dir, start_step)
+            raise TrainingFailed(start_step, resumed if resume is not None and resumed.exists() else None,
+                                 True) from OSError(f"{metrics_path} could not be written before the first step "
+                                                    f"(nothing was trained): {exc}")
         records = list(kept)
-        metrics_file = open(metrics_path, "a") if primary else open(os.devnull, "w")
         progress = Progress(mode, target, start_step, cfg["quiet"] or not primary, cfg["log_every"])
         if resume is not None:
             progress.write(f"[{mode}] resuming {out} at step {start_step} of {target}")
@@ -1517,9 +1541,9 @@ def _apply_resume_flags(base: dict, given: dict) -> dict:
                 cfg["epochs"] = None
             if key == "epochs":
                 cfg["steps"] = None
-        elif key == "stages" and cfg["mode"] not in ("pipeline", "all"):  # refused as a new run refuses it (it
-            raise UsageError(f"--stages: pipeline option; --mode {cfg['mode']} has no stages (use --mode "
-                             "pipeline)")  # was skipped when it equalled the workers)
+        elif key in ("stages", *PIPELINE_DEFAULTS) and _foreign_options(cfg["mode"], [key]) is not None:
+            raise UsageError(_foreign_options(cfg["mode"], [key]))  # as a new run refuses it (--stages was skipped
+            # when it equalled the workers; the others said "differs from the resumed run's None")
         elif key == "stages" and cfg.get(key) is None and value == pipeline_workers(cfg):
             continue  # saved as None: a stage per worker, the number given
         elif cfg.get(key) != value:

@@ -1237,6 +1237,60 @@ def test_out_holding_a_run_is_refused(finished_run, capsys):
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "loss.png"])
+def test_a_resume_with_a_folder_in_place_of_a_run_file_is_refused(finished_run, tmp_path, capsys, name):
+    """A folder where the resumed run's metrics.jsonl (or summary.json, its plot) belongs failed the resume after
+    its set-up, as "training failed: IsADirectoryError" (exit 1), naming no remedy. Refused up front (exit 2),
+    nothing changed; once moved away the resume goes on."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    moved = tmp_path / "moved"
+    (run / name).rename(moved)
+    (run / name).mkdir()
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    assert train("--resume", str(run), "--steps", "5", "--quiet") == 2
+    assert f"cannot resume {run}: {run / name} is not a file (a folder in its place?)" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    (run / name).rmdir()
+    moved.rename(run / name)
+    assert train("--resume", str(run), "--steps", "5", "--quiet") == 0, capsys.readouterr().err
+
+
+def test_a_resume_that_cannot_write_its_metrics_says_which_file_and_how_to_go_on(finished_run, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A resume whose rewrite of metrics.jsonl fails before its first step (a full disk) said "training failed:
+    OSError: [Errno 28] No space left on device", naming no file and no resume command. Now it names the file,
+    that nothing was trained, and the checkpoint to resume from; the run's files stay; the next resume trains."""
+    import errno
+    import shutil
+
+    import pyengine.cli as cli
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    lines = (run / "metrics.jsonl").read_text()
+    original = cli._write_lines
+
+    def full_disk(path, content):
+        if path.name == "metrics.jsonl":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(path, content)
+
+    monkeypatch.setattr(cli, "_write_lines", full_disk)
+    assert train("--resume", str(run), "--steps", "6", "--quiet") == 1
+    err = capsys.readouterr().err
+    assert (f"training failed: OSError: {run / 'metrics.jsonl'} could not be written before the first step "
+            "(nothing was trained): [Errno 28] No space left on device") in err, err
+    newest = ckpt.latest(run / "checkpoints")
+    assert f"step 4, the last complete one, is saved in {newest}: resume with" in err, err
+    assert (run / "metrics.jsonl").read_text() == lines
+    monkeypatch.setattr(cli, "_write_lines", original)
+    assert train("--resume", str(run), "--steps", "6", "--quiet") == 0, capsys.readouterr().err
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+
+
 def test_out_at_a_runs_checkpoints_folder_is_refused(finished_run, tmp_path, capsys):
     """--out <run>/checkpoints trained a second run inside the first one's checkpoints folder, and `--resume
     <run>/checkpoints` (a documented form for the first run) then resumed the second. Refused, nothing written;
@@ -1343,6 +1397,18 @@ def test_a_pipeline_resume_takes_the_stages_it_trained_with(tmp_path, capsys):
     capsys.readouterr()
     assert train("--resume", str(hybrid), "--steps", "3", "--stages", "2", "--quiet") == 2
     assert "--stages: pipeline option; --mode hybrid has no stages" in capsys.readouterr().err
+    # so are its other pipeline options (they said "differs from the resumed run's None"), and --microbatches on
+    # an async run's resume
+    for flag, value in (("--schedule", "gpipe"), ("--balance", "time"), ("--balance", "params")):
+        assert train("--resume", str(hybrid), "--steps", "3", flag, value, "--quiet") == 2
+        assert f"{flag}: pipeline option; --mode hybrid has no stages (use --mode pipeline)" in \
+            capsys.readouterr().err
+    pushed = tmp_path / "async"
+    assert train("--mode", "async", "--steps", "2", "--out", str(pushed), "--quiet", *SHORT) == 0
+    capsys.readouterr()
+    assert train("--resume", str(pushed), "--steps", "3", "--microbatches", "2", "--quiet") == 2
+    assert "--microbatches: an option of the hybrid, sync and pipeline steps; async workers sum mini-batches" in \
+        capsys.readouterr().err
 
 
 def test_more_accumulated_batches_than_the_epochs_hold_is_refused(tmp_path, capsys):
