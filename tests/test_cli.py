@@ -46,7 +46,20 @@ def check_run_dir(run: Path, mode: str, steps: int):
     png = (run / "loss.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 1000
     assert ckpt.latest(run / "checkpoints") is not None
+    assert summary["checkpoint"] == os.path.abspath(ckpt.latest(run / "checkpoints"))
     return summary
+
+
+def test_the_summary_names_its_checkpoint_by_an_absolute_path(tmp_path, monkeypatch):
+    """A new run's summary.json named its checkpoint as --out gave it (relative), a resumed run's absolutely (its
+    trace is always absolute). Both absolute now."""
+    monkeypatch.chdir(tmp_path)
+    assert train("--steps", "2", "--out", "rel", "--quiet", *SHORT) == 0
+    summary = json.loads((tmp_path / "rel" / "summary.json").read_text())
+    assert summary["checkpoint"] == str(tmp_path / "rel" / "checkpoints" / "step-00000002.pyeckpt"), summary
+    assert train("--resume", "rel", "--steps", "3", "--quiet") == 0
+    summary = json.loads((tmp_path / "rel" / "summary.json").read_text())
+    assert summary["checkpoint"] == str(tmp_path / "rel" / "checkpoints" / "step-00000003.pyeckpt"), summary
 
 
 def test_mode_all_writes_every_run_and_compare_png(tmp_path, capsys):
