@@ -1290,7 +1290,8 @@ def train_one(cfg: dict, mode: str, out: Path, stop: _StopFlag, dataset, resume:
         data=cfg["data"], model=cfg["model"], params=sum(p.numel() for p in model.parameters()),
         batch_size=batch_size, lr=cfg["lr"], lr_schedule=cfg["lr_schedule"], warmup_steps=cfg["warmup_steps"],
         seed=seed, epochs=cfg["epochs"], autocast=cfg["autocast"], loss_scale=cfg["loss_scale"],
-        dataset=dataset.info, checkpoint=os.path.abspath(path), resumed_from_step=start_step if resume is not None else None,
+        dataset=dataset.info, checkpoint=os.path.abspath(path),
+        resumed_from_step=start_step if resume is not None else None,
         interrupted=interrupted, trace=os.path.abspath(trace) if trace is not None else None,
         phases_mean_s={k: mean(k) for k in ("wall_s", "compute_s", "transfer_wait_s", "update_s", "copy_back_s")},
         overlap_efficiency_mean=mean("overlap_efficiency"), engine_stats=stats)

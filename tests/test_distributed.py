@@ -507,8 +507,8 @@ def test_state_the_engine_does_not_follow_is_refused_on_every_rank(tmp_path, see
                 if kind != "frozen":  # the written frozen parameter stays on rank `writer`'s worker 1
                     assert_identical(refused["master"], skipped["master"], f"{name} {kind} rank {r}")
                     assert_identical(refused["buffers"], skipped["buffers"], f"{name} {kind} rank {r} buffers")
-            assert_identical(ranks[0][name, kind, writer]["refused"]["master"], ranks[1][name, kind, writer]["refused"]["master"],
-                             f"{name} {kind}")
+            assert_identical(ranks[0][name, kind, writer]["refused"]["master"],
+                             ranks[1][name, kind, writer]["refused"]["master"], f"{name} {kind}")
 
 
 def test_a_refused_step_names_each_refusing_rank_and_why():
