@@ -257,8 +257,12 @@ class AdamW:
             params = group["params"]
             if (not isinstance(params, (list, tuple)) or any(type(i) is not int for i in params)
                     or list(params) != list(range(start, start + len(group_names)))):
+                frozen = (" (a torch optimizer over model.parameters() holds the frozen parameters too: build it over "
+                          "the trainable ones, [p for p in model.parameters() if p.requires_grad], as the engine "
+                          "does)") if isinstance(params, (list, tuple)) and len(params) > len(group_names) else ""
                 raise ValueError(f"param_groups[{g}] holds params {params}; expected {len(group_names)} params from "
-                                 f"index {start} ({what})")
+                                 f"index {start} ({what}){frozen}")
+            self._check_param_names(group, g, group_names, names)
             start += len(group_names)
         decay = state_dict["param_groups"][1].get("weight_decay", 0.0) if len(groups) == 2 else 0.0
         if not (isinstance(decay, numbers.Real) and not isinstance(decay, bool) and decay == 0.0):
@@ -306,6 +310,31 @@ class AdamW:
         if not (step >= 1 and math.isfinite(step) and step == int(step)):
             raise ValueError(f"optimizer state: the step must be a whole number >= 1; got {step}")
         return int(step)
+
+    @staticmethod
+    def _check_param_names(group: dict, g: int, group_names: list[str], names: list[str]) -> None:
+        """A group's ``param_names`` (torch >= 2.6 saves them for an optimizer built from ``named_parameters()``)
+        against the names this layout puts at its indices. torch loads by index and never reads them; here a state
+        whose names put another of this model's parameters at an index is refused, since each moment would go to the
+        wrong parameter (of the same shape, silently). Names that are none of this model's (a wrapper's prefix,
+        ``module.``) are not compared: the state loads by index, as in torch."""
+        if "param_names" not in group:
+            return
+        saved = group["param_names"]
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(group_names) or not all(
+                isinstance(n, str) for n in saved):
+            raise ValueError(f"param_groups[{g}]['param_names'] must be a list of {len(group_names)} names, one per "
+                             f"param of the group; got {saved!r:.200}")
+        known = set(names)
+        two = ", the decayed ones in the first group, the others in the second" if len(group_names) != len(names) \
+            else ""
+        for index, (theirs, mine) in enumerate(zip(saved, group_names)):
+            if theirs != mine and theirs in known:
+                raise ValueError(f"param_groups[{g}]['param_names'][{index}] is {theirs!r} where this model's order "
+                                 f"puts {mine!r}: the state's optimizer was built over the parameters in another "
+                                 f"order, and each moment would go to the wrong parameter: build the torch "
+                                 f"optimizer over the trainable parameters in model.named_parameters() order"
+                                 f"{two} (nothing was loaded)")
 
     def _state_buffers(self, store) -> dict:
         buffers = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}

@@ -668,6 +668,65 @@ def test_load_torch_state_dict_warns_of_group_settings_it_does_not_read():
         assert pyengine.AdamW().load_torch_state_dict(make(model), sd, names) == 1
 
 
+def _named_torch_state(model, order, no_decay=None, prefix=""):
+    """A torch.optim.AdamW built from named parameters (torch >= 2.6 then saves param_names), in ``order`` (indices
+    into model.named_parameters()), after one step; with ``no_decay``, two groups as AdamW(no_decay=...) lays them."""
+    named = [(prefix + n, p) for n, p in model.named_parameters()]
+    if no_decay is None:
+        groups = [{"params": [named[i] for i in order]}]
+    else:
+        groups = [{"params": [named[i] for i in order if no_decay not in named[i][0]]},
+                  {"params": [named[i] for i in order if no_decay in named[i][0]], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups)
+    sum((k + 1) * p.square().sum() for k, (_, p) in enumerate(named)).backward()  # each parameter its own moments
+    opt.step()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("no_decay", [None, "ps"])
+def test_a_torch_state_whose_param_names_put_another_parameter_at_an_index_is_refused(no_decay):
+    """torch >= 2.6 saves param_names for an optimizer built from named_parameters(); torch loads by index and never
+    reads them. A state of such an optimizer built over the parameters in another order loaded each moment into
+    another parameter of the same shape, without a word; it is refused, naming the index, and nothing is written.
+    The same optimizer in model order loads (each moment to its parameter), and names that are none of the model's
+    (a wrapper's "module." prefix) load by index, as in torch."""
+    model = OddNet(sizes=[5, 5, 5])  # mat, then ps.0, ps.1, ps.2 of one shape
+    names = [n for n, _ in model.named_parameters()]
+    adamw = pyengine.AdamW(no_decay=() if no_decay is None else (no_decay,))
+    store = make(model)
+    before = {name: flat.clone() for name, flat in buffers(store).items()}
+    permuted = _named_torch_state(model, [0, 1, 3, 2], no_decay)  # ps.1 and ps.2 swapped
+    assert "param_names" in permuted["param_groups"][0]
+    group = 0 if no_decay is None else 1
+    with pytest.raises(ValueError, match=rf"param_groups\[{group}\]\['param_names'\]\[\d\] is 'ps.2' where this "
+                                         r"model's order puts 'ps.1'.*another order.*nothing was loaded"):
+        adamw.load_torch_state_dict(store, permuted, names)
+    assert all(torch.equal(flat, before[name]) for name, flat in buffers(store).items())
+    for prefix in ("", "module."):
+        sd = _named_torch_state(model, [0, 1, 2, 3], no_decay, prefix=prefix)
+        assert adamw.load_torch_state_dict(store, sd, names) == 1
+        torch_order = [n for group_names, _ in adamw.param_groups(names) for n in group_names]
+        views = store.views(store.exp_avg_sq)
+        for index, name in enumerate(torch_order):
+            assert torch.equal(views[name], sd["state"][index]["exp_avg_sq"]), (prefix, name)
+    bad = _named_torch_state(model, [0, 1, 2, 3], no_decay)
+    bad["param_groups"][0]["param_names"] = bad["param_groups"][0]["param_names"][:-1]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['param_names'\] must be a list of \d names"):
+        adamw.load_torch_state_dict(store, bad, names)
+
+
+def test_a_torch_state_over_frozen_parameters_too_says_to_leave_them_out():
+    """torch.optim.AdamW(model.parameters()) keeps frozen parameters in its group; the engine's layout has the
+    trainable ones only. The refusal said the indices differ; it now says why and what to build instead."""
+    model = OddNet(sizes=[3, 5])
+    model.ps[0].requires_grad_(False)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    sd = _torch_adamw_state(model)
+    with pytest.raises(ValueError, match=r"holds params \[0, 1, 2\]; expected 2 params .*holds the frozen parameters "
+                                         r"too: build it over the trainable ones"):
+        pyengine.AdamW().load_torch_state_dict(make(model), sd, names)
+
+
 @pytest.mark.parametrize("ranges", [None, [(0, 5), (9, 20)]])
 def test_loading_a_state_saved_before_any_update_zeroes_the_moments(ranges):
     """A torch optimizer that never stepped has an empty state (step 0): loading it into a used store kept the
