@@ -756,6 +756,39 @@ def refusal_flag(refusal: BaseException | None) -> float:
     return _WROTE_STATE if isinstance(refusal, ValueError) else _NO_GRADIENT
 
 
+class RefusalFlags:
+    """Every rank's :func:`refusal_flag` in a region of a float64 all-reduce (SUM) that the step makes anyway (Note [A
+    step refused on every rank]). Up to 33 ranks the flags travel as the base-3 digits of one element (rank r adds
+    flag * 3**r; every partial sum is an integer below 2**53, so the sum is exact in any order); beyond, one element
+    per rank. One element, not ``world``: gloo's all-reduce of 1 or 2 float64 takes a shorter path than that of 3 or
+    more (bench/RESULTS.md, "The refusal flags in the step's all-reduce"), and the hybrid's loss all-reduce was
+    [loss, one flag per rank]."""
+
+    PACKED_RANKS = 33  # 3**33 - 1, the largest sum of 33 digits, is below 2**53
+
+    def __init__(self, world: int):
+        self.world = world
+        self.size = 1 if world <= self.PACKED_RANKS else world  # elements of the region
+
+    def put(self, region: torch.Tensor, rank: int, refusal: BaseException | None) -> None:
+        """Adds this rank's flag to ``region`` (``size`` float64 elements, zeroed by the caller)."""
+        flag = refusal_flag(refusal)
+        if self.size == 1:
+            region[0] = flag * float(3 ** rank)
+        else:
+            region[rank] = flag
+
+    def read(self, region: torch.Tensor) -> list[float]:
+        """Every rank's flag from ``region`` after the all-reduce: a list of ``world`` floats."""
+        if self.size > 1:
+            return region.tolist()
+        packed, flags = int(region[0].item()), []
+        for _ in range(self.world):
+            packed, digit = divmod(packed, 3)
+            flags.append(float(digit))
+        return flags
+
+
 def refused_step_error(rank: int, whose: str, flags: list[float]) -> DistributedError:
     """The error of a rank whose step a peer refused: each refusing rank and why, from ``flags`` (every rank's
     :func:`refusal_flag`); ``whose``: "a worker of" (hybrid) or "the stage of" (the pipeline)."""
@@ -998,8 +1031,9 @@ class DistributedHybrid(_FailureNaming):
         self._all_sizes = torch.zeros(self.world, HEADER_LEN, dtype=torch.float64)
         self._buffer_packet: BytePacket | None = None  # _share_buffers' bytes
         self._all_sizes_flat = self._all_sizes.view(-1)
-        # the step's loss, then one flag per rank that refuses the step (Note [A step refused on every rank])
-        self._loss = torch.zeros(1 + self.world, dtype=torch.float64)
+        # the step's loss, then the flags of the ranks that refuse the step (Note [A step refused on every rank])
+        self._flags = RefusalFlags(self.world)
+        self._loss = torch.zeros(1 + self._flags.size, dtype=torch.float64)
         self._norms = torch.zeros(2, dtype=torch.float64)  # the sharded update's squared norm and non-finite flag
         if shard_update:  # bucket k's reduction and all-gather region, and this rank's part of the gather
             self._regions = [self._ring[k % 2][:self.world * self.part[k]] for k in range(len(self.buckets))]
@@ -1191,7 +1225,7 @@ class DistributedHybrid(_FailureNaming):
             loss.zero_()
             loss[0] = sum(results[i][0] * n for i, n in enumerate(sizes))
             refusals = [w for w in engine.workers if w.refused is not None]
-            loss[1 + self.rank] = refusal_flag(refusals[0].refused if refusals else None)
+            self._flags.put(loss[1:], self.rank, refusals[0].refused if refusals else None)
             with _collective("allreduce of the loss", self.rank, self._explain):
                 self.works.run(dist.all_reduce, loss, group=self.group)
             reduced = time.perf_counter()
@@ -1199,7 +1233,7 @@ class DistributedHybrid(_FailureNaming):
             self.broken = True
             self._record_failure(exc)
             raise
-        flags = loss[1:].tolist()
+        flags = self._flags.read(loss[1:])
         if any(flags):
             self._refuse(engine, flags, refusals)
         engine.begin_update()  # Note [A step's update under the mutex]
@@ -1275,7 +1309,7 @@ class DistributedHybrid(_FailureNaming):
         ranks. Nothing of the step counts: it is dropped as a failed worker's is (streamers reset, the buffers as
         before it, a written weight pulled back; a buffer registered as None is None again), and the group stays
         usable, in step (a frozen parameter written stays written, as in one process: the engine keeps no copy of
-        frozen parameters). Cost: ``world`` float64 more in that all-reduce. Tested on 2 ranks, each kind: hybrid
+        frozen parameters). Cost: one float64 more in that all-reduce (:class:`RefusalFlags`). Tested on 2 ranks, each kind: hybrid
         replicated and sharded (then bit for bit the same engine that never saw the refused batch), the pipeline
         with the writing stage on either rank (then bit for bit the in-process pipeline).
         A trainable parameter without a gradient under ``unused="error"`` is refused the same way (it had broken

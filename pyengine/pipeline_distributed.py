@@ -37,7 +37,7 @@ from torch.func import functional_call
 from . import ops
 from .metrics import step_metrics
 from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collective, _FailureNaming,
-                          _update_settings, as_bytes, receive_rank0_state, refusal_flag, refused_step_error,
+                          _update_settings, as_bytes, receive_rank0_state, RefusalFlags, refused_step_error,
                           update_digest)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
                        check_pair, check_unused, checked_loss, owned_names, partition, put_back_saved,
@@ -553,9 +553,10 @@ class DistributedPipeline(_FailureNaming):
                               for s, (begin, end) in enumerate(self.ranges)]
         # _same_batch: the fingerprints, version and digest, their negations, then each rank's end of fit
         self._fingerprint = torch.zeros(12 + self.world, dtype=torch.float64)
-        # _update: squared norm, non-finite flag, loss sum, busy seconds, then one flag per rank that refuses the
+        # _update: squared norm, non-finite flag, loss sum, busy seconds, then the flags of the ranks that refuse the
         # step (Note [A step refused on every rank]) and each rank's busy seconds, all summed over the group
-        self._reduced = torch.zeros(4 + 2 * self.world, dtype=torch.float64)
+        self._flags = RefusalFlags(self.world)
+        self._reduced = torch.zeros(4 + self._flags.size + self.world, dtype=torch.float64)
         self._clock = torch.zeros(1, dtype=torch.float64)  # _start_clock, then the schedule's wall (MAX)
         self._meter = _StageMeter({p.untyped_storage().data_ptr() for p in self.module.parameters()}, self.is_last)
         begin, end = self.ranges[self.stage]
@@ -918,12 +919,13 @@ class DistributedPipeline(_FailureNaming):
         reduced[0] = norm.double().square() if self.replica == 0 else 0.0
         reduced[1], reduced[2], reduced[3] = nonfinite.double(), loss_sum * weight, busy
         reduced[4:] = 0.0
-        reduced[4 + self.rank] = refusal_flag(refusal)
-        reduced[4 + self.world + self.rank] = busy
+        flags_end = 4 + self._flags.size
+        self._flags.put(reduced[4:flags_end], self.rank, refusal)
+        reduced[flags_end + self.rank] = busy
         self.works.run(dist.all_reduce, reduced, group=self.group)
         self._clock[0] = elapsed
         self.works.run(dist.all_reduce, self._clock, op=dist.ReduceOp.MAX, group=self.group)
-        flags = reduced[4:4 + self.world].tolist()
+        flags = self._flags.read(reduced[4:flags_end])
         if any(flags):  # every rank raises, after the last collective of the step: the group is in step
             self._refused = True
             put_back_saved(saved)
@@ -933,7 +935,7 @@ class DistributedPipeline(_FailureNaming):
         self.engine.begin_update()  # Note [A step's update under the mutex]
         wall, ranks = float(self._clock[0]), dist.get_world_size(self.group)
         bubble = max(0.0, 1.0 - float(reduced[3]) / (ranks * wall)) if wall > 0 else 0.0
-        each = reduced[4 + self.world:].tolist()  # group rank s * R + r runs stage s of replica r
+        each = reduced[flags_end:].tolist()  # group rank s * R + r runs stage s of replica r
         stage_busy = [sum(each[s * self.replicas:(s + 1) * self.replicas]) / self.replicas
                       for s in range(self.num_stages)]
         if not self.engine.admit_update(reduced[1].item() != 0.0, [], loss_scale=scale):

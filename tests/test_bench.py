@@ -145,6 +145,39 @@ def test_bench_async_pull_runs_on_cpu():
     assert all(row[-3:] == ["torch.bfloat16,", "576", "parameters"] for row in rows), text  # 2 x (16 x 16 + 16)
 
 
+def _run_torchrun(script, *args):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(BENCH, script), *args], capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_bench_dist_step_runs_under_torchrun():
+    """Both engines step, the packed one's flags are one float64, and they end with the same weights (the script
+    exits 1 when they differ); outside torchrun it says how to launch it."""
+    import subprocess
+
+    text = _run_torchrun("bench_dist_step.py", "--steps", "24")
+    rows = [line for line in text.splitlines() if line.startswith("| 2 ranks | packed (1 float64) ")]
+    assert len(rows) == 1 and "per rank (2 float64)" in rows[0] and rows[0].endswith("| weights equal |"), text
+    alone = subprocess.run([sys.executable, os.path.join(BENCH, "bench_dist_step.py")], capture_output=True,
+                           text=True, timeout=60)
+    assert alone.returncode == 2 and "launch under torchrun" in alone.stderr
+
+
+@pytest.mark.timeout(240)
+def test_bench_comm_rounds_interleave_the_sizes_under_torchrun():
+    """--rounds: every size timed in each of R rounds (the sizes far apart, as in test_comm's run: the fit refuses
+    timings that fall with the size)."""
+    text = _run_torchrun("bench_comm.py", "--sizes", "4e3,32e6", "--rounds", "3", "--repeats", "2")
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| 2 (fit) |")]
+    assert [row[2].strip() for row in rows] == ["4,000", "32,000,000"] and all(float(row[3]) > 0 for row in rows), \
+        text
+
+
 def test_bench_call_overhead_runs_on_cpu():
     text = _run_bench("bench_call_overhead.py", "--calls", "5", "--rounds", "1")
     rows = [line for line in text.splitlines() if line.startswith("| mean_grad_adamw")]

@@ -525,6 +525,32 @@ def test_a_refused_step_names_each_refusing_rank_and_why():
                         "was applied, the group stays usable")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 32, 33, 34, 64])
+def test_every_ranks_refusal_flag_comes_back_from_the_summed_region(world, seed):
+    """RefusalFlags: each rank puts its flag into a zeroed float64 region, the regions are summed (as the step's
+    all-reduce does, in a random order), and every rank reads back every rank's flag exactly: packed as base-3
+    digits of one element up to 33 ranks (the largest sum, 3**33 - 1, is exact in float64), one element per rank
+    beyond."""
+    gen = torch.Generator().manual_seed(seed)
+    refusals = [None, ValueError("wrote"), RuntimeError("no gradient")]
+    flags = distributed.RefusalFlags(world)
+    assert flags.size == (1 if world <= 33 else world)
+    for pattern in ("random", "all_unused", "none"):
+        if pattern == "random":
+            picks = torch.randint(0, 3, (world,), generator=gen).tolist()
+        else:
+            picks = [2 if pattern == "all_unused" else 0] * world
+        regions = []
+        for rank, pick in enumerate(picks):
+            region = torch.zeros(2 + flags.size, dtype=torch.float64)[1:1 + flags.size]  # a view, as in the step
+            flags.put(region, rank, refusals[pick])
+            regions.append(region)
+        total = torch.zeros(flags.size, dtype=torch.float64)
+        for r in torch.randperm(world, generator=gen).tolist():
+            total += regions[r]
+        expected = [distributed.refusal_flag(refusals[pick]) for pick in picks]
+        assert flags.read(total) == expected, (world, pattern)
+
 @pytest.mark.timeout(90)
 def test_ranks_that_loaded_different_states_refuse_the_next_step(tmp_path, seed):
     """Note [Every rank at the same version]: rank 0 alone loads an earlier state; the next step raises on every
