@@ -258,7 +258,7 @@ def _run_async(engine, run, batches, *, steps, epochs, callbacks) -> None:
                 saved = None
                 if worker.index == engine.buffer_source:
                     saved = engine._snapshot_source_buffers({worker.index: None})
-                    run.buffers = None if saved is None else saved[1]
+                    run.buffers = engine.copies_for_readers(saved)
                 return engine.version, engine.loss_scale_now(), time.perf_counter() - start, k, saved
             except BaseException:
                 stop.set()  # before the mutex is released: no other push lands after it (Note [The push that ends

@@ -54,8 +54,8 @@ from .store import (HostStore, check_initialized, check_no_partial_overlap, chec
                     replica_shadow_dtype)
 from .streamer import _POLL_S, check_options as check_streamer_options, refuse_script_module
 from .sync import sync_step
-from .workers import (Worker, WorkerError, deferred_interrupt, overlaps_itself, parse_devices, put_back_buffers,
-                      replace_buffer, task_thread_initializer)
+from .workers import (KeptBufferCopies, Worker, WorkerError, deferred_interrupt, overlaps_itself, parse_devices,
+                      put_back_saved, replace_buffer, task_thread_initializer)
 
 __all__ = ["Engine", "StageError", "WorkerError"]
 
@@ -462,7 +462,7 @@ class Engine:
         self.buffer_source = 0  # the worker whose replica holds the current buffers (see the class docstring)
         self._buffers_before = None  # Note [A failed step leaves the buffers alone]
         self._buffers_gathered = None  # the last gather_workers' snapshot (drop_gathered_step)
-        self._buffer_slots, self._buffer_copies = {}, None
+        self._buffer_kept = {}  # the source replica's KeptBufferCopies, by source
         self._buffers_on_cpu = all(d.type == "cpu" for d in self.devices)  # share_buffers' copies: one foreach
         self._stop = threading.Event()
         self._fitting = False  # fit() is running (one at a time)
@@ -1474,8 +1474,9 @@ class Engine:
         the host's per-bucket work simply finds every bucket ready.
         """
         self._buffers_before = self._snapshot_source_buffers(tasks)
-        if self._in_flight is not None and self._buffers_before is not None:  # Note [Reading the state during a step]
-            self._in_flight = self._in_flight._replace(buffers=self._buffers_before[1])
+        copies = self.copies_for_readers(self._buffers_before)
+        if self._in_flight is not None and copies is not None:  # Note [Reading the state during a step]
+            self._in_flight = self._in_flight._replace(buffers=copies)
         if not self.inline_worker:
             return {i: self._pool.submit(_on_stream, self._caller_stream(i), fn) for i, fn in tasks.items()}
         futures = {}
@@ -1550,24 +1551,26 @@ class Engine:
         pipeline]). A step that completes but is skipped or raises for a non-finite gradient keeps its statistics,
         as a step skipped by torch's GradScaler does.
 
-        Cost: one multi-tensor copy into copies kept from step to step, the buffers looked up in their modules (not
-        through named_buffers(), which walks the model): ~15 us a step for 8 BatchNorm layers, where fresh clones
-        of named_buffers() measured 84 us and 3 % of a 8 ms CPU step (bench/RESULTS.md)."""
+        Cost: one multi-tensor copy into copies kept from step to step, the buffers looked up in their modules (Note
+        [Buffer copies kept from step to step] in workers.py): ~15 us a step for 8 BatchNorm layers, where fresh
+        clones of named_buffers() measured 84 us and 3 % of a 8 ms CPU step (bench/RESULTS.md)."""
         if not self.buffer_names or self.buffer_source not in tasks:
             return None
-        slots = self._buffer_slots.get(self.buffer_source)
-        if slots is None:  # (module, key) of each buffer: a module may assign a new tensor, so looked up every step
+        kept = self._buffer_kept.get(self.buffer_source)
+        if kept is None:  # (module, key) of each buffer: a module may assign a new tensor, so looked up every step
             modules = dict(self.workers[self.buffer_source].replica.named_modules())
-            slots = [(modules[prefix], key) for prefix, _, key in (n.rpartition(".") for n in self.buffer_names)]
-            self._buffer_slots[self.buffer_source] = slots
-        sources = [module._buffers[key] for module, key in slots]
-        ids, shapes = [id(t) for t in sources], [t.shape for t in sources]  # a buffer resized in place: its shape
-        copies = self._buffer_copies
-        if copies is None or copies[0] != ids or copies[2] != shapes:
-            self._buffer_copies = (ids, [t.detach().clone() for t in sources], shapes)
-        else:
-            torch._foreach_copy_(copies[1], sources)
-        return [sources, self._buffer_copies[1], slots]
+            kept = KeptBufferCopies([(modules[prefix], key)
+                                     for prefix, _, key in (n.rpartition(".") for n in self.buffer_names)])
+            self._buffer_kept = {self.buffer_source: kept}
+        return kept.take()
+
+    def copies_for_readers(self, saved: list | None) -> list | None:
+        """The copies of :meth:`_snapshot_source_buffers` in ``buffer_names`` order, what readers of the state
+        return while the source replica computes; None without a snapshot, or when a buffer is None now (set so
+        by a forward: it has no copy, the readers read the replica)."""
+        if saved is None or len(saved) != len(self.buffer_names):
+            return None
+        return [copy_ for *_, copy_ in saved]
 
     @torch.no_grad()
     def _restore_source_buffers(self, saved: list | None) -> None:
@@ -1576,8 +1579,7 @@ class Engine:
         stream = self.workers[self.buffer_source].stream
         if stream is not None:
             stream.synchronize()  # what the failed task left on the worker's stream has run
-        sources, copies, slots = saved
-        put_back_buffers([(module, key, source) for (module, key), source in zip(slots, sources)], copies)
+        put_back_saved(saved)
 
     def wait_bucket(self, k: int, futures: dict) -> bool:
         """Blocks until bucket ``k`` of every worker in ``futures`` is in its slot; False as soon as one of those

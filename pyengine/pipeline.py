@@ -101,8 +101,9 @@ import torch
 
 from .metrics import step_metrics
 from .streamer import check_dense_gradients
-from .workers import (FollowedState, WorkerError, _map, _tensors, batch_size, check_weights_unchanged,
-                      put_back_buffers, replica_of, split_batch, task_thread_initializer, to_device)
+from .workers import (FollowedState, KeptBufferCopies, WorkerError, _map, _tensors, batch_size,
+                      check_weights_unchanged, put_back_saved, replica_of, split_batch, task_thread_initializer,
+                      to_device)
 from .workers import autocast as autocast_region
 
 __all__ = ["Pipeline", "SCHEDULES", "StageError", "as_sequential", "measure_layer_times", "partition",
@@ -130,18 +131,6 @@ def check_unused(params, unused: str, tied=()) -> None:
     if missing and unused == "error":
         raise RuntimeError(f"{len(missing)} parameter(s) of this stage received no gradient: {missing[:10]}; "
                            "pass unused='zero' or freeze them")
-
-
-def saved_buffers(modules) -> list[tuple]:
-    """(module, key, buffer, a copy of it) for every buffer of ``modules`` (stages' layers), for
-    :func:`put_back_saved` after a step that does not count."""
-    return [(module, key, b, b.detach().clone()) for root in modules for module in root.modules()
-            for key, b in module._buffers.items() if b is not None]
-
-
-def put_back_saved(saved: list[tuple]) -> None:
-    """Every buffer of :func:`saved_buffers` back to its copy, in place (references to it stay valid)."""
-    put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
 
 
 class _Stopped(Exception):
@@ -638,6 +627,8 @@ class Pipeline:
                           self.rngs[s * self.replicas + r], self.engine.random_modules)
                    for r in range(self.replicas)] for s, module in enumerate(modules)]
         self.sizes, self.tied, self.stages = sizes, tied, stages
+        # one per stage: each on one device (Note [Buffer copies kept from step to step] in workers.py)
+        self._kept_buffers = [KeptBufferCopies.of_modules([stage.module]) for row in stages for stage in row]
 
     # ---- one step ----
 
@@ -707,9 +698,10 @@ class Pipeline:
             engine._in_flight = engine._in_flight._replace(buffers=kept)
 
     def _save_buffers(self) -> list[tuple]:
-        """:func:`saved_buffers` of every stage (Note [Stopping a failed pipeline]). On CUDA the copies are made on
-        the device's current stream, which every stage's stream waits for before the step."""
-        return saved_buffers(stage.module for row in self.stages for stage in row)
+        """The buffers of every stage and their copies (Note [Stopping a failed pipeline]; Note [Buffer copies kept
+        from step to step] in workers.py). On CUDA the copies are made on the device's current stream, which every
+        stage's stream waits for before the step."""
+        return [held for kept in self._kept_buffers for held in kept.take()]
 
     @torch.no_grad()
     def _restore_buffers(self, saved) -> None:

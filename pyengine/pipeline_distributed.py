@@ -40,11 +40,12 @@ from .distributed import (_ENDED, _RAISED, BytePacket, DistributedError, _collec
                           _update_settings, as_bytes, receive_rank0_state, RefusalFlags, refused_step_error,
                           update_digest)
 from .pipeline import (StageError, _Activations, _check_sizes, _is_int, _param_costs, batch_like, check_options,
-                       check_pair, check_unused, checked_loss, owned_names, partition, put_back_saved,
-                       saved_buffers, split_layers, stage_range, stage_store_names)
+                       check_pair, check_unused, checked_loss, owned_names, partition, split_layers, stage_range,
+                       stage_store_names)
 from .streamer import check_dense_gradients
 from .workers import autocast as autocast_region
-from .workers import FollowedState, batch_size, check_weights_unchanged, replica_of, whole_buffers
+from .workers import (FollowedState, KeptBufferCopies, batch_size, check_weights_unchanged, put_back_saved,
+                      replica_of, whole_buffers)
 
 __all__ = ["DistributedPipeline", "check_engine_options"]
 
@@ -494,6 +495,7 @@ class DistributedPipeline(_FailureNaming):
         self._pipe_group, self._dp_group = self._subgroups(group)  # the first collective (new_group with replicas)
         self.device = engine.devices[0]
         self.module = replica_of(modules[self.stage], self.device)  # Note [Replicas keep the parameters' hooks]
+        self._kept_buffers = KeptBufferCopies.of_modules([self.module])  # Note [Buffer copies kept from step to step]
         # each rank its own generator (global index = rank), seeded per step: the data-parallel replicas of a stage
         # draw different masks (Note [Random numbers of concurrent workers] in pyengine/rng.py)
         engine.worker_rng(self.device, 0).install(self.module, engine.random_modules)
@@ -727,7 +729,7 @@ class DistributedPipeline(_FailureNaming):
         self._refused = False
         try:
             self._share_buffers()
-            saved = saved_buffers([self.module])  # Note [A step refused on every rank]: put back if it is
+            saved = self._kept_buffers.take()  # Note [A step refused on every rank]: put back if it is
             schedule = self._schedule_for(inputs, targets)
             began = self._start_clock()  # Note [Bubble across processes]
             if self.is_last and targets is None:  # Note [Batches without targets across processes]
@@ -889,7 +891,7 @@ class DistributedPipeline(_FailureNaming):
         range (Note [Distributed pipeline store]). Returns (applied, the loss summed over micro-batches, weighted
         across replicas, the bubble fraction, the wall: Note [Bubble across processes], and each stage's busy
         seconds, the mean over its replicas, as the in-process pipeline's ``stage_busy_s``). ``scale``: the step's
-        loss scale; ``saved``: the stage's buffers before the schedule (:func:`pyengine.pipeline.saved_buffers`).
+        loss scale; ``saved``: the stage's buffers before the schedule (:meth:`KeptBufferCopies.take`).
 
         A stage's refusal (Note [A step refused on every rank] in pyengine/distributed.py): its flag travels in the
         all-reduce of the norm, and every rank raises after the clock's, this method's last collective, before

@@ -375,6 +375,55 @@ def replace_buffer(roots, old: torch.Tensor, value: torch.Tensor) -> torch.Tenso
     return new
 
 
+class KeptBufferCopies:
+    """Note [Buffer copies kept from step to step]
+    A step that does not count puts the buffers back as they were before it (Note [A failed step leaves the buffers
+    alone] in engine.py, Note [Stopping a failed pipeline] in pipeline.py, Note [A step refused on every rank] in
+    distributed.py), so each such step takes copies of them first. Fresh clones every step, found by walking the
+    model (``named_buffers()``, ``modules()``), cost ~2.3 us a buffer on the 2-vCPU VM (a stage of 40 BatchNorm
+    layers: 1.6 % of its forward+backward); here the buffers are looked up in fixed ``(module, key)`` slots (a module
+    may assign a new tensor: looked up every step) and written with one multi-tensor copy into copies kept from
+    step to step; only when a slot holds another tensor or shape than at the last :meth:`take` (or a tensor where it
+    held None, a cache made by the first forward) are they cloned anew (bench/RESULTS.md). A copy is rewritten by
+    the next take: who keeps one past its step (a reader of the state during the step, Note [Reading the state
+    during a step] in engine.py) must be done with it by then (those readers run under the engine's mutex, which
+    the step takes for its update, before the next step's take)."""
+
+    def __init__(self, slots):
+        self.slots = list(slots)
+        self._held_ids, self._shapes, self._copies, self._one_device = None, None, [], True
+
+    @classmethod
+    def of_modules(cls, roots) -> "KeptBufferCopies":
+        """The slots of every buffer key of ``roots`` and their submodules (None ones too: a cache that a forward
+        makes later is taken from then on)."""
+        return cls([(module, key) for root in roots for module in root.modules() for key in module._buffers])
+
+    @torch.no_grad()
+    def take(self) -> list[tuple]:
+        """``(module, key, buffer, copy)`` for every slot that holds a tensor now (what :func:`put_back_saved` puts
+        back); the copies are this object's, rewritten at the next take."""
+        held = [(module, key, buffer) for module, key in self.slots
+                if (buffer := module._buffers.get(key)) is not None]
+        ids, shapes = [id(b) for *_, b in held], [b.shape for *_, b in held]
+        if ids != self._held_ids or shapes != self._shapes:  # a buffer resized in place: its shape
+            self._copies = [b.detach().clone() for *_, b in held]
+            self._held_ids, self._shapes = ids, shapes
+            self._one_device = len({b.device for *_, b in held}) <= 1
+        elif self._one_device:
+            if held:
+                torch._foreach_copy_(self._copies, [b for *_, b in held])
+        else:  # a pipeline's stages on several devices
+            for copy_, (*_, buffer) in zip(self._copies, held):
+                copy_.copy_(buffer)
+        return [(module, key, buffer, copy_) for (module, key, buffer), copy_ in zip(held, self._copies)]
+
+
+def put_back_saved(saved: list[tuple]) -> None:
+    """Every buffer of :meth:`KeptBufferCopies.take` back to its copy, in place (references to it stay valid)."""
+    put_back_buffers([(module, key, buffer) for module, key, buffer, _ in saved], [c for *_, c in saved])
+
+
 @torch.no_grad()
 def put_back_buffers(held, copies) -> None:
     """Each ``(module, key, buffer)`` of ``held`` holds ``buffer`` again, with the values of its copy in ``copies``

@@ -3422,6 +3422,59 @@ class Logging(torch.nn.Module):
         return self.net(x)
 
 
+def test_kept_buffer_copies_are_rewritten_in_place_and_made_anew_when_a_buffer_changes(rng):
+    """Note [Buffer copies kept from step to step]: a take copies every buffer; the next take rewrites the same copy
+    tensors (no clone) while the buffers are the same tensors of the same shapes; a buffer assigned a new tensor,
+    one resized in place, and a None slot that now holds a tensor (a cache) each make fresh copies; put_back_saved
+    puts every value back (and a reassigned module its old tensor)."""
+    from pyengine.workers import KeptBufferCopies, put_back_saved
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 5))
+    model[1].register_buffer("cache", None, persistent=False)
+    kept = KeptBufferCopies.of_modules([model])
+    assert [(m is model[0] or m is model[1], k) for m, k in kept.slots] == [
+        (True, "running_mean"), (True, "running_var"), (True, "num_batches_tracked"), (True, "cache")]
+
+    def values():
+        return {k: b.clone() for m, k in kept.slots if (b := m._buffers.get(k)) is not None}
+
+    first = kept.take()
+    assert [k for _, k, _, _ in first] == ["running_mean", "running_var", "num_batches_tracked"]
+    before = values()
+    model.train()(torch.randn(8, 5, generator=rng))  # the statistics move
+    assert not torch.equal(model[0].running_mean, before["running_mean"])
+    put_back_saved(first)
+    assert all(torch.equal(v, values()[k]) for k, v in before.items())
+    model(torch.randn(8, 5, generator=rng))
+    second = kept.take()  # the same buffers: the copies rewritten, not made anew
+    assert all(a[3] is b[3] for a, b in zip(first, second))
+    assert all(torch.equal(c, b) for _, _, b, c in second)
+    for change in ("assign", "resize", "cache"):
+        held = kept.take()
+        if change == "assign":
+            old = model[0].running_mean
+            model[0].running_mean = torch.full((5,), 7.0)
+        elif change == "resize":
+            model[0].running_var.resize_(6)
+        else:
+            model[1].cache = torch.ones(3)
+        now = kept.take()
+        assert all(a[3] is not b[3] for a, b in zip(held, now)), change
+        assert all(torch.equal(c, b) for _, _, b, c in now), change
+        assert len(now) == (4 if change == "cache" else 3)
+        if change == "assign":
+            model[0].running_mean = torch.zeros(5)  # a step that assigns again, then fails
+            put_back_saved(now)
+            assert model[0].running_mean is not old and torch.equal(model[0].running_mean, torch.full((5,), 7.0))
+        if change == "resize":
+            model[0].running_var.resize_(5)  # back to BatchNorm's shape for the forward of the next round
+    cache = model[1].cache
+    saved = kept.take()
+    model[1].cache = torch.zeros(2)  # a step's forward makes another cache, then the step fails
+    put_back_saved(saved)
+    assert model[1].cache is cache and torch.equal(cache, torch.ones(3))
+
+
 @pytest.mark.parametrize("mode,workers", [("hybrid", 2), ("hybrid", 1), ("sync", 1), ("async", 1)])
 def test_a_failed_step_puts_back_a_buffer_resized_in_place(rng, mode, workers):
     """Note [A failed step leaves the buffers alone] with a buffer the forward resizes in place: putting it back
