@@ -18,6 +18,7 @@ import math
 import numbers
 import operator
 import threading
+import time
 import warnings
 import weakref
 from typing import NamedTuple, Sequence
@@ -590,17 +591,27 @@ class GradientStreamer:
                             f"{type(timeout).__name__} {timeout!r}")
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"GradientStreamer.wait: timeout must be >= 0 seconds or None; got {timeout}")
-        if timeout is not None and timeout <= 1e300:
+        if timeout is not None and timeout <= _INTERRUPT_POLL_S:  # one wait in C++ (the engine's polls)
             return self._transfer.wait(_GRADS, k, True, float(timeout))
-        self._wait_interruptibly(k)  # a timeout past float's range (an int) waits as long as it takes, as None does
-        return True
+        # a timeout past float's range (an int) waits as long as it takes, as None does
+        return self._wait_interruptibly(k, None if timeout is None or timeout > 1e300 else float(timeout))
 
-    def _wait_interruptibly(self, k: int) -> None:
-        """Waits for bucket ``k``'s delivery in bounded waits: Ctrl-C interrupts it. One wait in C++ for a backward
-        that never comes (a wait before it, on the main thread) held the thread there, and a KeyboardInterrupt is
-        raised only once the thread is back in Python."""
-        while not self._transfer.wait(_GRADS, k, True, _INTERRUPT_POLL_S):
-            pass
+    def _wait_interruptibly(self, k: int, timeout: float | None = None) -> bool:
+        """Waits for bucket ``k``'s delivery in bounded waits, so that Ctrl-C interrupts it: one wait in C++ for a
+        backward that never comes (a wait before it, on the main thread) held the thread there for as long as the
+        timeout (an hour, say), and a KeyboardInterrupt is raised only once the thread is back in Python. False
+        when ``timeout`` (seconds; None: none) ran out."""
+        if timeout is None:
+            while not self._transfer.wait(_GRADS, k, True, _INTERRUPT_POLL_S):
+                pass
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if self._transfer.wait(_GRADS, k, True, max(0.0, min(left, _INTERRUPT_POLL_S))):
+                return True
+            if left <= _INTERRUPT_POLL_S:
+                return False
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -414,6 +414,9 @@ def test_wait_with_timeout_and_reset_after_a_failed_step():
         start = time.perf_counter()
         assert streamer.wait(0, timeout=0.05) is False  # no backward has run: the bucket never comes
         assert 0.04 < time.perf_counter() - start < 5
+        start = time.perf_counter()  # longer than one bounded wait: several, and still the whole timeout
+        assert streamer.wait(0, timeout=0.35) is False
+        assert 0.34 < time.perf_counter() - start < 5
         with pytest.raises(ValueError, match="timeout must be >= 0"):
             streamer.wait(0, timeout=-1)
         model(batch("cpu")).backward()
@@ -1407,7 +1410,8 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # a runner started in 
 model = torch.nn.Linear(4, 3)
 eager_mb = None if sys.argv[1] == "None" else float(sys.argv[1])  # the eager_mb fixture's, not seen in this process
 streamer = pyengine.GradientStreamer(model, pyengine.HostStore(model, pin=False), eager_mb=eager_mb)
-for name, wait in (("wait", lambda: streamer.wait(0)), ("wait_all", streamer.wait_all)):
+for name, wait in (("wait", lambda: streamer.wait(0)), ("wait_all", streamer.wait_all),
+                   ("wait with an hour's timeout", lambda: streamer.wait(0, timeout=3600))):
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # no backward comes: it waits for good
     start = time.perf_counter()
     try:
@@ -1421,15 +1425,17 @@ streamer.close()
 
 def test_ctrl_c_interrupts_a_wait_for_a_backward_that_never_comes(eager_mb):
     """wait() without a timeout and wait_all() waited in C++, where Ctrl-C does not reach the thread: a wait before
-    the backward (on the main thread) could be ended only by killing the process. They now wait in bounded steps.
-    In a process of its own: on the old code it waits for good (this test's timeout)."""
+    the backward (on the main thread) could be ended only by killing the process. They now wait in bounded steps;
+    so does a wait with a long timeout (it held Ctrl-C off for that long). In a process of its own: on the old code
+    it waits for good (this test's timeout)."""
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, "-c", _CTRL_C_DURING_WAIT, str(eager_mb)], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
-    assert run.stdout.splitlines() == ["wait interrupted True", "wait_all interrupted True"], run.stdout
+    assert run.stdout.splitlines() == ["wait interrupted True", "wait_all interrupted True",
+                                       "wait with an hour's timeout interrupted True"], run.stdout
 
 
 def test_copy_thread_never_drops_the_last_reference_to_a_python_tensor():
