@@ -50,12 +50,12 @@ from .pipeline import Pipeline, StageError, as_sequential, check_mode_options, c
 from .profiling import PhaseRecorder
 from .rng import WorkerRNG, cpu_generator_seed
 from .scaler import LossScaler, grad_scale_tensor, make_scaler
-from .store import (HostStore, check_initialized, check_no_partial_overlap, check_pin, layout_of,
+from .store import (HostStore, check_initialized, check_no_partial_overlap, check_pin, layout_of, overlaps_itself,
                     replica_shadow_dtype)
 from .streamer import _POLL_S, check_options as check_streamer_options, refuse_script_module
 from .sync import sync_step
-from .workers import (KeptBufferCopies, Worker, WorkerError, deferred_interrupt, overlaps_itself, parse_devices,
-                      put_back_saved, replace_buffer, task_thread_initializer)
+from .workers import (KeptBufferCopies, Worker, WorkerError, deferred_interrupt, parse_devices, put_back_saved,
+                      replace_buffer, task_thread_initializer)
 
 __all__ = ["Engine", "StageError", "WorkerError"]
 

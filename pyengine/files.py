@@ -7,6 +7,7 @@ fsynced too).
 """
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,13 @@ def replace_file(path, write: Callable[[Path], None]) -> None:
     A symbolic link stays a link: the file it points to is replaced (the link was replaced by a plain file). A
     path that exists and is no regular file (``/dev/null``, a named pipe) is written in place: a rename over it
     replaced the device with a plain file (run as root, ``--trace /dev/null`` replaced the system's)."""
+    if not os.fsdecode(path):
+        raise ValueError("the file name is empty")  # Path("") is ".": the error named the current folder
     path = Path(os.fsdecode(path))
+    if path.is_dir():  # the errors below named the temporary file, not the path given
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(path))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"its folder {str(path.parent)!r} does not exist", str(path))
     if path.is_symlink():
         path = Path(os.path.realpath(path))
     if path.exists() and not path.is_file() and not path.is_dir():  # a device, a pipe, a socket: its own writes
@@ -35,6 +42,15 @@ def replace_file(path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename != str(tmp):
+            raise
+        try:  # the path given, not the temporary file (.<stem>.tmp<suffix>) that the error named
+            named = type(exc)(exc.errno, f"{exc.strerror} (writing it through {tmp.name})", str(path))
+        except Exception:  # noqa: BLE001 - an OSError subclass of other arguments: as it came
+            raise exc from None
+        raise named from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -22,6 +22,7 @@ slots stay full size.
 from __future__ import annotations
 
 import bisect
+import numbers
 import operator
 import threading
 import warnings
@@ -37,6 +38,7 @@ __all__ = ["HostStore", "LayoutEntry", "huge_page_bytes", "layout_of", "replica_
 _ALIGN_BYTES = 64
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SHADOW_DTYPES = (torch.bfloat16, torch.float16)
+_MAX_WORKERS = 1 << 16  # gradient slots of one store
 _warned_unpinned = False
 
 
@@ -49,12 +51,19 @@ class LayoutEntry(NamedTuple):
     numel: int
 
 
-def check_no_partial_overlap(named_parameters) -> None:
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """A view in which elements share memory (an expanded tensor: a stride 0 over a dimension of size > 1): it
+    cannot be written in place."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+
+
+def check_no_partial_overlap(named_parameters, who: str | None = None) -> None:
     """ValueError naming two parameters (one of them trainable) that are different tensors over overlapping memory
     (views of one tensor: ``Parameter(base[:4])`` and ``Parameter(base[2:5])``). The store gives every parameter
     its own master weights, so the replicas no longer shared those elements and copy_to wrote both into them, the
     last write winning: the model ended up other than master_state_dict() without a word. A tied parameter (the
-    same tensor twice) is one parameter and is fine."""
+    same tensor twice) is one parameter and is fine. ``who`` (``HostStore.copy_to``): the tensors are written, so
+    any two that overlap are refused, trainable or not, and the message starts with it."""
     spans = {}  # storage -> [(first byte, end byte, name, trainable)]
     for name, param in named_parameters:  # tied ones come once
         if param.is_meta or param.numel() == 0:
@@ -66,6 +75,11 @@ def check_no_partial_overlap(named_parameters) -> None:
     for held in spans.values():  # one parameter per storage, nearly always
         for i, (a0, a1, a, a_trained) in enumerate(held):
             for b0, b1, b, b_trained in held[i + 1:]:
+                if b0 < a1 and a0 < b1 and who is not None:
+                    raise ValueError(f"{who}: parameters {a!r} and {b!r} overlap in memory (views of one tensor, "
+                                     "or one tensor twice); the store holds their weights apart, so their shared "
+                                     "elements would be written twice, the last write winning: copy into a model "
+                                     "whose parameters are separate tensors, like the one the store was made from")
                 if b0 < a1 and a0 < b1 and (a_trained or b_trained):
                     raise ValueError(f"parameters {a!r} and {b!r} overlap in memory (views of one tensor); the "
                                      "engine holds each parameter's weights apart, so their shared elements would "
@@ -101,6 +115,9 @@ def _trainable(model_or_named_parameters) -> list[tuple[str, torch.nn.Parameter]
         names.add(name)
         if not param.is_floating_point():
             raise TypeError(f"HostStore: parameter {name!r} must be floating point; got {param.dtype}")
+        if param.layout != torch.strided:
+            raise ValueError(f"HostStore: parameter {name!r} must be a dense (strided) tensor; got {param.layout} "
+                             "(the store holds dense weights; a sparse gradient is refused likewise)")
         seen.add(id(param))
         out.append((name, param))
     if not out:
@@ -246,8 +263,10 @@ class HostStore:
     def __init__(self, model_or_named_parameters, workers: int = 1, grad_dtype: torch.dtype = torch.float32,
                  pin="auto", shadow_dtype: torch.dtype | str | None = None, amsgrad: bool = False,
                  max_bytes: int | None = None, state_ranges: Sequence[tuple[int, int]] | None = None):
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise ValueError(f"HostStore: workers must be an int >= 1; got {workers!r}")
+        if not isinstance(workers, numbers.Integral) or isinstance(workers, bool) or not 1 <= workers <= _MAX_WORKERS:
+            # 2**40 slots of an empty model passed every size check and built a list of 2**40 sections: killed
+            raise ValueError(f"HostStore: workers must be an int in [1, {_MAX_WORKERS}]; got {workers!r}")
+        workers = int(workers)
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(f"HostStore: grad_dtype must be one of {_GRAD_DTYPES}; got {grad_dtype}")
         if shadow_dtype is not None and shadow_dtype != "auto" and shadow_dtype not in _SHADOW_DTYPES:
@@ -256,8 +275,10 @@ class HostStore:
         check_pin(pin)
         if not isinstance(amsgrad, bool):  # "no" would have been truthy: a buffer more than asked
             raise TypeError(f"HostStore: amsgrad must be True or False; got {type(amsgrad).__name__} {amsgrad!r}")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+        if max_bytes is not None and (not isinstance(max_bytes, numbers.Integral) or isinstance(max_bytes, bool)
+                                      or max_bytes < 0):
             raise ValueError(f"HostStore: max_bytes must be None or an int >= 0 (bytes); got {max_bytes!r}")
+        max_bytes = None if max_bytes is None else int(max_bytes)
         named = _trainable(model_or_named_parameters)
         check_no_partial_overlap(named)
         if isinstance(shadow_dtype, str):
@@ -307,7 +328,7 @@ class HostStore:
         self._grad_slots = [views[f"grad{g}"] for g in range(workers)]
         self._slot_owners: dict[int, weakref.ref] = {}  # worker -> its GradientStreamer (Note [One writer a slot])
         self._slot_lock = threading.Lock()
-        self.load_from(named)
+        self._load_from(named, None)
 
     def _set_state_ranges(self, state_ranges) -> None:
         if state_ranges is None:
@@ -424,42 +445,65 @@ class HostStore:
                              f"{tuple(flat.shape)}")
         return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.layout}
 
-    def _named(self, model_or_named_parameters, what: str) -> dict[str, torch.Tensor]:
+    def _named(self, model_or_named_parameters, what: str | None) -> dict[str, torch.Tensor]:
         """name -> parameter of the model, checked against the layout before anything is copied (a failure half
-        way left some weights written, and the shadow behind them)."""
-        pairs = (model_or_named_parameters.named_parameters()
-                 if isinstance(model_or_named_parameters, torch.nn.Module) else model_or_named_parameters)
+        way left some weights written, and the shadow behind them). ``what``: the method, for the messages (None:
+        the constructor's own load)."""
+        who = "HostStore" if what is None else f"HostStore.{what}"
+        module = model_or_named_parameters if isinstance(model_or_named_parameters, torch.nn.Module) else None
+        pairs = model_or_named_parameters.named_parameters() if module is not None else model_or_named_parameters
         named: dict[str, torch.Tensor] = {}
         for item in pairs:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"HostStore.{what}: expected an nn.Module or an iterable of (name, tensor) pairs; "
+                raise TypeError(f"{who}: expected an nn.Module or an iterable of (name, tensor) pairs; "
                                 f"got an item of type {type(item).__name__}")
             name, param = item
             if name in named and named[name] is not param:
-                raise ValueError(f"HostStore.{what}: two different parameters are both named {name!r}")
+                raise ValueError(f"{who}: two different parameters are both named {name!r}")
             named[name] = param
         missing = [name for name in self.names if name not in named]
         if missing:
-            raise KeyError(f"HostStore.{what}: the model has no parameter named {missing[:5]} (of {len(missing)})")
+            tied = {} if module is None else dict(module.named_parameters(remove_duplicate=False))
+            if all(name in tied for name in missing):  # named_parameters() names a tied tensor once
+                first = {id(p): n for n, p in named.items()}
+                ties = ", ".join(f"{name!r} (tied to {first.get(id(tied[name]), '?')!r})" for name in missing[:5])
+                raise ValueError(f"{who}: the model ties parameters the store holds apart: {ties}; the store "
+                                 "holds those of the model it was made from (tie or untie them alike)")
+            raise KeyError(f"{who}: the model has no parameter named {missing[:5]} (of {len(missing)})")
         held = {id(named[name]) for name in self.names}  # a tied parameter may come under its other names too
         unheld = [name for name, param in named.items() if param.requires_grad and id(param) not in held]
         if unheld:
-            raise ValueError(f"HostStore.{what}: the model has trainable parameters the store does not hold: "
+            raise ValueError(f"{who}: the model has trainable parameters the store does not hold: "
                              f"{unheld[:5]} (of {len(unheld)}); the store holds those of the model it was made from")
         for entry in self.layout:
             param = named[entry.name]
             if param.shape != entry.shape:
-                raise ValueError(f"HostStore.{what}: parameter {entry.name!r} has shape "
+                raise ValueError(f"{who}: parameter {entry.name!r} has shape "
                                  f"{tuple(param.shape)}; the store holds {tuple(entry.shape)}")
-            if param.is_meta or not param.is_floating_point():
-                kind = "a meta tensor (no storage)" if param.is_meta else f"{param.dtype}, not floating point"
-                raise ValueError(f"HostStore.{what}: parameter {entry.name!r} is {kind}")
+            if param.is_meta or not param.is_floating_point() or param.layout != torch.strided:
+                kind = ("a meta tensor (no storage)" if param.is_meta else f"{param.dtype}, not floating point"
+                        if not param.is_floating_point() else f"{param.layout}, not a dense (strided) tensor")
+                raise ValueError(f"{who}: parameter {entry.name!r} is {kind}")
+            if what == "copy_to" and param.is_inference() and not torch.is_inference_mode_enabled():
+                raise ValueError(f"{who}: parameter {entry.name!r} is an inference tensor (made under "
+                                 "torch.inference_mode), which cannot be written in place outside it; copy into "
+                                 "a model made outside inference mode")
+            if what == "copy_to" and overlaps_itself(param):  # copy_ raised after the parameters before it
+                raise ValueError(f"{who}: parameter {entry.name!r} is an expanded view (a stride 0: its elements "
+                                 "share memory), which cannot be written in place; make it a whole tensor "
+                                 "(p.data = p.data.clone())")
+        if what == "copy_to":  # two views of one tensor were written twice, the last write winning
+            check_no_partial_overlap([(name, named[name]) for name in self.names], who)
         return named
 
     @torch.no_grad()
     def load_from(self, model_or_named_parameters) -> None:
         """Copy the model's parameters (by name) into the fp32 master weights (and the shadow)."""
-        named = self._named(model_or_named_parameters, "load_from")
+        self._load_from(model_or_named_parameters, "load_from")
+
+    @torch.no_grad()
+    def _load_from(self, model_or_named_parameters, what: str | None) -> None:
+        named = self._named(model_or_named_parameters, what)
         for name, view in self.views(self.param).items():
             view.copy_(named[name].detach())
         self.refresh_shadow()

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from . import _C
+from .store import overlaps_itself
 from .streamer import GradientStreamer
 
 __all__ = ["Worker", "WorkerError", "deferred_interrupt", "parse_devices", "split_batch", "batch_size", "to_device"]
@@ -355,12 +356,6 @@ def check_weights_unchanged(changed: list[str], where: str) -> None:
 def _shown(names: list[str]) -> str:
     """The first names of a list for an error, and how many more."""
     return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def overlaps_itself(t: torch.Tensor) -> bool:
-    """A view in which elements share memory (an expanded tensor: a stride 0 over a dimension of size > 1): it
-    cannot be written in place."""
-    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
 
 
 def replace_buffer(roots, old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -3290,6 +3290,31 @@ def test_a_trace_whose_write_fails_leaves_the_previous_one(rng, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
 
 
+def test_a_trace_to_a_path_it_cannot_write_names_that_path(rng, tmp_path, monkeypatch):
+    """engine.trace("") said "PosixPath('.') has an empty name"; a missing folder, a folder as the path and a
+    refused write named the temporary file beside the path (".t.tmp.json"), not the path given."""
+    with Engine(make_model(), loss_fn, devices=["cpu"], optimizer=AdamW(**OPT), pin=False) as engine:
+        engine.fit(make_batches(rng, 1, 8))
+        with pytest.raises(ValueError, match="the file name is empty"):
+            engine.trace("")
+        missing = tmp_path / "no" / "t.json"
+        with pytest.raises(FileNotFoundError, match=f"its folder '{tmp_path / 'no'}' does not exist: '{missing}'"):
+            engine.trace(missing)
+        with pytest.raises(IsADirectoryError, match=f"is a folder, not a file: '{tmp_path}'"):
+            engine.trace(tmp_path)
+        real_open = open
+
+        def refused(file, *args, **kwargs):  # a folder this user may not write (root may write anywhere)
+            if str(file).endswith(".t.tmp.json"):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *args, **kwargs)
+        monkeypatch.setattr("builtins.open", refused)
+        with pytest.raises(PermissionError, match=rf"Permission denied \(writing it through \.t\.tmp\.json\): "
+                                                  f"'{tmp_path / 't.json'}'"):
+            engine.trace(tmp_path / "t.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "sync", "async"])
 def test_copy_back_is_measured(rng, mode):
     """copy_back_s: the seconds a worker waited for the updated weights before computing (hybrid, sync: the copy

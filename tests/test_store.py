@@ -3,6 +3,7 @@ lifetime. CUDA twins skip without a GPU."""
 import gc
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,6 +134,26 @@ def _with_extra_head(model):
     return model
 
 
+def _with_sparse_bias(model):
+    model[1].bias = torch.nn.Parameter(torch.zeros(2).to_sparse())
+    return model
+
+
+def _with_tied_weights(model):  # a model of the same names whose second layer's bias is its first's, in part
+    return [(n, p) for n, p in model.named_parameters() if n != "1.bias"] + [("1.bias", model[0].bias[:2])]
+
+
+def _with_expanded_bias(model):
+    model[1].bias = torch.nn.Parameter(torch.zeros(1).expand(2))
+    return model
+
+
+def _with_inference_bias(model):
+    with torch.inference_mode():
+        model[1].bias = torch.nn.Parameter(torch.zeros(2))
+    return model
+
+
 @pytest.mark.parametrize("edit,error,message", [
     (_with_meta_bias, ValueError, r"parameter '1.bias' is a meta tensor \(no storage\)"),
     (_with_extra_head, ValueError, r"the model has trainable parameters the store does not hold: \['2.weight', "
@@ -140,21 +161,58 @@ def _with_extra_head(model):
     (lambda m: [*m.named_parameters(), ("0.weight", torch.nn.Parameter(torch.zeros(5, 3)))], ValueError,
      "two different parameters are both named '0.weight'"),
     (lambda m: [("0.weight", m[0].weight), "0.bias"], TypeError, "an item of type str"),
+    (_with_sparse_bias, ValueError, r"parameter '1.bias' is torch.sparse_coo, not a dense \(strided\) tensor"),
 ])
 @pytest.mark.parametrize("method", ["load_from", "copy_to"])
 def test_load_from_and_copy_to_refuse_a_model_unlike_the_stores_before_writing(edit, error, message, method):
     """A meta parameter failed half way through load_from (some weights written, the shadow stale) and copy_to
     into it did nothing without a word; a trainable parameter the store does not hold was left as it was; a name
-    given twice kept the last tensor."""
+    given twice kept the last tensor; a sparse parameter got torch's dense/sparse copy_ error."""
+    _refuses_before_writing(edit, error, message, method)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_with_tied_weights, r"parameters '[01].bias' and '[01].bias' overlap in memory .* written twice"),
+    (_with_expanded_bias, r"parameter '1.bias' is an expanded view"),
+    (_with_inference_bias, r"parameter '1.bias' is an inference tensor"),
+])
+def test_copy_to_refuses_targets_it_cannot_write_each_apart_before_writing(edit, message):
+    """copy_to into two views of one tensor wrote their shared elements twice, the last write winning, without a
+    word; into an expanded view or an inference tensor it raised torch's error after the parameters before it were
+    written."""
+    _refuses_before_writing(edit, ValueError, message, "copy_to")
+
+
+@pytest.mark.parametrize("method", ["load_from", "copy_to"])
+def test_a_model_that_ties_what_the_store_holds_apart_is_refused_by_name(method):
+    """Into (or from) a model that ties two parameters the store holds apart it said the model had no parameter of
+    that name: named_parameters() names a tied tensor once."""
+    torch.manual_seed(0)
+    store = make(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    before = tied[0].weight.clone()
+    with pytest.raises(ValueError, match=rf"HostStore.{method}: the model ties parameters the store holds apart: "
+                                         r"'1.weight' \(tied to '0.weight'\)"):
+        getattr(store, method)(tied)
+    assert torch.equal(tied[0].weight, before)
+
+
+def _refuses_before_writing(edit, error, message, method):
     store = make(_small_pair(0), shadow_dtype=torch.bfloat16)
     model = _small_pair(1)
     target = edit(model)  # the model itself, edited, or a list of its (name, tensor) pairs and more
+    if isinstance(target, torch.nn.Module):
+        model = target
     before_store = {name: flat.clone() for name, flat in buffers(store).items()}
-    before_model = {name: t.clone() for name, t in model.named_parameters() if not t.is_meta}
+    def dense(t):
+        return not t.is_meta and t.layout == torch.strided
+
+    before_model = {name: t.clone() for name, t in model.named_parameters() if dense(t)}
     with pytest.raises(error, match=f"HostStore.{method}: .*{message}"):
         getattr(store, method)(target)
     assert all(torch.equal(flat, before_store[name]) for name, flat in buffers(store).items())
-    assert all(torch.equal(t, before_model[name]) for name, t in model.named_parameters() if not t.is_meta)
+    assert all(torch.equal(t, before_model[name]) for name, t in model.named_parameters() if dense(t))
 
 
 def test_load_from_and_copy_to_take_a_tied_parameter_under_either_name_and_skip_frozen_ones():
@@ -242,10 +300,10 @@ def test_max_bytes_refusal_names_the_bytes():
     assert make(model, workers=2, max_bytes=needed).nbytes == needed
     with pytest.raises(ValueError, match=rf"needs {needed} bytes.*max_bytes is {needed - 1}"):
         make(model, workers=2, max_bytes=needed - 1)
-    # a million gradient slots: refused at once in a short message (it took seconds and ran to 25 MB, a list of
-    # every slot made first)
-    with pytest.raises(ValueError, match=r"x \[param torch.float32, .*, 1000000 x grad torch.float32\]") as refused:
-        make(model, workers=10**6, max_bytes=needed)
+    # the most gradient slots: refused at once in a short message (a million took seconds and ran to 25 MB, a
+    # list of every slot made first)
+    with pytest.raises(ValueError, match=r"x \[param torch.float32, .*, 65536 x grad torch.float32\]") as refused:
+        make(model, workers=65536, max_bytes=needed)
     assert len(str(refused.value)) < 500
     for bad in ("1000", 1e9, -1, True):
         with pytest.raises(ValueError, match=rf"max_bytes must be None or an int >= 0 \(bytes\); got {bad!r}"):
@@ -313,6 +371,14 @@ def test_argument_errors():
         make(model, grad_dtype=torch.float64)
     with pytest.raises(ValueError, match="workers must be an int"):
         make(model, workers=True)
+    with pytest.raises(ValueError, match=r"workers must be an int in \[1, 65536\]; got 1099511627776"):
+        pyengine.HostStore([("w", torch.nn.Parameter(torch.empty(0)))], workers=2**40, pin=False)  # was killed
+    assert make(model, workers=np.int64(3), max_bytes=np.int64(1 << 20)).workers == 3  # numpy's ints, as elsewhere
+    with pytest.raises(ValueError, match=r"HostStore: parameter 'w' must be a dense \(strided\) tensor; got "
+                                         "torch.sparse_coo"):
+        pyengine.HostStore([("w", torch.nn.Parameter(torch.randn(3, 3).to_sparse()))], pin=False)
+    with pytest.raises(ValueError, match=r"^HostStore: parameter '1.bias' is a meta tensor"):  # not "load_from"
+        make(_with_meta_bias(_small_pair(0)))
     with pytest.raises(ValueError, match="both named 'w'"):
         pyengine.HostStore([("w", torch.nn.Parameter(torch.zeros(2))), ("w", torch.nn.Parameter(torch.zeros(3)))],
                            pin=False)
