@@ -248,13 +248,17 @@ def format_plan(rows: list[PlanRow], servers: int | None = None) -> str:
     header = f"{'algorithm':<16}{'steps':>7}{'node sends':>12}{'busiest link':>14}{'exchange ms':>13}" \
              f"{'step ms':>11}{'efficiency':>12}"
     lines = [header, "-" * len(header)]
-    for r in rows:
+    def ms(seconds: float, width: int) -> str:  # 1e-300 Gbit links gave 300 digits
+        value = seconds * 1e3
+        return f"{value:>{width}.1f}" if value < 1e9 else f"{value:>{width}.3g}"
+
+    for r in rows:  # a space before every column: values past their width (1e10 nodes) ran into the next one
         c = r.cost
-        lines.append(f"{_label(c.algorithm, c.nodes, servers):<16}{c.steps:>7}{format_bytes(c.node_bytes):>12}"
-                     f"{format_bytes(c.link_bytes):>14}{c.time_s * 1e3:>13.1f}{r.step_s * 1e3:>11.1f}"
-                     f"{r.efficiency:>11.1%} ")
+        lines.append(f"{_label(c.algorithm, c.nodes, servers):<16} {c.steps:>6} {format_bytes(c.node_bytes):>11} "
+                     f"{format_bytes(c.link_bytes):>13} {ms(c.time_s, 12)} {ms(r.step_s, 10)} "
+                     f"{r.efficiency:>10.1%} ")
     win = best(rows)
-    lines.append(f"fastest: {_label(win.cost.algorithm, win.cost.nodes, servers)} ({win.step_s * 1e3:.1f} ms per "
+    lines.append(f"fastest: {_label(win.cost.algorithm, win.cost.nodes, servers)} ({ms(win.step_s, 0)} ms per "
                  f"step, scaling efficiency {win.efficiency:.1%})")
     return "\n".join(lines)
 

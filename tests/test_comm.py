@@ -126,6 +126,22 @@ def test_fit_recovers_alpha_and_bandwidth_from_model_timings():
             comm.fit_network(same)
 
 
+@pytest.mark.parametrize("nodes,bandwidth", [("10000000000", "25Gbit"), ("4", "1e-200Gbit")])
+def test_a_plan_of_extreme_figures_keeps_its_columns_apart(nodes, bandwidth, capsys):
+    """Values past a column's width ran into the next column ("5.20 GB104000000000.00 GB3328..."), and a link of
+    1e-200 Gbit printed times of 200 digits: every column now starts after a space, and times past 1e9 ms are
+    printed in three significant digits."""
+    import re
+
+    assert main(["plan", "--nodes", nodes, "--params", "1.3e9", "--bandwidth", bandwidth, "--compute-ms",
+                 "300"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"(ps|tree|butterfly|ring)\b", line)]
+    assert len(rows) == 5
+    for row in rows:
+        assert not re.search(r"B\d|\d\.\d+\d{2,}\.", row) and len(row) < 130, row
+        assert len(re.findall(r" \d+\.\d+ [kMGT]?B", row)) == 2, row  # node sends, busiest link: each its own
+
+
 def test_plan_command_prints_the_table_and_draws_the_plot(tmp_path, capsys):
     png = tmp_path / "eff.png"
     assert main(["plan", "--nodes", "64", "--params", "1.3e9", "--grad-dtype", "bf16", "--bandwidth", "25Gbit",
