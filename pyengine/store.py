@@ -198,6 +198,22 @@ def huge_page_bytes(address: int) -> int:
     return 0
 
 
+def _whole(value) -> int | None:
+    """``value`` as an int when it is one (numpy's too, as the other indices take them; not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _whole_range(lo, hi, numel: int) -> tuple[int, int] | None:
+    """``(lo, hi)`` as ints with ``0 <= lo <= hi <= numel``, else None."""
+    lo, hi = _whole(lo), _whole(hi)
+    return (lo, hi) if lo is not None and hi is not None and 0 <= lo <= hi <= numel else None
+
+
 def _check_state_ranges(state_ranges, numel: int) -> tuple[tuple[int, int], ...]:
     """``state_ranges`` as a tuple of (lo, hi); ValueError unless 0 <= lo <= hi <= numel, increasing, disjoint."""
     try:
@@ -207,9 +223,9 @@ def _check_state_ranges(state_ranges, numel: int) -> tuple[tuple[int, int], ...]
                          f"{type(state_ranges).__name__}") from None
     previous = 0
     for i, r in enumerate(ranges):
-        if len(r) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r):
+        if len(r) != 2 or any(_whole(v) is None for v in r):
             raise ValueError(f"HostStore: state_ranges[{i}] must be a pair of ints (lo, hi); got {r!r}")
-        lo, hi = r
+        lo, hi = r = ranges[i] = (_whole(r[0]), _whole(r[1]))
         if not 0 <= lo <= hi <= numel:
             raise ValueError(f"HostStore: state_ranges[{i}] = {r} must satisfy 0 <= lo <= hi <= numel = {numel}")
         if lo < previous:
@@ -346,9 +362,11 @@ class HostStore:
         """The slice of the Adam state buffers (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) that holds flat
         elements ``[lo, hi)``: ``store.exp_avg[store.state_slice(lo, hi)]``. With full state it is ``slice(lo, hi)``;
         with ``state_ranges`` the range must lie inside one of them (IndexError otherwise)."""
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= self.numel):
+        checked = _whole_range(lo, hi, self.numel)
+        if checked is None:
             raise IndexError(f"HostStore.state_slice: expected ints 0 <= lo <= hi <= {self.numel}; got ({lo!r}, "
                              f"{hi!r})")
+        lo, hi = checked
         if self.state_ranges is None:
             return slice(lo, hi)
         i = bisect.bisect_right(self._range_lo, lo) - 1
@@ -521,9 +539,11 @@ class HostStore:
         to show for it but the loss: the tests pull after each such write and compare the replicas with the master
         weights rounded. No-op without a shadow."""
         hi = self.numel if hi is None else hi
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= self.numel):
+        checked = _whole_range(lo, hi, self.numel)
+        if checked is None:
             raise IndexError(f"HostStore.refresh_shadow: expected ints 0 <= lo <= hi <= {self.numel}; got ({lo!r}, "
                              f"{hi!r})")  # checked without a shadow too: a caller's bad range shows on every store
+        lo, hi = checked
         if self.shadow is None:
             return
         self.shadow[lo:hi].copy_(self.param[lo:hi])

@@ -664,6 +664,20 @@ def test_state_ranges_empty_and_budget():
         make(model, workers=2, state_ranges=ranges, max_bytes=needed - 1)
 
 
+def test_state_ranges_state_slice_and_refresh_shadow_take_numpys_ints():
+    """grad_slot, wait and copy_back took numpy's ints; state_ranges, state_slice and refresh_shadow said "must be
+    a pair of ints" / "expected ints" of np.int64 (a range computed with numpy, say)."""
+    model = OddNet(sizes=[7, 9])
+    store = make(model, shadow_dtype=torch.bfloat16, state_ranges=[(np.int64(0), np.int64(8)), (16, np.int32(20))])
+    assert store.state_ranges == ((0, 8), (16, 20)) and all(type(v) is int for r in store.state_ranges for v in r)
+    assert store.state_slice(np.int64(16), np.int64(18)) == slice(8, 10)
+    store.param[3:5].fill_(2.0)
+    store.refresh_shadow(np.int64(3), np.int64(5))
+    assert store.shadow[3:5].eq(2.0).all() and store.shadow[5] != 2.0
+    with pytest.raises(IndexError, match="expected ints"):
+        store.state_slice(np.float64(1.0), 3)
+
+
 @pytest.mark.parametrize("ranges,message", [
     (5, "sequence of \\(lo, hi\\) pairs; got int"),
     ([(0, 3, 5)], r"state_ranges\[0\] must be a pair of ints"),
