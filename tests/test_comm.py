@@ -194,7 +194,7 @@ def test_plan_plot_into_a_new_folder_or_onto_a_folder(tmp_path, capsys):
     folder.mkdir()
     assert main([*base, "--plot", str(folder)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"pyengine plan: error: cannot write the --plot file {folder}: Is a directory"], err
+    assert err == [f"pyengine plan: error: cannot write the --plot file {folder}: is a folder, not a file"], err
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main([*base, "--plot", str(blocker / "eff.png")]) == 2
